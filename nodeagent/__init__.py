@@ -1,0 +1,3 @@
+"""nodepulse node agent."""
+
+__version__ = "0.1.0"
