@@ -1,0 +1,412 @@
+"""The container runtime interface. Nothing above nodeagent/runtime/ knows which
+implementation (cri, process, fake) it talks to; it sees only what is defined here.
+
+Identity lives in labels: every sandbox and container carries the pod uid, pod name and
+namespace, and containers their container name, so a restarted agent can find and adopt
+what an earlier agent started (see `LABEL_*`). Attempts and restart counts travel in the
+records too, so a relist alone tells the whole story.
+
+Contracts shared by all implementations:
+- Every call is a coroutine; an implementation that blocks (gRPC, subprocess) runs the
+  blocking part in a thread so the event loop never stalls.
+- `stop_*` and `remove_*` are idempotent: stopping something already stopped, or
+  stopping/removing an id that no longer exists, succeeds (the goal state holds).
+- Calls that need an existing object (`start_container`, `create_container` into a
+  sandbox, `pod_status` never does) raise `NotFound` when the id is unknown.
+- A failed call raises a `ContainerRuntimeError` subclass; anything else is a bug.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import enum
+import hashlib
+import json
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+# Labels that identify our objects in the runtime (same keys the kubelet uses, so tools
+# like crictl show them sensibly).
+LABEL_POD_UID = "io.kubernetes.pod.uid"
+LABEL_POD_NAME = "io.kubernetes.pod.name"
+LABEL_POD_NAMESPACE = "io.kubernetes.pod.namespace"
+LABEL_CONTAINER_NAME = "io.kubernetes.container.name"
+LABEL_MANAGED = "nodepulse.dev/managed"
+# Annotations carrying bookkeeping a restarted agent needs back.
+ANNOTATION_RESTART_COUNT = "io.kubernetes.container.restartCount"
+ANNOTATION_SPEC_HASH = "io.kubernetes.container.hash"
+ANNOTATION_TERMINATION_GRACE = "io.kubernetes.pod.terminationGracePeriod"
+ANNOTATION_INIT = "nodepulse.dev/init-container"
+
+DEFAULT_CONTAINERD_SOCKET = "/run/containerd/containerd.sock"
+
+
+# --- errors -------------------------------------------------------------------------
+
+class ContainerRuntimeError(RuntimeError):
+    """A runtime call failed. Message names the call and the object."""
+
+
+class NotFound(ContainerRuntimeError):
+    """The sandbox, container or image id is not known to the runtime (never existed or
+    already removed)."""
+
+
+class ImageNotPresent(ContainerRuntimeError):
+    """The image is not in the runtime's image store, and we never pull."""
+
+
+class RuntimeTimeout(ContainerRuntimeError, TimeoutError):
+    """The runtime did not answer within the call's deadline."""
+
+
+class Unavailable(ContainerRuntimeError):
+    """The runtime cannot be reached at all (socket missing, connection refused)."""
+
+
+# --- records ------------------------------------------------------------------------
+
+class ContainerState(enum.StrEnum):
+    CREATED = "CREATED"
+    RUNNING = "RUNNING"
+    EXITED = "EXITED"
+    UNKNOWN = "UNKNOWN"
+
+
+class SandboxState(enum.StrEnum):
+    READY = "READY"
+    NOTREADY = "NOTREADY"
+
+
+@dataclass(frozen=True)
+class PortMapping:
+    container_port: int
+    host_port: int = 0
+    protocol: str = "TCP"
+    host_ip: str = ""
+
+
+@dataclass(frozen=True)
+class Resources:
+    """Requests and limits from the pod spec; None where the spec sets none."""
+    cpu_request_millis: int | None = None
+    cpu_limit_millis: int | None = None
+    memory_request_bytes: int | None = None
+    memory_limit_bytes: int | None = None
+
+
+@dataclass
+class SandboxConfig:
+    """What a pod needs from the runtime before any container runs."""
+    name: str
+    namespace: str
+    uid: str
+    attempt: int = 0
+    host_network: bool = False
+    hostname: str = ""
+    labels: dict[str, str] = field(default_factory=dict)
+    annotations: dict[str, str] = field(default_factory=dict)
+    port_mappings: list[PortMapping] = field(default_factory=list)
+    log_directory: str = ""
+    termination_grace_seconds: int = 30
+
+    @classmethod
+    def from_pod(cls, pod: Mapping[str, Any], attempt: int = 0,
+                 log_root: str = "") -> SandboxConfig:
+        meta = pod.get("metadata") or {}
+        spec = pod.get("spec") or {}
+        name, namespace, uid = _pod_identity(pod)
+        host_network = bool(spec.get("hostNetwork", False))
+        ports = [
+            PortMapping(container_port=int(p["containerPort"]),
+                        host_port=int(p.get("hostPort") or 0),
+                        protocol=str(p.get("protocol") or "TCP"),
+                        host_ip=str(p.get("hostIP") or ""))
+            for c in spec.get("containers") or []
+            for p in c.get("ports") or []
+            if p.get("hostPort")
+        ]
+        labels = {str(k): str(v) for k, v in (meta.get("labels") or {}).items()}
+        labels.update({LABEL_POD_UID: uid, LABEL_POD_NAME: name,
+                       LABEL_POD_NAMESPACE: namespace, LABEL_MANAGED: "true"})
+        grace = spec.get("terminationGracePeriodSeconds")
+        annotations = {str(k): str(v) for k, v in (meta.get("annotations") or {}).items()}
+        return cls(
+            name=name, namespace=namespace, uid=uid, attempt=attempt,
+            host_network=host_network,
+            # containerd refuses a hostname without a private UTS namespace
+            hostname="" if host_network else str(spec.get("hostname") or name),
+            labels=labels, annotations=annotations, port_mappings=ports,
+            log_directory=f"{log_root}/{namespace}_{name}_{uid}" if log_root else "",
+            termination_grace_seconds=30 if grace is None else int(grace),
+        )
+
+
+@dataclass
+class ContainerConfig:
+    """One container of a pod spec, resolved to what the runtime needs."""
+    name: str
+    image: str
+    pod_uid: str
+    pod_name: str = ""
+    pod_namespace: str = ""
+    command: list[str] = field(default_factory=list)
+    args: list[str] = field(default_factory=list)
+    env: list[tuple[str, str]] = field(default_factory=list)
+    working_dir: str = ""
+    attempt: int = 0
+    restart_count: int = 0
+    init: bool = False
+    resources: Resources = field(default_factory=Resources)
+    spec_hash: str = ""
+    log_path: str = ""  # relative to the sandbox's log_directory
+    labels: dict[str, str] = field(default_factory=dict)
+    annotations: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_pod(cls, pod: Mapping[str, Any], container: Mapping[str, Any], *,
+                 attempt: int = 0, restart_count: int = 0, init: bool = False,
+                 field_values: Mapping[str, str] | None = None) -> ContainerConfig:
+        """`field_values` resolves env `valueFrom.fieldRef` paths (e.g. "spec.nodeName",
+        "status.podIP"); metadata.name/namespace/uid are filled from the pod itself."""
+        name, namespace, uid = _pod_identity(pod)
+        cname = container.get("name")
+        if not cname:
+            raise ValueError(f"pod {namespace}/{name}: a container has no name")
+        image = container.get("image")
+        if not image:
+            raise ValueError(f"pod {namespace}/{name}: container {cname}: image is empty")
+        fields = {"metadata.name": name, "metadata.namespace": namespace,
+                  "metadata.uid": uid, **(field_values or {})}
+        env: list[tuple[str, str]] = []
+        for e in container.get("env") or []:
+            if "value" in e or "valueFrom" not in e:
+                env.append((str(e["name"]), str(e.get("value") or "")))
+                continue
+            ref = (e.get("valueFrom") or {}).get("fieldRef") or {}
+            env.append((str(e["name"]), str(fields.get(ref.get("fieldPath", ""), ""))))
+        labels = {LABEL_POD_UID: uid, LABEL_POD_NAME: name, LABEL_POD_NAMESPACE: namespace,
+                  LABEL_CONTAINER_NAME: str(cname), LABEL_MANAGED: "true"}
+        h = container_spec_hash(container)
+        annotations = {ANNOTATION_RESTART_COUNT: str(restart_count), ANNOTATION_SPEC_HASH: h}
+        if init:
+            annotations[ANNOTATION_INIT] = "true"
+        return cls(
+            name=str(cname), image=str(image), pod_uid=uid, pod_name=name,
+            pod_namespace=namespace,
+            command=[str(x) for x in container.get("command") or []],
+            args=[str(x) for x in container.get("args") or []],
+            env=env, working_dir=str(container.get("workingDir") or ""),
+            attempt=attempt, restart_count=restart_count, init=init,
+            resources=resources_of(container, where=f"pod {namespace}/{name} "
+                                                    f"container {cname}"),
+            spec_hash=h, log_path=f"{cname}/{attempt}.log",
+            labels=labels, annotations=annotations,
+        )
+
+
+@dataclass
+class Sandbox:
+    id: str
+    pod_uid: str
+    name: str
+    namespace: str
+    attempt: int
+    state: SandboxState
+    created_at: dt.datetime | None = None
+    ip: str = ""
+    host_network: bool = False
+    labels: dict[str, str] = field(default_factory=dict)
+    annotations: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Container:
+    id: str
+    sandbox_id: str
+    pod_uid: str
+    name: str
+    image: str
+    state: ContainerState
+    attempt: int = 0
+    restart_count: int = 0
+    exit_code: int | None = None
+    reason: str = ""
+    message: str = ""
+    created_at: dt.datetime | None = None
+    started_at: dt.datetime | None = None
+    finished_at: dt.datetime | None = None
+    image_id: str = ""
+    spec_hash: str = ""
+    init: bool = False
+    labels: dict[str, str] = field(default_factory=dict)
+    annotations: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class RelistResult:
+    """Everything the runtime holds that we manage, from one call."""
+    sandboxes: list[Sandbox]
+    containers: list[Container]
+
+
+@dataclass
+class PodRuntimeStatus:
+    """One pod as the runtime sees it: all its sandboxes (newest first) and all its
+    containers (every attempt still present)."""
+    uid: str
+    sandboxes: list[Sandbox] = field(default_factory=list)
+    containers: list[Container] = field(default_factory=list)
+
+    @property
+    def ip(self) -> str:
+        for s in self.sandboxes:
+            if s.state == SandboxState.READY and s.ip:
+                return s.ip
+        return ""
+
+
+@dataclass(frozen=True)
+class ImageInfo:
+    id: str
+    names: list[str]
+    size_bytes: int
+
+
+@dataclass(frozen=True)
+class RuntimeVersion:
+    runtime_name: str
+    runtime_version: str
+    api_version: str
+
+
+# --- the interface ------------------------------------------------------------------
+
+class Runtime(ABC):
+    """A container runtime. `scheme` prefixes container ids in the API
+    (`containerd://...`, `process://...`, `fake://...`)."""
+
+    scheme: str = "unknown"
+
+    @abstractmethod
+    async def version(self) -> RuntimeVersion:
+        """Name and version of the runtime; also a cheap liveness probe."""
+
+    @abstractmethod
+    async def relist(self) -> RelistResult:
+        """All sandboxes and containers labelled as ours (LABEL_POD_UID present), in a
+        constant number of runtime calls whatever the pod count. This is the PLEG relist."""
+
+    @abstractmethod
+    async def pod_status(self, pod_uid: str) -> PodRuntimeStatus:
+        """Detailed state of one pod's sandboxes and containers (exit codes, reasons,
+        timestamps). An unknown uid gives an empty status, not NotFound."""
+
+    @abstractmethod
+    async def run_sandbox(self, config: SandboxConfig) -> str:
+        """Create and start a pod sandbox; returns its id. Not idempotent: each call
+        makes a new sandbox (callers check the relist first)."""
+
+    @abstractmethod
+    async def stop_sandbox(self, sandbox_id: str) -> None:
+        """Stop the sandbox and every container in it. Idempotent; unknown id is fine."""
+
+    @abstractmethod
+    async def remove_sandbox(self, sandbox_id: str) -> None:
+        """Remove the sandbox and its containers (stopping them first if needed).
+        Idempotent; unknown id is fine."""
+
+    @abstractmethod
+    async def create_container(self, sandbox_id: str, config: ContainerConfig,
+                               sandbox_config: SandboxConfig) -> str:
+        """Create (not start) a container in a sandbox; returns its id. NotFound when
+        the sandbox is unknown, ImageNotPresent when the image is missing."""
+
+    @abstractmethod
+    async def start_container(self, container_id: str) -> None:
+        """Start a created container. NotFound when unknown. A container that has
+        exited cannot be started again: a restart is a new container with attempt+1."""
+
+    @abstractmethod
+    async def stop_container(self, container_id: str, timeout: float) -> None:
+        """Ask the container to stop (SIGTERM), kill it after `timeout` seconds.
+        Idempotent; unknown id or already exited is fine."""
+
+    @abstractmethod
+    async def remove_container(self, container_id: str) -> None:
+        """Remove a container (killing it if still running). Idempotent."""
+
+    @abstractmethod
+    async def image_present(self, ref: str) -> bool:
+        """Whether the image is in the local store. Never pulls."""
+
+    @abstractmethod
+    async def list_images(self) -> list[ImageInfo]:
+        """Images in the local store, for NodeStatus.images."""
+
+    async def close(self) -> None:  # noqa: B027 (optional hook, nothing to do by default)
+        """Release connections; the runtime's objects keep running."""
+
+
+# --- helpers shared by implementations and the layers above -------------------------
+
+def _pod_identity(pod: Mapping[str, Any]) -> tuple[str, str, str]:
+    meta = pod.get("metadata") or {}
+    name = meta.get("name")
+    uid = meta.get("uid")
+    namespace = meta.get("namespace") or "default"
+    if not name:
+        raise ValueError("pod: metadata.name is empty")
+    if not uid:
+        raise ValueError(f"pod {namespace}/{name}: metadata.uid is empty")
+    return str(name), str(namespace), str(uid)
+
+
+def container_spec_hash(container: Mapping[str, Any]) -> str:
+    """Stable hash of a container spec; a change means the container must be replaced."""
+    blob = json.dumps(container, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+_QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)([a-zA-Z]*)$")
+_SUFFIX = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15,
+           "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "m": 1e-3}
+
+
+def parse_quantity(value: object, where: str = "quantity") -> float:
+    """A Kubernetes resource quantity ("100m", "1.5", "128Mi") as a plain number."""
+    if isinstance(value, (int, float)):
+        return float(value)
+    m = _QUANTITY.match(str(value).strip())
+    if not m or m.group(2) not in _SUFFIX:
+        raise ValueError(f"{where}: {value!r} is not a resource quantity")
+    return float(m.group(1)) * _SUFFIX[m.group(2)]
+
+
+def resources_of(container: Mapping[str, Any], where: str = "container") -> Resources:
+    res = container.get("resources") or {}
+    req = res.get("requests") or {}
+    lim = res.get("limits") or {}
+
+    def cpu(d: Mapping[str, Any], kind: str) -> int | None:
+        return None if "cpu" not in d else round(
+            parse_quantity(d["cpu"], f"{where}: resources.{kind}.cpu") * 1000)
+
+    def mem(d: Mapping[str, Any], kind: str) -> int | None:
+        return None if "memory" not in d else int(
+            parse_quantity(d["memory"], f"{where}: resources.{kind}.memory"))
+
+    return Resources(cpu_request_millis=cpu(req, "requests"), cpu_limit_millis=cpu(lim, "limits"),
+                     memory_request_bytes=mem(req, "requests"),
+                     memory_limit_bytes=mem(lim, "limits"))
+
+
+def int_or(value: object, default: int = 0) -> int:
+    """Parse an int from a label/annotation; labels are user-visible and may be junk."""
+    try:
+        return int(str(value))
+    except (TypeError, ValueError):
+        return default

@@ -1,0 +1,210 @@
+"""An in-memory runtime: deterministic, driven by a Clock, with knobs for faults.
+
+Used by unit tests (with FakeClock) and scale runs (virtual nodes, bench/). Containers
+"run" until a test (or `stop_container`) ends them; nothing executes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+from collections import Counter
+from collections.abc import Iterable
+
+from nodeagent.api.clock import Clock, RealClock
+from nodeagent.runtime.base import (
+    LABEL_POD_UID,
+    Container,
+    ContainerConfig,
+    ContainerState,
+    ImageInfo,
+    ImageNotPresent,
+    NotFound,
+    PodRuntimeStatus,
+    RelistResult,
+    Runtime,
+    RuntimeVersion,
+    Sandbox,
+    SandboxConfig,
+    SandboxState,
+)
+
+
+class FakeRuntime(Runtime):
+    scheme = "fake"
+
+    def __init__(self, clock: Clock | None = None, *, images: Iterable[str] | None = None,
+                 host_ip: str = "192.0.2.10", image_size: int = 5_000_000) -> None:
+        """`images`: refs present in the store; None means every image is present."""
+        self.clock = clock or RealClock()
+        self.images: set[str] | None = None if images is None else set(images)
+        self.image_size = image_size
+        self.host_ip = host_ip
+        self.sandboxes: dict[str, Sandbox] = {}
+        self.containers: dict[str, Container] = {}
+        self.calls: Counter[str] = Counter()
+        # faults and behaviours a test can set
+        self.hang_pod_status: set[str] = set()   # pod uids whose pod_status never returns
+        self.fail: dict[str, BaseException] = {}  # method name -> raise once
+        self.ignore_sigterm: set[str] = set()    # container names that run to the kill
+        self.exit_on_start: dict[str, int] = {}  # container name -> exits at once, code
+        self._ids = itertools.count(1)
+        self._ips = itertools.count(2)
+
+    # --- test helpers --------------------------------------------------------------
+
+    def exit_container(self, container_id: str, code: int = 0, reason: str = "") -> None:
+        """The container's process ends by itself (crash or completion)."""
+        c = self.containers[container_id]
+        if c.state != ContainerState.RUNNING:
+            raise ValueError(f"fake: container {container_id} is {c.state}, not RUNNING")
+        self._finish(c, code, reason or ("Completed" if code == 0 else "Error"))
+
+    def running(self, pod_uid: str | None = None) -> list[Container]:
+        return [c for c in self.containers.values() if c.state == ContainerState.RUNNING
+                and (pod_uid is None or c.pod_uid == pod_uid)]
+
+    def find(self, pod_uid: str, name: str) -> list[Container]:
+        """All attempts of one container, oldest first."""
+        return sorted((c for c in self.containers.values()
+                       if c.pod_uid == pod_uid and c.name == name), key=lambda c: c.attempt)
+
+    # --- internals -----------------------------------------------------------------
+
+    def _call(self, name: str) -> None:
+        self.calls[name] += 1
+        exc = self.fail.pop(name, None)
+        if exc is not None:
+            raise exc
+
+    def _new_id(self, prefix: str) -> str:
+        return f"{prefix}{next(self._ids):08x}"
+
+    def _finish(self, c: Container, code: int, reason: str) -> None:
+        c.state = ContainerState.EXITED
+        c.exit_code = code
+        c.reason = reason
+        c.finished_at = self.clock.now()
+
+    def _present(self, ref: str) -> bool:
+        return self.images is None or ref in self.images
+
+    # --- Runtime -------------------------------------------------------------------
+
+    async def version(self) -> RuntimeVersion:
+        self._call("version")
+        return RuntimeVersion("fake", "0.1.0", "v1")
+
+    async def relist(self) -> RelistResult:
+        self._call("relist")
+        return RelistResult(
+            sandboxes=[dataclasses.replace(s) for s in self.sandboxes.values()],
+            containers=[dataclasses.replace(c) for c in self.containers.values()])
+
+    async def pod_status(self, pod_uid: str) -> PodRuntimeStatus:
+        self._call("pod_status")
+        if pod_uid in self.hang_pod_status:
+            await asyncio.get_running_loop().create_future()  # never resolves
+        sandboxes = sorted((dataclasses.replace(s) for s in self.sandboxes.values()
+                            if s.pod_uid == pod_uid),
+                           key=lambda s: (s.attempt, s.id), reverse=True)
+        containers = [dataclasses.replace(c) for c in self.containers.values()
+                      if c.pod_uid == pod_uid]
+        return PodRuntimeStatus(uid=pod_uid, sandboxes=sandboxes, containers=containers)
+
+    async def run_sandbox(self, config: SandboxConfig) -> str:
+        self._call("run_sandbox")
+        sid = self._new_id("sb")
+        n = next(self._ips)
+        ip = self.host_ip if config.host_network else f"10.88.{n // 250}.{n % 250 + 2}"
+        self.sandboxes[sid] = Sandbox(
+            id=sid, pod_uid=config.uid, name=config.name, namespace=config.namespace,
+            attempt=config.attempt, state=SandboxState.READY, created_at=self.clock.now(),
+            ip=ip, host_network=config.host_network,
+            labels={**config.labels, LABEL_POD_UID: config.uid},
+            annotations=dict(config.annotations))
+        return sid
+
+    async def stop_sandbox(self, sandbox_id: str) -> None:
+        self._call("stop_sandbox")
+        sb = self.sandboxes.get(sandbox_id)
+        if sb is None:
+            return
+        for c in list(self.containers.values()):
+            if c.sandbox_id == sandbox_id and c.state == ContainerState.RUNNING:
+                self._finish(c, 137, "Killed")
+        sb.state = SandboxState.NOTREADY
+
+    async def remove_sandbox(self, sandbox_id: str) -> None:
+        self._call("remove_sandbox")
+        if sandbox_id not in self.sandboxes:
+            return
+        for cid, c in list(self.containers.items()):
+            if c.sandbox_id == sandbox_id:
+                del self.containers[cid]
+        del self.sandboxes[sandbox_id]
+
+    async def create_container(self, sandbox_id: str, config: ContainerConfig,
+                               sandbox_config: SandboxConfig) -> str:
+        self._call("create_container")
+        sb = self.sandboxes.get(sandbox_id)
+        if sb is None:
+            raise NotFound(f"create_container {config.name}: sandbox {sandbox_id} not found")
+        if sb.state != SandboxState.READY:
+            raise NotFound(f"create_container {config.name}: sandbox {sandbox_id} is not ready")
+        if not self._present(config.image):
+            raise ImageNotPresent(f"create_container {config.name}: image {config.image} "
+                                  "is not present")
+        cid = self._new_id("c")
+        self.containers[cid] = Container(
+            id=cid, sandbox_id=sandbox_id, pod_uid=sb.pod_uid, name=config.name,
+            image=config.image, state=ContainerState.CREATED, attempt=config.attempt,
+            restart_count=config.restart_count, created_at=self.clock.now(),
+            image_id=f"sha256:{abs(hash(config.image)):064x}"[:71],
+            spec_hash=config.spec_hash, init=config.init,
+            labels=dict(config.labels), annotations=dict(config.annotations))
+        return cid
+
+    async def start_container(self, container_id: str) -> None:
+        self._call("start_container")
+        c = self.containers.get(container_id)
+        if c is None:
+            raise NotFound(f"start_container: container {container_id} not found")
+        if c.state != ContainerState.CREATED:
+            raise NotFound(f"start_container: container {container_id} is {c.state}")
+        c.state = ContainerState.RUNNING
+        c.started_at = self.clock.now()
+        if c.name in self.exit_on_start:
+            code = self.exit_on_start[c.name]
+            self._finish(c, code, "Completed" if code == 0 else "Error")
+
+    async def stop_container(self, container_id: str, timeout: float) -> None:
+        self._call("stop_container")
+        c = self.containers.get(container_id)
+        if c is None or c.state == ContainerState.EXITED:
+            return
+        if c.state == ContainerState.CREATED:
+            self._finish(c, 0, "Stopped")
+            return
+        if c.name in self.ignore_sigterm:
+            await self.clock.sleep(timeout)
+            if c.state == ContainerState.RUNNING:
+                self._finish(c, 137, "Killed")
+            return
+        self._finish(c, 143, "Stopped")
+
+    async def remove_container(self, container_id: str) -> None:
+        self._call("remove_container")
+        self.containers.pop(container_id, None)
+
+    async def image_present(self, ref: str) -> bool:
+        self._call("image_present")
+        return self._present(ref)
+
+    async def list_images(self) -> list[ImageInfo]:
+        self._call("list_images")
+        refs = self.images if self.images is not None else {c.image for c in
+                                                            self.containers.values()}
+        return [ImageInfo(id=f"sha256:{i:064x}", names=[r], size_bytes=self.image_size)
+                for i, r in enumerate(sorted(refs))]
