@@ -1,0 +1,301 @@
+"""A private containerd for e2e tests: Debian's containerd + runc, with its own
+root, state, sockets and CNI config under one temp folder, so nothing touches
+/var/lib/containerd or a system containerd.
+
+    from e2e.cluster.containerd import start_containerd
+    ctd = start_containerd()            # returns when CRI answers; images imported
+    ctd.endpoint                         # "unix:///tmp/np-ctd-.../containerd.sock"
+    ...
+    ctd.stop()                           # sandboxes, shims, containerd, bridge, files
+
+Config keys follow /work/shared/notes/containerd-cri.md (measured here):
+restrict_oom_score_adj is required (root lacks CAP_SYS_RESOURCE), apparmor off,
+netns mounts under the state dir, cgroupfs driver.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from e2e.cluster import images
+from nodeagent.runtime.cri.gen import api_pb2 as pb
+from nodeagent.runtime.cri.gen import api_pb2_grpc as pb_grpc
+
+CNI_BIN_DIR = Path("/usr/lib/cni")
+
+CONFIG = """\
+version = 2
+root = "{root}"
+state = "{state}"
+plugin_dir = ""
+
+[grpc]
+  address = "{sock}"
+
+[ttrpc]
+  address = "{ttrpc}"
+
+[debug]
+  level = "info"
+
+[plugins."io.containerd.internal.v1.opt"]
+  path = "{base}/opt"
+
+[plugins."io.containerd.grpc.v1.cri"]
+  sandbox_image = "{sandbox_image}"
+  restrict_oom_score_adj = true
+  disable_apparmor = true
+  netns_mounts_under_state_dir = true
+  stream_server_address = "127.0.0.1"
+  stream_server_port = "0"
+  enable_selinux = false
+
+  [plugins."io.containerd.grpc.v1.cri".cni]
+    bin_dir = "{cni_bin}"
+    conf_dir = "{cni_conf}"
+
+  [plugins."io.containerd.grpc.v1.cri".containerd]
+    snapshotter = "overlayfs"
+    default_runtime_name = "runc"
+
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+
+      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
+        Root = "{runc_root}"
+        SystemdCgroup = false
+"""
+
+
+def _cni_conflist(bridge: str, subnet: str, data_dir: Path) -> dict:
+    return {
+        "cniVersion": "0.4.0",
+        "name": "nodepulse",
+        "plugins": [
+            {
+                "type": "bridge",
+                "bridge": bridge,
+                "isGateway": True,
+                "ipMasq": True,
+                "hairpinMode": True,
+                "ipam": {
+                    "type": "host-local",
+                    "dataDir": str(data_dir),
+                    "ranges": [[{"subnet": subnet}]],
+                    "routes": [{"dst": "0.0.0.0/0"}],
+                },
+            },
+            {"type": "portmap", "capabilities": {"portMappings": True}},
+        ],
+    }
+
+
+@dataclass
+class Containerd:
+    """A running private containerd. Stop it with stop(); it is idempotent."""
+
+    base: Path
+    proc: subprocess.Popen[bytes] | None
+    bridge: str
+    images: dict[str, str] = field(default_factory=dict)  # role -> image name
+    keep_files: bool = False
+
+    @property
+    def socket(self) -> Path:
+        return self.base / "containerd.sock"
+
+    @property
+    def endpoint(self) -> str:
+        """What --container-runtime-endpoint takes."""
+        return f"unix://{self.socket}"
+
+    @property
+    def log_path(self) -> Path:
+        return self.base / "containerd.log"
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def channel(self) -> grpc.Channel:
+        return grpc.insecure_channel(self.endpoint)
+
+    def shim_pids(self) -> list[int]:
+        """PIDs of the shims this containerd started (they name our socket)."""
+        needle = str(self.socket).encode()
+        pids = []
+        for d in Path("/proc").iterdir():
+            if not d.name.isdigit() or int(d.name) == os.getpid():
+                continue
+            try:
+                cmdline = (d / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"containerd-shim" in cmdline and needle in cmdline:
+                pids.append(int(d.name))
+        return pids
+
+    def import_image(self, tar: Path, image: str) -> None:
+        images.import_image(tar, image, address=str(self.socket))
+
+    def remove_all_sandboxes(self, timeout: float = 30.0) -> None:
+        """Stop and remove every sandbox (this stops their containers and shims)."""
+        with self.channel() as ch:
+            rt = pb_grpc.RuntimeServiceStub(ch)
+            for sb in rt.ListPodSandbox(pb.ListPodSandboxRequest(), timeout=timeout).items:
+                with contextlib.suppress(grpc.RpcError):
+                    rt.StopPodSandbox(pb.StopPodSandboxRequest(pod_sandbox_id=sb.id),
+                                      timeout=timeout)
+                with contextlib.suppress(grpc.RpcError):
+                    rt.RemovePodSandbox(pb.RemovePodSandboxRequest(pod_sandbox_id=sb.id),
+                                        timeout=timeout)
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """Teardown in the order that leaves nothing behind: sandboxes first (shims
+        outlive containerd), containerd by PID, stray shims by PID, the bridge link,
+        leftover mounts, then the folder."""
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(grpc.RpcError):
+                self.remove_all_sandboxes()
+            shims = self.shim_pids()
+            _stop_pid(self.proc, timeout)
+            for pid in shims + self.shim_pids():
+                _kill_pid(pid, timeout)
+        self.proc = None
+        subprocess.run(["ip", "link", "delete", self.bridge], capture_output=True, timeout=30)
+        _unmount_under(self.base)
+        if not self.keep_files:
+            shutil.rmtree(self.base, ignore_errors=True)
+
+    def __enter__(self) -> Containerd:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _stop_pid(proc: subprocess.Popen[bytes], timeout: float) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout)
+
+
+def _kill_pid(pid: int, timeout: float) -> None:
+    """SIGTERM a process we did not fork (a shim), SIGKILL after `timeout`."""
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not Path(f"/proc/{pid}").exists() or _is_zombie(pid):
+            return
+        time.sleep(0.05)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rpartition(")")[2].split()[0] == "Z"
+
+
+def _unmount_under(base: Path) -> None:
+    """Detach any mount containerd left under `base` (deepest first)."""
+    prefix = str(base.resolve()) + "/"
+    mounts = []
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/mountinfo").read_text().splitlines():
+            point = line.split()[4].replace("\\040", " ")
+            if point.startswith(prefix):
+                mounts.append(point)
+    libc = ctypes.CDLL(None, use_errno=True)
+    for point in sorted(mounts, key=len, reverse=True):
+        libc.umount2(point.encode(), 2)  # MNT_DETACH
+
+
+def start_containerd(*, cni: bool = True, subnet: str = "10.88.0.0/24",
+                     import_images: bool = True, base_dir: Path | None = None,
+                     keep_files: bool = False, ready_timeout: float = 30.0) -> Containerd:
+    """Start a private containerd and wait until its CRI service answers.
+
+    cni: write a bridge+portmap conflist (pod networking); without it only
+      hostNetwork pods run (NetworkReady=False).
+    import_images: build (cached) and import PAUSE_IMAGE and BUSYBOX_IMAGE.
+    Raises RuntimeError naming the log file if containerd exits or never answers.
+    """
+    for tool in ("containerd", "runc", "ctr", "containerd-shim-runc-v2"):
+        if shutil.which(tool) is None:
+            raise RuntimeError(f"{tool} not found: install the apt packages containerd and runc")
+    # short path: unix socket paths are limited to 107 bytes
+    base = Path(base_dir) if base_dir else Path(tempfile.mkdtemp(prefix="np-ctd-", dir="/tmp"))
+    base.mkdir(parents=True, exist_ok=True)
+    bridge = "np" + secrets.token_hex(4)
+    cni_conf = base / "net.d"
+    cni_conf.mkdir(exist_ok=True)
+    if cni:
+        if not (CNI_BIN_DIR / "bridge").exists():
+            raise RuntimeError(f"{CNI_BIN_DIR}/bridge missing: install containernetworking-plugins")
+        conflist = _cni_conflist(bridge, subnet, base / "cni-ipam")
+        (cni_conf / "10-nodepulse.conflist").write_text(json.dumps(conflist, indent=2))
+    config = base / "config.toml"
+    config.write_text(CONFIG.format(
+        root=base / "root", state=base / "state", sock=base / "containerd.sock",
+        ttrpc=base / "containerd.ttrpc.sock", base=base, sandbox_image=images.PAUSE_IMAGE,
+        cni_bin=CNI_BIN_DIR, cni_conf=cni_conf, runc_root=base / "runc"))
+    log = open(base / "containerd.log", "ab")  # noqa: SIM115 - handed to the child
+    try:
+        proc = subprocess.Popen(["containerd", "--config", str(config)], stdout=log,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+    finally:
+        log.close()
+    ctd = Containerd(base=base, proc=proc, bridge=bridge, keep_files=keep_files)
+    try:
+        _wait_ready(ctd, ready_timeout)
+        if import_images:
+            for name, tar in images.build_all().items():
+                ctd.import_image(tar, name)
+            ctd.images = {"pause": images.PAUSE_IMAGE, "busybox": images.BUSYBOX_IMAGE}
+    except BaseException:
+        ctd.keep_files = True  # keep the log for the failure message
+        ctd.stop()
+        raise
+    return ctd
+
+
+def _wait_ready(ctd: Containerd, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        assert ctd.proc is not None
+        if ctd.proc.poll() is not None:
+            raise RuntimeError(f"containerd exited with {ctd.proc.returncode}; see {ctd.log_path}")
+        if ctd.socket.exists():
+            try:
+                with ctd.channel() as ch:
+                    pb_grpc.RuntimeServiceStub(ch).Version(pb.VersionRequest(), timeout=2)
+                return
+            except grpc.RpcError as e:
+                last = e
+        time.sleep(0.1)
+    raise RuntimeError(f"containerd CRI not ready after {timeout}s ({last}); see {ctd.log_path}")
