@@ -1,0 +1,101 @@
+"""Builds the pinned control-plane programs from their Go modules, once per version.
+
+The pins are the `require` of each gomod/<folder>/go.mod; binaries land in
+~/.cache/nodepulse/bin/<version>/, so a second run builds nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+GOMOD = Path(__file__).parent / "gomod"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("NODEPULSE_CACHE", Path.home() / ".cache" / "nodepulse"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Tool:
+    name: str  # the binary's name
+    gomod: str  # folder under gomod/
+    package: str  # Go package path of its main
+    module: str  # the Go module whose pinned version names the cache folder
+
+    @property
+    def version(self) -> str:
+        return pinned_version(self.gomod, self.module)
+
+    @property
+    def path(self) -> Path:
+        return cache_root() / "bin" / self.version / self.name
+
+
+K8S_TOOLS = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl")
+TOOLS = {t.name: t for t in [
+    Tool("etcd", "etcd", "go.etcd.io/etcd/server/v3", "go.etcd.io/etcd/server/v3"),
+    *(Tool(n, "kubernetes", f"k8s.io/kubernetes/cmd/{n}", "k8s.io/kubernetes") for n in K8S_TOOLS),
+    Tool("helm", "helm", "helm.sh/helm/v3/cmd/helm", "helm.sh/helm/v3"),
+]}
+
+
+def pinned_version(gomod: str, module: str) -> str:
+    text = (GOMOD / gomod / "go.mod").read_text()
+    m = re.search(rf"^(?:require)?\s*{re.escape(module)} (v\S+)", text, re.M)
+    if not m:
+        raise RuntimeError(f"gomod/{gomod}/go.mod: {module} is not required")
+    return m.group(1)
+
+
+def kubernetes_version() -> str:
+    return pinned_version("kubernetes", "k8s.io/kubernetes")
+
+
+def _ldflags(tool: Tool) -> str:
+    flags = "-s -w"
+    if tool.gomod == "kubernetes":
+        # Without these the binaries report v0.0.0, which kubectl's skew check and
+        # the API server's compatibility version both reject or warn about.
+        v = tool.version
+        major, minor = v.lstrip("v").split(".")[:2]
+        pkg = "k8s.io/component-base/version"
+        flags += (f" -X {pkg}.gitVersion={v} -X {pkg}.gitMajor={major}"
+                  f" -X {pkg}.gitMinor={minor} -X {pkg}.gitTreeState=clean")
+    return flags
+
+
+def go_env() -> dict[str, str]:
+    root = cache_root()
+    return {**os.environ,
+            "GOMODCACHE": str(root / "gomod"), "GOCACHE": str(root / "go-build"),
+            "GOFLAGS": "-mod=mod", "GOTOOLCHAIN": "local", "CGO_ENABLED": "0"}
+
+
+def ensure(names: list[str] | None = None, log=print) -> dict[str, Path]:
+    """Paths of the named binaries (all by default), building those not cached yet."""
+    tools = [TOOLS[n] for n in (names or list(TOOLS))]
+    missing = [t for t in tools if not t.path.is_file()]
+    if missing and not shutil.which("go"):
+        raise RuntimeError("the Go toolchain is needed to build "
+                           + ", ".join(t.name for t in missing) + " (`go` not on PATH)")
+    for tool in missing:
+        tool.path.parent.mkdir(parents=True, exist_ok=True)
+        partial = tool.path.with_suffix(".partial")
+        log(f"building {tool.name} {tool.version} (once; cached in {tool.path.parent})")
+        started = time.monotonic()
+        subprocess.run(["go", "build", "-ldflags", _ldflags(tool), "-o", str(partial),
+                        tool.package], cwd=GOMOD / tool.gomod, env=go_env(), check=True)
+        partial.rename(tool.path)  # only a finished build is ever seen as cached
+        log(f"built {tool.name} in {time.monotonic() - started:.0f} s")
+    return {t.name: t.path for t in tools}
+
+
+if __name__ == "__main__":
+    ensure(sys.argv[1:] or None)

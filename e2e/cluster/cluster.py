@@ -1,0 +1,342 @@
+"""A real Kubernetes control plane on loopback, or an existing cluster's kubeconfig."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import os
+import signal
+import socket
+import ssl
+import subprocess
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import yaml
+from kubernetes import client
+
+from e2e.cluster import build, pki
+from nodeagent.api.client import new_api_client
+
+SERVICE_CIDR = "10.96.0.0/16"
+SERVICE_IP = "10.96.0.1"
+# The operator takes the node lifecycle controller's role (conditions, taints), so the
+# controller manager must not fight it. Taint-based eviction stays on: it is a
+# separate controller and carries out the operator's NoExecute taints.
+CONTROLLERS = "*,-node-lifecycle-controller"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def write_kubeconfig(path: Path, server: str, ca: Path, cert: Path | bytes,
+                     key: Path | bytes, user: str) -> Path:
+    def b64(x: Path | bytes) -> str:
+        return base64.b64encode(x.read_bytes() if isinstance(x, Path) else x).decode()
+
+    cfg = {"apiVersion": "v1", "kind": "Config", "current-context": user,
+           "clusters": [{"name": "nodepulse", "cluster": {
+               "server": server, "certificate-authority-data": b64(ca)}}],
+           "users": [{"name": user, "user": {"client-certificate-data": b64(cert),
+                                             "client-key-data": b64(key)}}],
+           "contexts": [{"name": user, "context": {"cluster": "nodepulse", "user": user}}]}
+    path.write_text(yaml.safe_dump(cfg))
+    path.chmod(0o600)
+    return path
+
+
+class Cluster:
+    """A cluster reached through an admin kubeconfig. What tests rely on is here;
+    LocalCluster adds the control over processes that only a local cluster allows."""
+
+    def __init__(self, kubeconfig: Path, workdir: Path) -> None:
+        self.kubeconfig = kubeconfig
+        self.workdir = workdir
+        self.log_dir = workdir / "logs"
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def server(self) -> str:
+        cfg = yaml.safe_load(self.kubeconfig.read_text())
+        ctx = next(c for c in cfg["contexts"] if c["name"] == cfg["current-context"])
+        return str(next(c for c in cfg["clusters"]
+                        if c["name"] == ctx["context"]["cluster"])["cluster"]["server"])
+
+    def api_client(self) -> client.ApiClient:
+        return new_api_client(self.kubeconfig, component="e2e")
+
+    def binary(self, name: str) -> Path:
+        return build.ensure([name], log=lambda _: None)[name]
+
+    def apiserver_metrics(self) -> str:
+        with self.api_client() as api:
+            resp = api.call_api("/metrics", "GET", auth_settings=["BearerToken"],
+                                _preload_content=False, _return_http_data_only=True)
+            return str(resp.data.decode())
+
+    def etcd_metrics(self) -> str:
+        raise RuntimeError(f"etcd metrics are not reachable for the cluster behind "
+                           f"{self.kubeconfig} (only the local control plane exposes them)")
+
+    def node_kubeconfig(self, name: str) -> Path:
+        """Credentials of the node `name` (CN system:node:<name>, O system:nodes), got
+        from the cluster's kubelet client signer through a CertificateSigningRequest."""
+        path = self.workdir / f"node-{name}.kubeconfig"
+        if path.exists():
+            return path
+        csr, key = pki.csr_pem(f"system:node:{name}", ("system:nodes",))
+        certs = client.CertificatesV1Api(self.api_client())
+        csr_name = f"nodepulse-e2e-{name}-{int(time.time())}"
+        certs.create_certificate_signing_request(client.V1CertificateSigningRequest(
+            metadata=client.V1ObjectMeta(name=csr_name),
+            spec=client.V1CertificateSigningRequestSpec(
+                request=base64.b64encode(csr).decode(),
+                signer_name="kubernetes.io/kube-apiserver-client-kubelet",
+                usages=["digital signature", "client auth"])))
+        body = certs.read_certificate_signing_request(csr_name)
+        body.status.conditions = [client.V1CertificateSigningRequestCondition(
+            type="Approved", status="True", reason="NodepulseE2E", message="e2e node identity")]
+        certs.replace_certificate_signing_request_approval(csr_name, body)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            cert = certs.read_certificate_signing_request(csr_name).status.certificate
+            if cert:
+                ca = self.workdir / "cluster-ca.crt"
+                cfg = yaml.safe_load(self.kubeconfig.read_text())
+                ca.write_bytes(base64.b64decode(cfg["clusters"][0]["cluster"]
+                                                ["certificate-authority-data"]))
+                return write_kubeconfig(path, self.server, ca, base64.b64decode(cert), key,
+                                        f"system:node:{name}")
+            time.sleep(0.5)
+        raise TimeoutError(f"CertificateSigningRequest {csr_name} was approved but not "
+                           "signed within 60 s (is the cluster's signer running?)")
+
+    def restart_apiserver(self) -> None:
+        raise RuntimeError("restarting the API server needs the local control plane")
+
+    def component_logs(self) -> dict[str, Path]:
+        return {p.stem: p for p in sorted(self.log_dir.glob("*.log"))}
+
+
+class LocalCluster(Cluster):
+    """etcd, kube-apiserver, kube-scheduler and kube-controller-manager on loopback,
+    with their own PKI and state under `workdir`."""
+
+    ORDER = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler")
+
+    def __init__(self, workdir: Path | None = None) -> None:
+        workdir = workdir or Path(tempfile.mkdtemp(prefix="nodepulse-cluster-"))
+        super().__init__(workdir / "admin.kubeconfig", workdir)
+        self.pki_dir = workdir / "pki"
+        self.state_file = workdir / "state.json"
+        self.pids: dict[str, int] = {}
+        self.ports: dict[str, int] = {}
+        self._args: dict[str, list[str]] = {}
+        if self.state_file.exists():  # a cluster started by an earlier process
+            state = json.loads(self.state_file.read_text())
+            self.pids, self.ports, self._args = state["pids"], state["ports"], state["args"]
+
+    # ---- lifecycle
+    def up(self, log=print) -> LocalCluster:
+        bins = build.ensure(list(self.ORDER), log=log)
+        started = time.monotonic()
+        self.ports = {"etcd": free_port(), "etcd-peer": free_port(),
+                      "kube-apiserver": free_port()}
+        self._pki()
+        self._start("etcd", self._etcd_args(bins["etcd"]))
+        self._wait(f"http://127.0.0.1:{self.ports['etcd']}/health", "etcd")
+        self._start("kube-apiserver", self._apiserver_args(bins["kube-apiserver"]))
+        self._wait(f"{self.server}/readyz", "kube-apiserver")
+        for name in ("kube-controller-manager", "kube-scheduler"):
+            self._start(name, [str(bins[name]),
+                               f"--kubeconfig={self.workdir / (name + '.kubeconfig')}",
+                               "--leader-elect=false", "--secure-port=0", "-v=1",
+                               *self._extra_args(name)])
+        self._wait_for_service_account()
+        log(f"control plane up in {time.monotonic() - started:.1f} s: {self.server}")
+        return self
+
+    def down(self) -> None:
+        for name in reversed(self.ORDER):
+            self._stop(name)
+        self.state_file.unlink(missing_ok=True)
+
+    def remove(self) -> None:
+        """Stop everything and delete the state folder."""
+        self.down()
+        subprocess.run(["rm", "-rf", str(self.workdir)], check=False)
+
+    def restart_apiserver(self) -> None:
+        self._stop("kube-apiserver")
+        self._start("kube-apiserver", self._args["kube-apiserver"])
+        self._wait(f"{self.server}/readyz", "kube-apiserver")
+
+    def etcd_metrics(self) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.ports['etcd']}/metrics",
+                                    timeout=10) as r:
+            return str(r.read().decode())
+
+    def node_kubeconfig(self, name: str) -> Path:
+        path = self.workdir / f"node-{name}.kubeconfig"
+        if not path.exists():
+            crt, key = self._ca().issue(f"node-{name}", f"system:node:{name}", ("system:nodes",))
+            write_kubeconfig(path, self.server, self._ca().cert_path, crt, key,
+                             f"system:node:{name}")
+        return path
+
+    @property
+    def server(self) -> str:
+        return f"https://127.0.0.1:{self.ports['kube-apiserver']}"
+
+    # ---- pieces
+    def _ca(self) -> pki.CertificateAuthority:
+        return pki.CertificateAuthority(self.pki_dir)
+
+    def _pki(self) -> None:
+        ca = self._ca()
+        ca.issue("apiserver", "kube-apiserver", server_names=(
+            "127.0.0.1", "localhost", SERVICE_IP, "kubernetes", "kubernetes.default",
+            "kubernetes.default.svc", "kubernetes.default.svc.cluster.local"))
+        pki.service_account_keys(self.pki_dir)
+        for stem, cn, orgs in [("admin", "nodepulse-admin", ("system:masters",)),
+                               ("kube-controller-manager", "system:kube-controller-manager", ()),
+                               ("kube-scheduler", "system:kube-scheduler", ())]:
+            crt, key = ca.issue(stem, cn, orgs)
+            write_kubeconfig(self.workdir / f"{stem}.kubeconfig", self.server, ca.cert_path,
+                             crt, key, cn)
+
+    def _etcd_args(self, binary: Path) -> list[str]:
+        client_url = f"http://127.0.0.1:{self.ports['etcd']}"
+        peer_url = f"http://127.0.0.1:{self.ports['etcd-peer']}"
+        return [str(binary), "--name=default", f"--data-dir={self.workdir / 'etcd'}",
+                f"--listen-client-urls={client_url}", f"--advertise-client-urls={client_url}",
+                f"--listen-peer-urls={peer_url}", f"--initial-advertise-peer-urls={peer_url}",
+                f"--initial-cluster=default={peer_url}", "--log-level=warn",
+                # a throwaway test store: fsync buys nothing and costs seconds per test
+                "--unsafe-no-fsync"]
+
+    def _apiserver_args(self, binary: Path) -> list[str]:
+        p = self.pki_dir
+        return [str(binary),
+                f"--etcd-servers=http://127.0.0.1:{self.ports['etcd']}",
+                "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1",
+                f"--secure-port={self.ports['kube-apiserver']}",
+                f"--cert-dir={self.workdir / 'apiserver-certs'}",
+                f"--tls-cert-file={p / 'apiserver.crt'}",
+                f"--tls-private-key-file={p / 'apiserver.key'}",
+                f"--client-ca-file={p / 'ca.crt'}",
+                f"--service-account-key-file={p / 'sa.pub'}",
+                f"--service-account-signing-key-file={p / 'sa.key'}",
+                "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+                f"--service-cluster-ip-range={SERVICE_CIDR}",
+                "--authorization-mode=Node,RBAC",
+                "--enable-admission-plugins=NodeRestriction",
+                "--allow-privileged=true", "--profiling=false", "-v=1",
+                # The API server listens on loopback only, and Endpoints may not hold a
+                # loopback address; nothing here reaches it through the Service IP.
+                "--endpoint-reconciler-type=none"]
+
+    def _extra_args(self, name: str) -> list[str]:
+        if name != "kube-controller-manager":
+            return []
+        p = self.pki_dir
+        return [f"--controllers={CONTROLLERS}",
+                f"--service-account-private-key-file={p / 'sa.key'}",
+                f"--root-ca-file={p / 'ca.crt'}",
+                f"--cluster-signing-cert-file={p / 'ca.crt'}",
+                f"--cluster-signing-key-file={p / 'ca.key'}",
+                "--use-service-account-credentials=true"]
+
+    # ---- processes
+    def _start(self, name: str, args: list[str]) -> None:
+        self._args[name] = args
+        with open(self.log_dir / f"{name}.log", "ab") as log:
+            proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
+        self.pids[name] = proc.pid
+        self._save()
+
+    def _save(self) -> None:
+        self.state_file.write_text(json.dumps(
+            {"pids": self.pids, "ports": self.ports, "args": self._args}, indent=1))
+
+    def _stop(self, name: str) -> None:
+        pid = self.pids.pop(name, None)
+        if pid is None:
+            return
+        binary = self._args[name][0]
+        if _process_runs(pid, binary):
+            os.kill(pid, signal.SIGTERM)
+            if not _wait_gone(pid, binary, 15):
+                os.kill(pid, signal.SIGKILL)
+                _wait_gone(pid, binary, 5)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)  # reap it when it is our own child
+        self._save()
+
+    def _wait(self, url: str, name: str, timeout: float = 60) -> None:
+        ctx = ssl.create_default_context(cafile=str(self.pki_dir / "ca.crt"))
+        ctx.load_cert_chain(self.pki_dir / "admin.crt", self.pki_dir / "admin.key")
+        deadline = time.monotonic() + timeout
+        last = ""
+        while time.monotonic() < deadline:
+            if not _process_runs(self.pids[name], self._args[name][0]):
+                raise RuntimeError(f"{name} exited while starting; see "
+                                   f"{self.log_dir / (name + '.log')}:\n{self._tail(name)}")
+            try:
+                with urllib.request.urlopen(url, timeout=5,
+                                            context=ctx if url.startswith("https") else None) as r:
+                    if r.status == 200:
+                        return
+            except OSError as e:
+                last = str(e)
+            time.sleep(0.2)
+        raise TimeoutError(f"{name} not ready at {url} within {timeout:.0f} s ({last}):\n"
+                           f"{self._tail(name)}")
+
+    def _wait_for_service_account(self, timeout: float = 60) -> None:
+        """The controller manager works once it has made the default ServiceAccount,
+        which pods need before they can be created."""
+        core = client.CoreV1Api(self.api_client())
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                core.read_namespaced_service_account("default", "default")
+                return
+            except client.ApiException as e:
+                if e.status != 404:
+                    raise
+            time.sleep(0.2)
+        raise TimeoutError("kube-controller-manager made no default ServiceAccount in "
+                           f"{timeout:.0f} s:\n{self._tail('kube-controller-manager')}")
+
+    def _tail(self, name: str, lines: int = 30) -> str:
+        path = self.log_dir / f"{name}.log"
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+
+
+def _process_runs(pid: int, binary: str) -> bool:
+    """True while `pid` is alive and still runs `binary` (a reused PID is not ours)."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return cmdline == binary and stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _wait_gone(pid: int, binary: str, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
+        if not _process_runs(pid, binary):
+            return True
+        time.sleep(0.05)
+    return False

@@ -1,0 +1,49 @@
+"""The e2e suite's control plane: the local one (built and started once per session),
+or an existing cluster when NODEPULSE_E2E_KUBECONFIG names its admin kubeconfig."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Generator, Iterator
+from pathlib import Path
+
+import pytest
+
+from e2e.cluster import Cluster, LocalCluster
+
+_clusters: list[Cluster] = []
+
+
+@pytest.fixture(scope="session")
+def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    external = os.environ.get("NODEPULSE_E2E_KUBECONFIG")
+    if external:
+        c = Cluster(Path(external), Path(tempfile.mkdtemp(prefix="nodepulse-e2e-")))
+        _clusters.append(c)
+        yield c
+        return
+    local = LocalCluster()
+    _clusters.append(local)
+    try:
+        local.up()
+        yield local
+    finally:
+        local.down()  # every process, by PID
+        if request.session.testsfailed:
+            print(f"\ncontrol plane state and logs kept in {local.workdir}")
+        else:
+            local.remove()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]
+                              ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """A failing e2e test shows the end of each control-plane component's log."""
+    report = yield
+    if report.failed and _clusters:
+        for name, path in _clusters[-1].component_logs().items():
+            if path.exists():
+                tail = path.read_text(errors="replace").splitlines()[-40:]
+                report.sections.append((f"{name} log (last 40 lines)", "\n".join(tail)))
+    return report

@@ -1,0 +1,77 @@
+"""The control plane is real: objects round-trip through etcd, and node identities
+are held to their own objects by the Node authorizer and NodeRestriction."""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+
+import pytest
+from kubernetes import client
+
+from e2e.cluster import Cluster
+from nodeagent.api.client import new_api_client
+
+
+def test_namespace_and_configmap_round_trip(cluster: Cluster) -> None:
+    core = client.CoreV1Api(cluster.api_client())
+    ns = f"e2e-{uuid.uuid4().hex[:8]}"
+    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=ns)))
+    try:
+        core.create_namespaced_config_map(ns, client.V1ConfigMap(
+            metadata=client.V1ObjectMeta(name="greeting"), data={"hello": "world"}))
+        assert core.read_namespaced_config_map("greeting", ns).data == {"hello": "world"}
+        assert ns in [n.metadata.name for n in core.list_namespace().items]
+    finally:
+        core.delete_namespace(ns)
+
+
+def _lease(name: str) -> client.V1Lease:
+    now = dt.datetime.now(dt.UTC)
+    return client.V1Lease(
+        metadata=client.V1ObjectMeta(name=name, namespace="kube-node-lease"),
+        spec=client.V1LeaseSpec(holder_identity=name, lease_duration_seconds=40,
+                                renew_time=now, acquire_time=now))
+
+
+def _node(name: str) -> client.V1Node:
+    return client.V1Node(metadata=client.V1ObjectMeta(name=name))
+
+
+def test_a_node_may_renew_only_its_own_lease_and_node(cluster: Cluster) -> None:
+    suffix = uuid.uuid4().hex[:6]
+    a, b = f"node-a-{suffix}", f"node-b-{suffix}"
+    as_a = new_api_client(cluster.node_kubeconfig(a))
+    as_b = new_api_client(cluster.node_kubeconfig(b))
+
+    # each node registers itself and creates its own Lease
+    for api, name in ((as_a, a), (as_b, b)):
+        client.CoreV1Api(api).create_node(_node(name))
+        client.CoordinationV1Api(api).create_namespaced_lease("kube-node-lease", _lease(name))
+
+    leases_a = client.CoordinationV1Api(as_a)
+    lease = leases_a.read_namespaced_lease(a, "kube-node-lease")
+    lease.spec.renew_time = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=1)
+    renewed = leases_a.replace_namespaced_lease(a, "kube-node-lease", lease)
+    assert renewed.metadata.resource_version != lease.metadata.resource_version
+
+    with pytest.raises(client.ApiException) as refused:
+        leases_a.read_namespaced_lease(b, "kube-node-lease")
+    assert refused.value.status == 403
+    other = client.CoordinationV1Api(cluster.api_client()).read_namespaced_lease(
+        b, "kube-node-lease")
+    other.spec.holder_identity = a
+    with pytest.raises(client.ApiException) as refused:
+        leases_a.replace_namespaced_lease(b, "kube-node-lease", other)
+    assert refused.value.status == 403
+
+    with pytest.raises(client.ApiException) as refused:
+        client.CoreV1Api(as_a).patch_node(b, {"metadata": {"labels": {"stolen-by": a}}})
+    assert refused.value.status == 403
+    assert "stolen-by" not in (client.CoreV1Api(cluster.api_client()).read_node(b)
+                               .metadata.labels or {})
+
+    # a node cannot read Secrets it has no pod for
+    with pytest.raises(client.ApiException) as refused:
+        client.CoreV1Api(as_a).list_namespaced_secret("default")
+    assert refused.value.status == 403

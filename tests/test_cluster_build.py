@@ -1,0 +1,46 @@
+"""The binary cache: pinned versions come from the go.mod files, and a cached binary
+is never rebuilt."""
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from e2e.cluster import build
+
+
+def test_versions_come_from_the_go_modules() -> None:
+    assert build.kubernetes_version().startswith("v1.")
+    assert build.TOOLS["kube-apiserver"].version == build.kubernetes_version()
+    assert build.TOOLS["etcd"].version.startswith("v3.")
+    assert build.TOOLS["helm"].version.startswith("v3.")
+
+
+def test_cached_binaries_are_not_rebuilt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NODEPULSE_CACHE", str(tmp_path))
+    for tool in build.TOOLS.values():
+        tool.path.parent.mkdir(parents=True, exist_ok=True)
+        tool.path.write_text("cached")
+
+    def no_build(*args: object, **kwargs: object) -> None:
+        raise AssertionError(f"a cached binary was rebuilt: {args}")
+
+    monkeypatch.setattr(subprocess, "run", no_build)
+    paths = build.ensure()
+    assert paths["kube-apiserver"] == tmp_path / "bin" / build.kubernetes_version() / "kube-apiserver"
+
+
+def test_a_missing_binary_is_built_under_its_version(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NODEPULSE_CACHE", str(tmp_path))
+    calls: list[list[str]] = []
+
+    def fake_go(cmd: list[str], **kwargs: object) -> None:
+        calls.append(cmd)
+        Path(cmd[cmd.index("-o") + 1]).write_text("built")
+
+    monkeypatch.setattr(subprocess, "run", fake_go)
+    path = build.ensure(["kubectl"], log=lambda _: None)["kubectl"]
+    assert path.read_text() == "built"
+    assert calls[0][-1] == "k8s.io/kubernetes/cmd/kubectl"
+    assert f"gitVersion={build.kubernetes_version()}" in calls[0][calls[0].index("-ldflags") + 1]
