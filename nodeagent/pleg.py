@@ -1,0 +1,383 @@
+"""PLEG, generic relist: one runtime list per period turned into pod lifecycle events.
+
+Each period: one `runtime.relist()` call, a diff against the previous records, and for
+the pods that changed only, a `pod_status` inspection to refresh the pod cache, then
+that pod's events. Inspections run as background tasks, bounded and each with a
+timeout, so a pod whose inspection hangs delays only its own events: the relist keeps
+its period and the other pods' events keep flowing (the kubelet's "PLEG is not
+healthy" failure, where one slow pod stalled every pod, cannot happen here).
+
+Workers read pod state from the `PodCache`, never from the runtime; they wait with
+`get_newer_than` until the cache reflects the runtime after their last sync.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import math
+from collections.abc import Awaitable, Iterable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+
+from nodeagent.api.clock import Clock
+from nodeagent.runtime.base import (
+    ContainerState,
+    PodRuntimeStatus,
+    RelistResult,
+    Runtime,
+    SandboxState,
+)
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+async def clock_timeout(clock: Clock, aw: Awaitable[T], seconds: float, what: str) -> T:
+    """Await `aw` for at most `seconds` on `clock` (asyncio.wait_for measures real time,
+    which a FakeClock cannot move). Raises TimeoutError(what) and cancels `aw`."""
+    task = asyncio.ensure_future(aw)
+    timer = asyncio.ensure_future(clock.sleep(seconds))
+    try:
+        await asyncio.wait({task, timer}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        timer.cancel()
+        task.cancel()
+        raise
+    timer.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        raise TimeoutError(what)
+    return task.result()
+
+
+class EventType(enum.StrEnum):
+    CONTAINER_STARTED = "ContainerStarted"
+    CONTAINER_DIED = "ContainerDied"
+    CONTAINER_REMOVED = "ContainerRemoved"
+    CONTAINER_CHANGED = "ContainerChanged"
+
+
+@dataclass(frozen=True, slots=True)
+class PodLifecycleEvent:
+    pod_uid: str
+    type: EventType
+    container_id: str  # a container or sandbox id
+
+
+# A record's state as the diff sees it; sandboxes map READY->RUNNING, NOTREADY->EXITED.
+_NONEXISTENT = "NONEXISTENT"
+
+
+def _events_for(uid: str, cid: str, old: str, new: str) -> list[PodLifecycleEvent]:
+    if old == new:
+        return []
+    if new == ContainerState.RUNNING:
+        return [PodLifecycleEvent(uid, EventType.CONTAINER_STARTED, cid)]
+    if new == ContainerState.EXITED:
+        return [PodLifecycleEvent(uid, EventType.CONTAINER_DIED, cid)]
+    if new == _NONEXISTENT:
+        if old == ContainerState.EXITED:
+            return [PodLifecycleEvent(uid, EventType.CONTAINER_REMOVED, cid)]
+        return [PodLifecycleEvent(uid, EventType.CONTAINER_DIED, cid),
+                PodLifecycleEvent(uid, EventType.CONTAINER_REMOVED, cid)]
+    return [PodLifecycleEvent(uid, EventType.CONTAINER_CHANGED, cid)]
+
+
+def records_of(result: RelistResult) -> dict[str, dict[str, str]]:
+    """pod uid -> {container or sandbox id -> state} from one relist."""
+    out: dict[str, dict[str, str]] = {}
+    for s in result.sandboxes:
+        out.setdefault(s.pod_uid, {})[s.id] = (
+            ContainerState.RUNNING if s.state == SandboxState.READY else ContainerState.EXITED)
+    for c in result.containers:
+        out.setdefault(c.pod_uid, {})[c.id] = c.state
+    return out
+
+
+def diff(old: dict[str, dict[str, str]],
+         new: dict[str, dict[str, str]]) -> dict[str, list[PodLifecycleEvent]]:
+    """Events per pod uid for every record whose state differs between two relists."""
+    events: dict[str, list[PodLifecycleEvent]] = {}
+    for uid in old.keys() | new.keys():
+        o = old.get(uid, {})
+        n = new.get(uid, {})
+        if o == n:
+            continue
+        evs: list[PodLifecycleEvent] = []
+        for cid in sorted(o.keys() | n.keys()):
+            evs += _events_for(uid, cid, o.get(cid, _NONEXISTENT), n.get(cid, _NONEXISTENT))
+        if evs:
+            events[uid] = evs
+    return events
+
+
+# --- the pod cache ------------------------------------------------------------------
+
+@dataclass
+class CacheEntry:
+    status: PodRuntimeStatus
+    error: BaseException | None
+    modified: float  # monotonic time the runtime state was read (taken before the call)
+
+
+class PodCache:
+    """Latest known runtime state per pod. `get_newer_than(uid, t)` returns once the
+    cache holds state read at or after `t`: either the pod's own entry is that fresh, or
+    a relist at or after `t` found the pod unchanged (and it has no inspection pending)."""
+
+    def __init__(self) -> None:
+        self._entries: dict[str, CacheEntry] = {}
+        self._pending: set[str] = set()  # uids whose inspection is in flight
+        self.timestamp = -math.inf       # start time of the last relist fully applied
+        self._changed = asyncio.Condition()
+
+    def get(self, uid: str) -> CacheEntry:
+        return self._entries.get(uid) or CacheEntry(PodRuntimeStatus(uid), None, -math.inf)
+
+    def _fresh(self, uid: str, t: float) -> bool:
+        e = self._entries.get(uid)
+        if e is not None and e.modified >= t:
+            return True
+        return self.timestamp >= t and uid not in self._pending
+
+    async def get_newer_than(self, uid: str, t: float) -> CacheEntry:
+        async with self._changed:
+            await self._changed.wait_for(lambda: self._fresh(uid, t))
+        return self.get(uid)
+
+    def mark_pending(self, uid: str) -> None:
+        self._pending.add(uid)
+
+    async def store(self, uid: str, status: PodRuntimeStatus, error: BaseException | None,
+                  modified: float, *, done: bool = True) -> None:
+        self._entries[uid] = CacheEntry(status, error, modified)
+        if done:
+            self._pending.discard(uid)
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def update_time(self, t: float) -> None:
+        self.timestamp = max(self.timestamp, t)
+        async with self._changed:
+            self._changed.notify_all()
+
+    def delete(self, uid: str) -> None:
+        self._entries.pop(uid, None)
+        self._pending.discard(uid)
+
+    def uids(self) -> set[str]:
+        return set(self._entries)
+
+
+# --- metrics ------------------------------------------------------------------------
+
+@dataclass
+class PlegMetrics:
+    relist_duration: Histogram
+    relist_interval: Histogram
+    last_seen: Gauge
+    events: Counter
+    discarded: Counter
+    inspect_failures: Counter
+    healthy: Gauge
+
+
+_METRICS: dict[int, PlegMetrics] = {}
+
+
+def pleg_metrics(registry: CollectorRegistry) -> PlegMetrics:
+    """One set of metric families per registry, labelled by node, so several PLEGs
+    (virtual nodes, tests) can share a process."""
+    m = _METRICS.get(id(registry))
+    if m is None:
+        buckets = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+        m = PlegMetrics(
+            relist_duration=Histogram("nodepulse_pleg_relist_duration_seconds",
+                                      "Time one PLEG relist took (list + diff + dispatch).",
+                                      ["node"], buckets=buckets, registry=registry),
+            relist_interval=Histogram("nodepulse_pleg_relist_interval_seconds",
+                                      "Time between the starts of two PLEG relists.",
+                                      ["node"], buckets=buckets, registry=registry),
+            last_seen=Gauge("nodepulse_pleg_last_seen_seconds",
+                            "Unix time the last PLEG relist completed.", ["node"],
+                            registry=registry),
+            events=Counter("nodepulse_pleg_events_total",
+                           "Pod lifecycle events generated by PLEG.", ["node", "type"],
+                           registry=registry),
+            discarded=Counter("nodepulse_pleg_discarded_events_total",
+                              "Events dropped because the event channel was full.",
+                              ["node"], registry=registry),
+            inspect_failures=Counter("nodepulse_pleg_inspect_failures_total",
+                                     "Pod inspections that failed or timed out.",
+                                     ["node", "reason"], registry=registry),
+            healthy=Gauge("nodepulse_pleg_healthy",
+                          "1 when a relist completed within the health threshold.",
+                          ["node"], registry=registry),
+        )
+        _METRICS[id(registry)] = m
+    return m
+
+
+# --- the PLEG -----------------------------------------------------------------------
+
+class Pleg:
+    def __init__(self, runtime: Runtime, clock: Clock, *, node: str = "",
+                 relist_period: float = 1.0, relist_timeout: float = 30.0,
+                 inspect_timeout: float = 10.0, inspect_concurrency: int = 8,
+                 health_threshold: float = 180.0, channel_capacity: int = 1000,
+                 cache: PodCache | None = None,
+                 registry: CollectorRegistry = REGISTRY) -> None:
+        self.runtime = runtime
+        self.clock = clock
+        self.node = node
+        self.relist_period = relist_period
+        self.relist_timeout = relist_timeout
+        self.inspect_timeout = inspect_timeout
+        self.health_threshold = health_threshold
+        self.cache = cache or PodCache()
+        self.events: asyncio.Queue[PodLifecycleEvent] = asyncio.Queue(channel_capacity)
+        self.last_result: RelistResult | None = None  # for housekeeping and adoption
+        self.relists = 0
+        self._records: dict[str, dict[str, str]] = {}
+        self._sem = asyncio.Semaphore(inspect_concurrency)
+        self._inspecting: dict[str, asyncio.Task[None]] = {}
+        self._again: dict[str, tuple[float, list[PodLifecycleEvent]]] = {}
+        self._reinspect: set[str] = set()  # failed inspections: retry next relist
+        self._started = clock.monotonic()
+        self._last_relist_done: float | None = None
+        self._last_relist_start: float | None = None
+        m = pleg_metrics(registry)
+        self._m_duration = m.relist_duration.labels(node=node)
+        self._m_interval = m.relist_interval.labels(node=node)
+        self._m_last_seen = m.last_seen.labels(node=node)
+        self._m_events = m.events
+        self._m_discarded = m.discarded.labels(node=node)
+        self._m_inspect_fail = m.inspect_failures
+        m.healthy.labels(node=node).set_function(lambda: 0.0 if self.health() else 1.0)
+        self._task: asyncio.Task[None] | None = None
+
+    # --- health ---------------------------------------------------------------------
+
+    def health(self) -> str | None:
+        """None when healthy; usable as a HealthServer check."""
+        since = self._last_relist_done if self._last_relist_done is not None else self._started
+        idle = self.clock.monotonic() - since
+        if idle > self.health_threshold:
+            what = "last relist completed" if self._last_relist_done is not None else \
+                "no relist completed since start"
+            return (f"PLEG is not healthy: {what} {idle:.0f}s ago "
+                    f"(threshold {self.health_threshold:.0f}s)")
+        return None
+
+    # --- running --------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self.run(), name=f"pleg-{self.node}")
+
+    async def stop(self) -> None:
+        tasks = [t for t in (self._task, *self._inspecting.values()) if t is not None]
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        self._task = None
+
+    async def run(self) -> None:
+        next_at = self.clock.monotonic()
+        while True:
+            try:
+                await self.relist()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a failed relist is retried next period; health tells
+                log.exception("PLEG relist failed")
+            next_at += self.relist_period
+            now = self.clock.monotonic()
+            if next_at < now:  # fell behind (slow runtime): do not burst to catch up
+                next_at = now
+            await self.clock.sleep(next_at - now)
+
+    async def relist(self) -> None:
+        """One relist: list, diff, inspect changed pods in the background, emit."""
+        start = self.clock.monotonic()
+        if self._last_relist_start is not None:
+            self._m_interval.observe(start - self._last_relist_start)
+        self._last_relist_start = start
+        result = await clock_timeout(
+            self.clock, self.runtime.relist(), self.relist_timeout,
+            f"runtime relist took longer than {self.relist_timeout}s")
+        self.relists += 1
+        records = records_of(result)
+        changed = diff(self._records, records)
+        self._records = records
+        self.last_result = result
+        for uid in self._reinspect - changed.keys():
+            changed[uid] = []
+        self._reinspect.clear()
+        for uid, evs in changed.items():
+            self._inspect(uid, start, evs)
+        await self.cache.update_time(start)
+        self._last_relist_done = self.clock.monotonic()
+        self._m_duration.observe(self._last_relist_done - start)
+        self._m_last_seen.set(self.clock.now().timestamp())
+
+    def _inspect(self, uid: str, t: float, evs: list[PodLifecycleEvent]) -> None:
+        self.cache.mark_pending(uid)
+        if uid in self._inspecting:
+            # one inspection per pod at a time; a later change queues one more pass
+            prev_t, prev_evs = self._again.get(uid, (t, []))
+            self._again[uid] = (max(prev_t, t), prev_evs + evs)
+            return
+        self._inspecting[uid] = asyncio.create_task(self._inspect_pod(uid, t, evs),
+                                                    name=f"pleg-inspect-{uid}")
+
+    async def _inspect_pod(self, uid: str, t: float, evs: list[PodLifecycleEvent]) -> None:
+        try:
+            while True:
+                await self._inspect_once(uid, t, evs)
+                if uid not in self._again:
+                    return
+                t, evs = self._again.pop(uid)
+        finally:
+            self._inspecting.pop(uid, None)
+
+    async def _inspect_once(self, uid: str, t: float, evs: list[PodLifecycleEvent]) -> None:
+        status: PodRuntimeStatus | None = None
+        error: BaseException | None = None
+        async with self._sem:
+            try:
+                status = await clock_timeout(
+                    self.clock, self.runtime.pod_status(uid), self.inspect_timeout,
+                    f"pod {uid}: runtime status took longer than {self.inspect_timeout}s")
+            except TimeoutError as e:
+                error = e
+                self._m_inspect_fail.labels(node=self.node, reason="timeout").inc()
+            except Exception as e:  # recorded in the cache; the worker sees it and retries
+                error = e
+                self._m_inspect_fail.labels(node=self.node, reason="error").inc()
+        if error is not None:
+            log.warning("PLEG: inspecting pod %s failed: %s", uid, error)
+            self._reinspect.add(uid)
+            # keep the old status but record the error, so waiting workers move on
+            await self.cache.store(uid, self.cache.get(uid).status, error, t)
+        else:
+            assert status is not None
+            await self.cache.store(uid, status, None, t, done=uid not in self._again)
+        self._emit(evs)
+
+    def _emit(self, evs: Iterable[PodLifecycleEvent]) -> None:
+        for ev in evs:
+            self._m_events.labels(node=self.node, type=ev.type.value).inc()
+            try:
+                self.events.put_nowait(ev)
+            except asyncio.QueueFull:
+                self._m_discarded.inc()
