@@ -1,0 +1,399 @@
+"""The one monitor loop: every period (or sooner when a node, policy or a silent node's
+Lease changes) it resolves each Node's policy, judges Lease freshness, and writes what
+differs from what the indexes show: the heartbeat annotation, the unreachable taints,
+Ready=Unknown, and each policy's status. Nothing is written when nothing changed.
+
+NoExecute taints are paced per policy by a token bucket, and stop for a policy whose
+share of stale nodes is above its maxUnreachableFraction (the partition guard): when
+that many nodes fall silent together the likelier cause is the network, not the nodes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+from nodeoperator import selector
+from nodeoperator.resolve import Resolution, resolve
+from nodeoperator.state import AGENT_CONDITIONS, UNREACHABLE_TAINT, NodeInfo, PolicyInfo, Store
+from prometheus_client import Counter, Gauge, Histogram
+
+from nodeagent.api.client import status_of
+from nodeagent.api.clock import Clock
+from nodeagent.api.policy import (
+    HEARTBEAT_ANNOTATION,
+    Failure,
+    Heartbeat,
+    encode_heartbeat_annotation,
+)
+
+log = logging.getLogger("nodeoperator.monitor")
+
+REASON = "NodeStatusUnknown"
+DEFAULT_GROUP = ""  # nodes no policy matches
+# The guard needs at least this many stale nodes, as the controller manager's zone
+# states do: one or two silent nodes say nothing about a partition, and without it
+# a one- or two-node pool could never have its pods evicted.
+GUARD_MIN_STALE = 3
+
+WRITES = Counter("nodepulse_operator_writes_total", "API writes by the operator",
+                 ["kind", "result"])
+STALE = Gauge("nodepulse_operator_stale_nodes", "Nodes whose Lease is past their grace period")
+TAINT_DELAY = Histogram("nodepulse_operator_taint_delay_seconds",
+                        "From a node's grace expiry to its unreachable taint being written",
+                        buckets=(0.5, 1, 2, 3, 4, 5, 7.5, 10, 15, 20, 30, 60))
+TICK = Histogram("nodepulse_operator_monitor_tick_seconds", "One monitor period's work",
+                 buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
+
+
+class Writer(Protocol):
+    """API writes; each returns the object's new resourceVersion."""
+
+    async def patch_node(self, name: str, patch: dict[str, Any]) -> str: ...
+
+    async def patch_node_status(self, name: str, patch: dict[str, Any]) -> str: ...
+
+    async def patch_policy_status(self, name: str, patch: dict[str, Any]) -> str: ...
+
+
+class Pacer:
+    """A token bucket per policy: at most `per_minute` NoExecute taints. It holds one
+    monitor period's worth (at least one), so a high rate is not capped by the period."""
+
+    def __init__(self, clock: Clock, window: float = 2.0) -> None:
+        self.clock, self.window = clock, window
+        self._tokens: dict[str, tuple[float, float]] = {}  # group -> (tokens, at)
+
+    def take(self, group: str, per_minute: float) -> bool:
+        if per_minute <= 0:
+            return False
+        now = self.clock.monotonic()
+        cap = max(1.0, per_minute / 60.0 * self.window)
+        tokens, at = self._tokens.get(group, (cap, now))
+        tokens = min(cap, tokens + (now - at) * per_minute / 60.0)
+        ok = tokens >= 1.0
+        self._tokens[group] = (tokens - 1.0 if ok else tokens, now)
+        return ok
+
+    def refund(self, group: str) -> None:
+        """Give back a token whose taint could not be written."""
+        tokens, at = self._tokens.get(group, (0.0, self.clock.monotonic()))
+        self._tokens[group] = (tokens + 1.0, at)
+
+
+@dataclasses.dataclass
+class NodeAction:
+    name: str
+    base_rv: str
+    node_patch: dict[str, Any] | None = None  # annotation and/or taints
+    status_patch: dict[str, Any] | None = None  # conditions -> Unknown
+    taint_delay: float | None = None  # seconds past grace expiry, for a new taint
+    granted: str | None = None  # the policy whose NoExecute token this action spends
+
+
+@dataclasses.dataclass
+class GroupState:
+    failure: Failure
+    matched: int = 0
+    stale: int = 0
+
+    @property
+    def guarded(self) -> bool:
+        return (self.stale >= GUARD_MIN_STALE
+                and self.stale / self.matched > self.failure.maxUnreachableFraction)
+
+
+@dataclasses.dataclass
+class Plan:
+    nodes: list[NodeAction]
+    policies: dict[str, dict[str, Any]]  # policy -> status to write
+    groups: dict[str, GroupState]
+    resolution: Resolution
+
+
+class Monitor:
+    def __init__(self, store: Store, clock: Clock, writer: Writer, *,
+                 period: float = 2.0, is_leader: Callable[[], bool] = lambda: True,
+                 parallel: int = 16) -> None:
+        self.store, self.clock, self.writer = store, clock, writer
+        self.period = period
+        self.is_leader = is_leader
+        self.pacer = Pacer(clock, period)
+        self._sem = asyncio.Semaphore(parallel)
+        # object key -> resourceVersions our last write went through; until the
+        # index shows a newer one, a difference is only our write not seen yet.
+        self._written: dict[str, set[str]] = {}
+        self.was_leader = False
+
+    # ---- the loop
+    async def run(self) -> None:
+        while True:
+            await self._wait()
+            leading = self.is_leader()
+            if leading and not self.was_leader:
+                log.info("leading: taking over the monitor")
+                self._written.clear()
+            self.was_leader = leading
+            if not leading:
+                continue
+            try:
+                await self.tick()
+            except Exception:  # one bad period must not stop the monitor
+                log.exception("monitor period failed")
+
+    async def _wait(self) -> None:
+        if self.store.changed.is_set():
+            self.store.changed.clear()
+            return
+        sleeper = asyncio.ensure_future(self.clock.sleep(self.period))
+        waker = asyncio.ensure_future(self.store.changed.wait())
+        try:
+            await asyncio.wait({sleeper, waker}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            sleeper.cancel()
+            waker.cancel()
+        self.store.changed.clear()
+
+    async def tick(self) -> Plan:
+        started = self.clock.monotonic()
+        plan = self.plan()
+        await asyncio.gather(*(self._apply_node(a) for a in plan.nodes),
+                             *(self._apply_policy(n, s) for n, s in plan.policies.items()))
+        TICK.observe(max(0.0, self.clock.monotonic() - started))
+        return plan
+
+    # ---- deciding
+    def plan(self) -> Plan:
+        store, now = self.store, self.clock.monotonic()
+        policies = store.policies
+        res = resolve(policies.values(), {n: i.labels for n, i in store.nodes.items()})
+        groups: dict[str, GroupState] = {DEFAULT_GROUP: GroupState(Failure())}
+        for p in policies.values():
+            if p.spec is not None:
+                groups[p.name] = GroupState(p.spec.failure)
+
+        # Staleness first, so each group's stale share is known before any NoExecute.
+        stale: dict[str, float] = {}  # node -> seconds past grace expiry
+        for name, node in store.nodes.items():
+            group = groups[res.effective[name] or DEFAULT_GROUP]
+            group.matched += 1
+            lease = store.leases.get(name)
+            last = lease.observed if lease else node.first_seen
+            over = now - last - group.failure.gracePeriodSeconds
+            if over > 0:
+                stale[name] = over
+                group.stale += 1
+        store.stale = set(stale)
+        STALE.set(len(stale))
+
+        # Longest silent first, so pacing serves nodes in the order they went quiet.
+        grants: set[str] = set()
+        for name in sorted(stale, key=lambda n: (-stale[n], n)):
+            g = res.effective[name] or DEFAULT_GROUP
+            group = groups[g]
+            if (group.failure.taintUnreachable and not group.guarded
+                    and not _has_taint(store.nodes[name], "NoExecute")
+                    and self.pacer.take(g, group.failure.noExecuteTaintsPerMinute)):
+                grants.add(name)
+
+        actions = []
+        for name, node in store.nodes.items():
+            if store.nodes[name].rv in self._written.get("node/" + name, ()):
+                continue  # our last write is not in the index yet
+            pname = res.effective[name]
+            action = self._node_action(node, pname, groups[pname or DEFAULT_GROUP],
+                                       stale.get(name), name in grants)
+            if action.node_patch or action.status_patch:
+                actions.append(action)
+
+        statuses = {}
+        for p in policies.values():
+            if p.rv in self._written.get("policy/" + p.name, ()):
+                continue
+            status = self._policy_status(p, res, groups.get(p.name), stale)
+            if _status_differs(p.status, status):
+                statuses[p.name] = status
+        return Plan(actions, statuses, groups, res)
+
+    def _node_action(self, node: NodeInfo, policy: str | None, group: GroupState,
+                     over: float | None, grant: bool) -> NodeAction:
+        action = NodeAction(node.name, node.rv)
+        patch: dict[str, Any] = {}
+        spec = self.store.policies[policy].spec if policy else None
+        heartbeat = spec.heartbeat if spec else Heartbeat()
+        want = encode_heartbeat_annotation(policy, heartbeat)
+        if node.heartbeat != want:
+            patch["metadata"] = {"annotations": {HEARTBEAT_ANNOTATION: want}}
+
+        taints = [t for t in node.taints if t.get("key") != UNREACHABLE_TAINT]
+        if over is not None:
+            taints.append(_find_taint(node, "NoSchedule")
+                          or {"key": UNREACHABLE_TAINT, "effect": "NoSchedule"})
+            existing = _find_taint(node, "NoExecute")
+            if group.failure.taintUnreachable and (existing or grant):
+                taints.append(existing or {"key": UNREACHABLE_TAINT, "effect": "NoExecute",
+                                           "timeAdded": _rfc3339(self.clock)})
+                if not existing:
+                    action.granted = policy or DEFAULT_GROUP
+        if taints != node.taints:
+            # The taint list is replaced whole, so only on top of the version we read.
+            patch.setdefault("metadata", {})["resourceVersion"] = node.rv
+            patch["spec"] = {"taints": taints}
+            if over is not None and not _has_taint(node, "NoSchedule"):
+                action.taint_delay = over
+        action.node_patch = patch or None
+
+        if over is not None:
+            conditions = self._unknown_conditions(node, policy, group)
+            if conditions:
+                action.status_patch = {"status": {"conditions": conditions}}
+        return action
+
+    def _unknown_conditions(self, node: NodeInfo, policy: str | None,
+                            group: GroupState) -> list[dict[str, Any]]:
+        now = _rfc3339(self.clock)
+        grace = group.failure.gracePeriodSeconds
+        whose = f"policy {policy}" if policy else "the default policy"
+        if node.name in self.store.leases:
+            message = (f"nodepulse-operator: the node's Lease has not been renewed for more "
+                       f"than {grace}s (grace period of {whose}); its agent is down or cannot "
+                       "reach the API server.")
+        else:
+            message = (f"nodepulse-operator: the node has had no Lease in kube-node-lease for "
+                       f"more than {grace}s (grace period of {whose}); its agent never "
+                       "started heartbeating.")
+        out = []
+        for ctype in AGENT_CONDITIONS:
+            old = node.conditions.get(ctype)
+            if ctype != "Ready" and old is None:
+                continue  # only Ready is added when the agent never posted any
+            if old is not None and old.get("status") == "Unknown":
+                continue
+            cond = {"type": ctype, "status": "Unknown", "reason": REASON,
+                    "message": message, "lastTransitionTime": now}
+            if old is not None and old.get("lastHeartbeatTime"):
+                cond["lastHeartbeatTime"] = old["lastHeartbeatTime"]
+            out.append(cond)
+        return out
+
+    def _policy_status(self, p: PolicyInfo, res: Resolution, group: GroupState | None,
+                       stale: Mapping[str, float]) -> dict[str, Any]:
+        old = {c.get("type"): c for c in p.status.get("conditions") or []}
+        now = _rfc3339(self.clock)
+
+        def cond(ctype: str, status: str, reason: str, message: str) -> dict[str, Any]:
+            prev = old.get(ctype) or {}
+            since = prev.get("lastTransitionTime") if prev.get("status") == status else None
+            return {"type": ctype, "status": status, "reason": reason, "message": message,
+                    "lastTransitionTime": since or now}
+
+        status: dict[str, Any] = {"observedGeneration": p.generation}
+        if p.spec is None or group is None:
+            status.update(selector="<invalid>", nodes=0, readyNodes=0, unreachableNodes=0)
+            status["conditions"] = [
+                cond("Ready", "False", "InvalidSpec", p.error or "invalid spec"),
+                cond("Conflict", "False", "InvalidSpec", "the policy governs no node"),
+                cond("PartitionGuard", "False", "InvalidSpec", "the policy governs no node")]
+            return status
+        status.update(selector=selector.describe(p.spec.nodeSelector), nodes=group.matched,
+                      readyNodes=group.matched - group.stale, unreachableNodes=group.stale)
+        if group.matched:
+            ready = cond("Ready", "True", "Resolved",
+                         f"governs {group.matched} node(s); {group.stale} unreachable")
+        else:
+            ready = cond("Ready", "True", "NoMatchingNodes",
+                         "valid, but no node is governed by this policy: its selector matches "
+                         "none, or only nodes a higher-priority policy claims")
+        conflicts = res.conflicts_of(p.name)
+        if conflicts:
+            parts = [f"{', '.join(c.policies)} (priority {p.spec.priority}) all match "
+                     f"{len(c.nodes)} node(s), e.g. {c.nodes[0]}; {c.policies[0]} applies "
+                     "as the first by name" for c in conflicts]
+            conflict = cond("Conflict", "True", "EqualPriority", "; ".join(parts))
+        else:
+            conflict = cond("Conflict", "False", "NoConflict",
+                            "no other policy of the same priority matches these nodes")
+        f = p.spec.failure
+        if group.guarded:
+            guard = cond("PartitionGuard", "True", "TooManyUnreachable",
+                         f"{group.stale} of {group.matched} node(s) unreachable, more than "
+                         f"maxUnreachableFraction {f.maxUnreachableFraction:g}: NoExecute "
+                         "tainting is stopped for this policy")
+        else:
+            guard = cond("PartitionGuard", "False", "WithinLimit",
+                         f"{group.stale} of {group.matched} node(s) unreachable, within "
+                         f"maxUnreachableFraction {f.maxUnreachableFraction:g}")
+        status["conditions"] = [ready, conflict, guard]
+        return status
+
+    # ---- writing
+    async def _apply_node(self, a: NodeAction) -> None:
+        seen = [a.base_rv]
+        async with self._sem:
+            try:
+                if a.node_patch and self.is_leader():
+                    seen.append(await self.writer.patch_node(a.name, a.node_patch))
+                    WRITES.labels("node", "ok").inc()
+                    if a.taint_delay is not None:
+                        TAINT_DELAY.observe(a.taint_delay)
+                if a.status_patch and self.is_leader():
+                    seen.append(await self.writer.patch_node_status(a.name, a.status_patch))
+                    WRITES.labels("node_status", "ok").inc()
+            except Exception as e:
+                self._written.pop("node/" + a.name, None)
+                if a.granted is not None and len(seen) == 1:
+                    self.pacer.refund(a.granted)
+                _count_failure("node", e, a.name)
+                return
+        # The last version we produced is what the index should settle on; the
+        # versions before it (the one we read, and our first write's) need no second look.
+        if len(seen) > 1:
+            self._written["node/" + a.name] = set(seen[:-1])
+
+    async def _apply_policy(self, name: str, status: dict[str, Any]) -> None:
+        base = self.store.policies[name].rv
+        async with self._sem:
+            if not self.is_leader():
+                return
+            try:
+                await self.writer.patch_policy_status(name, {"status": status})
+                WRITES.labels("policy_status", "ok").inc()
+            except Exception as e:
+                self._written.pop("policy/" + name, None)
+                _count_failure("policy_status", e, name)
+                return
+        self._written["policy/" + name] = {base}
+
+
+def _count_failure(kind: str, exc: BaseException, name: str) -> None:
+    code = status_of(exc)
+    if code == 409:
+        WRITES.labels(kind, "conflict").inc()
+        log.debug("%s %s changed under us; next period retries", kind, name)
+    elif code == 404:
+        WRITES.labels(kind, "gone").inc()
+    else:
+        WRITES.labels(kind, "error").inc()
+        log.warning("writing %s %s failed: %s", kind, name, exc)
+
+
+def _find_taint(node: NodeInfo, effect: str) -> dict[str, Any] | None:
+    for t in node.taints:
+        if t.get("key") == UNREACHABLE_TAINT and t.get("effect") == effect:
+            return t
+    return None
+
+
+def _has_taint(node: NodeInfo, effect: str) -> bool:
+    return _find_taint(node, effect) is not None
+
+
+def _rfc3339(clock: Clock) -> str:
+    return clock.now().strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _status_differs(old: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
+    return any(old.get(k) != v for k, v in new.items())

@@ -1,0 +1,132 @@
+"""In-memory indexes of Nodes, node Leases and NodeStatusPolicies, fed by the watch
+handlers and read by the one monitor loop.
+
+Only what the monitor needs is kept per object, so thousands of nodes stay cheap.
+Lease freshness is judged by when *this process* saw a Lease's renewTime change (on
+its monotonic clock), not by the timestamp itself: a node whose clock is off cannot
+make itself look fresh or stale, and a restarted operator gives every node a full
+grace period before it acts (the controller manager does the same).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from nodeoperator import selector
+
+from nodeagent.api.clock import Clock
+from nodeagent.api.policy import HEARTBEAT_ANNOTATION, PolicyError, PolicySpec, parse_spec
+
+LEASE_NAMESPACE = "kube-node-lease"
+UNREACHABLE_TAINT = "node.kubernetes.io/unreachable"
+# Conditions the agent posts that go Unknown together when it falls silent.
+AGENT_CONDITIONS = ("Ready", "MemoryPressure", "DiskPressure", "PIDPressure")
+
+
+@dataclasses.dataclass
+class NodeInfo:
+    name: str
+    rv: str
+    labels: dict[str, str]
+    heartbeat: str | None  # the HEARTBEAT_ANNOTATION value
+    taints: list[dict[str, Any]]
+    conditions: dict[str, dict[str, Any]]  # AGENT_CONDITIONS present, by type
+    first_seen: float  # monotonic; staleness starts here for a node with no Lease
+
+
+@dataclasses.dataclass
+class LeaseInfo:
+    name: str
+    renew_time: str | None
+    observed: float  # monotonic time this process saw renew_time change
+
+
+@dataclasses.dataclass
+class PolicyInfo:
+    name: str
+    rv: str
+    generation: int
+    spec: PolicySpec | None  # None when invalid; `error` says why
+    error: str | None
+    status: dict[str, Any]
+
+
+def parse_policy(body: Mapping[str, Any]) -> PolicyInfo:
+    meta = body.get("metadata") or {}
+    raw_spec = body.get("spec") or {}
+    spec: PolicySpec | None = None
+    error: str | None = None
+    try:
+        spec = parse_spec(raw_spec)
+        selector.validate(spec.nodeSelector)
+    except (PolicyError, TypeError) as e:
+        spec, error = None, str(e)
+    return PolicyInfo(name=meta.get("name", ""), rv=str(meta.get("resourceVersion", "")),
+                      generation=int(meta.get("generation") or 0), spec=spec, error=error,
+                      status=dict(body.get("status") or {}))
+
+
+class Store:
+    """The indexes. Handlers call the *_event methods; the monitor reads the dicts."""
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+        self.nodes: dict[str, NodeInfo] = {}
+        self.leases: dict[str, LeaseInfo] = {}
+        self.policies: dict[str, PolicyInfo] = {}
+        self.stale: set[str] = set()  # maintained by the monitor: nodes it judged stale
+        self.changed = asyncio.Event()  # wakes the monitor before its next period
+
+    def node_event(self, kind: str | None, body: Mapping[str, Any]) -> None:
+        meta = body.get("metadata") or {}
+        name = meta.get("name")
+        if not name:
+            return
+        if kind == "DELETED":
+            self.nodes.pop(name, None)
+            self.changed.set()
+            return
+        old = self.nodes.get(name)
+        conditions = {c["type"]: dict(c) for c in (body.get("status") or {}).get("conditions") or []
+                      if c.get("type") in AGENT_CONDITIONS}
+        info = NodeInfo(
+            name=name, rv=str(meta.get("resourceVersion", "")),
+            labels=dict(meta.get("labels") or {}),
+            heartbeat=(meta.get("annotations") or {}).get(HEARTBEAT_ANNOTATION),
+            taints=[dict(t) for t in (body.get("spec") or {}).get("taints") or []],
+            conditions=conditions,
+            first_seen=old.first_seen if old else self.clock.monotonic())
+        self.nodes[name] = info
+        # Labels decide the policy; anything else is looked at on the next period.
+        if old is None or old.labels != info.labels or old.heartbeat != info.heartbeat:
+            self.changed.set()
+
+    def lease_event(self, kind: str | None, body: Mapping[str, Any]) -> None:
+        meta = body.get("metadata") or {}
+        name = meta.get("name")
+        if not name or meta.get("namespace", LEASE_NAMESPACE) != LEASE_NAMESPACE:
+            return
+        if kind == "DELETED":
+            self.leases.pop(name, None)
+            return
+        renew = (body.get("spec") or {}).get("renewTime")
+        old = self.leases.get(name)
+        if old is not None and old.renew_time == renew:
+            return  # a relist or an unrelated field: not a renewal
+        self.leases[name] = LeaseInfo(name=name, renew_time=renew,
+                                      observed=self.clock.monotonic())
+        if name in self.stale:
+            self.changed.set()  # a silent node is back: untaint it promptly
+
+    def policy_event(self, kind: str | None, body: Mapping[str, Any]) -> None:
+        name = (body.get("metadata") or {}).get("name")
+        if not name:
+            return
+        if kind == "DELETED":
+            self.policies.pop(name, None)
+        else:
+            self.policies[name] = parse_policy(body)
+        self.changed.set()
