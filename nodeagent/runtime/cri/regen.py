@@ -22,9 +22,8 @@ REL = Path("nodeagent/runtime/cri/gen/api.proto")
 
 def regenerate(out_root: Path | None = None) -> list[Path]:
     """Write api_pb2.py, api_pb2.pyi and api_pb2_grpc.py; return their paths."""
-    from grpc_tools import protoc  # imported here: only the test extra has it
-
     import grpc_tools
+    from grpc_tools import protoc  # imported here: only the test extra has it
 
     out_root = out_root or HERE.parents[2]
     include = Path(grpc_tools.__file__).parent / "_proto"

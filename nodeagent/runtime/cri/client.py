@@ -1,0 +1,364 @@
+"""CriRuntime: the runtime interface over CRI v1 gRPC (grpc.aio) on a unix socket.
+
+One relist is exactly two calls (ListPodSandbox + ListContainers) whatever the pod
+count; details (exit codes, IPs, timestamps) come from pod_status, which PLEG asks
+only for pods that changed. Every call has a deadline, and gRPC status codes map to
+the interface's errors (NOT_FOUND -> NotFound, DEADLINE_EXCEEDED -> RuntimeTimeout,
+UNAVAILABLE -> Unavailable).
+
+Identity for adoption lives in labels (pod uid/name/namespace, container name,
+attempt) and annotations (restart count, spec hash), which containerd keeps with the
+objects: a restarted agent rebuilds everything from one relist.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+import grpc.aio
+
+from nodeagent.runtime.base import (
+    ANNOTATION_INIT,
+    ANNOTATION_RESTART_COUNT,
+    ANNOTATION_SPEC_HASH,
+    LABEL_POD_NAME,
+    LABEL_POD_NAMESPACE,
+    LABEL_POD_UID,
+    Container,
+    ContainerConfig,
+    ContainerRuntimeError,
+    ContainerState,
+    ImageInfo,
+    ImageNotPresent,
+    NotFound,
+    PodRuntimeStatus,
+    RelistResult,
+    Resources,
+    Runtime,
+    RuntimeTimeout,
+    RuntimeVersion,
+    Sandbox,
+    SandboxConfig,
+    SandboxState,
+    Unavailable,
+    int_or,
+)
+from nodeagent.runtime.cri.gen import api_pb2 as pb
+from nodeagent.runtime.cri.gen import api_pb2_grpc as pb_grpc
+
+LABEL_ATTEMPT = "nodepulse.dev/attempt"
+# ListPodSandbox does not say whether a sandbox shares the host network; we keep it.
+ANNOTATION_HOST_NETWORK = "nodepulse.dev/host-network"
+
+CRI_CLIENT_VERSION = "0.1.0"
+CPU_PERIOD_US = 100_000
+MIN_CPU_SHARES = 2
+MIN_CPU_QUOTA_US = 1000
+
+T = TypeVar("T")
+
+_CONTAINER_STATE = {
+    pb.CONTAINER_CREATED: ContainerState.CREATED,
+    pb.CONTAINER_RUNNING: ContainerState.RUNNING,
+    pb.CONTAINER_EXITED: ContainerState.EXITED,
+    pb.CONTAINER_UNKNOWN: ContainerState.UNKNOWN,
+}
+_SANDBOX_STATE = {pb.SANDBOX_READY: SandboxState.READY,
+                  pb.SANDBOX_NOTREADY: SandboxState.NOTREADY}
+
+
+def _time(ns: int) -> dt.datetime | None:
+    """CRI timestamps are unix nanoseconds; 0 means unset."""
+    return dt.datetime.fromtimestamp(ns / 1e9, dt.UTC) if ns else None
+
+
+def map_error(err: grpc.aio.AioRpcError | grpc.RpcError, what: str) -> ContainerRuntimeError:
+    """A gRPC failure as the interface's error; the message names the call and object."""
+    code = err.code() if hasattr(err, "code") else None
+    details = err.details() if hasattr(err, "details") else str(err)
+    msg = f"cri {what}: {code.name if code else 'error'}: {details}"
+    if code == grpc.StatusCode.NOT_FOUND:
+        return NotFound(msg)
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return RuntimeTimeout(msg)
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return Unavailable(msg)
+    return ContainerRuntimeError(msg)
+
+
+def linux_resources(r: Resources) -> pb.LinuxContainerResources:
+    """Pod spec resources as cgroup settings (the kubelet's arithmetic: shares from
+    the CPU request, CFS quota from the CPU limit, memory limit as is)."""
+    out = pb.LinuxContainerResources()
+    millis = r.cpu_request_millis if r.cpu_request_millis is not None else r.cpu_limit_millis
+    out.cpu_shares = max(MIN_CPU_SHARES, (millis or 0) * 1024 // 1000)
+    if r.cpu_limit_millis:
+        out.cpu_period = CPU_PERIOD_US
+        out.cpu_quota = max(MIN_CPU_QUOTA_US, r.cpu_limit_millis * CPU_PERIOD_US // 1000)
+    if r.memory_limit_bytes:
+        out.memory_limit_in_bytes = r.memory_limit_bytes
+    return out
+
+
+def sandbox_config_pb(c: SandboxConfig) -> pb.PodSandboxConfig:
+    labels = {**c.labels, LABEL_POD_UID: c.uid, LABEL_POD_NAME: c.name,
+              LABEL_POD_NAMESPACE: c.namespace, LABEL_ATTEMPT: str(c.attempt)}
+    annotations = dict(c.annotations)
+    if c.host_network:
+        annotations[ANNOTATION_HOST_NETWORK] = "true"
+    ns = pb.NamespaceOption(network=pb.NODE if c.host_network else pb.POD)
+    protos = {"TCP": pb.TCP, "UDP": pb.UDP, "SCTP": pb.SCTP}
+    ports = []
+    for p in c.port_mappings:
+        if p.protocol.upper() not in protos:
+            raise ContainerRuntimeError(f"pod {c.namespace}/{c.name}: port {p.container_port}: "
+                                        f"protocol {p.protocol!r} is not TCP, UDP or SCTP")
+        ports.append(pb.PortMapping(protocol=protos[p.protocol.upper()],
+                                    container_port=p.container_port, host_port=p.host_port,
+                                    host_ip=p.host_ip))
+    return pb.PodSandboxConfig(
+        metadata=pb.PodSandboxMetadata(name=c.name, uid=c.uid, namespace=c.namespace,
+                                       attempt=c.attempt),
+        # containerd refuses a hostname without a private UTS namespace
+        hostname="" if c.host_network else c.hostname,
+        log_directory=c.log_directory,
+        port_mappings=ports,
+        labels=labels,
+        annotations=annotations,
+        linux=pb.LinuxPodSandboxConfig(
+            security_context=pb.LinuxSandboxSecurityContext(namespace_options=ns)),
+    )
+
+
+def container_config_pb(c: ContainerConfig, sandbox: SandboxConfig) -> pb.ContainerConfig:
+    labels = {**c.labels, LABEL_POD_UID: c.pod_uid, LABEL_ATTEMPT: str(c.attempt)}
+    annotations = {**c.annotations, ANNOTATION_RESTART_COUNT: str(c.restart_count)}
+    if c.spec_hash:
+        annotations[ANNOTATION_SPEC_HASH] = c.spec_hash
+    if c.init:
+        annotations[ANNOTATION_INIT] = "true"
+    ns = pb.NamespaceOption(network=pb.NODE if sandbox.host_network else pb.POD)
+    return pb.ContainerConfig(
+        metadata=pb.ContainerMetadata(name=c.name, attempt=c.attempt),
+        image=pb.ImageSpec(image=c.image),
+        command=c.command, args=c.args, working_dir=c.working_dir,
+        envs=[pb.KeyValue(key=k, value=v) for k, v in c.env],
+        labels=labels, annotations=annotations,
+        log_path=c.log_path if sandbox.log_directory else "",
+        linux=pb.LinuxContainerConfig(
+            resources=linux_resources(c.resources),
+            security_context=pb.LinuxContainerSecurityContext(namespace_options=ns)),
+    )
+
+
+def _sandbox(s: Any) -> Sandbox:
+    """pb.PodSandbox or pb.PodSandboxStatus -> Sandbox."""
+    labels, annotations = dict(s.labels), dict(s.annotations)
+    ip = ""
+    if isinstance(s, pb.PodSandboxStatus) and s.HasField("network"):
+        ip = s.network.ip
+    return Sandbox(
+        id=s.id, pod_uid=labels.get(LABEL_POD_UID) or s.metadata.uid, name=s.metadata.name,
+        namespace=s.metadata.namespace, attempt=s.metadata.attempt,
+        state=_SANDBOX_STATE.get(s.state, SandboxState.NOTREADY),
+        created_at=_time(s.created_at), ip=ip,
+        host_network=annotations.get(ANNOTATION_HOST_NETWORK) == "true",
+        labels=labels, annotations=annotations)
+
+
+def _container(c: pb.Container, st: pb.ContainerStatus | None = None) -> Container:
+    labels, annotations = dict(c.labels), dict(c.annotations)
+    out = Container(
+        id=c.id, sandbox_id=c.pod_sandbox_id, pod_uid=labels.get(LABEL_POD_UID, ""),
+        name=c.metadata.name, image=c.image.image,
+        state=_CONTAINER_STATE.get(c.state, ContainerState.UNKNOWN),
+        attempt=c.metadata.attempt,
+        restart_count=int_or(annotations.get(ANNOTATION_RESTART_COUNT)),
+        created_at=_time(c.created_at), image_id=c.image_ref,
+        spec_hash=annotations.get(ANNOTATION_SPEC_HASH, ""),
+        init=annotations.get(ANNOTATION_INIT) == "true",
+        labels=labels, annotations=annotations)
+    if st is not None:
+        out.state = _CONTAINER_STATE.get(st.state, ContainerState.UNKNOWN)
+        out.started_at = _time(st.started_at)
+        out.finished_at = _time(st.finished_at)
+        out.reason, out.message = st.reason, st.message
+        out.image_id = st.image_ref or out.image_id
+        if out.state == ContainerState.EXITED:
+            out.exit_code = st.exit_code
+    return out
+
+
+class CriRuntime(Runtime):
+    """CRI v1 client. `socket`: path of the runtime's unix socket (or unix:// URL).
+
+    call_timeout: deadline of quick calls (lists, status, create, start, remove).
+    sandbox_timeout: deadline of RunPodSandbox/StopPodSandbox (CNI can be slow).
+    The channel is opened lazily inside the running event loop."""
+
+    scheme = "containerd"
+
+    def __init__(self, socket: str, *, call_timeout: float = 10.0,
+                 sandbox_timeout: float = 120.0, runtime_handler: str = "") -> None:
+        if not socket:
+            raise ValueError("cri: socket path is empty")
+        self.target = socket if socket.startswith("unix:") else f"unix://{socket}"
+        self.call_timeout = call_timeout
+        self.sandbox_timeout = sandbox_timeout
+        self.runtime_handler = runtime_handler
+        self.calls = 0  # gRPC calls made, for tests and benchmarks
+        self._channel: grpc.aio.Channel | None = None
+        self._rt: pb_grpc.RuntimeServiceStub | None = None
+        self._img: pb_grpc.ImageServiceStub | None = None
+
+    def _stubs(self) -> tuple[pb_grpc.RuntimeServiceStub, pb_grpc.ImageServiceStub]:
+        if self._rt is None or self._img is None:
+            self._channel = grpc.aio.insecure_channel(self.target)
+            self._rt = pb_grpc.RuntimeServiceStub(self._channel)
+            self._img = pb_grpc.ImageServiceStub(self._channel)
+        return self._rt, self._img
+
+    async def _call(self, what: str, fn: Callable[..., Awaitable[T]], req: Any,
+                    timeout: float | None = None) -> T:
+        self.calls += 1
+        try:
+            return await fn(req, timeout=timeout or self.call_timeout)
+        except grpc.aio.AioRpcError as e:
+            raise map_error(e, what) from e
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+        self._channel = self._rt = self._img = None
+
+    # --- Runtime ---------------------------------------------------------------------
+
+    async def version(self) -> RuntimeVersion:
+        rt, _ = self._stubs()
+        v = await self._call("Version", rt.Version, pb.VersionRequest(version=CRI_CLIENT_VERSION))
+        return RuntimeVersion(v.runtime_name, v.runtime_version, v.runtime_api_version)
+
+    async def conditions(self) -> dict[str, tuple[bool, str]]:
+        """Runtime conditions (RuntimeReady, NetworkReady): type -> (status, reason)."""
+        rt, _ = self._stubs()
+        st = await self._call("Status", rt.Status, pb.StatusRequest())
+        return {c.type: (c.status, c.reason or c.message) for c in st.status.conditions}
+
+    async def relist(self) -> RelistResult:
+        rt, _ = self._stubs()
+        sbs, cts = await asyncio.gather(
+            self._call("ListPodSandbox", rt.ListPodSandbox, pb.ListPodSandboxRequest()),
+            self._call("ListContainers", rt.ListContainers, pb.ListContainersRequest()))
+        return RelistResult(
+            sandboxes=[_sandbox(s) for s in sbs.items if LABEL_POD_UID in s.labels],
+            containers=[_container(c) for c in cts.containers if LABEL_POD_UID in c.labels])
+
+    async def pod_status(self, pod_uid: str) -> PodRuntimeStatus:
+        rt, _ = self._stubs()
+        sel = {LABEL_POD_UID: pod_uid}
+        sbs, cts = await asyncio.gather(
+            self._call("ListPodSandbox", rt.ListPodSandbox, pb.ListPodSandboxRequest(
+                filter=pb.PodSandboxFilter(label_selector=sel))),
+            self._call("ListContainers", rt.ListContainers, pb.ListContainersRequest(
+                filter=pb.ContainerFilter(label_selector=sel))))
+
+        async def sandbox(s: pb.PodSandbox) -> Sandbox:
+            try:
+                r = await self._call(f"PodSandboxStatus {s.id}", rt.PodSandboxStatus,
+                                     pb.PodSandboxStatusRequest(pod_sandbox_id=s.id))
+                return _sandbox(r.status)
+            except NotFound:  # removed between the list and now
+                return _sandbox(s)
+
+        async def container(c: pb.Container) -> Container | None:
+            try:
+                r = await self._call(f"ContainerStatus {c.id}", rt.ContainerStatus,
+                                     pb.ContainerStatusRequest(container_id=c.id))
+            except NotFound:
+                return None
+            return _container(c, r.status)
+
+        sandboxes = await asyncio.gather(*(sandbox(s) for s in sbs.items))
+        containers = await asyncio.gather(*(container(c) for c in cts.containers))
+        return PodRuntimeStatus(
+            uid=pod_uid,
+            sandboxes=sorted(sandboxes, key=lambda s: (s.attempt, s.created_at or _EPOCH),
+                             reverse=True),
+            containers=[c for c in containers if c is not None])
+
+    async def run_sandbox(self, config: SandboxConfig) -> str:
+        rt, _ = self._stubs()
+        r = await self._call(
+            f"RunPodSandbox {config.namespace}/{config.name}", rt.RunPodSandbox,
+            pb.RunPodSandboxRequest(config=sandbox_config_pb(config),
+                                    runtime_handler=self.runtime_handler),
+            self.sandbox_timeout)
+        return r.pod_sandbox_id
+
+    async def stop_sandbox(self, sandbox_id: str) -> None:
+        rt, _ = self._stubs()
+        with contextlib.suppress(NotFound):  # idempotent: gone already
+            await self._call(f"StopPodSandbox {sandbox_id}", rt.StopPodSandbox,
+                             pb.StopPodSandboxRequest(pod_sandbox_id=sandbox_id),
+                             self.sandbox_timeout)
+
+    async def remove_sandbox(self, sandbox_id: str) -> None:
+        rt, _ = self._stubs()
+        with contextlib.suppress(NotFound):
+            await self._call(f"RemovePodSandbox {sandbox_id}", rt.RemovePodSandbox,
+                             pb.RemovePodSandboxRequest(pod_sandbox_id=sandbox_id),
+                             self.sandbox_timeout)
+
+    async def create_container(self, sandbox_id: str, config: ContainerConfig,
+                               sandbox_config: SandboxConfig) -> str:
+        # we never pull: a missing image is a clear error, not a pull attempt
+        if not await self.image_present(config.image):
+            raise ImageNotPresent(f"cri CreateContainer {config.name}: image {config.image} "
+                                  "is not present in the runtime and is never pulled")
+        rt, _ = self._stubs()
+        r = await self._call(
+            f"CreateContainer {config.name} in sandbox {sandbox_id}", rt.CreateContainer,
+            pb.CreateContainerRequest(pod_sandbox_id=sandbox_id,
+                                      config=container_config_pb(config, sandbox_config),
+                                      sandbox_config=sandbox_config_pb(sandbox_config)))
+        return r.container_id
+
+    async def start_container(self, container_id: str) -> None:
+        rt, _ = self._stubs()
+        await self._call(f"StartContainer {container_id}", rt.StartContainer,
+                         pb.StartContainerRequest(container_id=container_id))
+
+    async def stop_container(self, container_id: str, timeout: float) -> None:
+        rt, _ = self._stubs()
+        secs = max(0, int(timeout + 0.999))  # CRI takes whole seconds; never cut it short
+        with contextlib.suppress(NotFound):
+            await self._call(f"StopContainer {container_id}", rt.StopContainer,
+                             pb.StopContainerRequest(container_id=container_id, timeout=secs),
+                             secs + self.call_timeout)
+
+    async def remove_container(self, container_id: str) -> None:
+        rt, _ = self._stubs()
+        with contextlib.suppress(NotFound):
+            await self._call(f"RemoveContainer {container_id}", rt.RemoveContainer,
+                             pb.RemoveContainerRequest(container_id=container_id))
+
+    async def image_present(self, ref: str) -> bool:
+        _, img = self._stubs()
+        r = await self._call(f"ImageStatus {ref}", img.ImageStatus,
+                             pb.ImageStatusRequest(image=pb.ImageSpec(image=ref)))
+        # a missing image is OK with no image field, not NOT_FOUND
+        return r.HasField("image") and bool(r.image.id)
+
+    async def list_images(self) -> list[ImageInfo]:
+        _, img = self._stubs()
+        r = await self._call("ListImages", img.ListImages, pb.ListImagesRequest())
+        return [ImageInfo(id=i.id, names=list(i.repo_tags) or list(i.repo_digests),
+                          size_bytes=i.size) for i in r.images]
+
+
+_EPOCH = dt.datetime.fromtimestamp(0, dt.UTC)
