@@ -68,6 +68,8 @@ def _ldflags(tool: Tool) -> str:
         pkg = "k8s.io/component-base/version"
         flags += (f" -X {pkg}.gitVersion={v} -X {pkg}.gitMajor={major}"
                   f" -X {pkg}.gitMinor={minor} -X {pkg}.gitTreeState=clean")
+    elif tool.name == "helm":
+        flags += f" -X helm.sh/helm/v3/internal/version.version={tool.version}"
     return flags
 
 
