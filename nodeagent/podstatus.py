@@ -1,0 +1,421 @@
+"""Pod status: computed from the pod spec and the runtime's view of the pod, written to
+the API's pods/status subresource only when it changed.
+
+`compute_pod_status` is a pure function (spec + runtime records + what the worker
+decided -> the API's PodStatus JSON). `StatusManager` remembers what the API last
+accepted per pod and PATCHes only differences, one sender per pod, latest wins,
+retrying with backoff on API errors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from kubernetes import client as k8s
+from prometheus_client import REGISTRY, CollectorRegistry, Counter
+
+from nodeagent.api.client import is_retriable, status_of
+from nodeagent.api.clock import Clock
+from nodeagent.runtime.base import Container, ContainerState, PodRuntimeStatus
+from nodeagent.sources.types import is_static
+
+log = logging.getLogger(__name__)
+
+Pod = dict[str, Any]
+Status = dict[str, Any]
+
+# The status fields this agent owns; others (qosClass, nominatedNodeName, conditions of
+# other writers) are left alone by the strategic merge patch.
+OWNED = ("phase", "conditions", "containerStatuses", "initContainerStatuses", "hostIP",
+         "hostIPs", "podIP", "podIPs", "startTime", "reason", "message")
+CONDITION_TYPES = ("PodScheduled", "Initialized", "ContainersReady", "Ready")
+TERMINAL = ("Succeeded", "Failed")
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """Why a container is not running, as decided by the pod worker."""
+    reason: str
+    message: str = ""
+
+
+def rfc3339(t: dt.datetime | None) -> str | None:
+    if t is None:
+        return None
+    return t.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _terminated(c: Container, scheme: str) -> dict[str, Any]:
+    code = c.exit_code if c.exit_code is not None else 0
+    out: dict[str, Any] = {"exitCode": code,
+                           "reason": c.reason or ("Completed" if code == 0 else "Error"),
+                           "startedAt": rfc3339(c.started_at or c.created_at),
+                           "finishedAt": rfc3339(c.finished_at),
+                           "containerID": f"{scheme}://{c.id}"}
+    if c.message:
+        out["message"] = c.message
+    return out
+
+
+def _container_statuses(specs: list[Mapping[str, Any]], rs: PodRuntimeStatus, *,
+                        scheme: str, waiting: Mapping[str, Waiting],
+                        previous: Mapping[str, Any], default_reason: str
+                        ) -> list[dict[str, Any]]:
+    out = []
+    for spec in specs:
+        name = spec["name"]
+        attempts = sorted((c for c in rs.containers if c.name == name),
+                          key=lambda c: (c.attempt, c.created_at or dt.datetime.min.replace(
+                              tzinfo=dt.UTC)), reverse=True)
+        cur = attempts[0] if attempts else None
+        older = next((c for c in attempts[1:] if c.state == ContainerState.EXITED), None)
+        st: dict[str, Any] = {"name": name, "image": spec.get("image", ""), "imageID": "",
+                              "ready": False, "started": False, "restartCount": 0,
+                              "lastState": {}}
+        w = waiting.get(name)
+        if cur is None:
+            st["state"] = {"waiting": {"reason": w.reason if w else default_reason,
+                                       **({"message": w.message} if w and w.message else {})}}
+        else:
+            st["containerID"] = f"{scheme}://{cur.id}"
+            st["imageID"] = cur.image_id
+            st["restartCount"] = cur.restart_count
+            if cur.state == ContainerState.RUNNING:
+                st["state"] = {"running": {"startedAt": rfc3339(cur.started_at)}}
+                st["ready"] = st["started"] = True
+            elif cur.state == ContainerState.EXITED and w is not None:
+                # exited and waiting to be restarted (e.g. CrashLoopBackOff)
+                st["state"] = {"waiting": {"reason": w.reason,
+                                           **({"message": w.message} if w.message else {})}}
+                st["lastState"] = {"terminated": _terminated(cur, scheme)}
+            elif cur.state == ContainerState.EXITED:
+                st["state"] = {"terminated": _terminated(cur, scheme)}
+            else:  # CREATED or UNKNOWN
+                st["state"] = {"waiting": {"reason": w.reason if w else "ContainerCreating"}}
+            if not st["lastState"] and older is not None:
+                st["lastState"] = {"terminated": _terminated(older, scheme)}
+        if not st["lastState"]:
+            # the runtime may have removed the old attempt; keep what we reported before
+            prev = previous.get(name) or {}
+            if prev.get("restartCount") == st["restartCount"] and prev.get("lastState"):
+                st["lastState"] = prev["lastState"]
+        out.append(st)
+    return out
+
+
+def _phase(pod: Pod, init_done: bool, statuses: list[dict[str, Any]], terminal: bool,
+           init_failed: bool) -> str:
+    policy = (pod.get("spec") or {}).get("restartPolicy") or "Always"
+    if init_failed:
+        return "Failed"
+    if not init_done:
+        return "Pending"
+    running = waiting = stopped = succeeded = failed = 0
+    for st in statuses:
+        state = st["state"]
+        if "running" in state:
+            running += 1
+        elif "terminated" in state:
+            stopped += 1
+            if state["terminated"]["exitCode"] == 0:
+                succeeded += 1
+            else:
+                failed += 1
+        elif st.get("lastState", {}).get("terminated"):
+            stopped += 1  # waiting to restart: it did run
+            if st["lastState"]["terminated"]["exitCode"] == 0:
+                succeeded += 1
+            else:
+                failed += 1
+        else:
+            waiting += 1
+    if waiting and not terminal:
+        return "Pending"
+    if running and not terminal:
+        return "Running"
+    if terminal:
+        if running or waiting:
+            return "Failed"
+        return "Failed" if failed else "Succeeded"
+    if stopped:
+        if policy == "Always" or (policy == "OnFailure" and failed):
+            return "Running"
+        return "Failed" if failed else "Succeeded"
+    return "Pending"
+
+
+def _condition(ctype: str, ok: bool, previous: Mapping[str, Mapping[str, Any]], now: str,
+               reason: str = "", message: str = "") -> dict[str, Any]:
+    status = "True" if ok else "False"
+    prev = previous.get(ctype) or {}
+    since = prev.get("lastTransitionTime") if prev.get("status") == status else None
+    c: dict[str, Any] = {"type": ctype, "status": status, "lastProbeTime": None,
+                         "lastTransitionTime": since or now}
+    if not ok and reason:
+        c["reason"] = reason
+    if not ok and message:
+        c["message"] = message
+    if ok and reason == "PodCompleted":
+        c["reason"] = reason
+    return c
+
+
+def compute_pod_status(pod: Pod, rs: PodRuntimeStatus, *, host_ip: str, scheme: str,
+                       now: dt.datetime, waiting: Mapping[str, Waiting] | None = None,
+                       previous: Status | None = None, terminal: bool = False) -> Status:
+    """The pod's status in API JSON form. `previous` is the last status we (or the API)
+    had, for startTime, transition times and terminal phases. `terminal`: the worker
+    has stopped the pod for good (deleted, or finished), so no container will restart."""
+    spec = pod.get("spec") or {}
+    previous = previous or {}
+    waiting = waiting or {}
+    stamp = rfc3339(now)
+    assert stamp is not None
+    prev_cs = {s["name"]: s for s in previous.get("containerStatuses") or []}
+    prev_ics = {s["name"]: s for s in previous.get("initContainerStatuses") or []}
+    prev_cond = {c["type"]: c for c in previous.get("conditions") or []}
+
+    inits = spec.get("initContainers") or []
+    init_statuses = _container_statuses(inits, rs, scheme=scheme, waiting=waiting,
+                                        previous=prev_ics, default_reason="PodInitializing")
+    init_done = all("terminated" in s["state"] and s["state"]["terminated"]["exitCode"] == 0
+                    for s in init_statuses)
+    if not init_done and (prev_cond.get("Initialized") or {}).get("status") == "True":
+        init_done = True  # init containers may have been removed after they succeeded
+    policy = spec.get("restartPolicy") or "Always"
+    init_failed = policy == "Never" and any(
+        "terminated" in s["state"] and s["state"]["terminated"]["exitCode"] != 0
+        for s in init_statuses)
+    for s in init_statuses:  # an init container that finished is not "ready"
+        s["ready"] = "terminated" in s["state"] and s["state"]["terminated"]["exitCode"] == 0
+    statuses = _container_statuses(spec.get("containers") or [], rs, scheme=scheme,
+                                   waiting=waiting, previous=prev_cs,
+                                   default_reason="ContainerCreating" if init_done
+                                   else "PodInitializing")
+
+    phase = _phase(pod, init_done, statuses, terminal, init_failed)
+    if previous.get("phase") in TERMINAL:
+        phase = previous["phase"]  # terminal phases never change back
+
+    unready = [s["name"] for s in statuses if not s["ready"]]
+    deleting = bool((pod.get("metadata") or {}).get("deletionTimestamp"))
+    containers_ready = not unready and phase == "Running" and not terminal
+    gates = [g.get("conditionType") for g in spec.get("readinessGates") or []]
+    gates_ok = all((prev_cond.get(g) or {}).get("status") == "True" for g in gates)
+    completed = phase == "Succeeded"
+    cr_reason = "PodCompleted" if completed else "ContainersNotReady"
+    cr_msg = "" if completed else f"containers with unready status: [{' '.join(unready)}]"
+    if not unready and not completed:
+        cr_msg = "the pod is terminating" if (terminal or deleting) else ""
+    not_init = [s["name"] for s in init_statuses if not s["ready"]]
+    conditions = [
+        _condition("PodScheduled", True, prev_cond, stamp),
+        _condition("Initialized", init_done, prev_cond, stamp, "ContainersNotInitialized",
+                   f"containers with incomplete status: [{' '.join(not_init)}]"),
+        _condition("ContainersReady", containers_ready, prev_cond, stamp, cr_reason, cr_msg),
+        _condition("Ready", containers_ready and gates_ok and not deleting, prev_cond, stamp,
+                   cr_reason if not containers_ready else "ReadinessGatesNotReady",
+                   cr_msg if not containers_ready else "readiness gates not all True"),
+    ]
+    pod_ip = host_ip if spec.get("hostNetwork") else rs.ip
+    status: Status = {
+        "phase": phase,
+        "conditions": conditions,
+        "containerStatuses": statuses,
+        "hostIP": host_ip or None,
+        "hostIPs": [{"ip": host_ip}] if host_ip else None,
+        "podIP": pod_ip or None,
+        "podIPs": [{"ip": pod_ip}] if pod_ip else None,
+        "startTime": previous.get("startTime") or stamp,
+    }
+    if inits:
+        status["initContainerStatuses"] = init_statuses
+    return status
+
+
+def owned(status: Mapping[str, Any] | None) -> Status:
+    """The part of a status this agent writes, for comparing with what we computed."""
+    status = status or {}
+    return {k: status[k] for k in OWNED if status.get(k) is not None}
+
+
+# --- writing to the API -------------------------------------------------------------
+
+class PodStatusWriter(Protocol):
+    async def patch_status(self, pod: Pod, status: Status) -> None:
+        """PATCH pods/<name>/status. Raises the API error (kubernetes ApiException)."""
+
+    async def delete_pod(self, pod: Pod) -> None:
+        """Finish a graceful deletion: DELETE with grace 0 and a uid precondition."""
+
+
+class ApiStatusWriter:
+    """PodStatusWriter over a kubernetes ApiClient (built by nodeagent.api.client).
+    A node's credentials may patch status of, and delete, pods bound to it."""
+
+    def __init__(self, api_client: k8s.ApiClient, request_timeout: float = 30.0) -> None:
+        self.core = k8s.CoreV1Api(api_client)
+        self.request_timeout = request_timeout
+
+    async def patch_status(self, pod: Pod, status: Status) -> None:
+        meta = pod["metadata"]
+        body: dict[str, Any] = {"status": status}
+        if not is_static(pod):
+            # the uid makes the patch fail on a new pod that reuses the name; a static
+            # pod's status goes to its mirror pod, which has a uid of its own
+            body["metadata"] = {"uid": meta["uid"]}
+        await asyncio.to_thread(
+            self.core.patch_namespaced_pod_status, meta["name"], meta.get("namespace",
+                                                                          "default"),
+            body, _content_type="application/strategic-merge-patch+json",
+            _preload_content=False, _request_timeout=self.request_timeout)
+
+    async def delete_pod(self, pod: Pod) -> None:
+        meta = pod["metadata"]
+        opts = k8s.V1DeleteOptions(grace_period_seconds=0,
+                                   preconditions=k8s.V1Preconditions(uid=meta["uid"]))
+        await asyncio.to_thread(
+            self.core.delete_namespaced_pod, meta["name"], meta.get("namespace", "default"),
+            grace_period_seconds=0, body=opts, _preload_content=False,
+            _request_timeout=self.request_timeout)
+
+
+@dataclass
+class _Entry:
+    pod: Pod
+    status: Status            # latest computed
+    sent: Status | None       # what the API holds as far as we know (owned part)
+    task: asyncio.Task[None] | None = None
+    delete: bool = False      # finish the graceful deletion once status is written
+    deleted: bool = False
+
+
+_COUNTERS: dict[int, Counter] = {}
+
+
+def _writes_counter(registry: CollectorRegistry) -> Counter:
+    c = _COUNTERS.get(id(registry))
+    if c is None:
+        c = Counter("nodepulse_pod_status_writes_total",
+                    "Pod status API writes by result (ok, error, gone) and kind.",
+                    ["node", "kind", "result"], registry=registry)
+        _COUNTERS[id(registry)] = c
+    return c
+
+
+class StatusManager:
+    def __init__(self, writer: PodStatusWriter, clock: Clock, *, node: str = "",
+                 retry_initial: float = 1.0, retry_max: float = 60.0,
+                 registry: CollectorRegistry = REGISTRY) -> None:
+        self.writer = writer
+        self.clock = clock
+        self.node = node
+        self.retry_initial = retry_initial
+        self.retry_max = retry_max
+        self._pods: dict[str, _Entry] = {}
+        self._writes = _writes_counter(registry)
+
+    def status(self, uid: str) -> Status | None:
+        """The latest status computed for a pod (the `previous` for the next one)."""
+        e = self._pods.get(uid)
+        return e.status if e else None
+
+    def previous(self, pod: Pod) -> Status:
+        """What to compute the next status against: ours, else the API's."""
+        uid = pod["metadata"]["uid"]
+        e = self._pods.get(uid)
+        return e.status if e else dict(pod.get("status") or {})
+
+    def set_status(self, pod: Pod, status: Status) -> None:
+        uid = pod["metadata"]["uid"]
+        e = self._pods.get(uid)
+        if e is None:
+            e = self._pods[uid] = _Entry(pod, status, owned(pod.get("status")))
+        e.pod, e.status = pod, status
+        self._kick(uid, e)
+
+    def reconcile(self, pod: Pod) -> None:
+        """The API's status changed under us (RECONCILE): resend if it differs."""
+        e = self._pods.get(pod["metadata"]["uid"])
+        if e is None:
+            return
+        e.sent = owned(pod.get("status"))
+        e.pod = pod
+        self._kick(pod["metadata"]["uid"], e)
+
+    def finish_deletion(self, pod: Pod) -> None:
+        """The pod was deleted gracefully and its containers are stopped: write the final
+        status, then delete the API object (API pods only)."""
+        uid = pod["metadata"]["uid"]
+        e = self._pods.get(uid)
+        if e is None:
+            e = self._pods[uid] = _Entry(pod, owned(pod.get("status")), None)
+        if is_static(pod) or e.deleted:
+            return
+        e.delete = True
+        self._kick(uid, e)
+
+    def forget(self, uid: str) -> None:
+        e = self._pods.pop(uid, None)
+        if e and e.task:
+            e.task.cancel()
+
+    def dirty(self, uid: str) -> bool:
+        e = self._pods.get(uid)
+        return e is not None and (e.sent != owned(e.status) or (e.delete and not e.deleted))
+
+    def _kick(self, uid: str, e: _Entry) -> None:
+        if self.dirty(uid) and (e.task is None or e.task.done()):
+            e.task = asyncio.create_task(self._send(uid, e), name=f"pod-status-{uid}")
+
+    async def flush(self) -> None:
+        """Wait for every pending write (tests, shutdown)."""
+        while tasks := [e.task for e in self._pods.values() if e.task and not e.task.done()]:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def close(self) -> None:
+        for e in self._pods.values():
+            if e.task:
+                e.task.cancel()
+        for e in self._pods.values():
+            if e.task:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await e.task
+
+    async def _send(self, uid: str, e: _Entry) -> None:
+        delay = self.retry_initial
+        while self._pods.get(uid) is e and self.dirty(uid):
+            want = owned(e.status)
+            kind = "delete" if want == e.sent and e.delete else "patch"
+            try:
+                if kind == "patch":
+                    await self.writer.patch_status(e.pod, e.status)
+                    e.sent = want
+                else:
+                    await self.writer.delete_pod(e.pod)
+                    e.deleted = True
+                self._writes.labels(node=self.node, kind=kind, result="ok").inc()
+                delay = self.retry_initial
+                continue
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                code = status_of(exc)
+                if code in (404, 409, 422):
+                    # the pod is gone or was replaced by a new one with the same name
+                    log.info("pod %s: status %s gave %s; the pod is gone", uid, kind, code)
+                    self._writes.labels(node=self.node, kind=kind, result="gone").inc()
+                    e.sent = want
+                    e.deleted = True
+                    return
+                self._writes.labels(node=self.node, kind=kind, result="error").inc()
+                log.warning("pod %s: status %s failed (%s), retry in %.0fs%s", uid, kind,
+                            exc, delay, "" if is_retriable(exc) else " (not retriable?)")
+            await self.clock.sleep(delay)
+            delay = min(delay * 2, self.retry_max)
