@@ -1,0 +1,288 @@
+"""One node's heartbeat: registration, NodeStatus reporting, its Lease, its policy.
+
+A NodeController owns no loop and no thread: the shared schedulers call `tick` (status)
+and `renew` (lease) at the node's own due times, and the shared node watch hands it
+its Node. A process speaking for one node is just the case N=1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from kubernetes.client.exceptions import ApiException
+
+from nodeagent.api.clock import Clock
+from nodeagent.api.policy import (
+    AGENT_LABEL,
+    HEARTBEAT_ANNOTATION,
+    Heartbeat,
+    PolicyError,
+    decode_heartbeat_annotation,
+)
+from nodeagent.node.host import HostReadError, HostReadings
+from nodeagent.node.kube import Kube, Obj, body_size
+from nodeagent.node.lease import Call, LeaseRenewer, _brief
+from nodeagent.node.metrics import NodeMetrics
+from nodeagent.node.scheduler import DueScheduler
+from nodeagent.node.status import (
+    Status,
+    StatusSettings,
+    build_patch,
+    compute_status,
+    meaningful_changes,
+    report_reason,
+)
+
+log = logging.getLogger(__name__)
+
+ImageLister = Callable[[], Sequence[Mapping[str, Any]]]
+Readiness = Callable[[], str | None]
+
+
+@dataclasses.dataclass
+class NodeSpec:
+    """What a node is, as opposed to how often it reports."""
+
+    name: str
+    agent_id: str
+    labels: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    taints: Sequence[Mapping[str, str]] = ()
+
+
+class NodeController:
+    REQUEST_TIMEOUT = 10.0
+
+    def __init__(self, spec: NodeSpec, kube: Kube, clock: Clock, metrics: NodeMetrics, *,
+                 heartbeat: Heartbeat, settings: StatusSettings,
+                 probe: Callable[[], HostReadings],
+                 lease_call: Call, status_call: Call,
+                 renewals: DueScheduler[str], ticker: DueScheduler[str],
+                 images: ImageLister | None = None, readiness: Readiness | None = None,
+                 legacy: bool = False, rng: random.Random | None = None) -> None:
+        self.spec = spec
+        self.name = spec.name
+        self.kube = kube
+        self.clock = clock
+        self.metrics = metrics
+        self.base = heartbeat  # from flags/config; the annotation overrides it
+        self.heartbeat = heartbeat
+        self.policy_name: str | None = None
+        self.settings = settings
+        self.probe = probe
+        self.images = images
+        self.readiness = readiness
+        self.legacy = legacy
+        self.status_call = status_call
+        self.renewals = renewals
+        self.ticker = ticker
+        self.lease = LeaseRenewer(self.name, kube, clock, metrics, lease_call, heartbeat,
+                                  rng=rng)
+        self.registered = False
+        self.uid: str | None = None
+        self.reported: Status | None = None  # what the server has, as we last wrote it
+        self.computed: Status | None = None
+        self.last_full_report: float | None = None
+        self.last_status_write: float | None = None
+        self._next_tick: float | None = None
+        self.started = clock.monotonic()
+
+    # -- lifecycle, driven by the agent --
+    def start(self) -> None:
+        self.ticker.schedule(self.name, self.clock.monotonic())
+
+    def stop(self) -> None:
+        self.ticker.cancel(self.name)
+        self.renewals.cancel(self.name)
+
+    def health(self) -> str | None:
+        if self.legacy:
+            last = self.last_status_write if self.last_status_write is not None else self.started
+            limit = 4 * self.heartbeat.statusUpdateFrequencySeconds
+            if self.clock.monotonic() - last > limit:
+                return f"node {self.name}: no status written for over {limit}s"
+            return None
+        return self.lease.health()
+
+    # -- registration --
+    def node_object(self) -> Obj:
+        body: Obj = {"apiVersion": "v1", "kind": "Node",
+                     "metadata": {"name": self.name, "labels": dict(self.labels())}}
+        if self.spec.taints:
+            body["spec"] = {"taints": [dict(t) for t in self.spec.taints]}
+        return body
+
+    def labels(self) -> dict[str, str]:
+        try:
+            r = self.probe()
+            os_name, arch = r.operatingSystem, r.architecture
+        except HostReadError:
+            os_name, arch = "linux", "amd64"
+        return {"kubernetes.io/hostname": self.name, "kubernetes.io/os": os_name,
+                "kubernetes.io/arch": arch, AGENT_LABEL: self.spec.agent_id,
+                **self.spec.labels}
+
+    def _register(self) -> Obj:
+        """Blocking: create the Node, or adopt the one there (our labels win)."""
+        t = self.REQUEST_TIMEOUT
+        try:
+            node = self.kube.get_node(self.name, timeout=t)
+        except ApiException as e:
+            if e.status != 404:
+                raise
+            try:
+                node = self.kube.create_node(self.node_object(), timeout=t)
+                log.info("node %s: registered", self.name)
+                return node
+            except ApiException as e2:
+                if e2.status != 409:
+                    raise
+                node = self.kube.get_node(self.name, timeout=t)
+        want = self.labels()
+        have = (node.get("metadata") or {}).get("labels") or {}
+        if any(have.get(k) != v for k, v in want.items()):
+            node = self.kube.patch_node(self.name, {"metadata": {"labels": want}}, timeout=t)
+        log.info("node %s: adopted existing Node", self.name)
+        return node
+
+    # -- status: the ticker's job --
+    async def tick(self) -> float | None:
+        now = self.clock.monotonic()
+        every = self.heartbeat.statusUpdateFrequencySeconds
+        if not self.registered:
+            try:
+                node = await self.status_call(self._register)
+            except Exception as e:
+                log.warning("node %s: registration failed, retrying: %s", self.name, _brief(e))
+                return self.clock.monotonic() + min(every, 5.0)
+            self.registered = True
+            self.reported = None
+            self.last_full_report = None
+            self.uid = node["metadata"].get("uid")
+            self.lease.owner_uid = self.uid
+            self.on_node(node)
+            if not self.legacy:
+                self.renewals.schedule(self.name, self.clock.monotonic())
+        await self._report()
+        # fixed rate: the next tick is one period after this one was due
+        base = self._next_tick if self._next_tick is not None and self._next_tick <= now else now
+        self._next_tick = base + self.heartbeat.statusUpdateFrequencySeconds
+        if self._next_tick <= self.clock.monotonic():
+            self._next_tick = self.clock.monotonic() + self.heartbeat.statusUpdateFrequencySeconds
+        return self._next_tick
+
+    def _compute(self) -> Status:
+        """Blocking: host readings, images, readiness -> a full NodeStatus."""
+        readings: HostReadings | HostReadError
+        try:
+            readings = self.probe()
+        except HostReadError as e:
+            readings = e
+        images: Sequence[Mapping[str, Any]] = []
+        not_ready = None
+        if self.images is not None:
+            try:
+                images = self.images()
+            except Exception as e:
+                not_ready = f"listing images failed: {e}"
+                images = (self.computed or {}).get("images", [])
+        if self.readiness is not None:
+            not_ready = self.readiness() or not_ready
+        settings = dataclasses.replace(self.settings,
+                                       max_images=self.heartbeat.maxImagesInStatus)
+        return compute_status(readings, settings, images, self.clock.now(),
+                              previous=self.computed, not_ready=not_ready)
+
+    async def _report(self) -> None:
+        new = await self.status_call(self._compute)
+        self.computed = new
+        now = self.clock.monotonic()
+        if self.legacy:
+            reason: str | None = "legacy"
+            body = build_patch(None, new, ["all"], True)
+        else:
+            changes = meaningful_changes(self.reported, new)
+            reason = report_reason(now, self.last_full_report, bool(changes),
+                                   self.heartbeat.statusReportFrequencySeconds,
+                                   self.heartbeat.statusUpdateFrequencySeconds)
+            if reason is None:
+                return
+            body = build_patch(self.reported, new, changes, full=reason != "change")
+            if reason == "change":
+                log.info("node %s: status changed: %s", self.name, ", ".join(changes))
+        try:
+            await self.status_call(self.kube.patch_node_status, self.name, body,
+                                   timeout=self.REQUEST_TIMEOUT)
+        except ApiException as e:
+            self.metrics.status_errors.inc()
+            if e.status == 404:
+                log.warning("node %s: Node is gone; registering again", self.name)
+                self.registered = False
+                self.renewals.cancel(self.name)
+                return
+            log.warning("node %s: status patch failed: %s", self.name, _brief(e))
+            return
+        except Exception as e:
+            self.metrics.status_errors.inc()
+            log.warning("node %s: status patch failed: %s", self.name, _brief(e))
+            return
+        self.metrics.status_reports.labels(reason).inc()
+        self.metrics.status_patch_bytes.observe(body_size(body))
+        self.reported = new
+        self.last_status_write = now
+        if reason != "change":
+            self.last_full_report = now
+
+    # -- lease: the renewal scheduler's job --
+    async def renew(self) -> float | None:
+        if self.legacy or not self.registered:
+            return None
+        return await self.lease.renew()
+
+    # -- policy: the node watch hands us our Node --
+    def on_node(self, node: Obj) -> None:
+        annotations = (node.get("metadata") or {}).get("annotations") or {}
+        self.apply_annotation(annotations.get(HEARTBEAT_ANNOTATION))
+
+    def apply_annotation(self, value: str | None) -> None:
+        if value is None:
+            if self.policy_name is not None:
+                log.info("node %s: heartbeat annotation removed; back to local settings",
+                         self.name)
+                self.metrics.policy_updates.labels("cleared").inc()
+                self.policy_name = None
+                self.set_heartbeat(self.base)
+            return
+        try:
+            name, hb = decode_heartbeat_annotation(value)
+        except PolicyError as e:
+            self.metrics.policy_updates.labels("refused").inc()
+            log.warning("node %s: refused heartbeat settings, keeping the last good ones: %s",
+                        self.name, e)
+            return
+        if hb == self.heartbeat and name == self.policy_name:
+            return
+        self.metrics.policy_updates.labels("applied").inc()
+        log.info("node %s: heartbeat settings from policy %r: %s", self.name, name, hb)
+        self.policy_name = name
+        self.set_heartbeat(hb)
+
+    def set_heartbeat(self, hb: Heartbeat) -> None:
+        old = self.heartbeat
+        self.heartbeat = hb
+        self.lease.heartbeat = hb
+        if old == hb:
+            return
+        # Take effect now, not after the current (old) interval runs out.
+        if self.registered and not self.legacy and not self.renewals.running(self.name):
+            self.renewals.schedule(self.name, self.lease.replan())
+        planned = self.ticker.due(self.name)
+        if self._next_tick is not None and planned is not None:
+            sooner = self._next_tick - old.statusUpdateFrequencySeconds \
+                + hb.statusUpdateFrequencySeconds
+            if sooner < planned:
+                self._next_tick = sooner
+                self.ticker.schedule(self.name, sooner)

@@ -1,0 +1,184 @@
+"""Host readings behind capacity, nodeInfo, addresses and the pressure conditions.
+
+Each reading comes from the host (/proc, statvfs, uname) unless the config overrides it;
+tests hand in a HostReadings directly instead of a HostProbe.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import platform
+import socket
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from nodeagent.node.quantity import QuantityError, parse_quantity
+
+_ARCH = {"x86_64": "amd64", "aarch64": "arm64", "armv7l": "arm", "ppc64le": "ppc64le",
+         "s390x": "s390x", "riscv64": "riscv64", "i686": "386"}
+
+
+class HostReadError(Exception):
+    """A host reading failed; the message names the source."""
+
+
+@dataclasses.dataclass(frozen=True)
+class HostReadings:
+    cpu: float
+    memoryTotal: int
+    memoryAvailable: int
+    fsTotal: int
+    fsAvailable: int
+    inodesTotal: int
+    inodesFree: int
+    pidMax: int
+    pidsRunning: int
+    kernelVersion: str = ""
+    osImage: str = ""
+    operatingSystem: str = "linux"
+    architecture: str = "amd64"
+    hostname: str = ""
+    addresses: tuple[tuple[str, str], ...] = ()  # (type, address)
+    machineID: str = ""
+    bootID: str = ""
+    systemUUID: str = ""
+
+
+_NUMERIC = {"cpu": float, "memoryTotal": int, "memoryAvailable": int, "fsTotal": int,
+            "fsAvailable": int, "inodesTotal": int, "inodesFree": int, "pidMax": int,
+            "pidsRunning": int}
+_TEXT = {"kernelVersion", "osImage", "operatingSystem", "architecture", "hostname",
+         "machineID", "bootID", "systemUUID"}
+
+
+def parse_overrides(data: Mapping[str, Any] | None, what: str = "hostOverrides") -> dict[str, Any]:
+    """Validated overrides: quantities for the numbers, strings, and addresses as a list
+    of {type, address}. Unknown keys are refused by name."""
+    out: dict[str, Any] = {}
+    for key, value in (data or {}).items():
+        if key in _NUMERIC:
+            try:
+                number = parse_quantity(value, f"{what}.{key}")
+            except QuantityError as e:
+                raise ValueError(str(e)) from None
+            if number < 0:
+                raise ValueError(f"{what}.{key} must not be negative, got {value!r}")
+            out[key] = _NUMERIC[key](number)
+        elif key in _TEXT:
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"{what}.{key} must be a non-empty string, got {value!r}")
+            out[key] = value
+        elif key == "addresses":
+            if not isinstance(value, list) or not all(
+                    isinstance(a, Mapping) and isinstance(a.get("type"), str)
+                    and isinstance(a.get("address"), str) for a in value):
+                raise ValueError(f"{what}.addresses must be a list of {{type, address}}")
+            out[key] = tuple((a["type"], a["address"]) for a in value)
+        else:
+            known = ", ".join(sorted([*_NUMERIC, *_TEXT, "addresses"]))
+            raise ValueError(f"{what}: unknown key {key!r} (known: {known})")
+    return out
+
+
+class HostProbe:
+    """Reads the host. `root_dir` is the filesystem whose space is nodefs; `proc` is
+    where /proc is (a folder of fake files in tests)."""
+
+    def __init__(self, root_dir: str | os.PathLike[str] = "/", proc: str | os.PathLike[str] = "/proc",
+                 node_ips: tuple[str, ...] = (), overrides: Mapping[str, Any] | None = None,
+                 etc: str | os.PathLike[str] = "/etc") -> None:
+        self.root_dir = Path(root_dir)
+        self.proc = Path(proc)
+        self.etc = Path(etc)
+        self.node_ips = node_ips
+        self.overrides = dict(overrides or {})
+
+    def read(self) -> HostReadings:
+        o = self.overrides
+        mem_total, mem_avail = self._meminfo() if not {"memoryTotal", "memoryAvailable"} <= o.keys() \
+            else (0, 0)
+        fs = self._statvfs()
+        hostname = o.get("hostname") or socket.gethostname()
+        readings = HostReadings(
+            cpu=float(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                      else os.cpu_count() or 1),
+            memoryTotal=mem_total, memoryAvailable=mem_avail,
+            fsTotal=fs.f_blocks * fs.f_frsize, fsAvailable=fs.f_bavail * fs.f_frsize,
+            inodesTotal=fs.f_files, inodesFree=fs.f_favail,
+            pidMax=int(self._text(self.proc / "sys/kernel/pid_max")),
+            pidsRunning=self._tasks(),
+            kernelVersion=platform.release(),
+            osImage=self._os_image(),
+            operatingSystem=platform.system().lower() or "linux",
+            architecture=_ARCH.get(platform.machine(), platform.machine()),
+            hostname=hostname,
+            addresses=self._addresses(hostname),
+            machineID=self._optional(self.etc / "machine-id"),
+            bootID=self._optional(self.proc / "sys/kernel/random/boot_id"),
+        )
+        return dataclasses.replace(readings, **o)
+
+    def _text(self, path: Path) -> str:
+        try:
+            return path.read_text().strip()
+        except OSError as e:
+            raise HostReadError(f"cannot read {path}: {e.strerror}") from e
+
+    def _optional(self, path: Path) -> str:
+        try:
+            return path.read_text().strip()
+        except OSError:
+            return ""
+
+    def _meminfo(self) -> tuple[int, int]:
+        path = self.proc / "meminfo"
+        fields: dict[str, int] = {}
+        for line in self._text(path).splitlines():
+            name, _, rest = line.partition(":")
+            parts = rest.split()
+            if parts and parts[0].isdigit():
+                fields[name] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
+        if "MemTotal" not in fields or "MemAvailable" not in fields:
+            raise HostReadError(f"{path}: no MemTotal/MemAvailable line")
+        return fields["MemTotal"], fields["MemAvailable"]
+
+    def _statvfs(self) -> os.statvfs_result:
+        path = self.root_dir
+        while not path.exists() and path != path.parent:
+            path = path.parent  # the filesystem the root dir would live on
+        try:
+            return os.statvfs(path)
+        except OSError as e:
+            raise HostReadError(f"statvfs {path}: {e.strerror}") from e
+
+    def _tasks(self) -> int:
+        # /proc/loadavg's fourth field is running/total scheduling entities, the
+        # number pid_max bounds.
+        path = self.proc / "loadavg"
+        fields = self._text(path).split()
+        try:
+            return int(fields[3].split("/")[1])
+        except (IndexError, ValueError):
+            raise HostReadError(f"{path}: unexpected format") from None
+
+    def _os_image(self) -> str:
+        for line in self._optional(self.etc / "os-release").splitlines():
+            if line.startswith("PRETTY_NAME="):
+                return line.split("=", 1)[1].strip().strip('"')
+        return platform.platform()
+
+    def _addresses(self, hostname: str) -> tuple[tuple[str, str], ...]:
+        ips = list(self.node_ips) or [_primary_ip()]
+        return (*(("InternalIP", ip) for ip in ips), ("Hostname", hostname))
+
+
+def _primary_ip() -> str:
+    """The address the host would use for outbound traffic (no packet is sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 1))
+            return str(s.getsockname()[0])
+        except OSError:
+            return "127.0.0.1"

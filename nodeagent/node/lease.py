@@ -1,0 +1,173 @@
+"""A node's Lease in kube-node-lease: created if missing, renewed on a jittered interval.
+
+One LeaseRenewer per node; the shared DueScheduler decides when each one runs, and
+its API calls go through the lease thread pool (never the status one).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import random
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from kubernetes.client.exceptions import ApiException
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception
+
+from nodeagent.api.client import is_retriable, status_of
+from nodeagent.api.clock import Clock
+from nodeagent.api.policy import Heartbeat
+from nodeagent.node.kube import LEASE_NAMESPACE, Kube, Obj
+from nodeagent.node.metrics import NodeMetrics
+from nodeagent.node.status import api_microtime
+
+log = logging.getLogger(__name__)
+
+Call = Callable[..., Awaitable[Any]]
+
+
+def renew_delay(interval: float, duration: float, jitter: float, u: float) -> float:
+    """Seconds from one renewal to the next: interval scaled by 1 + jitter*u (u in
+    [-1, 1]), and always leaving at least a tenth of the duration before expiry."""
+    delay = interval * (1 + jitter * u)
+    return max(0.1, min(delay, duration * 0.9))
+
+
+class LeaseRenewer:
+    REQUEST_TIMEOUT = 10.0  # one attempt never waits longer than this
+
+    def __init__(self, node: str, kube: Kube, clock: Clock, metrics: NodeMetrics,
+                 call: Call, heartbeat: Heartbeat, *, jitter: float = 0.04,
+                 rng: random.Random | None = None) -> None:
+        self.node = node
+        self.kube = kube
+        self.clock = clock
+        self.metrics = metrics
+        self.call = call
+        self.heartbeat = heartbeat
+        self.jitter = jitter
+        self.rng = rng or random.Random()
+        self.owner_uid: str | None = None
+        self.lease: Obj | None = None  # our last view of the object (for its resourceVersion)
+        self.last_renewed: float | None = None
+        self.started = clock.monotonic()
+        self._u = self.rng.uniform(-1, 1)
+        self._due: float | None = None
+
+    # -- timing --
+    def next_due(self) -> float:
+        if self.last_renewed is None:
+            return self.clock.monotonic()
+        hb = self.heartbeat
+        return self.last_renewed + renew_delay(hb.renewIntervalSeconds,
+                                               hb.leaseDurationSeconds, self.jitter, self._u)
+
+    def deadline(self) -> float:
+        """Renewals must land before this: the lease (as we last wrote it) expires."""
+        base = self.last_renewed if self.last_renewed is not None else self.started
+        return base + self.heartbeat.leaseDurationSeconds
+
+    def health(self) -> str | None:
+        now = self.clock.monotonic()
+        if now <= self.deadline():
+            return None
+        if self.last_renewed is None:
+            return f"lease {self.node}: never renewed"
+        return (f"lease {self.node}: last renewed {now - self.last_renewed:.1f}s ago, "
+                f"duration {self.heartbeat.leaseDurationSeconds}s")
+
+    # -- one renewal, retried --
+    def _retry_wait(self, rs: RetryCallState) -> float:
+        exc = rs.outcome.exception() if rs.outcome else None
+        if exc is not None and status_of(exc) in (404, 409) and rs.attempt_number <= 2:
+            return 0.0  # re-read or recreate at once
+        # short exponential backoff with jitter: 0.2, 0.4, 0.8, ... at most 2 s
+        return min(2.0, 0.2 * 2 ** (rs.attempt_number - 1)) + self.rng.uniform(0, 0.2)
+
+    async def renew(self) -> float:
+        """Renew (or create) the Lease; returns when the next renewal is due."""
+        due = self._due if self._due is not None else self.clock.monotonic()
+        deadline = self.deadline()
+        min_attempt = min(1.0, self.heartbeat.leaseDurationSeconds / 10)
+
+        def stop(rs: RetryCallState) -> bool:
+            # no attempt may start too late to land before the lease expires
+            return self.clock.monotonic() + rs.upcoming_sleep + min_attempt > deadline
+
+        def retriable(exc: BaseException) -> bool:
+            if status_of(exc) in (404, 409):
+                self.metrics.lease_renewals.labels("conflict").inc()
+                return True
+            if is_retriable(exc):
+                self.metrics.lease_renewals.labels("retried").inc()
+                return True
+            return False
+
+        retrying = AsyncRetrying(retry=retry_if_exception(retriable), wait=self._retry_wait,
+                                 stop=stop, sleep=self.clock.sleep, reraise=True)
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    timeout = max(0.05, min(self.REQUEST_TIMEOUT,
+                                            deadline - self.clock.monotonic()))
+                    result = await self.call(self._write_once, timeout)
+        except Exception as e:
+            self.metrics.lease_renewals.labels("failed").inc()
+            log.warning("lease %s: renewal failed, retrying soon: %s", self.node, _brief(e))
+            self._due = self.clock.monotonic() + min(2.0, self.heartbeat.renewIntervalSeconds)
+            return self._due
+        now = self.clock.monotonic()
+        self.metrics.lease_renewals.labels(result).inc()
+        self.metrics.lease_latency.observe(max(0.0, now - due))
+        self.last_renewed = now
+        self._u = self.rng.uniform(-1, 1)
+        self._due = self.next_due()
+        return self._due
+
+    def replan(self) -> float:
+        """After a settings change: when the next renewal is due under them."""
+        self._due = self.next_due()
+        return self._due
+
+    def _write_once(self, timeout: float) -> str:
+        """Blocking: one attempt. Keeps the last Lease seen, so a renewal is one PUT."""
+        if self.lease is None:
+            try:
+                self.lease = self.kube.get_lease(self.node, timeout=timeout)
+            except ApiException as e:
+                if e.status != 404:
+                    raise
+                self.lease = self.kube.create_lease(self._body(None), timeout=timeout)
+                return "created"
+        try:
+            self.lease = self.kube.update_lease(self.node, self._body(self.lease),
+                                                timeout=timeout)
+        except ApiException as e:
+            if e.status in (404, 409):
+                self.lease = None  # deleted or changed under us: re-read on the next try
+            raise
+        return "success"
+
+    def _body(self, current: Obj | None) -> Obj:
+        lease: Obj = copy.deepcopy(current) if current else {
+            "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+            "metadata": {"name": self.node, "namespace": LEASE_NAMESPACE}}
+        lease.setdefault("apiVersion", "coordination.k8s.io/v1")
+        lease.setdefault("kind", "Lease")
+        meta = lease.setdefault("metadata", {})
+        meta.pop("managedFields", None)
+        if self.owner_uid:
+            meta["ownerReferences"] = [{"apiVersion": "v1", "kind": "Node",
+                                        "name": self.node, "uid": self.owner_uid}]
+        spec = lease.setdefault("spec", {})
+        spec["holderIdentity"] = self.node
+        spec["leaseDurationSeconds"] = self.heartbeat.leaseDurationSeconds
+        spec["renewTime"] = api_microtime(self.clock.now())
+        return lease
+
+
+def _brief(e: BaseException) -> str:
+    if isinstance(e, ApiException):
+        return f"{e.status} {e.reason}"
+    return f"{type(e).__name__}: {e}"

@@ -1,0 +1,32 @@
+"""The node agent's heartbeat metrics. No per-node labels: one process may speak for
+thousands of nodes."""
+
+from __future__ import annotations
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+
+
+class NodeMetrics:
+    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
+        self.lease_renewals = Counter(
+            "nodepulse_lease_renewals", "Lease renewal attempts by result "
+            "(success, created, conflict, retried, failed)", ["result"], registry=registry)
+        self.lease_latency = Histogram(
+            "nodepulse_lease_renewal_duration_seconds",
+            "Time from a renewal's due time to its success, retries included",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40),
+            registry=registry)
+        self.status_reports = Counter(
+            "nodepulse_node_status_reports", "NodeStatus patches sent, by reason "
+            "(register, change, period, legacy)", ["reason"], registry=registry)
+        self.status_patch_bytes = Histogram(
+            "nodepulse_node_status_patch_bytes", "Request body size of NodeStatus patches",
+            buckets=(256, 512, 1024, 2048, 4096, 8192, 16384, 65536), registry=registry)
+        self.status_errors = Counter(
+            "nodepulse_node_status_errors", "NodeStatus patches that failed",
+            registry=registry)
+        self.policy_updates = Counter(
+            "nodepulse_heartbeat_policy_updates", "Heartbeat settings from the Node "
+            "annotation, by result (applied, refused, cleared)", ["result"], registry=registry)
+        self.nodes = Gauge("nodepulse_nodes", "Nodes this process speaks for",
+                           registry=registry)

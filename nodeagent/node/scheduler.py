@@ -1,0 +1,126 @@
+"""One asyncio task that runs many nodes' periodic jobs at their own due times.
+
+Shared by all nodes of a process (a heap of due times instead of a sleeping loop per
+node); the lease renewals and the status ticks each get their own scheduler and their
+own thread pool, so neither waits behind the other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import heapq
+import itertools
+import logging
+from collections.abc import Awaitable, Callable, Hashable
+from typing import Any, Generic, TypeVar
+
+from nodeagent.api.clock import Clock
+
+log = logging.getLogger(__name__)
+
+K = TypeVar("K", bound=Hashable)
+T = TypeVar("T")
+
+# A job runs one key's work and says when (monotonic time) to run it next, or None.
+Job = Callable[[K], Awaitable[float | None]]
+
+
+class Blocking:
+    """Runs blocking calls (API requests, host reads) in a bounded thread pool."""
+
+    def __init__(self, executor: concurrent.futures.Executor) -> None:
+        self.executor = executor
+
+    async def __call__(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, functools.partial(fn, *args, **kwargs))
+
+    def shutdown(self) -> None:
+        """Waits for calls already running: a write that started finishes."""
+        self.executor.shutdown(wait=True, cancel_futures=True)
+
+
+class DueScheduler(Generic[K]):
+    def __init__(self, clock: Clock, job: Job[K], name: str = "scheduler",
+                 retry_after_error: float = 1.0) -> None:
+        self.clock = clock
+        self.job = job
+        self.name = name
+        self.retry_after_error = retry_after_error
+        self._heap: list[tuple[float, int, K]] = []
+        self._due: dict[K, float] = {}
+        self._running: dict[K, asyncio.Task[None]] = {}
+        self._seq = itertools.count()
+        self._wake = asyncio.Event()
+        self._stopping = False
+
+    def due(self, key: K) -> float | None:
+        return self._due.get(key)
+
+    def running(self, key: K) -> bool:
+        return key in self._running
+
+    def schedule(self, key: K, at: float) -> None:
+        """Run `key` at monotonic time `at` (replacing any earlier plan for it)."""
+        self._due[key] = at
+        heapq.heappush(self._heap, (at, next(self._seq), key))
+        self._wake.set()
+
+    def cancel(self, key: K) -> None:
+        self._due.pop(key, None)
+
+    async def run(self) -> None:
+        while not self._stopping:
+            while self._heap and self._due.get(self._heap[0][2]) != self._heap[0][0]:
+                heapq.heappop(self._heap)  # superseded or cancelled
+            if not self._heap:
+                await self._wait(None)
+                continue
+            at, _, key = self._heap[0]
+            delay = at - self.clock.monotonic()
+            if delay > 0:
+                await self._wait(delay)
+                continue
+            heapq.heappop(self._heap)
+            del self._due[key]
+            if key in self._running:
+                continue  # the running job plans its own next run
+            self._running[key] = asyncio.create_task(self._run_one(key),
+                                                     name=f"{self.name}:{key}")
+
+    async def _run_one(self, key: K) -> None:
+        try:
+            nxt = await self.job(key)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("%s: job for %s failed", self.name, key)
+            nxt = self.clock.monotonic() + self.retry_after_error
+        finally:
+            self._running.pop(key, None)
+        if nxt is not None and not self._stopping:
+            planned = self._due.get(key)
+            self.schedule(key, nxt if planned is None else min(planned, nxt))
+
+    async def _wait(self, seconds: float | None) -> None:
+        self._wake.clear()
+        waiters: list[asyncio.Future[Any]] = [asyncio.ensure_future(self._wake.wait())]
+        if seconds is not None:
+            waiters.append(asyncio.ensure_future(self.clock.sleep(seconds)))
+        try:
+            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waiters:
+                w.cancel()
+
+    async def stop(self) -> None:
+        """No new runs; jobs in flight are cancelled at their next await (a blocking
+        call already in a thread still completes: see Blocking.shutdown)."""
+        self._stopping = True
+        self._wake.set()
+        tasks = list(self._running.values())
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,205 @@
+"""NodeStatus: computed from host readings, compared on what matters, patched sparingly.
+
+Pure functions here (compute, meaningful difference, report decision, patch); the
+per-node StatusReporter that drives them lives in reporter.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from nodeagent.node.host import HostReadError, HostReadings
+from nodeagent.node.quantity import Threshold, format_bytes, format_cpu
+
+CONDITION_TYPES = ("MemoryPressure", "DiskPressure", "PIDPressure", "Ready")
+
+Status = dict[str, Any]
+
+
+def api_time(t: dt.datetime) -> str:
+    """metav1.Time: RFC 3339, whole seconds, UTC."""
+    return t.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def api_microtime(t: dt.datetime) -> str:
+    """metav1.MicroTime: RFC 3339 with microseconds, UTC."""
+    return t.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+@dataclasses.dataclass(frozen=True)
+class StatusSettings:
+    max_pods: int = 110
+    thresholds: tuple[Threshold, ...] = ()
+    # resource name -> amount held back from allocatable (cores for cpu, bytes otherwise)
+    system_reserved: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    max_images: int = 50
+    agent_version: str = ""
+    runtime_version: str = ""
+
+
+def _signal(readings: HostReadings, signal: str) -> tuple[float, float]:
+    """(available, capacity) for an eviction signal."""
+    r = readings
+    if signal == "memory.available":
+        return r.memoryAvailable, r.memoryTotal
+    if signal in ("nodefs.available", "imagefs.available"):
+        return r.fsAvailable, r.fsTotal
+    if signal == "nodefs.inodesFree":
+        return r.inodesFree, r.inodesTotal
+    if signal == "pid.available":
+        return max(0, r.pidMax - r.pidsRunning), r.pidMax
+    raise ValueError(f"unknown signal {signal}")
+
+
+_PRESSURE = {  # condition -> (signals, reason when under pressure, reason when not)
+    "MemoryPressure": (("memory.available",), "MemoryBelowThreshold", "MemorySufficient"),
+    "DiskPressure": (("nodefs.available", "nodefs.inodesFree", "imagefs.available"),
+                     "DiskBelowThreshold", "DiskSufficient"),
+    "PIDPressure": (("pid.available",), "PIDsBelowThreshold", "PIDsSufficient"),
+}
+
+
+def crossed(readings: HostReadings, thresholds: Sequence[Threshold]) -> list[Threshold]:
+    out = []
+    for t in thresholds:
+        available, capacity = _signal(readings, t.signal)
+        if available < t.limit(capacity):
+            out.append(t)
+    return out
+
+
+def _images(images: Sequence[Mapping[str, Any]], limit: int) -> list[dict[str, Any]]:
+    """Largest first, at most `limit`, as the kubelet orders them."""
+    clean: list[dict[str, Any]] = []
+    for img in images:
+        names = [str(n) for n in (img.get("names") or [])]
+        if names:
+            clean.append({"names": names, "sizeBytes": int(img.get("sizeBytes") or 0)})
+    clean.sort(key=lambda i: (-i["sizeBytes"], i["names"][0]))
+    return clean[:limit]
+
+
+def compute_status(readings: HostReadings | HostReadError, settings: StatusSettings,
+                   images: Sequence[Mapping[str, Any]], now: dt.datetime,
+                   previous: Status | None = None, not_ready: str | None = None) -> Status:
+    """The full NodeStatus. `previous` supplies lastTransitionTime for conditions whose
+    status has not changed, and the last good values when the host cannot be read.
+    `not_ready` is a reason from elsewhere (e.g. the runtime) to report Ready=False."""
+    stamp = api_time(now)
+    prev_conditions = {c["type"]: c for c in (previous or {}).get("conditions", [])}
+    status: Status = {}
+    statuses: dict[str, tuple[str, str, str]] = {}  # type -> (status, reason, message)
+    if isinstance(readings, HostReadError):
+        for key in ("capacity", "allocatable", "addresses", "nodeInfo"):
+            if previous and key in previous:
+                status[key] = previous[key]
+        for ctype in CONDITION_TYPES[:-1]:
+            statuses[ctype] = ("Unknown", "HostReadingsFailed", str(readings))
+        statuses["Ready"] = ("False", "HostReadingsFailed", str(readings))
+    else:
+        r = readings
+        capacity = {"cpu": r.cpu, "memory": float(r.memoryTotal),
+                    "ephemeral-storage": float(r.fsTotal), "pods": float(settings.max_pods)}
+        status["capacity"] = _format_resources(capacity)
+        allocatable = {k: max(0.0, v - settings.system_reserved.get(k, 0.0))
+                       for k, v in capacity.items()}
+        status["allocatable"] = _format_resources(allocatable)
+        status["addresses"] = [{"type": t, "address": a} for t, a in r.addresses]
+        status["nodeInfo"] = {
+            "machineID": r.machineID, "systemUUID": r.systemUUID, "bootID": r.bootID,
+            "kernelVersion": r.kernelVersion, "osImage": r.osImage,
+            "containerRuntimeVersion": settings.runtime_version,
+            "kubeletVersion": settings.agent_version, "kubeProxyVersion": "",
+            "operatingSystem": r.operatingSystem, "architecture": r.architecture,
+        }
+        hit = crossed(r, settings.thresholds)
+        for ctype, (signals, yes, no) in _PRESSURE.items():
+            mine = [t for t in hit if t.signal in signals]
+            if mine:
+                statuses[ctype] = ("True", yes, "below eviction threshold: "
+                                   + ",".join(t.text() for t in mine))
+            else:
+                statuses[ctype] = ("False", no, "above eviction thresholds")
+        if not_ready:
+            statuses["Ready"] = ("False", "AgentNotReady", not_ready)
+        else:
+            statuses["Ready"] = ("True", "AgentReady", "nodepulse agent is posting ready status")
+    status["images"] = _images(images, settings.max_images)
+    conditions = []
+    for ctype in CONDITION_TYPES:
+        st, reason, message = statuses[ctype]
+        prev = prev_conditions.get(ctype)
+        since = prev["lastTransitionTime"] if prev and prev.get("status") == st else stamp
+        conditions.append({"type": ctype, "status": st, "reason": reason, "message": message,
+                           "lastHeartbeatTime": stamp, "lastTransitionTime": since})
+    status["conditions"] = conditions
+    return status
+
+
+def _format_resources(values: Mapping[str, float]) -> dict[str, str]:
+    return {k: format_cpu(v) if k == "cpu" else
+            str(int(v)) if k == "pods" else format_bytes(int(v)) for k, v in values.items()}
+
+
+def _projection(status: Status) -> dict[str, Any]:
+    """What counts as a change: heartbeat times and messages do not."""
+    out: dict[str, Any] = {
+        f"conditions/{c['type']}": (c.get("status"), c.get("reason"))
+        for c in status.get("conditions", [])}
+    for key in ("capacity", "allocatable", "nodeInfo"):
+        out[key] = dict(status.get(key) or {})
+    out["addresses"] = [(a.get("type"), a.get("address")) for a in status.get("addresses", [])]
+    out["images"] = [(tuple(i.get("names", [])), i.get("sizeBytes"))
+                     for i in status.get("images", [])]
+    return out
+
+
+def meaningful_changes(old: Status | None, new: Status) -> list[str]:
+    """Names of what changed meaningfully, e.g. ['conditions/DiskPressure', 'images']."""
+    if old is None:
+        return ["all"]
+    a, b = _projection(old), _projection(new)
+    return sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+
+
+def report_reason(now: float, last_full_report: float | None, changed: bool,
+                  report_every: float, update_every: float) -> str | None:
+    """Why to PATCH now, or None. The report period is checked at update ticks; it is
+    due at the tick nearest to it, so tick jitter cannot push it a whole tick late."""
+    if last_full_report is None:
+        return "register"
+    if now - last_full_report + update_every / 2 >= report_every:
+        return "period"
+    if changed:
+        return "change"
+    return None
+
+
+def build_patch(old: Status | None, new: Status, changes: Sequence[str], full: bool) -> Status:
+    """A strategic-merge patch of the status subresource. A full report sends every
+    condition (fresh heartbeat times) and anything changed; a change sends only what
+    changed."""
+    if old is None:
+        return {"status": new}
+    body: Status = {}
+    changed = set(changes)
+    ctypes = {c.split("/", 1)[1] for c in changed if c.startswith("conditions/")}
+    conds = [c for c in new["conditions"] if full or c["type"] in ctypes]
+    if conds:
+        body["conditions"] = conds
+    for key in ("capacity", "allocatable"):
+        if key in changed:
+            gone = {k: None for k in old.get(key, {}) if k not in new.get(key, {})}
+            body[key] = {**gone, **new.get(key, {})}
+    if "nodeInfo" in changed:
+        before = old.get("nodeInfo", {})
+        body["nodeInfo"] = {k: v for k, v in new.get("nodeInfo", {}).items() if before.get(k) != v}
+    if "addresses" in changed:
+        # the list merges by type; replace it whole so a removed address goes away
+        body["addresses"] = [{"$patch": "replace"}, *new.get("addresses", [])]
+    if "images" in changed:
+        body["images"] = new.get("images", [])  # atomic list
+    return {"status": body}

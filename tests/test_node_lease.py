@@ -1,0 +1,180 @@
+"""Lease renewal: schedule and jitter, retry ceiling, conflicts, recreation. Fake clock."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from nodeagent.api.clock import FakeClock, settle
+from nodeagent.api.policy import Heartbeat
+from nodeagent.node.fakekube import FakeKube, InlineExecutor, api_error
+from nodeagent.node.lease import LeaseRenewer, renew_delay
+from nodeagent.node.metrics import NodeMetrics
+from nodeagent.node.scheduler import Blocking, DueScheduler
+
+HB = Heartbeat()  # 40 s duration, 10 s interval
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+class Rig:
+    def __init__(self, hb: Heartbeat = HB, jitter: float = 0.04, seed: int = 1) -> None:
+        self.clock = FakeClock()
+        self.kube = FakeKube(now=self.clock.monotonic)
+        self.registry = CollectorRegistry()
+        self.metrics = NodeMetrics(self.registry)
+        self.renewer = LeaseRenewer("n1", self.kube, self.clock, self.metrics,
+                                    Blocking(InlineExecutor()), hb, jitter=jitter,
+                                    rng=random.Random(seed))
+        self.renewer.owner_uid = "uid-n1"
+        self.sched: DueScheduler[str] = DueScheduler(self.clock,
+                                                     lambda _k: self.renewer.renew())
+
+    def metric(self, result: str) -> float:
+        return self.registry.get_sample_value("nodepulse_lease_renewals_total",
+                                              {"result": result}) or 0.0
+
+    async def start(self) -> asyncio.Task[None]:
+        task = asyncio.create_task(self.sched.run())
+        self.sched.schedule("n1", self.clock.monotonic())
+        await settle()
+        return task
+
+    async def finish(self, task: asyncio.Task[None]) -> None:
+        await self.sched.stop()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+@pytest.mark.parametrize("interval, duration", [(10, 40), (2, 40), (35, 40), (1, 5)])
+def test_renew_delay_within_jitter_and_before_expiry(interval, duration):
+    for i in range(-100, 101):
+        d = renew_delay(interval, duration, 0.04, i / 100)
+        assert d <= duration * 0.9
+        assert min(interval * 0.96, duration * 0.9) <= d <= interval * 1.04
+
+
+def test_creates_then_renews_on_jittered_interval_with_one_put_each():
+    async def main():
+        rig = Rig()
+        task = await rig.start()
+        assert rig.kube.count("create_lease") == 1
+        lease = rig.kube.leases["n1"]
+        assert lease["spec"]["holderIdentity"] == "n1"
+        assert lease["spec"]["leaseDurationSeconds"] == 40
+        assert lease["metadata"]["ownerReferences"][0] == {
+            "apiVersion": "v1", "kind": "Node", "name": "n1", "uid": "uid-n1"}
+        await rig.clock.advance(60.5)
+        puts = rig.kube.times("update_lease")
+        gaps = [b - a for a, b in zip([0.0, *puts], puts, strict=False)]
+        assert len(puts) in (5, 6)
+        assert all(9.6 <= g <= 10.4 for g in gaps), gaps
+        assert rig.kube.count("get_lease") == 1  # only before the first create
+        assert rig.metric("success") == len(puts)
+        last = rig.clock.now() - __import__("datetime").timedelta(seconds=60.5 - puts[-1])
+        assert rig.kube.leases["n1"]["spec"]["renewTime"] == last.strftime(
+            "%Y-%m-%dT%H:%M:%S.%fZ")
+        await rig.finish(task)
+    run(main())
+
+
+def test_retry_ceiling_never_lands_after_the_lease_expires():
+    async def main():
+        rig = Rig()
+        task = await rig.start()
+        renewed = rig.renewer.last_renewed
+        assert renewed == 0.0
+        # the server answers, but only with errors, for a long while
+        rig.kube.fail("update_lease", *[api_error(503)] * 30)
+        await rig.clock.advance(39.99)
+        assert rig.metric("failed") == 1  # gave up before the lease ran out
+        attempts = [c for c in rig.kube.calls if c[1] == "update_lease"]
+        assert len(attempts) >= 5  # it kept trying
+        for at, _, _, timeout in attempts:
+            assert at + timeout <= renewed + 40  # an attempt cannot land after expiry
+        assert attempts[-1][0] > renewed + 30  # ...and used the time there was
+        await rig.clock.advance(0.02)
+        assert rig.renewer.health() is not None  # /healthz goes red
+        await rig.clock.advance(60)  # the server recovers: renewals resume
+        assert rig.metric("success") >= 1 and rig.renewer.health() is None
+        await rig.finish(task)
+    run(main())
+
+
+def test_transient_errors_are_retried_quickly():
+    async def main():
+        rig = Rig()
+        task = await rig.start()
+        rig.kube.fail("update_lease", api_error(500), api_error(429), ConnectionError("reset"))
+        await rig.clock.advance(15)
+        times = rig.kube.times("update_lease")
+        assert len(times) == 4
+        assert times[-1] - times[0] < 5  # short backoff, not another interval
+        assert rig.metric("retried") == 3 and rig.metric("success") == 1
+        assert rig.renewer.health() is None
+        await rig.finish(task)
+    run(main())
+
+
+def test_refusal_is_not_retried():
+    async def main():
+        rig = Rig()
+        task = await rig.start()
+        rig.kube.fail("update_lease", api_error(403, "Forbidden"))
+        await rig.clock.advance(10.5)
+        assert rig.kube.count("update_lease") == 1
+        assert rig.metric("failed") == 1
+        await rig.clock.advance(2.5)  # tried again soon, as a new renewal
+        assert rig.kube.count("update_lease") == 2 and rig.metric("success") == 1
+        await rig.finish(task)
+    run(main())
+
+
+def test_conflict_rereads_and_retries_at_once():
+    async def main():
+        rig = Rig()
+        task = await rig.start()
+        rig.kube.touch_lease("n1")  # someone else wrote it
+        await rig.clock.advance(10.5)
+        methods = [c[1] for c in rig.kube.calls]
+        assert methods[-3:] == ["update_lease", "get_lease", "update_lease"]
+        t_conflict, t_ok = rig.kube.times("update_lease")[-2:]
+        assert t_ok == t_conflict
+        assert rig.metric("conflict") == 1 and rig.metric("success") == 1
+        await rig.finish(task)
+    run(main())
+
+
+def test_deleted_lease_is_recreated():
+    async def main():
+        rig = Rig()
+        task = await rig.start()
+        del rig.kube.leases["n1"]
+        await rig.clock.advance(10.5)
+        assert rig.kube.count("create_lease") == 2
+        assert rig.kube.leases["n1"]["spec"]["holderIdentity"] == "n1"
+        assert rig.metric("created") == 2
+        await rig.clock.advance(10)
+        assert rig.kube.count("update_lease") >= 1
+        await rig.finish(task)
+    run(main())
+
+
+def test_settings_change_takes_effect_at_once():
+    async def main():
+        rig = Rig(jitter=0)
+        task = await rig.start()
+        await rig.clock.advance(3)
+        rig.renewer.heartbeat = Heartbeat(renewIntervalSeconds=2)
+        rig.sched.schedule("n1", rig.renewer.replan())
+        await settle()
+        assert rig.kube.times("update_lease") == [3.0]  # 2 s after the last renewal had passed
+        await rig.clock.advance(4)
+        assert rig.kube.times("update_lease") == [3.0, 5.0, 7.0]
+        await rig.finish(task)
+    run(main())

@@ -1,0 +1,209 @@
+"""NodeStatus computation, meaningful-change detection, report decisions, patches."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+
+import pytest
+
+from nodeagent.node.fakekube import merge_patch
+from nodeagent.node.host import HostReadError, HostReadings
+from nodeagent.node.quantity import QuantityError, parse_quantity, parse_thresholds
+from nodeagent.node.status import (
+    StatusSettings,
+    build_patch,
+    compute_status,
+    meaningful_changes,
+    report_reason,
+)
+
+T0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+GI = 2**30
+
+READINGS = HostReadings(
+    cpu=4, memoryTotal=8 * GI, memoryAvailable=4 * GI, fsTotal=100 * GI, fsAvailable=50 * GI,
+    inodesTotal=1_000_000, inodesFree=900_000, pidMax=4_194_304, pidsRunning=300,
+    kernelVersion="6.1.0", osImage="Debian GNU/Linux 12", operatingSystem="linux",
+    architecture="amd64", hostname="h1",
+    addresses=(("InternalIP", "10.0.0.5"), ("Hostname", "h1")), machineID="m", bootID="b")
+SETTINGS = StatusSettings(
+    max_pods=110, agent_version="v0.1.0",
+    thresholds=parse_thresholds("memory.available<100Mi,nodefs.available<10%,pid.available<5%"),
+    system_reserved={"cpu": 0.5, "memory": GI})
+IMAGES = [{"names": ["localhost/a:1"], "sizeBytes": 10},
+          {"names": ["localhost/b:1"], "sizeBytes": 30},
+          {"names": ["localhost/c:1"], "sizeBytes": 20}]
+
+
+def status(readings: HostReadings | HostReadError = READINGS, images=IMAGES, at: float = 0,
+           previous=None, settings=SETTINGS, not_ready=None):
+    return compute_status(readings, settings, images, T0 + dt.timedelta(seconds=at),
+                          previous=previous, not_ready=not_ready)
+
+
+def cond(st, ctype):
+    return next(c for c in st["conditions"] if c["type"] == ctype)
+
+
+def test_compute_capacity_allocatable_info_and_conditions():
+    st = status()
+    assert st["capacity"] == {"cpu": "4", "memory": "8Gi", "ephemeral-storage": "100Gi",
+                              "pods": "110"}
+    assert st["allocatable"] == {"cpu": "3500m", "memory": "7Gi",
+                                 "ephemeral-storage": "100Gi", "pods": "110"}
+    assert st["nodeInfo"]["kernelVersion"] == "6.1.0"
+    assert st["nodeInfo"]["kubeletVersion"] == "v0.1.0"
+    assert st["addresses"] == [{"type": "InternalIP", "address": "10.0.0.5"},
+                               {"type": "Hostname", "address": "h1"}]
+    assert [c["type"] for c in st["conditions"]] == ["MemoryPressure", "DiskPressure",
+                                                     "PIDPressure", "Ready"]
+    assert [c["status"] for c in st["conditions"]] == ["False", "False", "False", "True"]
+    assert cond(st, "Ready")["lastHeartbeatTime"] == "2026-01-01T00:00:00Z"
+
+
+def test_images_largest_first_and_capped():
+    st = status(settings=dataclasses.replace(SETTINGS, max_images=2))
+    assert [i["names"][0] for i in st["images"]] == ["localhost/b:1", "localhost/c:1"]
+    assert status(images=[])["images"] == []
+
+
+@pytest.mark.parametrize("change, ctype", [
+    ({"memoryAvailable": 50 * 2**20}, "MemoryPressure"),
+    ({"fsAvailable": 9 * GI}, "DiskPressure"),
+    ({"pidsRunning": 4_194_304 - 1000}, "PIDPressure"),
+])
+def test_thresholds_raise_pressure(change, ctype):
+    st = status(dataclasses.replace(READINGS, **change))
+    c = cond(st, ctype)
+    assert c["status"] == "True"
+    assert "below eviction threshold" in c["message"]
+    others = [x["status"] for x in st["conditions"] if x["type"] not in (ctype, "Ready")]
+    assert others == ["False", "False"]
+
+
+def test_host_read_failure_makes_not_ready_and_keeps_last_values():
+    good = status()
+    bad = status(HostReadError("cannot read /proc/meminfo: No such file"), at=10, previous=good)
+    assert cond(bad, "Ready")["status"] == "False"
+    assert "meminfo" in cond(bad, "Ready")["message"]
+    assert cond(bad, "MemoryPressure")["status"] == "Unknown"
+    assert bad["capacity"] == good["capacity"]
+
+
+def test_transition_time_kept_until_status_changes():
+    a = status(at=0)
+    b = status(at=10, previous=a)
+    assert cond(b, "Ready")["lastTransitionTime"] == "2026-01-01T00:00:00Z"
+    assert cond(b, "Ready")["lastHeartbeatTime"] == "2026-01-01T00:00:10Z"
+    c = status(at=20, previous=b, not_ready="runtime down")
+    assert cond(c, "Ready")["status"] == "False"
+    assert cond(c, "Ready")["lastTransitionTime"] == "2026-01-01T00:00:20Z"
+
+
+BASE = status()
+
+
+def _variant(**kw):
+    r = dataclasses.replace(READINGS, **{k: v for k, v in kw.items() if k != "images"})
+    return status(r, images=kw.get("images", IMAGES), at=37, previous=BASE)
+
+
+# Meaningful-change table: (description, new status, expected change names)
+CASES = [
+    ("heartbeat time only", status(at=37, previous=BASE), []),
+    ("memory use moves, no threshold crossed", _variant(memoryAvailable=3 * GI), []),
+    ("disk fills a little", _variant(fsAvailable=40 * GI), []),
+    ("pids come and go", _variant(pidsRunning=900), []),
+    ("memory pressure", _variant(memoryAvailable=10), ["conditions/MemoryPressure"]),
+    ("disk pressure", _variant(fsAvailable=GI), ["conditions/DiskPressure"]),
+    ("inode pressure is disk pressure",
+     status(dataclasses.replace(READINGS, inodesFree=10), settings=dataclasses.replace(
+         SETTINGS, thresholds=parse_thresholds("nodefs.inodesFree<5%")), at=37, previous=BASE),
+     ["conditions/DiskPressure"]),
+    ("pid pressure", _variant(pidsRunning=4_190_000), ["conditions/PIDPressure"]),
+    ("not ready", status(at=37, previous=BASE, not_ready="x"), ["conditions/Ready"]),
+    ("cpu count", _variant(cpu=8), ["allocatable", "capacity"]),
+    ("kernel upgrade", _variant(kernelVersion="6.2.0"), ["nodeInfo"]),
+    ("new address", _variant(addresses=(("InternalIP", "10.0.0.6"), ("Hostname", "h1"))),
+     ["addresses"]),
+    ("image pulled", _variant(images=[*IMAGES, {"names": ["localhost/d:1"], "sizeBytes": 5}]),
+     ["images"]),
+    ("image list order only from the runtime", _variant(images=list(reversed(IMAGES))), []),
+]
+
+
+@pytest.mark.parametrize("desc, new, expected", CASES, ids=[c[0] for c in CASES])
+def test_meaningful_changes(desc, new, expected):
+    assert meaningful_changes(BASE, new) == expected
+
+
+def test_nothing_reported_yet_is_a_change():
+    assert meaningful_changes(None, BASE) == ["all"]
+
+
+@pytest.mark.parametrize("now, last, changed, expected", [
+    (0, None, False, "register"),
+    (10, 0, False, None),
+    (10, 0, True, "change"),
+    (290, 0, False, None),
+    (296, 0, False, "period"),  # the tick nearest the period counts
+    (300, 0, False, "period"),
+    (300, 0, True, "period"),  # a full report covers the change
+    (19.9, 0.0, False, None),
+])
+def test_report_reason(now, last, changed, expected):
+    assert report_reason(now, last, changed, report_every=300, update_every=10) == expected
+
+
+def test_report_period_20s_on_10s_ticks_with_jitter():
+    last = 0.0
+    reports = []
+    for tick in range(1, 13):
+        now = tick * 10 + (0.01 if tick % 2 else -0.01)
+        if report_reason(now, last, False, report_every=20, update_every=10):
+            reports.append(tick)
+            last = now
+    assert reports == [2, 4, 6, 8, 10, 12]
+
+
+def test_change_patch_carries_only_what_changed():
+    new = _variant(memoryAvailable=10)
+    body = build_patch(BASE, new, meaningful_changes(BASE, new), full=False)
+    assert list(body["status"]) == ["conditions"]
+    assert [c["type"] for c in body["status"]["conditions"]] == ["MemoryPressure"]
+
+
+def test_period_patch_refreshes_every_heartbeat_and_applies():
+    new = status(at=300, previous=BASE)
+    body = build_patch(BASE, new, [], full=True)
+    assert list(body["status"]) == ["conditions"]
+    merged = merge_patch(BASE, body["status"])
+    assert {c["lastHeartbeatTime"] for c in merged["conditions"]} == {"2026-01-01T00:05:00Z"}
+    assert merged["capacity"] == BASE["capacity"]
+
+
+def test_patches_replace_addresses_and_drop_removed_resources():
+    new = _variant(addresses=(("Hostname", "h1"),), kernelVersion="6.2.0")
+    new["capacity"].pop("ephemeral-storage")
+    changes = meaningful_changes(BASE, new)
+    body = build_patch(BASE, new, changes, full=False)["status"]
+    assert body["nodeInfo"] == {"kernelVersion": "6.2.0"}
+    assert body["capacity"]["ephemeral-storage"] is None
+    merged = merge_patch(BASE, body)
+    assert merged["addresses"] == [{"type": "Hostname", "address": "h1"}]
+    assert "ephemeral-storage" not in merged["capacity"]
+    assert merged["nodeInfo"]["kernelVersion"] == "6.2.0"
+
+
+def test_thresholds_parse_both_forms_and_refuse_bad_ones():
+    t = parse_thresholds("memory.available<100Mi, nodefs.available<10%")
+    assert t[0].limit(GI) == 100 * 2**20 and t[1].limit(200) == 20
+    assert parse_thresholds({"pid.available": "5%"})[0].percent == 5
+    for bad, words in [("memory.available>1Gi", "signal<value"),
+                       ("cpu.available<1", "unknown signal"),
+                       ("memory.available<lots", "not a quantity"),
+                       ("nodefs.available<120%", "0-100")]:
+        with pytest.raises(QuantityError, match=words):
+            parse_thresholds(bad)
+    assert parse_quantity("250m") == 0.25 and parse_quantity("1Ki") == 1024
