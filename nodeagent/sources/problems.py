@@ -1,0 +1,29 @@
+"""Reporting bad input: a log line, a metric, and a Warning Event on the Node."""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol
+
+from nodeagent.sources import metrics
+from nodeagent.sources.types import Source
+
+log = logging.getLogger("nodeagent.sources")
+
+
+class EventSink(Protocol):
+    def warning(self, reason: str, message: str) -> None:
+        """Record a Warning Event on the Node. Must not block (schedule the API call)."""
+
+
+class Problems:
+    """Where sources report what they refuse. `sink` is usually a NodeEvents."""
+
+    def __init__(self, sink: EventSink | None = None) -> None:
+        self.sink = sink
+
+    def report(self, source: Source, reason: str, message: str) -> None:
+        log.warning("%s source: %s", source.value, message)
+        metrics.MANIFEST_ERRORS.labels(source.value, reason).inc()
+        if self.sink is not None:
+            self.sink.warning(f"StaticPod{reason}", f"{source.value} source: {message}")

@@ -1,0 +1,289 @@
+"""Static pods: parsing and checking manifests, the content hash, and mirror pods.
+
+A manifest (YAML or JSON, from a file or a URL) becomes a static pod:
+- name `<name>-<node>`, `spec.nodeName` = node, namespace defaulted to `default`;
+- UID = hash of (source, node, normalized pod): the same content always gives the
+  same UID, any real change gives a new one; `kubernetes.io/config.hash` = the UID;
+- `kubernetes.io/config.source` (file|http) and `kubernetes.io/config.seen`.
+
+Normalization makes the hash blind to formatting: YAML vs JSON, whitespace, key order,
+explicit nulls, and the fields a manifest cannot own (uid, resourceVersion, status...).
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime as dt
+import hashlib
+import json
+import re
+from typing import Any
+
+import yaml
+
+from nodeagent.sources.types import (
+    ANN_CONFIG_HASH,
+    ANN_CONFIG_MIRROR,
+    ANN_CONFIG_SEEN,
+    ANN_CONFIG_SOURCE,
+    Pod,
+    Source,
+)
+
+MAX_MANIFEST_BYTES = 1 << 20  # 1 MiB per manifest file
+
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+# Set by the API server or the agent, never by a manifest: ignored for the hash.
+_SERVER_META = ("uid", "resourceVersion", "creationTimestamp", "selfLink", "generation",
+                "managedFields", "deletionTimestamp", "deletionGracePeriodSeconds")
+
+
+class ManifestError(ValueError):
+    """A manifest that cannot become a pod. `str()` names the manifest and the problem."""
+
+    def __init__(self, subject: str, problem: str, reason: str = "Invalid") -> None:
+        super().__init__(f"{subject}: {problem}")
+        self.subject = subject
+        self.problem = problem
+        self.reason = reason  # short CamelCase word for metrics and Events
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader without YAML 1.1 timestamps: an unquoted date stays a string, as it
+    would in the API's JSON (and json.dumps can hash it)."""
+
+
+_Loader.yaml_implicit_resolvers = {
+    k: [(tag, rx) for tag, rx in v if tag != "tag:yaml.org,2002:timestamp"]
+    for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+
+
+def parse_documents(data: bytes, subject: str) -> list[Any]:
+    """YAML or JSON (JSON is YAML) -> the non-empty documents it holds."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ManifestError(subject, f"not UTF-8 text (byte {e.start})", "Malformed") from e
+    try:
+        docs = [d for d in yaml.load_all(text, Loader=_Loader) if d is not None]
+    except yaml.YAMLError as e:
+        where = ""
+        mark = getattr(e, "problem_mark", None)
+        if mark is not None:
+            where = f" at line {mark.line + 1}, column {mark.column + 1}"
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ManifestError(subject, f"malformed YAML/JSON{where}: {problem}",
+                            "Malformed") from e
+    return docs
+
+
+def parse_manifest(data: bytes, subject: str) -> dict[str, Any]:
+    """One file = one Pod. Returns the checked, normalized pod document."""
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise ManifestError(subject, f"{len(data)} bytes, over the limit of "
+                            f"{MAX_MANIFEST_BYTES} bytes", "TooLarge")
+    docs = parse_documents(data, subject)
+    if not docs:
+        raise ManifestError(subject, "empty manifest: no document", "Invalid")
+    if len(docs) > 1:
+        raise ManifestError(subject, f"{len(docs)} documents; a manifest file holds one Pod",
+                            "Invalid")
+    return check_pod(docs[0], subject)
+
+
+def parse_pod_list(data: bytes, subject: str) -> list[dict[str, Any]]:
+    """A URL body: one Pod, a PodList/List of Pods, or several YAML documents of Pods."""
+    docs = parse_documents(data, subject)
+    pods: list[dict[str, Any]] = []
+    for i, doc in enumerate(docs):
+        where = subject if len(docs) == 1 else f"{subject} (document {i + 1})"
+        if isinstance(doc, dict) and doc.get("kind") in ("PodList", "List"):
+            items = doc.get("items")
+            if not isinstance(items, list):
+                raise ManifestError(where, f"{doc.get('kind')} without an items list")
+            pods.extend(check_pod(item, f"{where} items[{j}]") for j, item in enumerate(items))
+        else:
+            pods.append(check_pod(doc, where))
+    seen: dict[str, int] = {}
+    for i, pod in enumerate(pods):
+        key = f"{pod['metadata']['namespace']}/{pod['metadata']['name']}"
+        if key in seen:
+            raise ManifestError(subject, f"pod {key} defined twice (entries {seen[key] + 1} "
+                                f"and {i + 1})", "Duplicate")
+        seen[key] = i
+    return pods
+
+
+def check_pod(doc: Any, subject: str) -> dict[str, Any]:
+    """Check that `doc` is a Pod with the fields we need; return it normalized."""
+    if not isinstance(doc, dict):
+        raise ManifestError(subject, f"not a Pod: the document is a {type(doc).__name__}, "
+                            "not a mapping", "NotAPod")
+    kind, api_version = doc.get("kind"), doc.get("apiVersion")
+    if kind != "Pod":
+        raise ManifestError(subject, f"not a Pod: kind is {kind!r}", "NotAPod")
+    if api_version != "v1":
+        raise ManifestError(subject, f"apiVersion is {api_version!r}, a Pod is 'v1'", "NotAPod")
+    pod = _drop_nulls(doc)
+    meta = pod.get("metadata")
+    if not isinstance(meta, dict):
+        raise ManifestError(subject, "missing required field metadata", "MissingField")
+    name = meta.get("name")
+    if not name:
+        raise ManifestError(subject, "missing required field metadata.name", "MissingField")
+    if not isinstance(name, str) or not _DNS_SUBDOMAIN.match(name) or len(name) > 253:
+        raise ManifestError(subject, f"metadata.name {name!r} is not a DNS-1123 subdomain",
+                            "InvalidField")
+    ns = meta.setdefault("namespace", "default")
+    if not isinstance(ns, str) or not _DNS_LABEL.match(ns) or len(ns) > 63:
+        raise ManifestError(subject, f"metadata.namespace {ns!r} is not a DNS-1123 label",
+                            "InvalidField")
+    for field in ("labels", "annotations"):
+        value = meta.get(field)
+        if value is not None and not (isinstance(value, dict) and all(
+                isinstance(k, str) and isinstance(v, str) for k, v in value.items())):
+            raise ManifestError(subject, f"metadata.{field} must map strings to strings",
+                                "InvalidField")
+    spec = pod.get("spec")
+    if not isinstance(spec, dict):
+        raise ManifestError(subject, "missing required field spec", "MissingField")
+    containers = spec.get("containers")
+    if not isinstance(containers, list) or not containers:
+        raise ManifestError(subject, "missing required field spec.containers "
+                            "(a non-empty list)", "MissingField")
+    names: set[str] = set()
+    for group in ("initContainers", "containers"):
+        for i, c in enumerate(spec.get(group) or []):
+            path = f"spec.{group}[{i}]"
+            if not isinstance(c, dict):
+                raise ManifestError(subject, f"{path} is not a mapping", "InvalidField")
+            cname = c.get("name")
+            if not cname:
+                raise ManifestError(subject, f"missing required field {path}.name",
+                                    "MissingField")
+            if not isinstance(cname, str) or not _DNS_LABEL.match(cname):
+                raise ManifestError(subject, f"{path}.name {cname!r} is not a DNS-1123 label",
+                                    "InvalidField")
+            if cname in names:
+                raise ManifestError(subject, f"{path}.name {cname!r} is used twice",
+                                    "InvalidField")
+            names.add(cname)
+            if not isinstance(c.get("image"), str) or not c["image"]:
+                raise ManifestError(subject, f"missing required field {path}.image",
+                                    "MissingField")
+    for k in _SERVER_META:
+        meta.pop(k, None)
+    pod.pop("status", None)
+    return pod
+
+
+def _drop_nulls(value: Any) -> Any:
+    """A deep copy without null mapping values (`labels:` with nothing after it is
+    the same as no labels)."""
+    if isinstance(value, dict):
+        return {k: _drop_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_drop_nulls(v) for v in value]
+    return value
+
+
+def canonical(doc: Any) -> bytes:
+    """The bytes the hash is taken over: sorted keys, no whitespace."""
+    return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def static_uid(doc: dict[str, Any], source: Source, node_name: str) -> str:
+    """Deterministic UID (32 hex digits) of a normalized pod from `source` on `node_name`."""
+    h = hashlib.sha256()
+    h.update(f"{source.value}\0{node_name}\0".encode())
+    h.update(canonical(doc))
+    return h.hexdigest()[:32]
+
+
+def rfc3339(t: dt.datetime) -> str:
+    return t.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def make_static_pod(doc: dict[str, Any], source: Source, node_name: str,
+                    seen: dt.datetime) -> Pod:
+    """The pod the sync loop runs for a checked manifest (see the module docstring)."""
+    uid = static_uid(doc, source, node_name)
+    pod = copy.deepcopy(doc)
+    meta = pod["metadata"]
+    meta["name"] = f"{meta['name']}-{node_name}"
+    if len(meta["name"]) > 253:
+        raise ManifestError(meta["name"], "pod name with the node suffix is over 253 "
+                            "characters", "InvalidField")
+    meta["uid"] = uid
+    ann = dict(meta.get("annotations") or {})
+    ann[ANN_CONFIG_HASH] = uid
+    ann[ANN_CONFIG_SOURCE] = source.value
+    ann[ANN_CONFIG_SEEN] = rfc3339(seen)
+    meta["annotations"] = ann
+    pod["spec"]["nodeName"] = node_name
+    return pod
+
+
+def mirror_pod(static: Pod, node_uid: str) -> Pod:
+    """The API object for a static pod, shaped as NodeRestriction admits it from the
+    node itself: the mirror annotation, bound to the node, and one controller owner
+    reference to the Node (with its UID) that does not block owner deletion."""
+    meta = static["metadata"]
+    ann = dict(meta.get("annotations") or {})
+    ann[ANN_CONFIG_MIRROR] = ann[ANN_CONFIG_HASH]
+    node = static["spec"]["nodeName"]
+    mirror_meta: dict[str, Any] = {
+        "name": meta["name"], "namespace": meta["namespace"], "annotations": ann,
+        "ownerReferences": [{"apiVersion": "v1", "kind": "Node", "name": node,
+                             "uid": node_uid, "controller": True}],
+    }
+    if meta.get("labels"):
+        mirror_meta["labels"] = dict(meta["labels"])
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": mirror_meta,
+            "spec": copy.deepcopy(static["spec"])}
+
+
+def mirror_problem(pod: Pod) -> str | None:
+    """Why NodeRestriction would refuse this pod as a mirror pod created by its node,
+    or None. A node may not create pods that reference other API objects."""
+    spec = pod.get("spec", {})
+    if spec.get("serviceAccountName") or spec.get("serviceAccount"):
+        return "references a service account (spec.serviceAccountName)"
+    if spec.get("imagePullSecrets"):
+        return "references secrets (spec.imagePullSecrets)"
+    for i, vol in enumerate(spec.get("volumes") or []):
+        where = f"spec.volumes[{i}]"
+        if "secret" in vol:
+            return f"references a secret ({where}.secret)"
+        if "configMap" in vol:
+            return f"references a configmap ({where}.configMap)"
+        if "persistentVolumeClaim" in vol:
+            return f"references a persistentvolumeclaim ({where}.persistentVolumeClaim)"
+        for j, src in enumerate((vol.get("projected") or {}).get("sources") or []):
+            for key, what in (("secret", "a secret"), ("configMap", "a configmap"),
+                              ("clusterTrustBundle", "a clustertrustbundle"),
+                              ("serviceAccountToken", "a service account")):
+                if key in src:
+                    return f"references {what} ({where}.projected.sources[{j}].{key})"
+        for plugin, body in vol.items():
+            if isinstance(body, dict) and ({"secretRef", "nodePublishSecretRef"} & body.keys()
+                                           or (plugin != "secret" and "secretName" in body)):
+                return f"references a secret ({where}.{plugin})"
+    for group in ("initContainers", "containers", "ephemeralContainers"):
+        for i, c in enumerate(spec.get(group) or []):
+            where = f"spec.{group}[{i}]"
+            for j, env in enumerate(c.get("env") or []):
+                ref = env.get("valueFrom") or {}
+                if "secretKeyRef" in ref:
+                    return f"references a secret ({where}.env[{j}].valueFrom.secretKeyRef)"
+                if "configMapKeyRef" in ref:
+                    return (f"references a configmap "
+                            f"({where}.env[{j}].valueFrom.configMapKeyRef)")
+            for j, src in enumerate(c.get("envFrom") or []):
+                if "secretRef" in src:
+                    return f"references a secret ({where}.envFrom[{j}].secretRef)"
+                if "configMapRef" in src:
+                    return f"references a configmap ({where}.envFrom[{j}].configMapRef)"
+    return None
