@@ -1,0 +1,131 @@
+"""Wiring: kopf watches Leases (kube-node-lease), Nodes and NodeStatusPolicies into the
+indexes; the leader elector and the one monitor loop run beside kopf in its loop.
+
+kopf handlers here only read events (no create/update handlers, so kopf writes no
+progress annotations or finalizers): every write is the monitor's, and only the
+leader's. kopf runs standalone (no kopf peering); HA is the Lease election.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import socket
+from typing import Any
+
+import kopf
+from nodeoperator.election import KubeLeaseBackend, LeaderElector
+from nodeoperator.kube import KubeWriter
+from nodeoperator.monitor import Monitor
+from nodeoperator.state import LEASE_NAMESPACE, Store
+
+from nodeagent.api.client import load_configuration, new_api_client
+from nodeagent.api.clock import Clock, RealClock
+from nodeagent.api.policy import GROUP, PLURAL, VERSION
+from nodeagent.api.serve import HealthServer
+
+log = logging.getLogger("nodeoperator")
+
+
+@dataclasses.dataclass
+class Options:
+    kubeconfig: str | None = None
+    context: str | None = None
+    identity: str = dataclasses.field(
+        default_factory=lambda: f"{socket.gethostname()}_{os.getpid()}")
+    election_namespace: str = "kube-system"
+    election_name: str = "nodepulse-operator"
+    lease_duration: float = 15.0
+    renew_deadline: float = 10.0
+    retry_period: float = 2.0
+    monitor_period: float = 2.0
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = None  # None: no endpoint
+    writers: int = 16
+
+
+def connection_info(kubeconfig: str | None, context: str | None) -> kopf.ConnectionInfo:
+    """The same credentials nodeagent.api.client uses, in kopf's form."""
+    cfg = load_configuration(kubeconfig, context)
+    header = (cfg.get_api_key_with_prefix("BearerToken")
+              or cfg.get_api_key_with_prefix("authorization") or "")
+    scheme, _, token = header.partition(" ") if " " in header else ("", "", header)
+    return kopf.ConnectionInfo(
+        server=cfg.host, ca_path=cfg.ssl_ca_cert or None, insecure=not cfg.verify_ssl,
+        username=cfg.username or None, password=cfg.password or None,
+        scheme=scheme or None, token=token or None,
+        certificate_path=cfg.cert_file or None, private_key_path=cfg.key_file or None)
+
+
+def build_registry(store: Store, opts: Options) -> kopf.OperatorRegistry:
+    reg = kopf.OperatorRegistry()
+
+    @kopf.on.login(registry=reg)
+    def login(**_: Any) -> kopf.ConnectionInfo:
+        return connection_info(opts.kubeconfig, opts.context)
+
+    @kopf.on.event("coordination.k8s.io", "v1", "leases", registry=reg)
+    def lease_event(type: str | None, body: Any, **_: Any) -> None:  # noqa: A002 (kopf's name)
+        store.lease_event(type, body)
+
+    @kopf.on.event("", "v1", "nodes", registry=reg)
+    def node_event(type: str | None, body: Any, **_: Any) -> None:  # noqa: A002
+        store.node_event(type, body)
+
+    @kopf.on.event(GROUP, VERSION, PLURAL, registry=reg)
+    def policy_event(type: str | None, body: Any, **_: Any) -> None:  # noqa: A002
+        store.policy_event(type, body)
+
+    return reg
+
+
+def settings() -> kopf.OperatorSettings:
+    s = kopf.OperatorSettings()
+    s.posting.enabled = False  # the standby must not write, not even Events
+    s.watching.server_timeout = 300
+    s.batching.batch_window = 0.05
+    s.batching.idle_timeout = 60  # Leases renew every few seconds: keep their workers
+    return s
+
+
+async def run(opts: Options, clock: Clock | None = None) -> None:
+    clock = clock or RealClock()
+    store = Store(clock)
+    api = new_api_client(opts.kubeconfig, opts.context, component="operator",
+                         pool_size=opts.writers + 2)
+    elector = LeaderElector(KubeLeaseBackend(api, opts.election_namespace, opts.election_name),
+                            clock, opts.identity, duration=opts.lease_duration,
+                            renew_deadline=opts.renew_deadline, retry=opts.retry_period)
+    writer = KubeWriter(api, workers=opts.writers)
+    monitor = Monitor(store, clock, writer, period=opts.monitor_period,
+                      is_leader=lambda: elector.leading, parallel=opts.writers)
+    ready = asyncio.Event()
+    server = None
+    if opts.metrics_port is not None:
+        server = HealthServer(opts.metrics_host, opts.metrics_port)
+        server.ready_checks["watching"] = (
+            lambda: None if ready.is_set() else "the watches have not started yet")
+        server.start()
+        log.info("metrics and health on http://%s:%d", opts.metrics_host, server.port)
+    log.info("starting as %s (leader Lease %s/%s)", opts.identity, opts.election_namespace,
+             opts.election_name)
+    tasks = [asyncio.create_task(elector.run(), name="election"),
+             asyncio.create_task(monitor.run(), name="monitor")]
+    try:
+        # Namespaced resources (Leases) are watched in kube-node-lease only; Nodes and
+        # policies are cluster-scoped. kopf handles SIGINT/SIGTERM and returns.
+        await kopf.operator(registry=build_registry(store, opts), settings=settings(),
+                            standalone=True, namespaces=[LEASE_NAMESPACE],
+                            ready_flag=ready)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await elector.release()
+        writer.close()
+        if server:
+            server.stop()
+        api.close()
+        log.info("stopped")
