@@ -50,6 +50,7 @@ class FakeKube:
         self.bodies: list[tuple[str, Obj]] = []
         self.events: list[tuple[int, str, Obj]] = []  # node watch events (rv, type, obj)
         self.compacted = 0  # watches from a resourceVersion below this get 410
+        self.expire_next_watch = False  # the next watch gets 410 whatever its version
         self._failures: dict[str, list[BaseException | Callable[[], BaseException | None]]] = {}
         self._rv = 100
         self._now = now
@@ -167,7 +168,8 @@ class FakeKube:
         with self._lock:
             self._enter("watch_nodes", resource_version, None)
             rv = int(resource_version)
-            if rv < self.compacted:
+            if rv < self.compacted or self.expire_next_watch:
+                self.expire_next_watch = False
                 events: list[Obj] = [{"type": "ERROR", "object": {
                     "kind": "Status", "code": 410, "reason": "Expired"}}]
             else:

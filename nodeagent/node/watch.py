@@ -45,14 +45,16 @@ class NodeWatch:
         failures = 0
         while not self._stopping:
             try:
-                if self.resource_version is None:
+                fresh = self.resource_version is None
+                if fresh:
                     await self._list()
                 assert self.resource_version is not None
                 rv, seen = await self.call(self._watch_once, self.resource_version, loop)
                 self.resource_version = rv
                 failures = 0
-                if not seen and rv is not None and not self._stopping:
-                    await self.clock.sleep(1.0)  # ended at once with nothing: don't spin
+                if not seen and (rv is not None or fresh) and not self._stopping:
+                    # ended at once with nothing (or 410 right after a list): don't spin
+                    await self.clock.sleep(1.0)
             except asyncio.CancelledError:
                 raise
             except Exception as e:

@@ -1,0 +1,288 @@
+"""A node's heartbeat end to end against the in-memory API, on a fake clock:
+registration, reporting cadence, policy hot-reload, the node watch, legacy mode."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import random
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from nodeagent.api.clock import FakeClock, settle
+from nodeagent.api.policy import AGENT_LABEL, HEARTBEAT_ANNOTATION, Heartbeat
+from nodeagent.node.controller import NodeController, NodeSpec
+from nodeagent.node.fakekube import FakeKube, InlineExecutor, api_error
+from nodeagent.node.metrics import NodeMetrics
+from nodeagent.node.scheduler import Blocking, DueScheduler
+from nodeagent.node.status import StatusSettings
+from nodeagent.node.watch import NodeWatch
+from tests.test_node_status import READINGS, SETTINGS
+
+DEFAULT_HB = Heartbeat()
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def annotation(**hb: Any) -> str:
+    return json.dumps({"policy": "fast", **hb})
+
+
+class Rig:
+    def __init__(self, hb: Heartbeat = DEFAULT_HB, legacy: bool = False,
+                 settings: StatusSettings = SETTINGS, status_call=None) -> None:
+        self.clock = FakeClock()
+        self.kube = FakeKube(now=self.clock.monotonic)
+        self.registry = CollectorRegistry()
+        self.metrics = NodeMetrics(self.registry)
+        self.readings = READINGS
+        self.images: list[dict[str, Any]] = []
+        self.nodes: dict[str, NodeController] = {}
+        self.renewals: DueScheduler[str] = DueScheduler(
+            self.clock, lambda k: self.nodes[k].renew(), "renewals")
+        self.ticker: DueScheduler[str] = DueScheduler(
+            self.clock, lambda k: self.nodes[k].tick(), "status")
+        inline = Blocking(InlineExecutor())
+        self.node = NodeController(
+            NodeSpec("n1", agent_id="agent-a", labels={"pool": "x"}), self.kube, self.clock,
+            self.metrics, heartbeat=hb, settings=settings, probe=lambda: self.readings,
+            lease_call=inline, status_call=status_call or inline, renewals=self.renewals,
+            ticker=self.ticker, images=lambda: self.images, legacy=legacy,
+            rng=random.Random(3))
+        self.nodes["n1"] = self.node
+        self.watch = NodeWatch(self.kube, self.clock, inline, self.on_event,
+                               field_selector="metadata.name=n1")
+        self.tasks: list[asyncio.Task[None]] = []
+
+    def on_event(self, kind: str, obj: dict[str, Any]) -> None:
+        node = self.nodes.get(obj["metadata"]["name"])
+        if node:
+            node.on_node(obj)
+
+    async def start(self, watch: bool = True) -> None:
+        self.tasks = [asyncio.create_task(self.renewals.run()),
+                      asyncio.create_task(self.ticker.run())]
+        if watch:
+            self.tasks.append(asyncio.create_task(self.watch.run()))
+        self.node.start()
+        await settle()
+
+    async def stop(self) -> None:
+        self.watch.stop()
+        await self.renewals.stop()
+        await self.ticker.stop()
+        for t in self.tasks:
+            t.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+    def reports(self, reason: str) -> float:
+        return self.registry.get_sample_value("nodepulse_node_status_reports_total",
+                                              {"reason": reason}) or 0.0
+
+    def status_bodies(self) -> list[dict[str, Any]]:
+        return [b["status"] for m, b in self.kube.bodies if m == "patch_node_status"]
+
+
+def test_registers_node_then_only_lease_traffic_for_a_minute():
+    async def main():
+        rig = Rig()
+        await rig.start()
+        node = rig.kube.nodes["n1"]
+        assert node["metadata"]["labels"] == {
+            "kubernetes.io/hostname": "n1", "kubernetes.io/os": "linux",
+            "kubernetes.io/arch": "amd64", AGENT_LABEL: "agent-a", "pool": "x"}
+        assert node["status"]["capacity"]["pods"] == "110"
+        assert [c["status"] for c in node["status"]["conditions"]] == [
+            "False", "False", "False", "True"]
+        lease = rig.kube.leases["n1"]
+        assert lease["metadata"]["ownerReferences"][0]["uid"] == node["metadata"]["uid"]
+        assert rig.reports("register") == 1
+        patches, puts = rig.kube.count("patch_node_status"), rig.kube.count("update_lease")
+        await rig.clock.advance(60)
+        assert rig.kube.count("patch_node_status") - patches == 0
+        assert rig.kube.count("update_lease") - puts in (5, 6, 7)
+        assert rig.node.health() is None
+        await rig.stop()
+    run(main())
+
+
+def test_adopts_an_existing_node_and_fixes_its_labels():
+    async def main():
+        rig = Rig()
+        rig.kube.put_node({"metadata": {"name": "n1", "labels": {"kubernetes.io/os": "linux",
+                                                                  "keep": "me"}}})
+        await rig.start(watch=False)
+        assert rig.kube.count("create_node") == 0
+        labels = rig.kube.nodes["n1"]["metadata"]["labels"]
+        assert labels["keep"] == "me" and labels[AGENT_LABEL] == "agent-a"
+        assert rig.reports("register") == 1
+        await rig.stop()
+    run(main())
+
+
+def test_report_period_sends_full_heartbeats():
+    async def main():
+        rig = Rig(hb=Heartbeat(statusReportFrequencySeconds=20))
+        await rig.start(watch=False)
+        await rig.clock.advance(60.5)
+        assert rig.reports("period") == 3
+        body = rig.status_bodies()[-1]
+        assert list(body) == ["conditions"] and len(body["conditions"]) == 4
+        await rig.stop()
+    run(main())
+
+
+def test_condition_change_reported_within_one_update_period():
+    async def main():
+        rig = Rig()
+        await rig.start(watch=False)
+        await rig.clock.advance(13)
+        rig.readings = dataclasses.replace(READINGS, fsAvailable=1)
+        await rig.clock.advance(10)
+        assert rig.reports("change") == 1
+        body = rig.status_bodies()[-1]
+        assert [c["type"] for c in body["conditions"]] == ["DiskPressure"]
+        disk = next(c for c in rig.kube.nodes["n1"]["status"]["conditions"]
+                    if c["type"] == "DiskPressure")
+        assert disk["status"] == "True"
+        await rig.clock.advance(30)  # no change since: no more patches
+        assert rig.reports("change") == 1
+        rig.images = [{"names": ["localhost/busybox:1"], "sizeBytes": 100}]
+        await rig.clock.advance(10)
+        assert rig.reports("change") == 2
+        assert rig.status_bodies()[-1] == {"images": rig.images}
+        await rig.stop()
+    run(main())
+
+
+def test_policy_annotation_takes_effect_within_one_old_interval():
+    async def main():
+        rig = Rig()
+        await rig.start()
+        await rig.clock.advance(21)
+        before = rig.kube.times("update_lease")
+        rig.kube.annotate("n1", HEARTBEAT_ANNOTATION,
+                          annotation(leaseDurationSeconds=40, renewIntervalSeconds=2))
+        await rig.clock.advance(1)  # the watch delivers the change
+        await rig.clock.advance(10)
+        after = [t for t in rig.kube.times("update_lease") if t > 21]
+        assert after and after[0] - 21 <= 10  # followed within one old interval
+        gaps = [b - a for a, b in zip(after, after[1:], strict=False)]
+        assert len(after) >= 4 and all(1.9 <= g <= 2.1 for g in gaps), (before, after)
+        assert rig.node.policy_name == "fast"
+        assert rig.watch.lists == 1
+        await rig.stop()
+    run(main())
+
+
+def test_invalid_annotation_refused_last_good_kept_and_removal_restores_local():
+    async def main():
+        rig = Rig()
+        await rig.start()
+        rig.kube.annotate("n1", HEARTBEAT_ANNOTATION, annotation(renewIntervalSeconds=5))
+        await rig.clock.advance(2)
+        good = rig.node.heartbeat
+        assert good.renewIntervalSeconds == 5
+        for bad in ["{not json", annotation(renewIntervalSeconds=50),
+                    annotation(leaseDurationSeconds="forty"), annotation(bogus=1)]:
+            rig.kube.annotate("n1", HEARTBEAT_ANNOTATION, bad)
+            await rig.clock.advance(2)
+            assert rig.node.heartbeat == good
+        assert rig.registry.get_sample_value("nodepulse_heartbeat_policy_updates_total",
+                                             {"result": "refused"}) == 4
+        rig.kube.annotate("n1", HEARTBEAT_ANNOTATION, None)
+        await rig.clock.advance(2)
+        assert rig.node.heartbeat == Heartbeat() and rig.node.policy_name is None
+        await rig.stop()
+    run(main())
+
+
+def test_watch_resumes_from_last_version_and_relists_only_on_410():
+    async def main():
+        rig = Rig()
+        await rig.start()
+        await rig.clock.advance(5)
+        rvs = [int(c[2]) for c in rig.kube.calls if c[1] == "watch_nodes"]
+        assert rvs == sorted(rvs) and rig.watch.lists == 1
+        rig.kube.expire_next_watch = True  # history gone: the next watch gets 410
+        await rig.clock.advance(1.5)
+        assert rig.watch.lists == 2
+        rig.kube.annotate("n1", HEARTBEAT_ANNOTATION, annotation(renewIntervalSeconds=3))
+        await rig.clock.advance(2)
+        assert rig.node.heartbeat.renewIntervalSeconds == 3
+        assert rig.watch.lists == 2
+        rig.kube.fail("watch_nodes", api_error(500), ConnectionError("reset"))
+        await rig.clock.advance(5)  # errors: back off and resume, no new list
+        assert rig.watch.lists == 2
+        rig.kube.annotate("n1", HEARTBEAT_ANNOTATION, annotation(renewIntervalSeconds=4))
+        await rig.clock.advance(2)
+        assert rig.node.heartbeat.renewIntervalSeconds == 4
+        await rig.stop()
+    run(main())
+
+
+def test_renewal_never_waits_behind_a_stuck_status_computation():
+    async def main():
+        stuck = asyncio.Event()
+        inline = Blocking(InlineExecutor())
+        ready = {"registered": False}
+
+        async def status_call(fn, *args, **kwargs):
+            if ready["registered"] and getattr(fn, "__name__", "") == "_compute":
+                await stuck.wait()  # the status pool is jammed
+            result = await inline(fn, *args, **kwargs)
+            ready["registered"] = True
+            return result
+
+        rig = Rig(status_call=status_call)
+        await rig.start(watch=False)
+        await rig.clock.advance(60)
+        assert rig.kube.count("update_lease") >= 5
+        assert rig.node.health() is None
+        stuck.set()
+        await rig.stop()
+    run(main())
+
+
+def test_deleted_node_is_registered_again():
+    async def main():
+        rig = Rig()
+        await rig.start(watch=False)
+        rig.kube.delete_node("n1")
+        rig.readings = dataclasses.replace(READINGS, fsAvailable=1)  # forces a patch
+        await rig.clock.advance(10)
+        await rig.clock.advance(10)
+        assert rig.kube.count("create_node") == 2 and "n1" in rig.kube.nodes
+        assert rig.reports("register") == 2
+        await rig.stop()
+    run(main())
+
+
+def test_registration_retries_until_the_server_answers():
+    async def main():
+        rig = Rig()
+        rig.kube.fail("get_node", api_error(503), api_error(503))
+        await rig.start(watch=False)
+        assert "n1" not in rig.kube.nodes
+        await rig.clock.advance(11)
+        assert "n1" in rig.kube.nodes and rig.reports("register") == 1
+        await rig.stop()
+    run(main())
+
+
+def test_legacy_mode_writes_full_status_every_period_and_no_lease():
+    async def main():
+        rig = Rig(legacy=True)
+        await rig.start(watch=False)
+        await rig.clock.advance(60.5)
+        assert rig.reports("legacy") == 7
+        assert rig.kube.count("create_lease") + rig.kube.count("update_lease") == 0
+        assert all({"capacity", "conditions", "nodeInfo"} <= b.keys()
+                   for b in rig.status_bodies())
+        assert rig.node.health() is None
+        await rig.stop()
+    run(main())
