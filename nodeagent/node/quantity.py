@@ -61,7 +61,9 @@ class Threshold:
     def text(self) -> str:
         if self.percent is not None:
             return f"{self.signal}<{self.percent:g}%"
-        return f"{self.signal}<{self.value:g}"
+        value = int(self.value or 0)
+        counted = self.signal in ("nodefs.inodesFree", "pid.available")
+        return f"{self.signal}<{value if counted else format_bytes(value)}"
 
 
 def parse_thresholds(spec: str | dict[str, str], what: str = "evictionHard") -> tuple[Threshold, ...]:

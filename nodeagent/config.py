@@ -1,0 +1,342 @@
+"""The agent's settings: flags, NODEPULSE_* environment variables, a YAML config file.
+
+Precedence: flag > environment > file > default. Flag names follow the kubelet's where
+the meaning is the same (--node-status-update-frequency), and so do the file's
+camelCase keys (nodeStatusUpdateFrequency). Every bad value is refused with the
+flag, variable or key that carried it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import socket
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from nodeagent.api.policy import Heartbeat, PolicyError, parse_heartbeat
+from nodeagent.node.host import parse_overrides
+from nodeagent.node.quantity import QuantityError, Threshold, parse_quantity, parse_thresholds
+
+ENV_PREFIX = "NODEPULSE_"
+DEFAULT_EVICTION_HARD = "memory.available<100Mi,nodefs.available<10%,pid.available<5%"
+
+
+class ConfigError(ValueError):
+    """A setting is wrong; the message names where it came from."""
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentConfig:
+    node_name: str
+    kubeconfig: str | None = None
+    config_file: Path | None = None
+    agent_id: str = ""
+    max_pods: int = 110
+    heartbeat: Heartbeat = Heartbeat()
+    heartbeat_mode: str = "efficient"
+    eviction_hard: tuple[Threshold, ...] = ()
+    system_reserved: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    node_labels: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    node_ips: tuple[str, ...] = ()
+    root_dir: str = "/var/lib/nodepulse"
+    proc_path: str = "/proc"
+    host_overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    healthz_bind_address: tuple[str, int] | None = ("127.0.0.1", 10248)
+    lease_concurrency: int = 4
+    status_concurrency: int = 4
+    log_level: str = "info"
+
+    @property
+    def legacy(self) -> bool:
+        return self.heartbeat_mode == "legacy"
+
+
+# -- value parsers: (raw value, where it came from) -> value --
+
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)(h|ms|m|s|us|µs|ns)")
+_UNIT = {"h": 3600, "m": 60, "s": 1, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+
+
+def parse_duration(value: Any, where: str) -> float:
+    """Seconds from a Go duration ('10s', '1m30s', '500ms') or a plain number of seconds."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{where}: expected a duration such as 10s, got {value!r}")
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    else:
+        text = str(value).strip()
+        try:
+            seconds = float(text)
+        except ValueError:
+            parts = _DURATION.findall(text)
+            if not parts or "".join(n + u for n, u in parts) != text:
+                raise ConfigError(f"{where}: {value!r} is not a duration "
+                                  "(e.g. 10s, 1m30s, 500ms)") from None
+            seconds = sum(float(n) * _UNIT[u] for n, u in parts)
+    if seconds < 0:
+        raise ConfigError(f"{where}: must not be negative, got {value!r}")
+    return seconds
+
+
+def _whole_seconds(value: Any, where: str) -> int:
+    seconds = parse_duration(value, where)
+    if seconds != int(seconds) or seconds < 1:
+        raise ConfigError(f"{where}: must be a whole number of seconds, at least 1; "
+                          f"got {value!r}")
+    return int(seconds)
+
+
+def _int(low: int, high: int) -> Callable[[Any, str], int]:
+    def parse(value: Any, where: str) -> int:
+        try:
+            n = int(str(value).strip()) if not isinstance(value, bool) else None
+        except ValueError:
+            n = None
+        if n is None:
+            raise ConfigError(f"{where}: expected a whole number, got {value!r}")
+        if not low <= n <= high:
+            raise ConfigError(f"{where}: must be between {low} and {high}, got {n}")
+        return n
+    return parse
+
+
+def _str(value: Any, where: str) -> str:
+    if not isinstance(value, (str, int)) or isinstance(value, bool):
+        raise ConfigError(f"{where}: expected a string, got {value!r}")
+    return str(value)
+
+
+def _choice(*choices: str) -> Callable[[Any, str], str]:
+    def parse(value: Any, where: str) -> str:
+        if value not in choices:
+            raise ConfigError(f"{where}: must be one of {', '.join(choices)}, got {value!r}")
+        return str(value)
+    return parse
+
+
+def _pairs(value: Any, where: str) -> dict[str, str]:
+    """'a=1,b=2' or a mapping."""
+    if isinstance(value, Mapping):
+        return {str(k): str(v) for k, v in value.items()}
+    if not isinstance(value, str):
+        raise ConfigError(f"{where}: expected key=value pairs, got {value!r}")
+    out = {}
+    for part in filter(None, (p.strip() for p in value.split(","))):
+        if "=" not in part:
+            raise ConfigError(f"{where}: {part!r} is not key=value")
+        k, v = part.split("=", 1)
+        out[k.strip()] = v.strip()
+    return out
+
+
+_LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
+
+
+def _labels(value: Any, where: str) -> dict[str, str]:
+    labels = _pairs(value, where)
+    for k, v in labels.items():
+        if not k or not _LABEL_VALUE.match(v):
+            raise ConfigError(f"{where}: label {k}={v!r} is not a valid label")
+    return labels
+
+
+def _reserved(value: Any, where: str) -> dict[str, float]:
+    out = {}
+    for k, v in _pairs(value, where).items():
+        if k not in ("cpu", "memory", "ephemeral-storage", "pods"):
+            raise ConfigError(f"{where}: unknown resource {k!r}")
+        try:
+            out[k] = parse_quantity(v, f"{where}: {k}")
+        except QuantityError as e:
+            raise ConfigError(str(e)) from None
+    return out
+
+
+def _thresholds(value: Any, where: str) -> tuple[Threshold, ...]:
+    try:
+        return parse_thresholds(value, where)
+    except QuantityError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _ips(value: Any, where: str) -> tuple[str, ...]:
+    items = value if isinstance(value, list) else str(value).split(",")
+    ips = tuple(str(i).strip() for i in items if str(i).strip())
+    for ip in ips:
+        try:
+            socket.inet_pton(socket.AF_INET6 if ":" in ip else socket.AF_INET, ip)
+        except OSError:
+            raise ConfigError(f"{where}: {ip!r} is not an IP address") from None
+    return ips
+
+
+def _bind(value: Any, where: str) -> tuple[str, int] | None:
+    text = str(value).strip()
+    if text in ("", "0", "off"):
+        return None
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or int(port) > 65535:
+        raise ConfigError(f"{where}: expected host:port (port 0 picks one), got {value!r}")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def _overrides(value: Any, where: str) -> dict[str, Any]:
+    if isinstance(value, str):
+        value = yaml.safe_load(value)
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{where}: expected a mapping")
+    try:
+        return parse_overrides(value, where)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    field: str  # AgentConfig field, or heartbeat.<name>
+    flag: str | None
+    key: str | None  # config-file key
+    parse: Callable[[Any, str], Any]
+    help: str
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("kubeconfig", "kubeconfig", None, _str, "kubeconfig with this node's credentials"),
+    Option("node_name", "node-name", "nodeName", _str, "Node name (default: hostname)"),
+    Option("agent_id", "agent-id", "agentID", _str,
+           "value of the nodepulse.dev/agent label (default: the node name)"),
+    Option("max_pods", "max-pods", "maxPods", _int(1, 100000), "pods capacity (110)"),
+    Option("heartbeat.statusUpdateFrequencySeconds", "node-status-update-frequency",
+           "nodeStatusUpdateFrequency", _whole_seconds, "how often NodeStatus is computed (10s)"),
+    Option("heartbeat.statusReportFrequencySeconds", "node-status-report-frequency",
+           "nodeStatusReportFrequency", _whole_seconds,
+           "NodeStatus is written at least this often, even without change (5m)"),
+    Option("heartbeat.leaseDurationSeconds", "node-lease-duration-seconds",
+           "nodeLeaseDurationSeconds", _int(5, 3600), "Lease duration (40)"),
+    Option("heartbeat.renewIntervalSeconds", "node-lease-renew-interval",
+           "nodeLeaseRenewInterval", _whole_seconds,
+           "Lease renew interval (a quarter of the duration)"),
+    Option("heartbeat.maxImagesInStatus", "node-status-max-images", "nodeStatusMaxImages",
+           _int(0, 1000), "at most this many images in NodeStatus (50)"),
+    Option("heartbeat_mode", "heartbeat-mode", "heartbeatMode",
+           _choice("efficient", "legacy"),
+           "efficient (Lease + status on change) or legacy (full status every period, "
+           "no Lease; for comparison only)"),
+    Option("eviction_hard", "eviction-hard", "evictionHard", _thresholds,
+           f"pressure thresholds ({DEFAULT_EVICTION_HARD})"),
+    Option("system_reserved", "system-reserved", "systemReserved", _reserved,
+           "resources held back from allocatable, e.g. cpu=100m,memory=256Mi"),
+    Option("node_labels", "node-labels", "nodeLabels", _labels, "extra labels, k=v,..."),
+    Option("node_ips", "node-ip", "nodeIP", _ips, "node addresses (default: detected)"),
+    Option("root_dir", "root-dir", "rootDir", _str,
+           "agent state folder; its filesystem is nodefs (/var/lib/nodepulse)"),
+    Option("proc_path", "proc-path", "procPath", _str, "where procfs is mounted (/proc)"),
+    Option("host_overrides", "host-overrides", "hostOverrides", _overrides,
+           "host readings to use instead of measuring (YAML/JSON mapping), e.g. "
+           "{cpu: 4, memoryTotal: 8Gi, kernelVersion: x}"),
+    Option("healthz_bind_address", "healthz-bind-address", "healthzBindAddress", _bind,
+           "host:port for /healthz and /metrics (127.0.0.1:10248; empty disables)"),
+    Option("lease_concurrency", "lease-concurrency", "leaseConcurrency", _int(1, 256),
+           "threads for Lease writes (4)"),
+    Option("status_concurrency", "status-concurrency", "statusConcurrency", _int(1, 256),
+           "threads for NodeStatus work (4)"),
+    Option("log_level", "log-level", "logLevel", _choice("debug", "info", "warning", "error"),
+           "log level (info)"),
+)
+_IGNORED_KEYS = {"apiVersion", "kind"}  # a KubeletConfiguration-style header
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", default=argparse.SUPPRESS,
+                        help="YAML config file with kubelet-style camelCase keys")
+    for opt in OPTIONS:
+        if opt.flag:
+            parser.add_argument(f"--{opt.flag}", dest=opt.flag, default=argparse.SUPPRESS,
+                                help=opt.help)
+
+
+def env_name(flag: str) -> str:
+    return ENV_PREFIX + flag.upper().replace("-", "_")
+
+
+def load(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> AgentConfig:
+    """Settings from parsed flags (dest = flag name, only those given), the environment
+    and the config file they name."""
+    env = os.environ if env is None else env
+    config_path = flags.get("config") or env.get(env_name("config"))
+    file: dict[str, Any] = {}
+    if config_path:
+        file = read_file(Path(config_path))
+    values: dict[str, Any] = {}
+    heartbeat: dict[str, Any] = {}
+    where_of: dict[str, str] = {}
+    for opt in OPTIONS:
+        raw, where = _pick(opt, flags, env, file, config_path)
+        if where is None:
+            continue
+        value = opt.parse(raw, where)
+        if opt.field.startswith("heartbeat."):
+            name = opt.field.split(".", 1)[1]
+            heartbeat[name] = value
+            where_of[name] = where
+        else:
+            values[opt.field] = value
+    try:
+        values["heartbeat"] = parse_heartbeat(heartbeat, "heartbeat")
+    except PolicyError as e:
+        msg = str(e)
+        for name, where in where_of.items():
+            msg = msg.replace(f"heartbeat.{name}", where)
+        raise ConfigError(msg.replace("heartbeat.", "setting ")) from None
+    if "eviction_hard" not in values:
+        values["eviction_hard"] = parse_thresholds(DEFAULT_EVICTION_HARD)
+    node_name = values.get("node_name") or socket.gethostname().lower()
+    values["node_name"] = node_name
+    values.setdefault("agent_id", node_name)
+    if not _LABEL_VALUE.match(values["agent_id"]) or not values["agent_id"]:
+        raise ConfigError(f"agent id {values['agent_id']!r} is not a valid label value "
+                          "(set --agent-id)")
+    values["config_file"] = Path(config_path) if config_path else None
+    return AgentConfig(**values)
+
+
+def _pick(opt: Option, flags: Mapping[str, Any], env: Mapping[str, str],
+          file: Mapping[str, Any], config_path: str | None) -> tuple[Any, str | None]:
+    if opt.flag and opt.flag in flags:
+        return flags[opt.flag], f"--{opt.flag}"
+    if opt.flag and env_name(opt.flag) in env:
+        return env[env_name(opt.flag)], f"${env_name(opt.flag)}"
+    if opt.key and opt.key in file:
+        return file[opt.key], f"{config_path}: {opt.key}"
+    return None, None
+
+
+def read_file(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as e:
+        raise ConfigError(f"--config {path}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--config {path}: not valid YAML: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path}: must be a mapping of settings")
+    known = {o.key for o in OPTIONS if o.key} | _IGNORED_KEYS
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"--config {path}: unknown key(s) {', '.join(unknown)} "
+                          f"(known: {', '.join(sorted(known - _IGNORED_KEYS))})")
+    return data
+
+
+def parse_args(argv: Sequence[str] | None, parser: argparse.ArgumentParser,
+               env: Mapping[str, str] | None = None) -> AgentConfig:
+    ns = parser.parse_args(argv)
+    return load(vars(ns), env)

@@ -1,0 +1,134 @@
+"""Agent settings: precedence flag > env > file > default, and clear refusals."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from nodeagent import config
+from nodeagent.api.policy import Heartbeat
+from nodeagent.config import ConfigError, parse_duration
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser()
+    config.add_flags(p)
+    return p
+
+
+def load(argv: list[str], env: dict[str, str] | None = None) -> config.AgentConfig:
+    return config.parse_args(argv, parser(), env or {})
+
+
+def write(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "agent.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_defaults_follow_the_kubelet():
+    cfg = load(["--node-name", "n1"])
+    assert cfg.node_name == "n1" and cfg.agent_id == "n1"
+    assert cfg.max_pods == 110
+    assert cfg.heartbeat == Heartbeat()  # 40 s lease, 10 s renew, 10 s update, 5 min report
+    assert cfg.heartbeat_mode == "efficient" and not cfg.legacy
+    assert [t.text() for t in cfg.eviction_hard] == [
+        "memory.available<100Mi", "nodefs.available<10%", "pid.available<5%"]
+    assert cfg.healthz_bind_address == ("127.0.0.1", 10248)
+
+
+def test_precedence_flag_over_env_over_file_over_default(tmp_path):
+    path = write(tmp_path, """
+apiVersion: kubelet.config.k8s.io/v1beta1
+kind: KubeletConfiguration
+maxPods: 30
+nodeStatusUpdateFrequency: 5s
+nodeStatusReportFrequency: 1m
+nodeLeaseDurationSeconds: 60
+evictionHard:
+  memory.available: 1Gi
+""")
+    env = {"NODEPULSE_MAX_PODS": "40", "NODEPULSE_NODE_STATUS_UPDATE_FREQUENCY": "7s"}
+    cfg = load(["--config", path, "--node-name", "n1", "--max-pods", "50"], env)
+    assert cfg.max_pods == 50  # flag
+    assert cfg.heartbeat.statusUpdateFrequencySeconds == 7  # env
+    assert cfg.heartbeat.statusReportFrequencySeconds == 60  # file
+    assert cfg.heartbeat.leaseDurationSeconds == 60
+    assert cfg.heartbeat.renewIntervalSeconds == 15  # derived: a quarter
+    assert cfg.heartbeat.maxImagesInStatus == 50  # default
+    assert cfg.eviction_hard[0].value == 2**30
+    cfg = load(["--config", path, "--node-name", "n1"], env)
+    assert cfg.max_pods == 40
+    cfg = load(["--node-name", "n1"], {"NODEPULSE_CONFIG": path})
+    assert cfg.max_pods == 30 and cfg.config_file == Path(path)
+
+
+def test_flag_forms(tmp_path):
+    cfg = load(["--node-name", "n1", "--heartbeat-mode", "legacy",
+                "--eviction-hard", "nodefs.available<99%", "--system-reserved",
+                "cpu=250m,memory=1Gi", "--node-labels", "pool=a,tier=b",
+                "--node-ip", "10.1.2.3", "--healthz-bind-address", "127.0.0.1:0",
+                "--host-overrides", "{cpu: 2, memoryTotal: 4Gi, kernelVersion: k}",
+                "--node-lease-renew-interval", "2s"])
+    assert cfg.legacy
+    assert cfg.eviction_hard[0].percent == 99
+    assert cfg.system_reserved == {"cpu": 0.25, "memory": 2**30}
+    assert cfg.node_labels == {"pool": "a", "tier": "b"}
+    assert cfg.node_ips == ("10.1.2.3",)
+    assert cfg.healthz_bind_address == ("127.0.0.1", 0)
+    assert cfg.host_overrides == {"cpu": 2.0, "memoryTotal": 4 * 2**30, "kernelVersion": "k"}
+    assert cfg.heartbeat.renewIntervalSeconds == 2
+    assert load(["--node-name", "n1", "--healthz-bind-address", ""]).healthz_bind_address is None
+
+
+@pytest.mark.parametrize("argv, env, words", [
+    (["--max-pods", "many"], {}, "--max-pods: expected a whole number"),
+    (["--max-pods", "0"], {}, "--max-pods: must be between 1"),
+    ([], {"NODEPULSE_MAX_PODS": "x"}, "$NODEPULSE_MAX_PODS: expected a whole number"),
+    (["--node-status-update-frequency", "soon"], {}, "--node-status-update-frequency: 'soon'"),
+    (["--node-status-update-frequency", "1.5s"], {}, "whole number of seconds"),
+    (["--heartbeat-mode", "fast"], {}, "--heartbeat-mode: must be one of efficient, legacy"),
+    (["--eviction-hard", "memory.available>1"], {}, "--eviction-hard"),
+    (["--node-lease-duration-seconds", "40", "--node-lease-renew-interval", "40s"], {},
+     "--node-lease-renew-interval must be less than --node-lease-duration-seconds"),
+    (["--node-status-report-frequency", "5s"], {},
+     "--node-status-report-frequency must be at least"),
+    (["--healthz-bind-address", "localhost"], {}, "--healthz-bind-address: expected host:port"),
+    (["--node-ip", "10.0.0.300"], {}, "--node-ip: '10.0.0.300' is not an IP"),
+    (["--system-reserved", "gpu=1"], {}, "--system-reserved: unknown resource 'gpu'"),
+    (["--host-overrides", "{cpus: 2}"], {}, "unknown key 'cpus'"),
+    (["--agent-id", "not valid!"], {}, "--agent-id"),
+])
+def test_bad_values_name_their_source(argv, env, words):
+    with pytest.raises(ConfigError) as e:
+        load(["--node-name", "n1", *argv], env)
+    assert words in str(e.value)
+
+
+def test_bad_file_names_path_and_key(tmp_path):
+    path = write(tmp_path, "maxPods: 10\nnodeStatusUpdateFreqency: 5s\n")
+    with pytest.raises(ConfigError, match="unknown key.*nodeStatusUpdateFreqency"):
+        load(["--config", path])
+    path = write(tmp_path, "nodeStatusReportFrequency: often\n")
+    with pytest.raises(ConfigError, match=f"{path}: nodeStatusReportFrequency"):
+        load(["--config", path])
+    path = write(tmp_path, "- a list\n")
+    with pytest.raises(ConfigError, match="must be a mapping"):
+        load(["--config", path])
+    with pytest.raises(ConfigError, match="no such file|No such file"):
+        load(["--config", str(tmp_path / "missing.yaml")])
+
+
+@pytest.mark.parametrize("text, seconds", [
+    ("10s", 10), ("1m30s", 90), ("500ms", 0.5), ("2h", 7200), ("15", 15), (20, 20),
+])
+def test_durations(text, seconds):
+    assert parse_duration(text, "x") == seconds
+
+
+def test_duration_refusals():
+    for bad in ("10 s", "s", "-5s", "1m-", True):
+        with pytest.raises(ConfigError):
+            parse_duration(bad, "x")

@@ -1,0 +1,73 @@
+"""Host readings from a fake /proc folder, and config overrides."""
+
+from __future__ import annotations
+
+import pytest
+
+from nodeagent.node.host import HostProbe, HostReadError, parse_overrides
+
+
+def fake_proc(tmp_path, mem_avail_kb=4_000_000, tasks=345):
+    proc = tmp_path / "proc"
+    (proc / "sys/kernel/random").mkdir(parents=True)
+    (proc / "meminfo").write_text(
+        f"MemTotal:        8000000 kB\nMemFree:         1000 kB\n"
+        f"MemAvailable:    {mem_avail_kb} kB\n")
+    (proc / "sys/kernel/pid_max").write_text("32768\n")
+    (proc / "loadavg").write_text(f"0.10 0.20 0.30 2/{tasks} 12345\n")
+    (proc / "sys/kernel/random/boot_id").write_text("boot-1\n")
+    return proc
+
+
+def test_reads_proc_statvfs_and_uname(tmp_path):
+    probe = HostProbe(root_dir=tmp_path / "state" / "missing", proc=fake_proc(tmp_path),
+                      node_ips=("10.9.8.7",))
+    r = probe.read()
+    assert r.memoryTotal == 8_000_000 * 1024 and r.memoryAvailable == 4_000_000 * 1024
+    assert r.pidMax == 32768 and r.pidsRunning == 345
+    assert r.fsTotal > 0 and 0 <= r.fsAvailable <= r.fsTotal  # the nearest existing parent
+    assert r.cpu >= 1 and r.kernelVersion and r.architecture
+    assert r.bootID == "boot-1"
+    assert r.addresses[0] == ("InternalIP", "10.9.8.7") and r.addresses[-1][0] == "Hostname"
+
+
+def test_readings_follow_the_files(tmp_path):
+    proc = fake_proc(tmp_path)
+    probe = HostProbe(root_dir=tmp_path, proc=proc)
+    assert probe.read().memoryAvailable == 4_000_000 * 1024
+    fake_proc(tmp_path / "again", mem_avail_kb=1000)
+    (proc / "meminfo").write_text((tmp_path / "again/proc/meminfo").read_text())
+    assert probe.read().memoryAvailable == 1000 * 1024
+
+
+def test_overrides_win(tmp_path):
+    overrides = parse_overrides({"cpu": "2500m", "memoryTotal": "4Gi", "memoryAvailable": "1Gi",
+                                 "kernelVersion": "5.10.0", "addresses": [
+                                     {"type": "InternalIP", "address": "192.168.1.2"}]})
+    r = HostProbe(root_dir=tmp_path, proc=fake_proc(tmp_path), overrides=overrides).read()
+    assert r.cpu == 2.5 and r.memoryTotal == 4 * 2**30 and r.memoryAvailable == 2**30
+    assert r.kernelVersion == "5.10.0"
+    assert r.addresses == (("InternalIP", "192.168.1.2"),)
+
+
+def test_missing_or_broken_files_name_the_file(tmp_path):
+    proc = fake_proc(tmp_path)
+    (proc / "meminfo").unlink()
+    with pytest.raises(HostReadError, match="meminfo"):
+        HostProbe(root_dir=tmp_path, proc=proc).read()
+    proc = fake_proc(tmp_path / "b")
+    (proc / "loadavg").write_text("garbage\n")
+    with pytest.raises(HostReadError, match="loadavg: unexpected format"):
+        HostProbe(root_dir=tmp_path, proc=proc).read()
+
+
+@pytest.mark.parametrize("bad, words", [
+    ({"cpus": 1}, "unknown key 'cpus'"),
+    ({"memoryTotal": "lots"}, "memoryTotal"),
+    ({"cpu": -1}, "must not be negative"),
+    ({"kernelVersion": ""}, "kernelVersion must be a non-empty string"),
+    ({"addresses": ["10.0.0.1"]}, "addresses must be a list"),
+])
+def test_bad_overrides_refused(bad, words):
+    with pytest.raises(ValueError, match=words):
+        parse_overrides(bad)
