@@ -1,0 +1,640 @@
+"""ProcessRuntime: every container is a local process, so the agent runs anywhere.
+
+- A container runs `command + args` (env and workingDir from the pod spec; the image
+  name is only a label) in its own session and process group, with stdout and stderr
+  appended to its log file (`<log dir>/<container>/<attempt>.log`).
+- The process is started through a tiny `/bin/sh` wrapper that writes its PID to
+  `<id>.pid`, waits for the workload and writes the exit code to `<id>.exit`. The exit
+  code therefore survives an agent restart, even when the agent is no longer the
+  parent. The wrapper defers SIGTERM/INT/HUP/QUIT until the workload has exited, so
+  signalling the group stops the workload and still records its code.
+- Sandboxes are records only (no network namespace): pods share the host network.
+- State is one small JSON per sandbox and per container under `state_dir`, written
+  atomically. A restarted agent reloads it and adopts running processes by PID, after
+  checking that the PID still belongs to the process recorded (same boot, same start
+  time in /proc), so it never starts a duplicate. A lock file keeps two agents from
+  sharing one state dir.
+- stop = SIGTERM to the process group, SIGKILL after the timeout.
+
+Blocking work (fork/exec, /proc reads, waits) runs in threads; one lock guards state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import datetime as dt
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import select
+import shutil
+import signal
+import subprocess
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nodeagent.api.clock import Clock, RealClock
+from nodeagent.runtime.base import (
+    ANNOTATION_INIT,
+    ANNOTATION_RESTART_COUNT,
+    ANNOTATION_SPEC_HASH,
+    LABEL_CONTAINER_NAME,
+    LABEL_POD_NAME,
+    LABEL_POD_NAMESPACE,
+    LABEL_POD_UID,
+    Container,
+    ContainerConfig,
+    ContainerRuntimeError,
+    ContainerState,
+    ImageInfo,
+    NotFound,
+    PodRuntimeStatus,
+    RelistResult,
+    Runtime,
+    RuntimeVersion,
+    Sandbox,
+    SandboxConfig,
+    SandboxState,
+)
+
+log = logging.getLogger(__name__)
+
+LABEL_ATTEMPT = "nodepulse.dev/attempt"
+ANNOTATION_PID = "nodepulse.dev/pid"
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+START_ERROR_CODE = 128  # what containerd reports when a container cannot start
+
+# $0 is the record's path prefix; "$@" the workload. A trapped signal is handled only
+# after the foreground workload ends, so the wrapper always records the code.
+WRAPPER = ('echo $$ > "$0.pid"; trap : TERM INT HUP QUIT; "$@"; rc=$?; '
+           'echo $rc > "$0.exit"; exit $rc')
+
+
+def default_state_dir() -> Path:
+    env = os.environ.get("NODEPULSE_PROCESS_STATE_DIR")
+    if env:
+        return Path(env)
+    if os.geteuid() == 0:
+        return Path("/var/lib/nodepulse/process")
+    return Path.home() / ".local" / "state" / "nodepulse" / "process"
+
+
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _proc_stat(pid: int) -> tuple[str, int, int] | None:
+    """(state letter, process group, start time in clock ticks) from /proc, or None."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = raw.rpartition(")")[2].split()
+    return fields[0], int(fields[2]), int(fields[19])
+
+
+def _iso(t: dt.datetime | None) -> str | None:
+    return t.isoformat() if t else None
+
+
+def _parse(t: str | None) -> dt.datetime | None:
+    return dt.datetime.fromisoformat(t) if t else None
+
+
+@dataclass
+class _SandboxRec:
+    id: str
+    uid: str
+    name: str
+    namespace: str
+    attempt: int
+    state: str
+    created_at: str | None
+    log_directory: str
+    labels: dict[str, str] = field(default_factory=dict)
+    annotations: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class _ContainerRec:
+    id: str
+    sandbox_id: str
+    pod_uid: str
+    name: str
+    image: str
+    attempt: int
+    restart_count: int
+    argv: list[str]
+    env: list[list[str]]
+    working_dir: str
+    log_path: str
+    state: str = ContainerState.CREATED.value
+    created_at: str | None = None
+    started_at: str | None = None
+    finished_at: str | None = None
+    exit_code: int | None = None
+    reason: str = ""
+    message: str = ""
+    pid: int | None = None
+    start_ticks: int | None = None
+    boot_id: str = ""
+    killed: bool = False  # we escalated to SIGKILL
+    spec_hash: str = ""
+    init: bool = False
+    labels: dict[str, str] = field(default_factory=dict)
+    annotations: dict[str, str] = field(default_factory=dict)
+
+
+class ProcessRuntime(Runtime):
+    """Containers as local processes. `state_dir` holds records, wrapper files and (by
+    default) logs; `host_ip` is reported as every sandbox's IP (pods share the host
+    network); `kill_wait` bounds the wait after SIGKILL."""
+
+    scheme = "process"
+
+    def __init__(self, state_dir: str | Path | None = None, *, clock: Clock | None = None,
+                 host_ip: str = "", kill_wait: float = 10.0) -> None:
+        self.state_dir = Path(state_dir) if state_dir else default_state_dir()
+        self.clock = clock or RealClock()
+        self.host_ip = host_ip
+        self.kill_wait = kill_wait
+        self._lock = threading.RLock()
+        self._sandboxes: dict[str, _SandboxRec] = {}
+        self._containers: dict[str, _ContainerRec] = {}
+        self._children: dict[str, subprocess.Popen[bytes]] = {}  # ours to reap
+        self._boot = _boot_id()
+        for sub in ("sandboxes", "containers", "pods", "logs"):
+            (self.state_dir / sub).mkdir(parents=True, exist_ok=True)
+        self._lockfile = self._take_lock()
+        self._load()
+
+    # --- persistence -----------------------------------------------------------------
+
+    def _take_lock(self) -> Any:
+        path = self.state_dir / "lock"
+        f = open(path, "a+")  # noqa: SIM115 - held for the runtime's lifetime
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "?"
+            f.close()
+            raise ContainerRuntimeError(
+                f"process runtime: state dir {self.state_dir} is in use by another agent "
+                f"(pid {holder})") from None
+        f.seek(0)
+        f.truncate()
+        f.write(str(os.getpid()))
+        f.flush()
+        return f
+
+    def _write(self, path: Path, data: dict[str, Any]) -> None:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(data, sort_keys=True))
+        os.replace(tmp, path)
+
+    def _save_sandbox(self, s: _SandboxRec) -> None:
+        self._write(self.state_dir / "sandboxes" / f"{s.id}.json", dataclasses.asdict(s))
+
+    def _save(self, c: _ContainerRec) -> None:
+        self._write(self._base(c.id).with_suffix(".json"), dataclasses.asdict(c))
+
+    def _base(self, cid: str) -> Path:
+        """Path prefix of a container's files (<base>.json, .pid, .exit)."""
+        return self.state_dir / "containers" / cid
+
+    def _load(self) -> None:
+        for kind, cls, into in (("sandboxes", _SandboxRec, self._sandboxes),
+                                ("containers", _ContainerRec, self._containers)):
+            for path in sorted((self.state_dir / kind).glob("*.json")):
+                try:
+                    rec = cls(**json.loads(path.read_text()))
+                except (OSError, ValueError, TypeError) as e:
+                    # keep the bytes for a human, never crash the agent on one bad file
+                    bad = path.with_name(path.name + ".corrupt")
+                    log.error("process runtime: %s is unreadable (%s); moved to %s",
+                              path, e, bad)
+                    with contextlib.suppress(OSError):
+                        os.replace(path, bad)
+                    continue
+                into[rec.id] = rec  # type: ignore[assignment]
+        with self._lock:
+            for c in self._containers.values():
+                self._refresh(c)
+
+    # --- process identity and exit -----------------------------------------------------
+
+    def _same_process(self, c: _ContainerRec) -> bool:
+        """The recorded PID is still our wrapper (same boot, same start time)."""
+        if c.pid is None or c.boot_id != self._boot:
+            return False
+        st = _proc_stat(c.pid)
+        return st is not None and st[2] == c.start_ticks
+
+    def _alive(self, c: _ContainerRec) -> bool:
+        child = self._children.get(c.id)
+        if child is not None:
+            return child.poll() is None
+        if not self._same_process(c):
+            return False
+        st = _proc_stat(c.pid) if c.pid else None
+        return st is not None and st[0] != "Z"
+
+    def _adopt_started(self, c: _ContainerRec) -> None:
+        """A CREATED record whose wrapper wrote its pid file: an earlier agent died
+        between starting the process and saving the record. Adopt it."""
+        try:
+            pid = int(self._base(c.id).with_suffix(".pid").read_text().strip())
+            mtime = self._base(c.id).with_suffix(".pid").stat().st_mtime
+        except (OSError, ValueError):
+            return
+        st = _proc_stat(pid)
+        if st is not None and not self._is_wrapper(pid, c.id):
+            st = None  # the number was reused by something else: ours has exited
+        c.pid, c.boot_id = pid, self._boot
+        c.start_ticks = st[2] if st else None
+        c.started_at = _iso(dt.datetime.fromtimestamp(mtime, dt.UTC))
+        c.state = ContainerState.RUNNING.value
+        self._save(c)
+
+    def _is_wrapper(self, pid: int, cid: str) -> bool:
+        try:
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            return False
+        return len(args) > 3 and args[3] == str(self._base(cid)).encode()
+
+    def _refresh(self, c: _ContainerRec) -> None:
+        if c.state == ContainerState.CREATED.value and c.pid is None:
+            self._adopt_started(c)
+        if c.state == ContainerState.RUNNING.value and not self._alive(c):
+            self._finish(c)
+
+    def _read_exit(self, cid: str) -> int | None:
+        try:
+            return int(self._base(cid).with_suffix(".exit").read_text().strip())
+        except (OSError, ValueError):
+            return None
+
+    def _finish(self, c: _ContainerRec) -> None:
+        child = self._children.pop(c.id, None)
+        code = self._read_exit(c.id)
+        message = ""
+        if code is None and child is not None and child.returncode is not None:
+            rc = child.returncode
+            code = 128 - rc if rc < 0 else rc  # killed by signal N -> 128 + N
+        if code is None:
+            code = 137
+            message = ("killed after the stop timeout" if c.killed else
+                       "the process and its wrapper were killed; exit code not recorded")
+        self._reap_group(c)
+        c.state = ContainerState.EXITED.value
+        c.exit_code = code
+        c.reason = "Completed" if code == 0 else "Error"
+        c.message = message
+        c.finished_at = _iso(self.clock.now())
+        self._save(c)
+
+    def _group_members(self, c: _ContainerRec) -> list[int]:
+        """Processes still in the container's process group. Linux does not reuse a
+        PID while a group of that id exists, so while the wrapper's number is free or
+        still the wrapper, members of that group are ours."""
+        if c.pid is None or c.boot_id != self._boot:
+            return []
+        leader = _proc_stat(c.pid)
+        if leader is not None and leader[2] != c.start_ticks:
+            return []  # the number now names another process (and maybe its group)
+        out = []
+        for d in Path("/proc").iterdir():
+            if not d.name.isdigit():
+                continue
+            st = _proc_stat(int(d.name))
+            if st and st[1] == c.pid and st[0] != "Z" and st[2] >= (c.start_ticks or 0):
+                out.append(int(d.name))
+        return out
+
+    def _reap_group(self, c: _ContainerRec) -> None:
+        """When the wrapper is gone the container is gone: like a container's PID 1
+        ending, whatever is left in its group is killed."""
+        for pid in self._group_members(c):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    def _signal_group(self, c: _ContainerRec, sig: int) -> None:
+        if self._same_process(c) and c.pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(c.pid, sig)
+
+    def _wait_exit(self, c: _ContainerRec, timeout: float) -> bool:
+        """Block up to `timeout` s until the wrapper exits; True if it did."""
+        if c.pid is None:
+            return True
+        try:
+            fd = os.pidfd_open(c.pid)
+        except ProcessLookupError:
+            return True
+        except OSError:  # no pidfd (old kernel): poll /proc
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                with self._lock:
+                    if not self._alive(c):
+                        return True
+                time.sleep(0.02)
+            with self._lock:
+                return not self._alive(c)
+        try:
+            with self._lock:
+                if not self._same_process(c):  # checked after pinning the pid
+                    return True
+            p = select.poll()
+            p.register(fd, select.POLLIN)
+            return bool(p.poll(max(0, int(timeout * 1000))))
+        finally:
+            os.close(fd)
+
+    # --- records to interface objects ----------------------------------------------
+
+    def _sandbox_obj(self, s: _SandboxRec) -> Sandbox:
+        return Sandbox(id=s.id, pod_uid=s.uid, name=s.name, namespace=s.namespace,
+                       attempt=s.attempt, state=SandboxState(s.state),
+                       created_at=_parse(s.created_at), ip=self.host_ip, host_network=True,
+                       labels=dict(s.labels), annotations=dict(s.annotations))
+
+    def _container_obj(self, c: _ContainerRec) -> Container:
+        annotations = dict(c.annotations)
+        if c.pid is not None:
+            annotations[ANNOTATION_PID] = str(c.pid)
+        return Container(
+            id=c.id, sandbox_id=c.sandbox_id, pod_uid=c.pod_uid, name=c.name, image=c.image,
+            state=ContainerState(c.state), attempt=c.attempt, restart_count=c.restart_count,
+            exit_code=c.exit_code, reason=c.reason, message=c.message,
+            created_at=_parse(c.created_at), started_at=_parse(c.started_at),
+            finished_at=_parse(c.finished_at), image_id=c.image, spec_hash=c.spec_hash,
+            init=c.init, labels=dict(c.labels), annotations=annotations)
+
+    # --- synchronous bodies (run in threads) ------------------------------------------
+
+    def _relist(self) -> RelistResult:
+        with self._lock:
+            for c in self._containers.values():
+                self._refresh(c)
+            return RelistResult(sandboxes=[self._sandbox_obj(s) for s in self._sandboxes.values()],
+                                containers=[self._container_obj(c)
+                                            for c in self._containers.values()])
+
+    def _pod_status(self, uid: str) -> PodRuntimeStatus:
+        with self._lock:
+            cs = [c for c in self._containers.values() if c.pod_uid == uid]
+            for c in cs:
+                self._refresh(c)
+            sbs = sorted((s for s in self._sandboxes.values() if s.uid == uid),
+                         key=lambda s: (s.attempt, s.created_at or ""), reverse=True)
+            return PodRuntimeStatus(uid=uid, sandboxes=[self._sandbox_obj(s) for s in sbs],
+                                    containers=[self._container_obj(c) for c in cs])
+
+    def _run_sandbox(self, config: SandboxConfig) -> str:
+        sid = uuid.uuid4().hex
+        log_dir = config.log_directory or str(
+            self.state_dir / "logs" / f"{config.namespace}_{config.name}_{config.uid}")
+        labels = {**config.labels, LABEL_POD_UID: config.uid, LABEL_POD_NAME: config.name,
+                  LABEL_POD_NAMESPACE: config.namespace, LABEL_ATTEMPT: str(config.attempt)}
+        rec = _SandboxRec(id=sid, uid=config.uid, name=config.name,
+                          namespace=config.namespace, attempt=config.attempt,
+                          state=SandboxState.READY.value, created_at=_iso(self.clock.now()),
+                          log_directory=log_dir, labels=labels,
+                          annotations=dict(config.annotations))
+        (self.state_dir / "pods" / sid).mkdir(parents=True, exist_ok=True)
+        with self._lock:
+            self._sandboxes[sid] = rec
+            self._save_sandbox(rec)
+        return sid
+
+    def _create(self, sandbox_id: str, config: ContainerConfig) -> str:
+        argv = [*config.command, *config.args]
+        where = f"process create_container {config.pod_namespace}/{config.pod_name} " \
+                f"container {config.name}"
+        if not argv:
+            raise ContainerRuntimeError(f"{where}: command and args are both empty (the "
+                                        "process runtime has no image entrypoint)")
+        with self._lock:
+            sb = self._sandboxes.get(sandbox_id)
+            if sb is None:
+                raise NotFound(f"{where}: sandbox {sandbox_id} not found")
+            if sb.state != SandboxState.READY.value:
+                raise NotFound(f"{where}: sandbox {sandbox_id} is not ready")
+            cid = uuid.uuid4().hex
+            rel = config.log_path or f"{config.name}/{config.attempt}.log"
+            labels = {**config.labels, LABEL_POD_UID: config.pod_uid,
+                      LABEL_CONTAINER_NAME: config.name, LABEL_ATTEMPT: str(config.attempt)}
+            annotations = {**config.annotations,
+                           ANNOTATION_RESTART_COUNT: str(config.restart_count)}
+            if config.spec_hash:
+                annotations[ANNOTATION_SPEC_HASH] = config.spec_hash
+            if config.init:
+                annotations[ANNOTATION_INIT] = "true"
+            env = [["PATH", os.environ.get("PATH", DEFAULT_PATH)],
+                   ["HOME", os.environ.get("HOME", "/")], ["HOSTNAME", sb.name],
+                   *([k, v] for k, v in config.env)]
+            rec = _ContainerRec(
+                id=cid, sandbox_id=sandbox_id, pod_uid=sb.uid, name=config.name,
+                image=config.image, attempt=config.attempt,
+                restart_count=config.restart_count, argv=argv, env=env,
+                working_dir=config.working_dir,
+                log_path=str(Path(sb.log_directory) / rel),
+                created_at=_iso(self.clock.now()), spec_hash=config.spec_hash,
+                init=config.init, labels=labels, annotations=annotations)
+            self._containers[cid] = rec
+            self._save(rec)
+            return cid
+
+    def _start_error(self, c: _ContainerRec, message: str) -> ContainerRuntimeError:
+        c.state = ContainerState.EXITED.value
+        c.exit_code, c.reason, c.message = START_ERROR_CODE, "StartError", message
+        c.finished_at = _iso(self.clock.now())
+        self._save(c)
+        return ContainerRuntimeError(f"process start_container {c.id} ({c.name}): {message}")
+
+    def _start(self, cid: str) -> None:
+        with self._lock:
+            c = self._containers.get(cid)
+            if c is None:
+                raise NotFound(f"process start_container: container {cid} not found")
+            self._refresh(c)
+            if c.state != ContainerState.CREATED.value:
+                raise ContainerRuntimeError(
+                    f"process start_container {cid} ({c.name}): container is {c.state}; a "
+                    "restart is a new container")
+            env = dict((k, v) for k, v in c.env)
+            cwd = c.working_dir or str(self.state_dir / "pods" / c.sandbox_id)
+            if not os.path.isdir(cwd):
+                raise self._start_error(c, f"workingDir {cwd} does not exist")
+            exe = c.argv[0]
+            found = (os.access(os.path.join(cwd, exe), os.X_OK) if "/" in exe
+                     else shutil.which(exe, path=env.get("PATH", DEFAULT_PATH)))
+            if not found:
+                raise self._start_error(c, f"executable {exe!r} not found"
+                                           + ("" if "/" in exe else " in $PATH"))
+            Path(c.log_path).parent.mkdir(parents=True, exist_ok=True)
+            base = self._base(cid)
+            for suffix in (".pid", ".exit"):
+                with contextlib.suppress(FileNotFoundError):
+                    base.with_suffix(suffix).unlink()
+            with open(c.log_path, "ab") as logf:
+                try:
+                    proc = subprocess.Popen(
+                        ["/bin/sh", "-c", WRAPPER, str(base), *c.argv], cwd=cwd, env=env,
+                        stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+                        start_new_session=True, close_fds=True)
+                except OSError as e:
+                    raise self._start_error(c, f"cannot start /bin/sh: {e}") from e
+            st = _proc_stat(proc.pid)
+            self._children[cid] = proc
+            c.pid, c.boot_id = proc.pid, self._boot
+            c.start_ticks = st[2] if st else None
+            c.state = ContainerState.RUNNING.value
+            c.started_at = _iso(self.clock.now())
+            self._save(c)
+
+    def _stop(self, cid: str, timeout: float) -> None:
+        with self._lock:
+            c = self._containers.get(cid)
+            if c is None:
+                return
+            self._refresh(c)
+            if c.state == ContainerState.CREATED.value:
+                c.state, c.exit_code, c.reason = ContainerState.EXITED.value, 0, "Stopped"
+                c.finished_at = _iso(self.clock.now())
+                self._save(c)
+                return
+            if c.state != ContainerState.RUNNING.value:
+                return
+            if timeout > 0:
+                self._signal_group(c, signal.SIGTERM)
+        if timeout <= 0 or not self._wait_exit(c, timeout):
+            with self._lock:
+                c.killed = True
+                self._signal_group(c, signal.SIGKILL)
+            self._wait_exit(c, self.kill_wait)
+        with self._lock:
+            self._refresh(c)
+
+    def _stop_sandbox(self, sid: str) -> None:
+        with self._lock:
+            sb = self._sandboxes.get(sid)
+            if sb is None:
+                return
+            ids = [c.id for c in self._containers.values() if c.sandbox_id == sid]
+        # like StopPodSandbox: whatever still runs is killed (grace was the caller's job)
+        for cid in ids:
+            self._stop(cid, 0)
+        with self._lock:
+            sb.state = SandboxState.NOTREADY.value
+            self._save_sandbox(sb)
+
+    def _remove_container(self, cid: str) -> None:
+        self._stop(cid, 0)
+        with self._lock:
+            if self._containers.pop(cid, None) is None:
+                return
+            self._children.pop(cid, None)
+            base = self._base(cid)
+            for suffix in (".json", ".pid", ".exit"):
+                with contextlib.suppress(FileNotFoundError):
+                    base.with_suffix(suffix).unlink()
+
+    def _remove_sandbox(self, sid: str) -> None:
+        self._stop_sandbox(sid)
+        with self._lock:
+            ids = [c.id for c in self._containers.values() if c.sandbox_id == sid]
+        for cid in ids:
+            self._remove_container(cid)
+        with self._lock:
+            sb = self._sandboxes.pop(sid, None)
+            if sb is None:
+                return
+            with contextlib.suppress(FileNotFoundError):
+                (self.state_dir / "sandboxes" / f"{sid}.json").unlink()
+            shutil.rmtree(self.state_dir / "pods" / sid, ignore_errors=True)
+            logs = Path(sb.log_directory)
+            if logs.is_relative_to(self.state_dir / "logs") and not any(
+                    s.log_directory == sb.log_directory for s in self._sandboxes.values()):
+                shutil.rmtree(logs, ignore_errors=True)
+
+    # --- Runtime ---------------------------------------------------------------------
+
+    async def version(self) -> RuntimeVersion:
+        return RuntimeVersion("process", "0.1.0", "v1")
+
+    async def relist(self) -> RelistResult:
+        return await asyncio.to_thread(self._relist)
+
+    async def pod_status(self, pod_uid: str) -> PodRuntimeStatus:
+        return await asyncio.to_thread(self._pod_status, pod_uid)
+
+    async def run_sandbox(self, config: SandboxConfig) -> str:
+        return await asyncio.to_thread(self._run_sandbox, config)
+
+    async def stop_sandbox(self, sandbox_id: str) -> None:
+        await asyncio.to_thread(self._stop_sandbox, sandbox_id)
+
+    async def remove_sandbox(self, sandbox_id: str) -> None:
+        await asyncio.to_thread(self._remove_sandbox, sandbox_id)
+
+    async def create_container(self, sandbox_id: str, config: ContainerConfig,
+                               sandbox_config: SandboxConfig) -> str:
+        return await asyncio.to_thread(self._create, sandbox_id, config)
+
+    async def start_container(self, container_id: str) -> None:
+        await asyncio.to_thread(self._start, container_id)
+
+    async def stop_container(self, container_id: str, timeout: float) -> None:
+        await asyncio.to_thread(self._stop, container_id, timeout)
+
+    async def remove_container(self, container_id: str) -> None:
+        await asyncio.to_thread(self._remove_container, container_id)
+
+    async def image_present(self, ref: str) -> bool:
+        return True  # the image is only a label here
+
+    async def list_images(self) -> list[ImageInfo]:
+        with self._lock:
+            refs = sorted({c.image for c in self._containers.values()})
+        return [ImageInfo(id="sha256:" + hashlib.sha256(r.encode()).hexdigest(), names=[r],
+                          size_bytes=0) for r in refs]
+
+    async def wait_container(self, container_id: str, timeout: float) -> bool:
+        """Wait up to `timeout` s for a running container to exit; True once it has.
+        For tests and tools; the agent learns of exits from the relist."""
+        def body() -> bool:
+            with self._lock:
+                c = self._containers.get(container_id)
+                if c is None:
+                    raise NotFound(f"process wait_container: container {container_id} "
+                                   "not found")
+                self._refresh(c)
+                if c.state != ContainerState.RUNNING.value:
+                    return True
+            done = self._wait_exit(c, timeout)
+            with self._lock:
+                self._refresh(c)
+                return done and c.state == ContainerState.EXITED.value
+        return await asyncio.to_thread(body)
+
+    async def close(self) -> None:
+        """Release the state dir lock; processes keep running (a new runtime on the
+        same dir adopts them)."""
+        with self._lock:
+            if self._lockfile is not None:
+                self._lockfile.close()
+                self._lockfile = None

@@ -1,0 +1,355 @@
+"""ProcessRuntime on real short-lived local processes. Waits are bounded waits on a
+process's exit (pidfd), never fixed sleeps. Every test kills what it started."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Callable, Coroutine
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from nodeagent.runtime import (
+    ContainerConfig,
+    ContainerRuntimeError,
+    ContainerState,
+    NotFound,
+    RelistResult,
+    SandboxConfig,
+    SandboxState,
+    make_runtime,
+)
+from nodeagent.runtime.base import LABEL_CONTAINER_NAME, LABEL_POD_UID
+from nodeagent.runtime.process import ANNOTATION_PID, WRAPPER, ProcessRuntime
+
+WAIT = 20.0  # upper bound on any wait for a process to exit
+
+
+def aio(fn: Callable[..., Coroutine[Any, Any, None]]) -> Callable[..., None]:
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> None:
+        asyncio.run(fn(*args, **kwargs))
+    return run
+
+
+def pod(command: list[str], uid: str = "u1", name: str = "p", **container: Any) -> dict:
+    return {"metadata": {"name": name, "namespace": "ns", "uid": uid},
+            "spec": {"containers": [{"name": "c", "image": "localhost/busybox:1",
+                                     "command": command, **container}]}}
+
+
+@asynccontextmanager
+async def runtime(state: Path, **kw: Any) -> AsyncIterator[ProcessRuntime]:
+    rt = ProcessRuntime(state, **kw)
+    try:
+        yield rt
+    finally:
+        for sb in (await rt.relist()).sandboxes:
+            await rt.remove_sandbox(sb.id)  # kills whatever still runs
+        await rt.close()
+
+
+async def start(rt: ProcessRuntime, p: dict, attempt: int = 0) -> tuple[str, str]:
+    sc = SandboxConfig.from_pod(p)
+    sid = await rt.run_sandbox(sc)
+    cc = ContainerConfig.from_pod(p, p["spec"]["containers"][0], attempt=attempt,
+                                  restart_count=attempt)
+    cid = await rt.create_container(sid, cc, sc)
+    await rt.start_container(cid)
+    return sid, cid
+
+
+async def one(rt: ProcessRuntime, cid: str, uid: str = "u1") -> Any:
+    return next(c for c in (await rt.pod_status(uid)).containers if c.id == cid)
+
+
+def workload_pid(wrapper_pid: int) -> int:
+    """The wrapper's child: the container's actual program."""
+    children = Path(f"/proc/{wrapper_pid}/task/{wrapper_pid}/children").read_text().split()
+    assert len(children) == 1, children
+    return int(children[0])
+
+
+def pid_running(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
+
+
+@aio
+async def test_runs_command_with_env_workdir_logs_and_exit_code(tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    p = pod(["sh", "-c"], args=['echo "$GREETING from $(pwd)"; echo oops >&2; exit 3'],
+            env=[{"name": "GREETING", "value": "hello"}], workingDir=str(work))
+    async with runtime(tmp_path / "state") as rt:
+        sid, cid = await start(rt, p)
+        assert await rt.wait_container(cid, WAIT)
+        c = await one(rt, cid)
+        assert (c.state, c.exit_code, c.reason) == (ContainerState.EXITED, 3, "Error")
+        assert c.started_at and c.finished_at and c.finished_at >= c.started_at
+        log = tmp_path / "state" / "logs" / "ns_p_u1" / "c" / "0.log"
+        assert log.read_text().splitlines() == [f"hello from {work}", "oops"]
+        assert c.labels[LABEL_POD_UID] == "u1" and c.labels[LABEL_CONTAINER_NAME] == "c"
+        assert c.image == "localhost/busybox:1"
+
+
+@aio
+async def test_relist_running_then_stop_with_sigterm(tmp_path: Path) -> None:
+    async with runtime(tmp_path) as rt:
+        sid, cid = await start(rt, pod(["sleep", "600"]))
+        listed = await rt.relist()
+        c = next(c for c in listed.containers if c.id == cid)
+        assert c.state == ContainerState.RUNNING and c.sandbox_id == sid
+        pid = int(c.annotations[ANNOTATION_PID])
+        assert os.getpgid(pid) == pid != os.getpgid(0)  # its own process group
+        sb = listed.sandboxes[0]
+        assert sb.state == SandboxState.READY and sb.pod_uid == "u1"
+        await rt.stop_container(cid, WAIT)
+        c = await one(rt, cid)
+        assert (c.state, c.exit_code) == (ContainerState.EXITED, 128 + signal.SIGTERM)
+        assert not pid_running(pid)
+        await rt.stop_container(cid, WAIT)  # idempotent
+
+
+@aio
+async def test_stop_kills_after_timeout_when_sigterm_is_ignored(tmp_path: Path) -> None:
+    async with runtime(tmp_path) as rt:
+        _, cid = await start(rt, pod(["sh", "-c", "trap '' TERM; sleep 600"]))
+        pid = int((await one(rt, cid)).annotations[ANNOTATION_PID])
+        inner = workload_pid(pid)
+        await rt.stop_container(cid, 0.2)
+        c = await one(rt, cid)
+        assert (c.state, c.exit_code) == (ContainerState.EXITED, 137)
+        assert not pid_running(pid) and not pid_running(inner)
+
+
+@aio
+async def test_killed_workload_is_reported_exited_with_its_code(tmp_path: Path) -> None:
+    async with runtime(tmp_path) as rt:
+        _, cid = await start(rt, pod(["sleep", "600"]))
+        pid = int((await one(rt, cid)).annotations[ANNOTATION_PID])
+        os.kill(workload_pid(pid), signal.SIGKILL)
+        assert await rt.wait_container(cid, WAIT)
+        listed = await rt.relist()
+        c = next(c for c in listed.containers if c.id == cid)
+        assert (c.state, c.exit_code, c.reason) == (ContainerState.EXITED, 137, "Error")
+        # a restart is a new container with attempt + 1; the old one cannot start again
+        with pytest.raises(ContainerRuntimeError, match="new container"):
+            await rt.start_container(cid)
+        p = pod(["sleep", "600"])
+        sc = SandboxConfig.from_pod(p)
+        cc = ContainerConfig.from_pod(p, p["spec"]["containers"][0], attempt=1,
+                                      restart_count=1)
+        cid1 = await rt.create_container(c.sandbox_id, cc, sc)
+        await rt.start_container(cid1)
+        new = await one(rt, cid1)
+        assert (new.state, new.attempt, new.restart_count) == (ContainerState.RUNNING, 1, 1)
+
+
+@aio
+async def test_wrapper_killed_alone_takes_the_workload_with_it(tmp_path: Path) -> None:
+    async with runtime(tmp_path) as rt:
+        _, cid = await start(rt, pod(["sleep", "600"]))
+        pid = int((await one(rt, cid)).annotations[ANNOTATION_PID])
+        inner = workload_pid(pid)
+        os.kill(pid, signal.SIGKILL)
+        assert await rt.wait_container(cid, WAIT)
+        c = await one(rt, cid)
+        assert (c.state, c.exit_code) == (ContainerState.EXITED, 137)
+        # like a container whose PID 1 died: nothing of it keeps running
+        assert _wait_gone(inner)
+
+
+def _wait_gone(pid: int) -> bool:
+    """Bounded wait for a process we do not parent (pidfd, no polling)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        p = select.poll()
+        p.register(fd, select.POLLIN)
+        return bool(p.poll(int(WAIT * 1000)))
+    finally:
+        os.close(fd)
+
+
+@aio
+async def test_restarted_agent_adopts_running_processes_without_duplicates(
+        tmp_path: Path) -> None:
+    rt1 = ProcessRuntime(tmp_path)
+    sid, cid = await start(rt1, pod(["sleep", "600"]))
+    pid = int((await one(rt1, cid)).annotations[ANNOTATION_PID])
+    # a second agent on the same state dir is refused while the first holds it
+    with pytest.raises(ContainerRuntimeError, match="in use by another agent"):
+        ProcessRuntime(tmp_path)
+    await rt1.close()
+
+    async with runtime(tmp_path) as rt2:
+        listed = await rt2.relist()
+        assert [(c.id, c.state) for c in listed.containers] == [(cid, ContainerState.RUNNING)]
+        assert [s.id for s in listed.sandboxes] == [sid]
+        c = listed.containers[0]
+        assert int(c.annotations[ANNOTATION_PID]) == pid
+        # the adopted process is not rt2's child: its code still comes through
+        os.kill(workload_pid(pid), signal.SIGTERM)
+        assert await rt2.wait_container(cid, WAIT)
+        c = await one(rt2, cid)
+        assert (c.state, c.exit_code) == (ContainerState.EXITED, 143)
+
+
+@aio
+async def test_adoption_checks_process_identity(tmp_path: Path) -> None:
+    rt = ProcessRuntime(tmp_path)
+    sid, cid = await start(rt, pod(["sleep", "600"]))
+    await rt.stop_container(cid, WAIT)
+    await rt.close()
+    # forge a RUNNING record whose PID now belongs to another process (this one)
+    path = tmp_path / "containers" / f"{cid}.json"
+    rec = json.loads(path.read_text())
+    rec.update(state="RUNNING", pid=os.getpid(), exit_code=None, finished_at=None)
+    path.write_text(json.dumps(rec))
+    (tmp_path / "containers" / f"{cid}.exit").unlink()
+    async with runtime(tmp_path) as rt2:
+        c = await one(rt2, cid)
+        assert c.state == ContainerState.EXITED  # not adopted: the start time differs
+        assert "not recorded" in c.message
+    assert pid_running(os.getpid())  # and nothing of ours was signalled
+
+
+@aio
+async def test_adopts_a_process_started_just_before_a_crash(tmp_path: Path) -> None:
+    """The agent died after starting the wrapper but before saving RUNNING."""
+    p = pod(["sleep", "600"])
+    sc = SandboxConfig.from_pod(p)
+    rt = ProcessRuntime(tmp_path)
+    sid = await rt.run_sandbox(sc)
+    cid = await rt.create_container(sid, ContainerConfig.from_pod(
+        p, p["spec"]["containers"][0]), sc)
+    await rt.close()
+    base = tmp_path / "containers" / cid
+    wrapper = subprocess.Popen(["/bin/sh", "-c", WRAPPER, str(base), "sleep", "600"],
+                               start_new_session=True)
+    try:
+        _wait_file(base.with_suffix(".pid"))
+        async with runtime(tmp_path) as rt2:
+            c = await one(rt2, cid)
+            assert c.state == ContainerState.RUNNING
+            assert int(c.annotations[ANNOTATION_PID]) == wrapper.pid
+            await rt2.stop_container(cid, WAIT)
+            assert (await one(rt2, cid)).exit_code == 143
+    finally:
+        if wrapper.poll() is None:
+            os.killpg(wrapper.pid, signal.SIGKILL)
+        wrapper.wait(WAIT)
+
+
+def _wait_file(path: Path) -> None:
+    """Bounded wait for the wrapper's first line, using inotify rather than sleeping."""
+    from inotify_simple import INotify, flags
+    ino = INotify()
+    try:
+        ino.add_watch(str(path.parent), flags.CLOSE_WRITE | flags.MOVED_TO)
+        for _ in range(50):
+            if path.exists() and path.read_text().strip():
+                return
+            ino.read(timeout=int(WAIT * 1000 / 50))
+    finally:
+        ino.close()
+    raise AssertionError(f"{path} never written")
+
+
+@aio
+async def test_corrupt_record_is_set_aside_and_others_load(tmp_path: Path) -> None:
+    rt1 = ProcessRuntime(tmp_path)
+    sid, cid = await start(rt1, pod(["sleep", "600"]))
+    await rt1.close()
+    (tmp_path / "containers" / "broken.json").write_text("{not json")
+    async with runtime(tmp_path) as rt2:
+        assert [c.id for c in (await rt2.relist()).containers] == [cid]
+        assert (tmp_path / "containers" / "broken.json.corrupt").exists()
+
+
+@aio
+async def test_errors_name_the_container_and_field(tmp_path: Path) -> None:
+    async with runtime(tmp_path) as rt:
+        p = pod(["sleep", "600"])
+        sc = SandboxConfig.from_pod(p)
+        sid = await rt.run_sandbox(sc)
+        with pytest.raises(ContainerRuntimeError, match="container c: command and args"):
+            await rt.create_container(sid, ContainerConfig.from_pod(
+                p, {"name": "c", "image": "x"}), sc)
+        with pytest.raises(NotFound):
+            await rt.create_container("nope", ContainerConfig.from_pod(
+                p, p["spec"]["containers"][0]), sc)
+        with pytest.raises(NotFound):
+            await rt.start_container("nope")
+        await rt.stop_container("nope", 1)
+        await rt.remove_container("nope")
+        await rt.stop_sandbox("nope")
+        await rt.remove_sandbox("nope")
+
+        bad_dir = ContainerConfig.from_pod(p, {**p["spec"]["containers"][0],
+                                               "workingDir": str(tmp_path / "missing")})
+        cid = await rt.create_container(sid, bad_dir, sc)
+        with pytest.raises(ContainerRuntimeError, match="workingDir .*missing does not exist"):
+            await rt.start_container(cid)
+        c = await one(rt, cid)
+        assert (c.state, c.exit_code, c.reason) == (ContainerState.EXITED, 128, "StartError")
+
+        no_exe = ContainerConfig.from_pod(p, {**p["spec"]["containers"][0],
+                                              "command": ["no-such-program-xyz"]})
+        cid = await rt.create_container(sid, no_exe, sc)
+        with pytest.raises(ContainerRuntimeError, match="no-such-program-xyz.*not found"):
+            await rt.start_container(cid)
+
+        await rt.stop_sandbox(sid)
+        with pytest.raises(NotFound, match="not ready"):
+            await rt.create_container(sid, ContainerConfig.from_pod(
+                p, p["spec"]["containers"][0]), sc)
+
+
+@aio
+async def test_remove_sandbox_kills_and_forgets_everything(tmp_path: Path) -> None:
+    async with runtime(tmp_path) as rt:
+        sid, cid = await start(rt, pod(["sleep", "600"]))
+        pid = int((await one(rt, cid)).annotations[ANNOTATION_PID])
+        await rt.stop_sandbox(sid)
+        st = await rt.pod_status("u1")
+        assert st.sandboxes[0].state == SandboxState.NOTREADY
+        assert st.containers[0].state == ContainerState.EXITED
+        assert not pid_running(pid)
+        await rt.remove_sandbox(sid)
+        assert await rt.relist() == RelistResult([], [])
+        assert list((tmp_path / "containers").iterdir()) == []
+        assert list((tmp_path / "sandboxes").iterdir()) == []
+        assert not (tmp_path / "logs" / "ns_p_u1").exists()
+
+
+@aio
+async def test_make_runtime_and_images_are_labels(tmp_path: Path) -> None:
+    rt = make_runtime("process", state_dir=tmp_path)
+    assert isinstance(rt, ProcessRuntime) and rt.scheme == "process"
+    try:
+        assert await rt.image_present("anything/at:all")
+        assert (await rt.version()).runtime_name == "process"
+        _, cid = await start(rt, pod([sys.executable, "-c", "print('hi')"]))
+        assert await rt.wait_container(cid, WAIT)
+        assert (await one(rt, cid)).exit_code == 0
+        assert [i.names for i in await rt.list_images()] == [["localhost/busybox:1"]]
+    finally:
+        for sb in (await rt.relist()).sandboxes:
+            await rt.remove_sandbox(sb.id)
+        await rt.close()
