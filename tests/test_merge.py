@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import copy
-from collections.abc import Coroutine
+import time
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import pytest
@@ -22,6 +23,16 @@ from nodeagent.sources.types import (
 
 def aio(coro: Coroutine[Any, Any, Any]) -> Any:
     return asyncio.run(coro)
+
+
+async def until(pred: Callable[[], bool], timeout: float = 5.0) -> None:
+    """Yield to the event loop (no sleeping) until `pred()` holds, for at most `timeout`
+    seconds of real time: for things other threads or the kernel deliver."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not reached")
+        await asyncio.sleep(0)
 
 
 def pod(name: str, uid: str | None = None, ns: str = "ns", **spec: Any) -> dict:

@@ -22,6 +22,7 @@ from nodeagent.sources.file import FileSource, _oserror, ignored
 from nodeagent.sources.merge import Merge
 from nodeagent.sources.problems import Problems
 from nodeagent.sources.types import Op, PodUpdate, Source
+from tests.test_merge import until
 
 WAIT = 5.0  # bound on waiting for the kernel to deliver inotify events
 
@@ -366,8 +367,7 @@ def test_debounce_gathers_a_burst_into_one_batch(tmp_path: Path) -> None:
             (tmp_path / f"p{i}.yaml").write_text(manifest(f"p{i}"))
         await asyncio.wait_for(h.src.debouncing.wait(), WAIT)
         # let every close_write arrive while the debounce is still running
-        while len(h.src._pending) < 5:
-            await asyncio.sleep(0.01)
+        await until(lambda: len(h.src._pending) == 5)
         await h.clock.advance(0.1)
         await asyncio.wait_for(h.src.wait_batches(n + 1), WAIT)
         assert h.ops() == [(Op.ADD, [f"p{i}-n1" for i in range(5)])]

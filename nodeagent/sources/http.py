@@ -1,0 +1,140 @@
+"""The manifest URL source (`--manifest-url`, `--manifest-url-header`).
+
+Polled every `check_frequency` seconds (20 s, the kubelet's httpCheckFrequency) with
+`If-None-Match` / `If-Modified-Since` from the last response: a 304 costs no parsing,
+a 200 whose bytes are unchanged costs a digest, and only new bytes are parsed. The
+body is one Pod, a PodList/List of Pods, or several YAML documents of Pods.
+
+A failed request or a bad body (any bad pod in it) changes nothing: the last good set
+keeps running, the problem is reported once (log, metric, Node Event) until it changes.
+The source is ready after its first good body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import urllib.error
+import urllib.request
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from nodeagent.api.clock import Clock
+from nodeagent.sources import metrics
+from nodeagent.sources.merge import Merge
+from nodeagent.sources.problems import Problems
+from nodeagent.sources.static import ManifestError, make_static_pod, parse_pod_list, static_uid
+from nodeagent.sources.types import Pod, Source, pod_uid
+
+log = logging.getLogger("nodeagent.sources")
+
+MAX_BODY_BYTES = 16 << 20
+
+
+@dataclass
+class _Response:
+    status: int
+    body: bytes
+    etag: str | None
+    last_modified: str | None
+
+
+class HTTPSource:
+    def __init__(self, url: str, node_name: str, merge: Merge, clock: Clock, *,
+                 headers: Mapping[str, str] | None = None, problems: Problems | None = None,
+                 check_frequency: float = 20.0, timeout: float = 10.0,
+                 max_bytes: int = MAX_BODY_BYTES) -> None:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"--manifest-url {url!r}: only http:// and https:// URLs")
+        self.url = url
+        self.node_name = node_name
+        self.merge = merge
+        self.clock = clock
+        self.headers = dict(headers or {})
+        self.problems = problems or merge.problems
+        self.check_frequency = check_frequency
+        self.timeout = timeout
+        self.max_bytes = max_bytes
+        self._etag: str | None = None
+        self._last_modified: str | None = None
+        self._digest: bytes | None = None
+        self._pods: dict[str, Pod] = {}  # uid -> pod of the last good body
+        self._problem: str | None = None
+        self.polls = 0
+
+    async def run(self) -> None:
+        while True:
+            await self.poll()
+            await self.clock.sleep(self.check_frequency)
+
+    async def poll(self) -> str:
+        """One poll; returns the result (not_modified, unchanged, changed, error)."""
+        self.polls += 1
+        result = await self._poll()
+        metrics.HTTP_POLLS.labels(result).inc()
+        return result
+
+    async def _poll(self) -> str:
+        try:
+            resp = await asyncio.to_thread(self._fetch)
+        except (OSError, ValueError) as e:
+            reason = getattr(e, "reason", None) or e
+            self._fail("Unreachable", f"GET {self.url} failed: {reason}")
+            return "error"
+        if resp.status == 304:
+            return "not_modified"
+        if resp.status != 200:
+            self._fail("HTTPError", f"GET {self.url}: HTTP {resp.status}")
+            return "error"
+        if len(resp.body) > self.max_bytes:
+            self._fail("TooLarge", f"GET {self.url}: body over the limit of "
+                       f"{self.max_bytes} bytes")
+            return "error"
+        digest = hashlib.blake2b(resp.body, digest_size=16).digest()
+        self._etag, self._last_modified = resp.etag, resp.last_modified
+        if digest == self._digest:
+            return "unchanged"
+        self._digest = digest
+        try:
+            docs = parse_pod_list(resp.body, self.url)
+            pods: dict[str, Pod] = {}
+            for doc in docs:
+                uid = static_uid(doc, Source.HTTP, self.node_name)
+                pods[uid] = self._pods.get(uid) or make_static_pod(
+                    doc, Source.HTTP, self.node_name, self.clock.now())
+        except ManifestError as e:
+            kept = f"; keeping the last good set ({len(self._pods)} pods)" if self._pods else ""
+            self._fail(e.reason, f"{e}{kept}")
+            return "error"
+        if self._problem is not None:
+            log.info("http source: %s is good again", self.url)
+        self._problem = None
+        self._pods = pods
+        self.merge.set(Source.HTTP, list(pods.values()))
+        return "changed"
+
+    def _fail(self, reason: str, message: str) -> None:
+        if message != self._problem:
+            self._problem = message
+            self.problems.report(Source.HTTP, reason, message)
+
+    def _fetch(self) -> _Response:
+        headers = dict(self.headers)
+        if self._etag:
+            headers["If-None-Match"] = self._etag
+        if self._last_modified:
+            headers["If-Modified-Since"] = self._last_modified
+        req = urllib.request.Request(self.url, headers=headers)
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as r:
+                body = r.read(self.max_bytes + 1)
+                return _Response(r.status, body, r.headers.get("ETag"),
+                                 r.headers.get("Last-Modified"))
+        except urllib.error.HTTPError as e:
+            e.close()
+            return _Response(e.code, b"", None, None)
+
+    def current(self) -> list[Pod]:
+        """The last good set (what the merge has from this source)."""
+        return sorted(self._pods.values(), key=pod_uid)
