@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import logging
+import os
+import signal
 import sys
 
-from nodeagent import __version__
+from nodeagent import __version__, config
+from nodeagent.api.client import ClientConfigError, new_api_client
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -13,17 +18,44 @@ def build_parser() -> argparse.ArgumentParser:
         prog="nodepulse-agent",
         description="A light kubelet-style node agent: registers its Node, renews its "
                     "Lease, reports NodeStatus only on meaningful change, and runs the "
-                    "pods bound to it.")
+                    "pods bound to it. Every flag can also be set as NODEPULSE_<FLAG> "
+                    "(e.g. NODEPULSE_NODE_NAME) or as a camelCase key in --config.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    parser.add_argument("--kubeconfig", help="kubeconfig with this node's credentials")
-    parser.add_argument("--node-name", help="name of the Node to register (default: hostname)")
+    config.add_flags(parser)
     return parser
 
 
+async def _serve(cfg: config.AgentConfig, flags: dict[str, object]) -> None:
+    from nodeagent.agent import Agent  # the heavy imports only when running
+
+    api = new_api_client(cfg.kubeconfig, component="agent",
+                         pool_size=cfg.lease_concurrency + cfg.status_concurrency + 2)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await Agent(cfg, api, flags=flags, env=os.environ).run(stop)
+    finally:
+        api.close()
+
+
 def main(argv: list[str] | None = None) -> int:
-    build_parser().parse_args(argv)
-    print("nodepulse-agent: the agent loops are not built yet", file=sys.stderr)
-    return 2
+    parser = build_parser()
+    flags = vars(parser.parse_args(argv))
+    try:
+        cfg = config.load(flags)
+    except config.ConfigError as e:
+        print(f"nodepulse-agent: error: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        asyncio.run(_serve(cfg, flags))
+    except ClientConfigError as e:
+        print(f"nodepulse-agent: error: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":

@@ -258,7 +258,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     for opt in OPTIONS:
         if opt.flag:
             parser.add_argument(f"--{opt.flag}", dest=opt.flag, default=argparse.SUPPRESS,
-                                help=opt.help)
+                                help=opt.help.replace("%", "%%"))
 
 
 def env_name(flag: str) -> str:

@@ -1,0 +1,104 @@
+"""The composition root on the in-memory API: runs, reports health, follows its config
+file, stops cleanly."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+
+from prometheus_client import CollectorRegistry
+
+from nodeagent import config
+from nodeagent.agent import Agent
+from nodeagent.api.clock import FakeClock, settle
+from nodeagent.node.controller import NodeSpec
+from nodeagent.node.fakekube import FakeKube, InlineExecutor
+from tests.test_node_host import fake_proc
+
+
+def make_agent(tmp_path, argv: list[str]) -> tuple[Agent, FakeClock, FakeKube]:
+    parser = argparse.ArgumentParser()
+    config.add_flags(parser)
+    flags = vars(parser.parse_args(["--node-name", "n1", "--healthz-bind-address", "",
+                                    "--proc-path", str(fake_proc(tmp_path)),
+                                    "--root-dir", str(tmp_path), *argv]))
+    cfg = config.load(flags, {})
+    clock = FakeClock()
+    kube = FakeKube(now=clock.monotonic)
+    inline = InlineExecutor()
+    agent = Agent(cfg, kube=kube, clock=clock, registry=CollectorRegistry(), flags=flags,
+                  env={}, lease_executor=inline, status_executor=inline,
+                  watch_executor=inline,
+                  images=lambda: [{"names": ["localhost/pause:1"], "sizeBytes": 700_000}])
+    return agent, clock, kube
+
+
+def test_runs_reports_health_and_stops(tmp_path):
+    async def main():
+        agent, clock, kube = make_agent(tmp_path, [])
+        stop = asyncio.Event()
+        task = asyncio.create_task(agent.run(stop))
+        await settle()
+        assert agent.readyz() is None and agent.healthz() is None
+        node = kube.nodes["n1"]
+        assert node["status"]["images"] == [{"names": ["localhost/pause:1"],
+                                             "sizeBytes": 700_000}]
+        assert node["status"]["nodeInfo"]["kubeletVersion"].startswith("nodepulse-")
+        assert "n1" in kube.leases
+        await clock.advance(30)
+        assert agent.healthz() is None
+        kube.fail("update_lease", *[ConnectionError("down")] * 1000)
+        await clock.advance(45)
+        assert "lease n1" in (agent.healthz() or "")
+        stop.set()
+        await task  # returns: the loops stopped and the pools closed
+        writes = len(kube.calls)
+        await clock.advance(60)
+        assert len(kube.calls) == writes  # nothing runs after stop
+    asyncio.run(main())
+
+
+def test_condition_follows_config_file_threshold_change(tmp_path):
+    async def main():
+        path = tmp_path / "agent.yaml"
+        path.write_text("evictionHard: {nodefs.available: '0%'}\n")
+        agent, clock, kube = make_agent(tmp_path, ["--config", str(path)])
+        stop = asyncio.Event()
+        task = asyncio.create_task(agent.run(stop))
+        await settle()
+        disk = {c["type"]: c["status"] for c in kube.nodes["n1"]["status"]["conditions"]}
+        assert disk["DiskPressure"] == "False"
+        await clock.advance(5)
+        path.write_text("evictionHard: {nodefs.available: '100%'}\n")  # any fs is below 100%
+        os.utime(path, (1, 1))
+        await clock.advance(10)
+        disk = {c["type"]: c["status"] for c in kube.nodes["n1"]["status"]["conditions"]}
+        assert disk["DiskPressure"] == "True"
+        path.write_text("evictionHard: {nodefs.available: 'lots'}\n")  # refused, kept
+        os.utime(path, (2, 2))
+        await clock.advance(10)
+        assert agent.cfg.eviction_hard[0].percent == 100
+        stop.set()
+        await task
+    asyncio.run(main())
+
+
+def test_many_nodes_share_one_watch_and_two_schedulers(tmp_path):
+    async def main():
+        agent, clock, kube = make_agent(tmp_path, ["--agent-id", "pool-a"])
+        for i in range(2, 6):
+            agent.add_node(NodeSpec(f"n{i}", "pool-a"))
+        agent.add_node(NodeSpec("n1", "pool-a"))
+        stop = asyncio.Event()
+        task = asyncio.create_task(agent.run(stop))
+        await settle()
+        await clock.advance(60)
+        assert sorted(kube.leases) == ["n1", "n2", "n3", "n4", "n5"]
+        assert kube.count("list_nodes") == 1
+        assert {c[2] for c in kube.calls if c[1] == "list_nodes"} == {""}  # label selector
+        assert kube.count("update_lease") >= 5 * 5
+        assert kube.count("patch_node_status") == 5  # registration reports only
+        stop.set()
+        await task
+    asyncio.run(main())
