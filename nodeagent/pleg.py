@@ -130,8 +130,9 @@ class CacheEntry:
 
 class PodCache:
     """Latest known runtime state per pod. `get_newer_than(uid, t)` returns once the
-    cache holds state read at or after `t`: either the pod's own entry is that fresh, or
-    a relist at or after `t` found the pod unchanged (and it has no inspection pending)."""
+    cache holds state read after `t`: either the pod's own entry is that fresh, or a
+    relist that started after `t` found the pod unchanged (no inspection pending).
+    Before the first relist nothing is fresh, so a new agent never acts blind."""
 
     def __init__(self) -> None:
         self._entries: dict[str, CacheEntry] = {}
@@ -143,10 +144,12 @@ class PodCache:
         return self._entries.get(uid) or CacheEntry(PodRuntimeStatus(uid), None, -math.inf)
 
     def _fresh(self, uid: str, t: float) -> bool:
+        # strictly newer: a relist that started at the same instant as a sync's end may
+        # predate what that sync did (FakeClock makes such ties common)
         e = self._entries.get(uid)
-        if e is not None and e.modified >= t:
+        if e is not None and e.modified > t:
             return True
-        return self.timestamp >= t and uid not in self._pending
+        return self.timestamp > t and uid not in self._pending
 
     async def get_newer_than(self, uid: str, t: float) -> CacheEntry:
         async with self._changed:

@@ -1,0 +1,323 @@
+"""The sync loop end to end on the fake runtime and FakeClock: pods start, crash,
+restart with back-off, finish, get deleted; orphans are removed; a new agent adopts."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from nodeagent.api.clock import FakeClock, settle
+from nodeagent.runtime import ContainerState, RuntimeTimeout, SandboxState
+from nodeagent.runtime.fake import FakeRuntime
+from nodeagent.sources.types import Op, PodUpdate, Source, SourcesReady
+from nodeagent.syncloop import SyncLoop
+from tests.test_podstatus import FakeWriter
+from tests.test_runtime_fake import aio
+
+
+def mkpod(name: str, uid: str, *, policy: str = "Always", containers: int = 1,
+          image: str = "localhost/busybox:1", **spec: Any) -> dict:
+    return {"metadata": {"name": name, "namespace": "ns", "uid": uid},
+            "spec": {"nodeName": "n1", "restartPolicy": policy,
+                     "containers": [{"name": f"c{i}", "image": image,
+                                     "command": ["sleep", "3600"]}
+                                    for i in range(containers)], **spec},
+            "status": {"phase": "Pending"}}
+
+
+class Agent:
+    def __init__(self, rt: FakeRuntime, clock: FakeClock, ready: bool = True) -> None:
+        self.rt = rt
+        self.clock = clock
+        self.updates: asyncio.Queue[PodUpdate] = asyncio.Queue()
+        self.ready = SourcesReady({Source.API})
+        if ready:
+            self.ready.mark(Source.API)
+        self.writer = FakeWriter()
+        self.loop = SyncLoop(runtime=rt, clock=clock, node_name="n1", updates=self.updates,
+                             sources_ready=self.ready, status_writer=self.writer,
+                             host_ip="192.0.2.10", registry=CollectorRegistry())
+
+    def send(self, op: Op, *pods: dict) -> None:
+        self.updates.put_nowait(PodUpdate(op, tuple(pods), Source.API))
+
+    def status(self, uid: str) -> dict:
+        return [st for u, st in self.writer.patches if u == uid][-1]
+
+    def cstatus(self, uid: str, i: int = 0) -> dict:
+        return self.status(uid)["containerStatuses"][i]
+
+    async def run_for(self, seconds: float) -> None:
+        for _ in range(int(seconds)):
+            await self.clock.advance(1)
+
+
+async def started(clock: FakeClock, rt: FakeRuntime | None = None) -> Agent:
+    a = Agent(rt or FakeRuntime(clock), clock)
+    a.loop.start()
+    await settle()
+    return a
+
+
+@aio
+async def test_pod_starts_and_reports_running() -> None:
+    clock = FakeClock()
+    a = await started(clock)
+    a.send(Op.ADD, mkpod("web", "u1", containers=2))
+    await a.run_for(3)
+    assert len(a.rt.running("u1")) == 2
+    st = a.status("u1")
+    assert st["phase"] == "Running"
+    assert {c["type"]: c["status"] for c in st["conditions"]}["Ready"] == "True"
+    assert st["containerStatuses"][0]["containerID"].startswith("fake://")
+    assert st["podIP"].startswith("10.88.") and st["hostIP"] == "192.0.2.10"
+    patches = len(a.writer.patches)
+    await a.run_for(120)  # two periodic resyncs, nothing changed: no more writes
+    assert len(a.writer.patches) == patches
+    assert a.rt.calls["run_sandbox"] == 1 and a.rt.calls["create_container"] == 2
+    await a.loop.stop()
+
+
+@aio
+async def test_crash_restarts_with_doubling_backoff() -> None:
+    clock = FakeClock()
+    a = await started(clock)
+    a.send(Op.ADD, mkpod("web", "u1"))
+    await a.run_for(3)
+    first = a.rt.running("u1")[0]
+    a.rt.exit_container(first.id, 1)
+    await a.run_for(2)  # died seen within 2 relists, restarted at once
+    now = a.rt.running("u1")
+    assert len(now) == 1 and now[0].attempt == 1 and now[0].restart_count == 1
+    await a.run_for(1)
+    cs = a.cstatus("u1")
+    assert cs["restartCount"] == 1 and "running" in cs["state"]
+    assert cs["lastState"]["terminated"]["exitCode"] == 1
+
+    restart_times = []
+    for _ in range(3):
+        a.rt.exit_container(a.rt.running("u1")[0].id, 2)
+        t0 = clock.monotonic()
+        await a.run_for(2)
+        assert a.rt.running("u1") == []
+        assert a.cstatus("u1")["state"]["waiting"]["reason"] == "CrashLoopBackOff"
+        while not a.rt.running("u1"):
+            await a.run_for(1)
+        restart_times.append(clock.monotonic() - t0)
+    # back-off 10 s, 20 s, 40 s (each counted from the previous restart, seen ~1 s late)
+    assert [round(t / 10) * 10 for t in restart_times] == [10, 20, 40]
+    assert a.rt.running("u1")[0].restart_count == 4
+    # old attempts are pruned: the running one plus the newest exited one remain
+    assert len(a.rt.find("u1", "c0")) == 2
+    await a.loop.stop()
+
+
+@aio
+async def test_restart_policies() -> None:
+    clock = FakeClock()
+    a = await started(clock)
+    a.send(Op.ADD, mkpod("never", "n", policy="Never"), mkpod("onf", "o", policy="OnFailure"),
+           mkpod("onf2", "o2", policy="OnFailure"))
+    await a.run_for(3)
+    a.rt.exit_container(a.rt.running("n")[0].id, 0)
+    a.rt.exit_container(a.rt.running("o")[0].id, 0)
+    a.rt.exit_container(a.rt.running("o2")[0].id, 1)
+    await a.run_for(4)
+    assert a.status("n")["phase"] == "Succeeded"
+    assert a.status("o")["phase"] == "Succeeded"
+    assert a.rt.running("n") == [] and a.rt.running("o") == []
+    # finished pods' sandboxes are stopped
+    assert all(s.state == SandboxState.NOTREADY for s in a.rt.sandboxes.values()
+               if s.pod_uid in ("n", "o"))
+    assert len(a.rt.running("o2")) == 1 and a.status("o2")["phase"] == "Running"
+    assert a.cstatus("o2")["restartCount"] == 1
+    n_creates = a.rt.calls["create_container"]
+    await a.run_for(130)
+    assert a.rt.calls["create_container"] == n_creates  # Succeeded pods never restart
+    await a.loop.stop()
+
+
+@aio
+async def test_graceful_delete_within_grace_then_remove() -> None:
+    clock = FakeClock()
+    a = await started(clock)
+    pod = mkpod("web", "u1", terminationGracePeriodSeconds=30)
+    a.send(Op.ADD, pod)
+    await a.run_for(3)
+    a.rt.ignore_sigterm.add("c0")
+    deleted = {**pod, "metadata": {**pod["metadata"], "deletionTimestamp": "2026-01-01T00:00:03Z",
+                                   "deletionGracePeriodSeconds": 5}}
+    a.send(Op.DELETE, deleted)
+    await a.run_for(4)
+    assert len(a.rt.running("u1")) == 1  # still inside its grace period
+    await a.run_for(3)
+    assert a.rt.running("u1") == []
+    c = a.rt.find("u1", "c0")[-1]
+    assert c.exit_code == 137
+    await a.run_for(2)
+    st = a.status("u1")
+    assert st["phase"] == "Failed"  # killed: terminal
+    assert a.writer.deletes == ["u1"]  # the graceful delete is finished in the API
+    a.send(Op.REMOVE, deleted)
+    await a.run_for(2)
+    assert [s for s in a.rt.sandboxes.values() if s.pod_uid == "u1"] == []
+    assert a.rt.find("u1", "c0") == []
+    assert "u1" not in a.loop.workers
+    await a.loop.stop()
+
+
+@aio
+async def test_image_pull_policy_against_present_images() -> None:
+    clock = FakeClock()
+    rt = FakeRuntime(clock, images=["localhost/busybox:1"])
+    a = await started(clock, rt)
+    never = mkpod("never", "u1", image="localhost/missing:1")
+    never["spec"]["containers"][0]["imagePullPolicy"] = "Never"
+    ifnp = mkpod("ifnp", "u2", image="localhost/missing:2")
+    a.send(Op.ADD, never, ifnp, mkpod("ok", "u3"))
+    await a.run_for(3)
+    w = a.cstatus("u1")["state"]["waiting"]
+    assert w["reason"] == "ErrImageNeverPull"
+    assert w["message"] == ('Container image "localhost/missing:1" is not present with '
+                            "pull policy of Never")
+    w2 = a.cstatus("u2")["state"]["waiting"]
+    assert w2["reason"] == "ErrImagePull" and "does not pull" in w2["message"]
+    assert a.status("u1")["phase"] == "Pending"
+    assert a.status("u3")["phase"] == "Running"
+    rt.images = {"localhost/busybox:1", "localhost/missing:1"}  # imported by hand
+    await a.run_for(12)
+    assert a.status("u1")["phase"] == "Running"
+    await a.loop.stop()
+
+
+@aio
+async def test_housekeeping_waits_for_sources_then_removes_orphans() -> None:
+    clock = FakeClock()
+    rt = FakeRuntime(clock)
+    a1 = await started(clock, rt)
+    a1.send(Op.ADD, mkpod("keep", "k"), mkpod("gone", "g"))
+    await a1.run_for(3)
+    await a1.loop.stop()
+    a2 = Agent(rt, clock, ready=False)
+    a2.loop.start()
+    await settle()
+    a2.send(Op.ADD, mkpod("keep", "k"))
+    await a2.run_for(10)
+    assert len(rt.running("g")) == 1  # sources not ready: absence proves nothing
+    a2.ready.mark(Source.API)
+    await a2.run_for(4)
+    assert rt.find("g", "c0") == [] and not [s for s in rt.sandboxes.values()
+                                             if s.pod_uid == "g"]
+    assert len(rt.running("k")) == 1
+    assert a2.writer.patches and all(u != "g" for u, _ in a2.writer.patches)
+    await a2.loop.stop()
+
+
+@aio
+async def test_new_agent_adopts_running_pods_without_duplicates() -> None:
+    clock = FakeClock()
+    rt = FakeRuntime(clock)
+    a1 = await started(clock, rt)
+    pods = [mkpod(f"p{i}", f"u{i}", containers=2) for i in range(3)]
+    a1.send(Op.ADD, *pods)
+    await a1.run_for(3)
+    assert len(rt.running()) == 6
+    await a1.loop.stop()  # like SIGKILL: nothing in the runtime is touched
+    creates, sandboxes = rt.calls["create_container"], rt.calls["run_sandbox"]
+    crashed = rt.running("u1")[0]
+    rt.exit_container(crashed.id, 1)  # dies while no agent runs
+
+    a2 = Agent(rt, clock)
+    # the API already shows what agent 1 reported
+    a2.send(Op.ADD, *[{**p, "status": a1.status(p["metadata"]["uid"])} for p in pods])
+    a2.loop.start()
+    await a2.run_for(5)
+    assert rt.calls["run_sandbox"] == sandboxes
+    assert rt.calls["create_container"] == creates + 1  # only the crashed one, restarted
+    assert len(rt.running()) == 6 and len(rt.sandboxes) == 3
+    restarted = [c for c in rt.running("u1") if c.name == crashed.name][0]
+    assert restarted.attempt == crashed.attempt + 1 and restarted.restart_count == 1
+    # pods whose status did not change are not written again
+    assert {u for u, _ in a2.writer.patches} == {"u1"}
+    await a2.loop.stop()
+
+
+@aio
+async def test_burst_of_updates_causes_at_most_two_syncs() -> None:
+    clock = FakeClock()
+    a = await started(clock)
+    pod = mkpod("web", "u1")
+    a.send(Op.ADD, pod)
+    await a.run_for(3)
+    before = a.loop.workers.syncs("u1")
+    for i in range(100):
+        p = {**pod, "metadata": {**pod["metadata"], "labels": {"n": str(i)}}}
+        a.loop.handle_update(PodUpdate(Op.UPDATE, (p,), Source.API))
+    await a.run_for(3)
+    assert 1 <= a.loop.workers.syncs("u1") - before <= 2
+    await a.loop.stop()
+
+
+@aio
+async def test_periodic_resync_only_when_due() -> None:
+    clock = FakeClock()
+    a = await started(clock)
+    a.send(Op.ADD, mkpod("a", "ua"))
+    await a.run_for(30)
+    a.send(Op.ADD, mkpod("b", "ub"))
+    await a.run_for(3)
+    sa, sb = a.loop.workers.syncs("ua"), a.loop.workers.syncs("ub")
+    await a.run_for(40)   # t=73: a is due (last synced ~t=2), b is not (~t=32)
+    assert a.loop.workers.syncs("ua") == sa + 1
+    assert a.loop.workers.syncs("ub") == sb
+    await a.run_for(30)
+    assert a.loop.workers.syncs("ub") == sb + 1
+    await a.loop.stop()
+
+
+@aio
+async def test_runtime_errors_are_retried_with_backoff() -> None:
+    clock = FakeClock()
+    a = await started(clock)
+    a.rt.fail["run_sandbox"] = RuntimeTimeout("run_sandbox: deadline exceeded")
+    a.send(Op.ADD, mkpod("web", "u1"))
+    await a.run_for(1)
+    assert a.rt.running("u1") == [] and a.rt.calls["run_sandbox"] == 1
+    await a.run_for(3)
+    assert len(a.rt.running("u1")) == 1 and a.rt.calls["run_sandbox"] == 2
+    await a.loop.stop()
+
+
+@aio
+async def test_spec_change_replaces_the_container() -> None:
+    clock = FakeClock()
+    a = await started(clock)
+    pod = mkpod("web", "u1")
+    a.send(Op.ADD, pod)
+    await a.run_for(3)
+    old = a.rt.running("u1")[0]
+    new = {**pod, "spec": {**pod["spec"], "containers": [
+        {**pod["spec"]["containers"][0], "image": "localhost/busybox:2"}]}}
+    a.send(Op.UPDATE, new)
+    await a.run_for(3)
+    cur = a.rt.running("u1")
+    assert len(cur) == 1 and cur[0].id != old.id and cur[0].image == "localhost/busybox:2"
+    assert a.rt.containers[old.id].state == ContainerState.EXITED
+    await a.loop.stop()
+
+
+@aio
+async def test_one_hung_pod_does_not_hold_back_the_others() -> None:
+    clock = FakeClock()
+    a = await started(clock)
+    a.send(Op.ADD, mkpod("a", "ua"))
+    await a.run_for(3)
+    a.rt.hang_pod_status.add("ua")
+    a.rt.exit_container(a.rt.running("ua")[0].id, 1)
+    a.send(Op.ADD, mkpod("b", "ub"), mkpod("c", "uc"))
+    await a.run_for(3)
+    assert a.status("ub")["phase"] == "Running" and a.status("uc")["phase"] == "Running"
+    assert a.loop.health() is None
+    await a.loop.stop()
