@@ -6,6 +6,7 @@ import base64
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import ssl
@@ -148,6 +149,15 @@ class LocalCluster(Cluster):
         started = time.monotonic()
         self.ports = {"etcd": free_port(), "etcd-peer": free_port(),
                       "kube-apiserver": free_port()}
+        try:
+            self._start_all(bins)
+        except BaseException:
+            self.down()  # leave nothing running behind a failed start
+            raise
+        log(f"control plane up in {time.monotonic() - started:.1f} s: {self.server}")
+        return self
+
+    def _start_all(self, bins: dict[str, Path]) -> None:
         self._pki()
         self._start("etcd", self._etcd_args(bins["etcd"]))
         self._wait(f"http://127.0.0.1:{self.ports['etcd']}/health", "etcd")
@@ -159,8 +169,6 @@ class LocalCluster(Cluster):
                                "--leader-elect=false", "--secure-port=0", "-v=1",
                                *self._extra_args(name)])
         self._wait_for_service_account()
-        log(f"control plane up in {time.monotonic() - started:.1f} s: {self.server}")
-        return self
 
     def down(self) -> None:
         for name in reversed(self.ORDER):
@@ -170,7 +178,7 @@ class LocalCluster(Cluster):
     def remove(self) -> None:
         """Stop everything and delete the state folder."""
         self.down()
-        subprocess.run(["rm", "-rf", str(self.workdir)], check=False)
+        shutil.rmtree(self.workdir, ignore_errors=True)
 
     def restart_apiserver(self) -> None:
         self._stop("kube-apiserver")
@@ -324,11 +332,12 @@ class LocalCluster(Cluster):
 def _process_runs(pid: int, binary: str) -> bool:
     """True while `pid` is alive and still runs `binary` (a reused PID is not ours)."""
     try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
+        exe = os.readlink(f"/proc/{pid}/exe")
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return False
-    return cmdline == binary and stat.rsplit(")", 1)[1].split()[0] != "Z"
+    # a binary rebuilt while it runs shows as "<path> (deleted)"
+    return exe.startswith(os.path.realpath(binary)) and stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def _wait_gone(pid: int, binary: str, timeout: float) -> bool:
