@@ -1,10 +1,15 @@
 # The two commands of the README: `make run` and `make test`.
-.PHONY: setup run down test lint unit e2e
+.PHONY: setup run up down test lint unit
 
 setup:
 	@scripts/setup.sh
 
+# the whole system in the foreground: control plane, CRDs, operator, agent
 run: setup
+	.venv/bin/python -m e2e.stack
+
+# only the control plane, in the background (stop it with `make down`)
+up: setup
 	.venv/bin/python -m e2e.cluster up
 
 down:
