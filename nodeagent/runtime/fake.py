@@ -7,10 +7,10 @@ Used by unit tests (with FakeClock) and scale runs (virtual nodes, bench/). Cont
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 from collections import Counter
 from collections.abc import Iterable
+from typing import TypeVar
 
 from nodeagent.api.clock import Clock, RealClock
 from nodeagent.runtime.base import (
@@ -29,6 +29,16 @@ from nodeagent.runtime.base import (
     SandboxConfig,
     SandboxState,
 )
+
+R = TypeVar("R", Sandbox, Container)
+
+
+def _clone(rec: R) -> R:
+    """Shallow copy, so callers cannot change our records (cheaper than
+    dataclasses.replace, which matters at thousands of records per relist)."""
+    new = object.__new__(type(rec))
+    new.__dict__.update(rec.__dict__)
+    return new
 
 
 class FakeRuntime(Runtime):
@@ -49,6 +59,9 @@ class FakeRuntime(Runtime):
         self.fail: dict[str, BaseException] = {}  # method name -> raise once
         self.ignore_sigterm: set[str] = set()    # container names that run to the kill
         self.exit_on_start: dict[str, int] = {}  # container name -> exits at once, code
+        # pod uid -> its sandbox and container ids, so pod_status costs O(pod), like a
+        # runtime with an index would (keeps the per-pod polling comparison fair)
+        self._by_pod: dict[str, set[str]] = {}
         self._ids = itertools.count(1)
         self._ips = itertools.count(2)
 
@@ -87,6 +100,13 @@ class FakeRuntime(Runtime):
         c.reason = reason
         c.finished_at = self.clock.now()
 
+    def _forget(self, uid: str, rid: str) -> None:
+        ids = self._by_pod.get(uid)
+        if ids is not None:
+            ids.discard(rid)
+            if not ids:
+                del self._by_pod[uid]
+
     def _present(self, ref: str) -> bool:
         return self.images is None or ref in self.images
 
@@ -99,18 +119,18 @@ class FakeRuntime(Runtime):
     async def relist(self) -> RelistResult:
         self._call("relist")
         return RelistResult(
-            sandboxes=[dataclasses.replace(s) for s in self.sandboxes.values()],
-            containers=[dataclasses.replace(c) for c in self.containers.values()])
+            sandboxes=[_clone(s) for s in self.sandboxes.values()],
+            containers=[_clone(c) for c in self.containers.values()])
 
     async def pod_status(self, pod_uid: str) -> PodRuntimeStatus:
         self._call("pod_status")
         if pod_uid in self.hang_pod_status:
             await asyncio.get_running_loop().create_future()  # never resolves
-        sandboxes = sorted((dataclasses.replace(s) for s in self.sandboxes.values()
-                            if s.pod_uid == pod_uid),
+        ids = self._by_pod.get(pod_uid, set())
+        sandboxes = sorted((_clone(self.sandboxes[i]) for i in ids if i in self.sandboxes),
                            key=lambda s: (s.attempt, s.id), reverse=True)
-        containers = [dataclasses.replace(c) for c in self.containers.values()
-                      if c.pod_uid == pod_uid]
+        containers = sorted((_clone(self.containers[i]) for i in ids if i in self.containers),
+                            key=lambda c: c.id)
         return PodRuntimeStatus(uid=pod_uid, sandboxes=sandboxes, containers=containers)
 
     async def run_sandbox(self, config: SandboxConfig) -> str:
@@ -124,6 +144,7 @@ class FakeRuntime(Runtime):
             ip=ip, host_network=config.host_network,
             labels={**config.labels, LABEL_POD_UID: config.uid},
             annotations=dict(config.annotations))
+        self._by_pod.setdefault(config.uid, set()).add(sid)
         return sid
 
     async def stop_sandbox(self, sandbox_id: str) -> None:
@@ -140,10 +161,13 @@ class FakeRuntime(Runtime):
         self._call("remove_sandbox")
         if sandbox_id not in self.sandboxes:
             return
+        uid = self.sandboxes[sandbox_id].pod_uid
         for cid, c in list(self.containers.items()):
             if c.sandbox_id == sandbox_id:
+                self._forget(uid, cid)
                 del self.containers[cid]
         del self.sandboxes[sandbox_id]
+        self._forget(uid, sandbox_id)
 
     async def create_container(self, sandbox_id: str, config: ContainerConfig,
                                sandbox_config: SandboxConfig) -> str:
@@ -164,6 +188,7 @@ class FakeRuntime(Runtime):
             image_id=f"sha256:{abs(hash(config.image)):064x}"[:71],
             spec_hash=config.spec_hash, init=config.init,
             labels=dict(config.labels), annotations=dict(config.annotations))
+        self._by_pod.setdefault(sb.pod_uid, set()).add(cid)
         return cid
 
     async def start_container(self, container_id: str) -> None:
@@ -196,7 +221,9 @@ class FakeRuntime(Runtime):
 
     async def remove_container(self, container_id: str) -> None:
         self._call("remove_container")
-        self.containers.pop(container_id, None)
+        c = self.containers.pop(container_id, None)
+        if c is not None:
+            self._forget(c.pod_uid, container_id)
 
     async def image_present(self, ref: str) -> bool:
         self._call("image_present")
