@@ -1,0 +1,217 @@
+"""Pod workers and the syncer in isolation: back-off arithmetic, pull policy defaults,
+latest-wins, kill during a sync, init container order, the API status writer."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from nodeagent.api.clock import FakeClock, settle
+from nodeagent.pleg import CacheEntry, PodCache
+from nodeagent.podstatus import ApiStatusWriter
+from nodeagent.runtime import PodRuntimeStatus
+from nodeagent.sources.types import Op
+from nodeagent.workers import (
+    CrashBackoff,
+    Phase,
+    PodWorkers,
+    SyncResult,
+    UpdateKind,
+    grace_of,
+    pull_policy,
+)
+from tests.test_runtime_fake import aio
+from tests.test_syncloop import mkpod, started
+
+
+def test_crash_backoff_doubles_caps_and_resets() -> None:
+    clock = FakeClock()
+    b = CrashBackoff(clock)
+    key = ("u", "c")
+    assert b.remaining(key) == 0  # first restart: at once
+    delays = []
+    for _ in range(8):
+        b.restarted(key)
+        delays.append(b.remaining(key))
+        clock._t += b.remaining(key)  # wait it out, then crash again at once
+    assert delays == [10, 20, 40, 80, 160, 300, 300, 300]
+    clock._t += 600  # ran 10 minutes since the last restart
+    assert b.remaining(key) == 0
+    b.restarted(key)
+    assert b.remaining(key) == 10
+    b.forget("u")
+    assert b.remaining(key) == 0
+
+
+def test_pull_policy_defaults_and_grace() -> None:
+    assert pull_policy({"image": "busybox"}) == "Always"
+    assert pull_policy({"image": "localhost:5000/busybox:latest"}) == "Always"
+    assert pull_policy({"image": "localhost:5000/busybox:1"}) == "IfNotPresent"
+    assert pull_policy({"image": "x@sha256:abc"}) == "IfNotPresent"
+    assert pull_policy({"image": "x:1", "imagePullPolicy": "Never"}) == "Never"
+    p = mkpod("a", "u", terminationGracePeriodSeconds=7)
+    assert grace_of(p) == 7
+    p["metadata"]["deletionGracePeriodSeconds"] = 3
+    assert grace_of(p) == 3 and grace_of(p, 1) == 1
+    assert grace_of({"metadata": {}}) == 30
+
+
+class SlowSyncer:
+    """Counts syncs; each sync blocks until the test releases it."""
+
+    def __init__(self) -> None:
+        self.synced: list[dict] = []
+        self.gate = asyncio.Event()
+        self.terminated: list[float] = []
+
+    async def sync_pod(self, pod: dict, entry: CacheEntry) -> SyncResult:
+        self.synced.append(pod)
+        await self.gate.wait()
+        return SyncResult()
+
+    async def terminate_pod(self, pod: dict, grace: float) -> None:
+        self.terminated.append(grace)
+
+    def sync_terminated(self, pod: dict, entry: CacheEntry) -> None:
+        pass
+
+    async def cleanup_pod(self, uid: str) -> None:
+        pass
+
+
+async def workers_with(syncer: SlowSyncer) -> tuple[PodWorkers, PodCache, FakeClock]:
+    clock = FakeClock()
+    cache = PodCache()
+    await cache.update_time(0.0)
+    w = PodWorkers(syncer, cache, clock, registry=CollectorRegistry())  # type: ignore[arg-type]
+    return w, cache, clock
+
+
+@aio
+async def test_latest_update_wins_burst_of_100() -> None:
+    syncer = SlowSyncer()
+    w, cache, clock = await workers_with(syncer)
+    base = mkpod("web", "u1")
+    clock._t = 1.0
+    await cache.update_time(1.0)
+    for i in range(100):
+        w.update({**base, "metadata": {**base["metadata"], "labels": {"v": str(i)}}})
+        await asyncio.sleep(0)
+    await settle()
+    assert len(syncer.synced) == 1  # the first sync is running; 99 updates wait as one
+    syncer.gate.set()
+    await settle()
+    clock._t = 2.0
+    await cache.update_time(2.0)  # a relist after the first sync
+    await settle()
+    assert len(syncer.synced) == 2
+    assert syncer.synced[-1]["metadata"]["labels"] == {"v": "99"}
+
+
+@aio
+async def test_kill_during_sync_terminates_after_it_with_the_delete_grace() -> None:
+    syncer = SlowSyncer()
+    w, cache, clock = await workers_with(syncer)
+    clock._t = 1.0
+    await cache.update_time(1.0)
+    pod = mkpod("web", "u1", terminationGracePeriodSeconds=30)
+    w.update(pod)
+    await settle()
+    w.update(pod, UpdateKind.KILL, grace=5)
+    await settle()
+    assert w.phase("u1") == Phase.SYNCING and syncer.terminated == []
+    syncer.gate.set()
+    for t in (2.0, 3.0, 4.0):
+        clock._t = t
+        await cache.update_time(t)
+        await settle()
+    assert syncer.terminated == [5]
+    assert w.phase("u1") == Phase.TERMINATED
+    w.update(pod, UpdateKind.REMOVE)
+    clock._t = 5.0
+    await cache.update_time(5.0)
+    await settle()
+    assert "u1" not in w
+
+
+@aio
+async def test_init_containers_run_in_order_before_containers() -> None:
+    clock = FakeClock()
+    a = await started(clock)
+    pod = mkpod("web", "u1")
+    pod["spec"]["initContainers"] = [{"name": "i1", "image": "localhost/busybox:1"},
+                                     {"name": "i2", "image": "localhost/busybox:1"}]
+    a.send(Op.ADD, pod)
+    await a.run_for(3)
+    names = [c.name for c in a.rt.running("u1")]
+    assert names == ["i1"]
+    st = a.status("u1")
+    assert st["phase"] == "Pending"
+    assert st["containerStatuses"][0]["state"]["waiting"]["reason"] == "PodInitializing"
+    a.rt.exit_container(a.rt.running("u1")[0].id, 0)
+    await a.run_for(3)
+    assert [c.name for c in a.rt.running("u1")] == ["i2"]
+    a.rt.exit_container(a.rt.running("u1")[0].id, 0)
+    await a.run_for(3)
+    assert [c.name for c in a.rt.running("u1")] == ["c0"]
+    await a.run_for(2)
+    st = a.status("u1")
+    assert st["phase"] == "Running"
+    assert {c["type"]: c["status"] for c in st["conditions"]}["Initialized"] == "True"
+    assert [s["state"]["terminated"]["exitCode"] for s in st["initContainerStatuses"]] == [0, 0]
+    await a.loop.stop()
+
+
+@aio
+async def test_failed_init_container_with_never_fails_the_pod() -> None:
+    clock = FakeClock()
+    a = await started(clock)
+    pod = mkpod("job", "u1", policy="Never")
+    pod["spec"]["initContainers"] = [{"name": "i1", "image": "localhost/busybox:1"}]
+    a.send(Op.ADD, pod)
+    await a.run_for(3)
+    a.rt.exit_container(a.rt.running("u1")[0].id, 3)
+    await a.run_for(4)
+    assert a.status("u1")["phase"] == "Failed"
+    assert a.rt.find("u1", "c0") == []  # the main container never ran
+    await a.loop.stop()
+
+
+class FakeCore:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
+
+    def patch_namespaced_pod_status(self, *args: Any, **kw: Any) -> None:
+        self.calls.append(("patch", args, kw))
+
+    def delete_namespaced_pod(self, *args: Any, **kw: Any) -> None:
+        self.calls.append(("delete", args, kw))
+
+
+@aio
+async def test_api_writer_sends_strategic_patch_with_uid_precondition() -> None:
+    from kubernetes.client import ApiClient, Configuration
+    w = ApiStatusWriter(ApiClient(Configuration()))
+    core = FakeCore()
+    w.core = core  # type: ignore[assignment]
+    pod = mkpod("web", "u1")
+    await w.patch_status(pod, {"phase": "Running"})
+    kind, args, kw = core.calls[0]
+    assert args == ("web", "ns", {"status": {"phase": "Running"}, "metadata": {"uid": "u1"}})
+    assert kw["_content_type"] == "application/strategic-merge-patch+json"
+    static = mkpod("kube-x", "hash1")
+    static["metadata"]["annotations"] = {"kubernetes.io/config.source": "file"}
+    await w.patch_status(static, {"phase": "Running"})
+    assert "metadata" not in core.calls[1][1][2]  # the mirror pod has its own uid
+    await w.delete_pod(pod)
+    kind, args, kw = core.calls[2]
+    assert kind == "delete" and kw["grace_period_seconds"] == 0
+    assert kw["body"].preconditions.uid == "u1"
+
+
+def test_cache_entry_for_unknown_pod_is_empty() -> None:
+    cache = PodCache()
+    e = cache.get("nope")
+    assert e.status == PodRuntimeStatus("nope") and e.error is None
