@@ -51,6 +51,9 @@ class FakeAPIServer:
         self.watchlist = True     # sendInitialEvents supported
         self.stopping = False
         self.requests: list[dict[str, str]] = []
+        self.writes: list[tuple[str, str, dict]] = []  # (verb, path, body)
+        self.nodes: dict[str, str] = {}  # name -> uid
+        self.refuse_creates: tuple[int, str] | None = None
         owner = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -59,6 +62,12 @@ class FakeAPIServer:
             def do_GET(self) -> None:  # noqa: N802
                 url = urllib.parse.urlsplit(self.path)
                 q = {k: v[0] for k, v in urllib.parse.parse_qs(url.query).items()}
+                if url.path.startswith("/api/v1/nodes/"):
+                    name = url.path.rsplit("/", 1)[1]
+                    if name not in owner.nodes:
+                        return self._json(404, {"kind": "Status", "code": 404})
+                    return self._json(200, {"kind": "Node", "metadata": {
+                        "name": name, "uid": owner.nodes[name]}})
                 with owner.cond:
                     owner.requests.append(q)
                 if url.path != "/api/v1/pods":
@@ -69,6 +78,37 @@ class FakeAPIServer:
                 if q.get("watch") == "true":
                     return self._watch(q)
                 return self._list(q)
+
+            def _body(self) -> dict:
+                n = int(self.headers.get("Content-Length") or 0)
+                return json.loads(self.rfile.read(n)) if n else {}
+
+            def do_POST(self) -> None:  # noqa: N802
+                body = self._body()
+                owner.writes.append(("POST", self.path, copy.deepcopy(body)))
+                if owner.refuse_creates:
+                    code, msg = owner.refuse_creates
+                    return self._json(code, {"kind": "Status", "code": code, "message": msg})
+                ns = self.path.split("/")[4]
+                body["metadata"]["namespace"] = ns
+                key = f"{ns}/{body['metadata']['name']}"
+                if key in owner.pods:
+                    return self._json(409, {"kind": "Status", "code": 409})
+                body["metadata"]["uid"] = f"uid-{owner.rv + 1}"
+                self._json(201, owner.create(body))
+
+            def do_DELETE(self) -> None:  # noqa: N802
+                body = self._body()
+                owner.writes.append(("DELETE", self.path, body))
+                parts = self.path.split("/")
+                key = f"{parts[4]}/{parts[6]}"
+                pod = owner.pods.get(key)
+                if pod is None:
+                    return self._json(404, {"kind": "Status", "code": 404})
+                want = (body.get("preconditions") or {}).get("uid")
+                if want and want != pod["metadata"]["uid"]:
+                    return self._json(409, {"kind": "Status", "code": 409})
+                self._json(200, owner.delete(pod))
 
             def _json(self, code: int, body: dict) -> None:
                 data = json.dumps(body).encode()

@@ -114,7 +114,9 @@ class Merge:
         if source is Source.API:
             self._set_mirrors(mirrors)
         self._apply(source, changes)
-        self.ready.mark(source)
+        if not self.ready.seen(source):
+            self.ready.mark(source)
+            self._notify()  # readiness changes what may be done (orphan mirror pods)
 
     def upsert(self, source: Source, pod: Pod) -> None:
         self._check(source)
