@@ -257,6 +257,10 @@ class FakeAPIServer:
 
 @pytest.fixture
 def server() -> Iterator[FakeAPIServer]:
+    yield from serving()
+
+
+def serving() -> Iterator[FakeAPIServer]:
     s = FakeAPIServer()
     s.thread.start()
     yield s

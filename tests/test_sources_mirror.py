@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
+
+import pytest
 
 from nodeagent.api.client import new_api_client
 from nodeagent.api.clock import FakeClock, settle
@@ -18,7 +20,13 @@ from nodeagent.sources.problems import Problems
 from nodeagent.sources.static import check_pod, make_static_pod
 from nodeagent.sources.types import ANN_CONFIG_MIRROR, Pod, Source
 from tests.test_merge import Sink, aio, until
-from tests.test_sources_api import FakeAPIServer, kubeconfig, server  # noqa: F401
+from tests.test_sources_api import FakeAPIServer, kubeconfig, serving
+
+
+@pytest.fixture
+def server() -> Iterator[FakeAPIServer]:
+    yield from serving()
+
 
 T0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
 
