@@ -119,6 +119,6 @@ class _Stream:
 
     def close(self) -> None:
         # shutdown() wakes a reader blocked in another thread
-        with contextlib.suppress(AttributeError, OSError):
+        with contextlib.suppress(AttributeError, OSError, ValueError):
             self._resp.shutdown()
         self._resp.release_conn()

@@ -1,0 +1,326 @@
+"""Efficient heartbeats against the real control plane, witnessed by the API server.
+
+Four agents run at once as real processes with node credentials (system:node:<name>),
+each on its own node name, so the whole file costs about two minutes:
+
+  hb-default   defaults: over 60 s, Lease updates 6±1 and no NodeStatus patches
+  hb-report20  nodeStatusReportFrequency 20s: 3±1 status patches in 60 s
+  hb-cond      its config file moves the disk-pressure threshold: reported within
+               one update period
+  hb-policy    the admin writes the heartbeat annotation (renew every 2 s): followed
+               within one old interval
+
+Per-node counts come from a watch on Leases and Nodes (each write is one event); the
+API server's own apiserver_request_total must agree with their sum.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kubernetes import client, watch
+
+from e2e.cluster import Cluster
+from e2e.promtext import samples
+from nodeagent.api.policy import HEARTBEAT_ANNOTATION, Heartbeat, encode_heartbeat_annotation
+
+AGENT = Path(__file__).resolve().parent.parent / ".venv" / "bin" / "nodepulse-agent"
+WINDOW = 60.0
+
+
+def apiserver_metrics(cluster: Cluster) -> str:
+    try:
+        return cluster.apiserver_metrics()
+    except TypeError:
+        # Cluster.apiserver_metrics uses the pre-v37 client call_api; read it directly
+        with cluster.api_client() as api:
+            resp = api.call_api("GET", f"{api.configuration.host}/metrics")
+            resp.read()
+            return str(resp.data.decode())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class AgentProcess:
+    name: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+    port: int
+
+    def get(self, path: str) -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=5) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise
+
+
+@dataclass
+class Recorder:
+    """Every Lease and Node write as seen by watches: (monotonic time, object)."""
+
+    leases: list[tuple[float, str, str, dict[str, Any]]] = field(default_factory=list)
+    nodes: list[tuple[float, str, str, dict[str, Any]]] = field(default_factory=list)
+    errors: list[BaseException] = field(default_factory=list)
+    stopped: bool = False
+    _watches: list[watch.Watch] = field(default_factory=list)
+    _threads: list[threading.Thread] = field(default_factory=list)
+
+    def start(self, api: client.ApiClient) -> None:
+        coord, core = client.CoordinationV1Api(api), client.CoreV1Api(api)
+        self._follow(coord.list_lease_for_all_namespaces, self.leases)
+        self._follow(core.list_node, self.nodes)
+
+    def _follow(self, lister: Callable[..., Any], sink: list[Any]) -> None:
+        w = watch.Watch()
+        self._watches.append(w)
+        rv = lister().metadata.resource_version
+
+        def run() -> None:
+            try:
+                for ev in w.stream(lister, resource_version=rv, timeout_seconds=600):
+                    obj = ev["object"]
+                    sink.append((time.monotonic(), ev["type"],
+                                 f"{obj.metadata.namespace or ''}/{obj.metadata.name}",
+                                 api_dict(obj)))
+            except Exception as e:  # the control plane going away after the test is fine
+                if not self.stopped:
+                    self.errors.append(e)
+
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def stop(self) -> None:
+        self.stopped = True
+        for w in self._watches:
+            w.stop()
+
+    def lease_updates(self, name: str, start: float, end: float) -> list[float]:
+        return [t for t, kind, key, _ in self.leases
+                if key == f"kube-node-lease/{name}" and kind == "MODIFIED" and start <= t < end]
+
+    def status_writes(self, name: str, start: float, end: float) -> list[tuple[float, Any]]:
+        """Node events whose status differs from the one before (a status PATCH)."""
+        out = []
+        before = None
+        for t, _, key, obj in self.nodes:
+            if key != f"/{name}":
+                continue
+            status = obj.get("status")
+            if before is not None and status != before and start <= t < end:
+                out.append((t, status))
+            before = status
+        return out
+
+
+def api_dict(obj: Any) -> dict[str, Any]:
+    data: dict[str, Any] = client.ApiClient().sanitize_for_serialization(obj)
+    return data
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout: float) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        result = check()
+        if result:
+            return result
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def condition(node: dict[str, Any], ctype: str) -> str | None:
+    for c in (node.get("status") or {}).get("conditions") or []:
+        if c["type"] == ctype:
+            return str(c["status"])
+    return None
+
+
+@pytest.fixture
+def agents(cluster: Cluster, tmp_path: Path) -> Iterator[Callable[..., AgentProcess]]:
+    started: list[AgentProcess] = []
+
+    def start(name: str, *args: str, config: str | None = None) -> AgentProcess:
+        port = free_port()
+        argv = [str(AGENT), "--node-name", name,
+                "--kubeconfig", str(cluster.node_kubeconfig(name)),
+                "--healthz-bind-address", f"127.0.0.1:{port}",
+                "--root-dir", str(tmp_path / name), *args]
+        if config is not None:
+            path = tmp_path / f"{name}.yaml"
+            path.write_text(config)
+            argv += ["--config", str(path)]
+        log = tmp_path / f"{name}.log"
+        proc = subprocess.Popen(argv, stdout=log.open("wb"), stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        agent = AgentProcess(name, proc, log, port)
+        started.append(agent)
+        return agent
+
+    yield start
+    for a in started:  # by PID, whatever the test's outcome
+        if a.proc.poll() is None:
+            a.proc.kill()
+            a.proc.wait()
+
+
+def test_efficient_heartbeats(cluster: Cluster, agents: Callable[..., AgentProcess],
+                              tmp_path: Path) -> None:
+    api = cluster.api_client()
+    core, coord = client.CoreV1Api(api), client.CoordinationV1Api(api)
+    names = ("hb-default", "hb-report20", "hb-cond", "hb-policy")
+    for n in names:  # a clean slate if an earlier run left objects behind
+        for delete in (lambda n=n: core.delete_node(n),
+                       lambda n=n: coord.delete_namespaced_lease(n, "kube-node-lease")):
+            try:
+                delete()
+            except client.ApiException as e:
+                assert e.status == 404
+
+    rec = Recorder()
+    rec.start(api)
+    a = agents("hb-default")
+    b = agents("hb-report20", config="nodeStatusReportFrequency: 20s\n")
+    c = agents("hb-cond", config="evictionHard:\n  nodefs.available: '0%'\n")
+    d = agents("hb-policy")
+    procs = [a, b, c, d]
+
+    def all_up() -> bool:
+        return all(p.get("/readyz")[0] == 200 and _lease_exists(coord, p.name) for p in procs)
+    wait_for("4 agents registered with leases", lambda: all(
+        p.proc.poll() is None for p in procs) and _try(all_up), 60)
+    for p in procs:
+        node = api_dict(core.read_node(p.name))
+        assert condition(node, "Ready") == "True", p.name
+        assert node["status"]["capacity"]["pods"] == "110"
+        assert node["metadata"]["labels"]["nodepulse.dev/agent"] == p.name
+        lease = coord.read_namespaced_lease(p.name, "kube-node-lease")
+        assert lease.spec.holder_identity == p.name and lease.spec.lease_duration_seconds == 40
+        assert lease.metadata.owner_references[0].uid == node["metadata"]["uid"]
+    assert condition(api_dict(core.read_node("hb-cond")), "DiskPressure") == "False"
+
+    m0 = apiserver_metrics(cluster)
+    t0 = time.monotonic()
+    time.sleep(20)
+
+    # hb-cond: the threshold moves so that any filesystem is under pressure
+    (tmp_path / "hb-cond.yaml").write_text("evictionHard:\n  nodefs.available: '100%'\n")
+    t_cond = time.monotonic()
+    # hb-policy: the operator's annotation says renew every 2 s
+    core.patch_node("hb-policy", {"metadata": {"annotations": {
+        HEARTBEAT_ANNOTATION: encode_heartbeat_annotation(
+            "fast", Heartbeat(leaseDurationSeconds=40, renewIntervalSeconds=2))}}})
+    t_policy = time.monotonic()
+
+    time.sleep(max(0.0, t0 + WINDOW - time.monotonic()))
+    m1 = apiserver_metrics(cluster)
+    t1 = time.monotonic()
+    assert rec.errors == []  # the witnesses saw everything
+
+    # defaults: 6±1 lease updates, no status patches after registration
+    assert 5 <= len(rec.lease_updates("hb-default", t0, t1)) <= 7
+    assert rec.status_writes("hb-default", t0, t1) == []
+    # report period 20 s: 3±1 status patches
+    assert 2 <= len(rec.status_writes("hb-report20", t0, t1)) <= 4
+    assert 5 <= len(rec.lease_updates("hb-report20", t0, t1)) <= 7
+    # a crossed disk threshold is reported within one update period (10 s)
+    cond_writes = rec.status_writes("hb-cond", t0, t1)
+    assert len(cond_writes) == 1
+    t_seen, status = cond_writes[0]
+    assert t_seen - t_cond <= 10 + 2
+    assert {c["type"]: c["status"] for c in status["conditions"]}["DiskPressure"] == "True"
+    # the annotation is followed within one old renew interval, then every ~2 s
+    after = rec.lease_updates("hb-policy", t_policy, t1)
+    assert after and after[0] - t_policy <= 10
+    steady = [t for t in after if t >= t_policy + 4]
+    gaps = [y - x for x, y in zip(steady, steady[1:], strict=False)]
+    assert len(steady) >= 12 and max(gaps) < 3.5, gaps
+    assert len(rec.lease_updates("hb-policy", t0, t_policy)) <= 3
+
+    # The API server counts the same writes (others' leases, e.g. its own identity
+    # lease, are taken out; a write on the window's edge may fall either side).
+    others = sum(1 for t, kind, key, _ in rec.leases if kind == "MODIFIED" and t0 <= t < t1
+                 and not key.startswith("kube-node-lease/hb-"))
+    ours = sum(len(rec.lease_updates(n, t0, t1)) for n in names)
+    puts = _delta(m0, m1, "apiserver_request_total", resource="leases", verb="PUT")
+    assert abs(puts - others - ours) <= 2, (puts, others, ours)
+    patches = _delta(m0, m1, "apiserver_request_total", resource="nodes",
+                     subresource="status", verb="PATCH")
+    status_ours = sum(len(rec.status_writes(n, t0, t1)) for n in names)
+    assert abs(patches - status_ours) <= 2, (patches, status_ours)
+    assert patches <= 6  # 0 + 3±1 + 1: nothing else writes NodeStatus
+
+    # the agent's own metrics and health agree
+    code, text = a.get("/metrics")
+    assert code == 200
+    assert samples(text, "nodepulse_lease_renewals_total", result="success") >= 5
+    assert samples(text, "nodepulse_node_status_reports_total", reason="register") == 1
+    assert samples(text, "nodepulse_node_status_reports_total", reason="change") == 0
+    assert a.get("/healthz")[0] == 200
+    _, text = d.get("/metrics")
+    assert samples(text, "nodepulse_heartbeat_policy_updates_total", result="applied") == 1
+
+    # a deleted Lease comes back at the next renewal
+    coord.delete_namespaced_lease("hb-default", "kube-node-lease")
+    t_del = time.monotonic()
+    wait_for("hb-default's Lease recreated", lambda: any(
+        kind == "ADDED" and key == "kube-node-lease/hb-default" and t > t_del
+        for t, kind, key, _ in rec.leases), 15)
+    lease = coord.read_namespaced_lease("hb-default", "kube-node-lease")
+    assert lease.spec.holder_identity == "hb-default"
+
+    # SIGTERM: every agent stops cleanly, nothing refused along the way
+    for p in procs:
+        assert p.stop() == 0, p.log.read_text()[-2000:]
+        log = p.log.read_text()
+        assert "stopped" in log
+        assert "Forbidden" not in log and " 403 " not in log, log[-2000:]
+    rec.stop()
+    renew = coord.read_namespaced_lease("hb-policy", "kube-node-lease").spec.renew_time
+    assert dt.datetime.now(dt.UTC) - renew < dt.timedelta(seconds=10)
+
+
+def _lease_exists(coord: client.CoordinationV1Api, name: str) -> bool:
+    try:
+        coord.read_namespaced_lease(name, "kube-node-lease")
+        return True
+    except client.ApiException:
+        return False
+
+
+def _try(check: Callable[[], bool]) -> bool:
+    try:
+        return check()
+    except OSError:
+        return False
+
+
+def _delta(m0: str, m1: str, name: str, **labels: str) -> float:
+    return samples(m1, name, **labels) - samples(m0, name, **labels)
