@@ -72,11 +72,16 @@ async def one(rt: ProcessRuntime, cid: str, uid: str = "u1") -> Any:
     return next(c for c in (await rt.pod_status(uid)).containers if c.id == cid)
 
 
-def workload_pid(wrapper_pid: int) -> int:
-    """The wrapper's child: the container's actual program."""
-    children = Path(f"/proc/{wrapper_pid}/task/{wrapper_pid}/children").read_text().split()
-    assert len(children) == 1, children
-    return int(children[0])
+def sleeper(ready: Path, trap: str = "") -> dict:
+    """A pod whose program writes its PID to `ready` once set up, then sleeps."""
+    return pod(["sh", "-c", f'{trap}echo $$ > "$0.tmp" && mv "$0.tmp" "$0"; exec sleep 600',
+                str(ready)])
+
+
+def workload_pid(ready: Path) -> int:
+    """Wait (bounded, inotify) until the program is set up; return its PID."""
+    _wait_file(ready)
+    return int(ready.read_text())
 
 
 def pid_running(pid: int) -> bool:
@@ -126,9 +131,9 @@ async def test_relist_running_then_stop_with_sigterm(tmp_path: Path) -> None:
 @aio
 async def test_stop_kills_after_timeout_when_sigterm_is_ignored(tmp_path: Path) -> None:
     async with runtime(tmp_path) as rt:
-        _, cid = await start(rt, pod(["sh", "-c", "trap '' TERM; sleep 600"]))
+        _, cid = await start(rt, sleeper(tmp_path / "ready", trap="trap '' TERM; "))
         pid = int((await one(rt, cid)).annotations[ANNOTATION_PID])
-        inner = workload_pid(pid)
+        inner = workload_pid(tmp_path / "ready")
         await rt.stop_container(cid, 0.2)
         c = await one(rt, cid)
         assert (c.state, c.exit_code) == (ContainerState.EXITED, 137)
@@ -137,10 +142,9 @@ async def test_stop_kills_after_timeout_when_sigterm_is_ignored(tmp_path: Path) 
 
 @aio
 async def test_killed_workload_is_reported_exited_with_its_code(tmp_path: Path) -> None:
-    async with runtime(tmp_path) as rt:
-        _, cid = await start(rt, pod(["sleep", "600"]))
-        pid = int((await one(rt, cid)).annotations[ANNOTATION_PID])
-        os.kill(workload_pid(pid), signal.SIGKILL)
+    async with runtime(tmp_path / "state") as rt:
+        _, cid = await start(rt, sleeper(tmp_path / "ready"))
+        os.kill(workload_pid(tmp_path / "ready"), signal.SIGKILL)
         assert await rt.wait_container(cid, WAIT)
         listed = await rt.relist()
         c = next(c for c in listed.containers if c.id == cid)
@@ -160,10 +164,10 @@ async def test_killed_workload_is_reported_exited_with_its_code(tmp_path: Path) 
 
 @aio
 async def test_wrapper_killed_alone_takes_the_workload_with_it(tmp_path: Path) -> None:
-    async with runtime(tmp_path) as rt:
-        _, cid = await start(rt, pod(["sleep", "600"]))
+    async with runtime(tmp_path / "state") as rt:
+        _, cid = await start(rt, sleeper(tmp_path / "ready"))
         pid = int((await one(rt, cid)).annotations[ANNOTATION_PID])
-        inner = workload_pid(pid)
+        inner = workload_pid(tmp_path / "ready")
         os.kill(pid, signal.SIGKILL)
         assert await rt.wait_container(cid, WAIT)
         c = await one(rt, cid)
@@ -189,22 +193,24 @@ def _wait_gone(pid: int) -> bool:
 @aio
 async def test_restarted_agent_adopts_running_processes_without_duplicates(
         tmp_path: Path) -> None:
-    rt1 = ProcessRuntime(tmp_path)
-    sid, cid = await start(rt1, pod(["sleep", "600"]))
+    state = tmp_path / "state"
+    rt1 = ProcessRuntime(state)
+    sid, cid = await start(rt1, sleeper(tmp_path / "ready"))
     pid = int((await one(rt1, cid)).annotations[ANNOTATION_PID])
+    inner = workload_pid(tmp_path / "ready")
     # a second agent on the same state dir is refused while the first holds it
     with pytest.raises(ContainerRuntimeError, match="in use by another agent"):
-        ProcessRuntime(tmp_path)
+        ProcessRuntime(state)
     await rt1.close()
 
-    async with runtime(tmp_path) as rt2:
+    async with runtime(state) as rt2:
         listed = await rt2.relist()
         assert [(c.id, c.state) for c in listed.containers] == [(cid, ContainerState.RUNNING)]
         assert [s.id for s in listed.sandboxes] == [sid]
         c = listed.containers[0]
         assert int(c.annotations[ANNOTATION_PID]) == pid
         # the adopted process is not rt2's child: its code still comes through
-        os.kill(workload_pid(pid), signal.SIGTERM)
+        os.kill(inner, signal.SIGTERM)
         assert await rt2.wait_container(cid, WAIT)
         c = await one(rt2, cid)
         assert (c.state, c.exit_code) == (ContainerState.EXITED, 143)
@@ -221,7 +227,7 @@ async def test_adoption_checks_process_identity(tmp_path: Path) -> None:
     rec = json.loads(path.read_text())
     rec.update(state="RUNNING", pid=os.getpid(), exit_code=None, finished_at=None)
     path.write_text(json.dumps(rec))
-    (tmp_path / "containers" / f"{cid}.exit").unlink()
+    (tmp_path / "containers" / f"{cid}.exit").unlink(missing_ok=True)
     async with runtime(tmp_path) as rt2:
         c = await one(rt2, cid)
         assert c.state == ContainerState.EXITED  # not adopted: the start time differs

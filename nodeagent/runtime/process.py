@@ -498,6 +498,7 @@ class ProcessRuntime(Runtime):
                         start_new_session=True, close_fds=True)
                 except OSError as e:
                     raise self._start_error(c, f"cannot start /bin/sh: {e}") from e
+            self._wait_forked(proc)
             st = _proc_stat(proc.pid)
             self._children[cid] = proc
             c.pid, c.boot_id = proc.pid, self._boot
@@ -505,6 +506,23 @@ class ProcessRuntime(Runtime):
             c.state = ContainerState.RUNNING.value
             c.started_at = _iso(self.clock.now())
             self._save(c)
+
+    @staticmethod
+    def _wait_forked(proc: subprocess.Popen[bytes], limit: float = 5.0) -> None:
+        """Return once the wrapper has forked the workload (or ended). A SIGTERM sent
+        before that would reach only the wrapper, whose trap defers it, and the
+        workload would never see it; so "started" means the workload exists."""
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
+        deadline = time.monotonic() + limit
+        pause = 0.0005
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if children.read_text().strip():
+                    return
+            except OSError:
+                return
+            time.sleep(pause)
+            pause = min(pause * 2, 0.02)
 
     def _stop(self, cid: str, timeout: float) -> None:
         with self._lock:
