@@ -127,6 +127,10 @@ class LeaderElector:
 
 
 def _ts(t: dt.datetime) -> str:
+    # A Lease's times are MicroTime: the fraction is required. (The kubernetes client
+    # turns a created object's times into datetimes and back, and drops a zero
+    # fraction; a microsecond's nudge keeps it.)
+    t = t.replace(microsecond=t.microsecond or 1)
     return t.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
@@ -159,7 +163,9 @@ class KubeLeaseBackend:
         return record
 
     async def update(self, record: LeaseRecord) -> LeaseRecord:
-        await asyncio.to_thread(self._call, "replace_namespaced_lease", self.name,
+        # A merge patch carrying the resourceVersion we read: refused (409) if the
+        # Lease changed since, like a replace, and the body is sent as we wrote it.
+        await asyncio.to_thread(self._call, "patch_namespaced_lease", self.name,
                                 self.namespace, self._body(record))
         return record
 
@@ -174,5 +180,8 @@ class KubeLeaseBackend:
 
     def _call(self, method: str, *args: Any) -> dict[str, Any]:
         import json
-        resp = getattr(self.api, method)(*args, _preload_content=False, _request_timeout=5)
+        extra = ({"_content_type": "application/merge-patch+json"}
+                 if method.startswith("patch") else {})
+        resp = getattr(self.api, method)(*args, _preload_content=False, _request_timeout=5,
+                                         **extra)
         return dict(json.loads(resp.data))

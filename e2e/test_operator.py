@@ -1,0 +1,414 @@
+"""The operator against the real control plane: two replicas (one leads), node pools
+under policies, Leases renewed with each node's own credentials.
+
+Which scenario uses what (see the README/report): the renewals here come from a small
+in-test renewer (one thread, node credentials) unless a test says it runs real agents.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from kubernetes import client
+
+from e2e.cluster import Cluster
+from e2e.cluster.cluster import free_port
+from e2e.promtext import samples
+from nodeagent.api.client import new_api_client
+from nodeagent.api.policy import GROUP, HEARTBEAT_ANNOTATION, PLURAL, VERSION
+
+ROOT = Path(__file__).resolve().parent.parent
+CRDS = ROOT / "charts" / "nodepulse" / "crds"
+OPERATOR = Path(sys.executable).parent / "nodepulse-operator"
+UNREACHABLE = "node.kubernetes.io/unreachable"
+RUN = uuid.uuid4().hex[:5]  # names of this run's objects
+ELECTION = f"nodepulse-operator-e2e-{RUN}"
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout: float = 30,
+             every: float = 0.5) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+        time.sleep(every)
+
+
+# ---- the operator processes
+class Operator:
+    def __init__(self, cluster: Cluster, identity: str) -> None:
+        self.identity = identity
+        self.port = free_port()
+        self.log = cluster.log_dir / f"operator-{identity}.log"
+        args = [str(OPERATOR), "--kubeconfig", str(cluster.kubeconfig),
+                "--identity", identity, "--leader-election-name", ELECTION,
+                "--metrics-port", str(self.port), "--monitor-period", "1"]
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5) as r:
+            return str(r.read().decode())
+
+    def writes(self) -> float:
+        return samples(self.metrics(), "nodepulse_operator_writes_total")
+
+    def ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/readyz", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+# ---- Leases renewed with each node's own credentials
+class Renewer(threading.Thread):
+    """Renews the Lease of every node in `active` once a second, as an agent would
+    (create, then update renewTime), each with that node's kubeconfig."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        super().__init__(daemon=True, name="lease-renewer")
+        self.cluster = cluster
+        self.active: set[str] = set()
+        self.apis: dict[str, client.CoordinationV1Api] = {}
+        self.lock = threading.Lock()
+        self.stopping = threading.Event()
+        self.errors: list[str] = []
+        self.renewed: set[str] = set()  # nodes renewed at least once
+
+    def set(self, nodes: Any, on: bool) -> None:
+        with self.lock:
+            if on:
+                self.active.update(nodes)
+            else:
+                self.active.difference_update(nodes)
+
+    def _api(self, node: str) -> client.CoordinationV1Api:
+        if node not in self.apis:
+            self.apis[node] = client.CoordinationV1Api(
+                new_api_client(self.cluster.node_kubeconfig(node), component="e2e-renewer"))
+        return self.apis[node]
+
+    def renew(self, node: str) -> None:
+        # MicroTime needs its fraction (and the client drops a zero one on create).
+        t = time.time()
+        now = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + \
+            f".{max(1, int(t % 1 * 1e6)):06d}Z"
+        api = self._api(node)
+        body = {"metadata": {"name": node, "namespace": "kube-node-lease"},
+                "spec": {"holderIdentity": node, "leaseDurationSeconds": 10,
+                         "renewTime": now}}
+        try:
+            api.patch_namespaced_lease(node, "kube-node-lease", body,
+                                       _content_type="application/merge-patch+json")
+        except client.ApiException as e:
+            if e.status != 404:
+                raise
+            api.create_namespaced_lease("kube-node-lease", body)
+        self.renewed.add(node)
+
+    def start_renewing(self, nodes: list[str]) -> None:
+        self.set(nodes, True)
+        wait_for(f"Leases of {', '.join(nodes)}", lambda: not self.errors and
+                 self.renewed >= set(nodes), 30)
+        assert not self.errors, self.errors
+
+    def run(self) -> None:
+        while not self.stopping.is_set():
+            with self.lock:
+                nodes = sorted(self.active)
+            for n in nodes:
+                try:
+                    self.renew(n)
+                except Exception as e:  # noted, and the test that needs it fails
+                    self.errors.append(f"{n}: {e}")
+            self.stopping.wait(1.0)
+
+
+# ---- fixtures
+@pytest.fixture(scope="module")
+def kube(cluster: Cluster) -> Iterator[client.ApiClient]:
+    kubectl = cluster.binary("kubectl")
+    subprocess.run([str(kubectl), "--kubeconfig", str(cluster.kubeconfig), "apply", "-f",
+                    str(CRDS)], check=True, capture_output=True)
+    subprocess.run([str(kubectl), "--kubeconfig", str(cluster.kubeconfig), "wait",
+                    "--for=condition=Established", "--timeout=60s",
+                    f"crd/{PLURAL}.{GROUP}"], check=True, capture_output=True)
+    api = cluster.api_client()
+    yield api
+    core = client.CoreV1Api(api)
+    for n in core.list_node().items:
+        if n.metadata.name.startswith(f"op-{RUN}-"):
+            core.delete_node(n.metadata.name)
+    custom = client.CustomObjectsApi(api)
+    for p in custom.list_cluster_custom_object(GROUP, VERSION, PLURAL)["items"]:
+        if p["metadata"]["name"].startswith(f"op-{RUN}-"):
+            custom.delete_cluster_custom_object(GROUP, VERSION, PLURAL, p["metadata"]["name"])
+
+
+@pytest.fixture(scope="module")
+def operators(cluster: Cluster, kube: client.ApiClient) -> Iterator[list[Operator]]:
+    """Two replicas for the whole module; the HA test (last) kills the leader."""
+    ops = [Operator(cluster, f"op-{RUN}-a"), Operator(cluster, f"op-{RUN}-b")]
+    try:
+        wait_for("both operators ready", lambda: all(o.ready() for o in ops), 60)
+        wait_for("a leader", lambda: leader(kube) in {o.identity for o in ops}, 30)
+        yield ops
+    finally:
+        for o in ops:
+            o.kill(signal.SIGTERM)
+
+
+@pytest.fixture(scope="module")
+def renewer(cluster: Cluster) -> Iterator[Renewer]:
+    r = Renewer(cluster)
+    r.start()
+    yield r
+    r.stopping.set()
+    r.join(timeout=10)
+
+
+# ---- helpers
+def leader(api: client.ApiClient) -> str | None:
+    try:
+        lease = client.CoordinationV1Api(api).read_namespaced_lease(ELECTION, "kube-system")
+    except client.ApiException:
+        return None
+    return lease.spec.holder_identity or None
+
+
+def make_nodes(api: client.ApiClient, pool: str, count: int) -> list[str]:
+    core = client.CoreV1Api(api)
+    names = [f"op-{RUN}-{pool}-{i}" for i in range(count)]
+    for n in names:
+        core.create_node({"metadata": {"name": n, "labels": {"nodepulse-e2e/pool":
+                                                                 f"{RUN}-{pool}"}}})
+    return names
+
+
+def policy(api: client.ApiClient, name: str, pool: str | None, grace: int,
+           lease: int = 10, priority: int = 0, **failure: Any) -> str:
+    full = f"op-{RUN}-{name}"
+    body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "NodeStatusPolicy",
+            "metadata": {"name": full},
+            "spec": {"priority": priority,
+                     "nodeSelector": {"matchLabels": {"nodepulse-e2e/pool": f"{RUN}-{pool}"}}
+                     if pool else {"matchLabels": {"nodepulse-e2e/pool": "nowhere"}},
+                     "heartbeat": {"leaseDurationSeconds": lease},
+                     "failure": {"gracePeriodSeconds": grace, **failure}}}
+    client.CustomObjectsApi(api).create_cluster_custom_object(GROUP, VERSION, PLURAL, body)
+    return full
+
+
+def get_policy(api: client.ApiClient, name: str) -> dict[str, Any]:
+    return dict(client.CustomObjectsApi(api).get_cluster_custom_object(
+        GROUP, VERSION, PLURAL, name))
+
+
+def condition(p: dict[str, Any], ctype: str) -> dict[str, Any]:
+    return next((c for c in (p.get("status") or {}).get("conditions") or []
+                 if c["type"] == ctype), {})
+
+
+def node(api: client.ApiClient, name: str) -> Any:
+    return client.CoreV1Api(api).read_node(name)
+
+
+def effects(api: client.ApiClient, name: str) -> set[str]:
+    return {t.effect for t in node(api, name).spec.taints or [] if t.key == UNREACHABLE}
+
+
+def ready_status(api: client.ApiClient, name: str) -> Any:
+    return next((c for c in node(api, name).status.conditions or [] if c.type == "Ready"),
+                None)
+
+
+def heartbeat(api: client.ApiClient, name: str) -> dict[str, Any]:
+    ann = (node(api, name).metadata.annotations or {}).get(HEARTBEAT_ANNOTATION)
+    return dict(json.loads(ann)) if ann else {}
+
+
+def kubectl(cluster: Cluster, *args: str, stdin: str | None = None
+            ) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(cluster.binary("kubectl")), "--kubeconfig",
+                           str(cluster.kubeconfig), *args], input=stdin, text=True,
+                          capture_output=True, timeout=60)
+
+
+# ---- scenarios
+@pytest.mark.parametrize(("spec", "message"), [
+    ({"heartbeat": {"leaseDurationSeconds": 20, "renewIntervalSeconds": 20}},
+     "spec.heartbeat.renewIntervalSeconds must be less than spec.heartbeat.leaseDurationSeconds"),
+    ({"heartbeat": {"leaseDurationSeconds": 60}},
+     "spec.failure.gracePeriodSeconds must be at least spec.heartbeat.leaseDurationSeconds"),
+    ({"failure": {"maxUnreachableFraction": 2}},
+     "spec.failure.maxUnreachableFraction must be between 0 and 1"),
+    ({"heartbeat": {"statusUpdateFrequencySeconds": 30, "statusReportFrequencySeconds": 20}},
+     "spec.heartbeat.statusReportFrequencySeconds must be at least "
+     "spec.heartbeat.statusUpdateFrequencySeconds"),
+])
+def test_kubectl_apply_of_a_bad_policy_prints_the_cel_message(
+        cluster: Cluster, kube: client.ApiClient, spec: dict[str, Any], message: str) -> None:
+    doc = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "NodeStatusPolicy",
+           "metadata": {"name": f"op-{RUN}-bad"}, "spec": spec}
+    out = kubectl(cluster, "apply", "-f", "-", stdin=yaml.safe_dump(doc))
+    assert out.returncode != 0
+    assert message in out.stderr, out.stderr
+    assert "NotFound" in kubectl(cluster, "get", "nsp", f"op-{RUN}-bad").stderr
+
+
+def test_explain_and_printer_columns(cluster: Cluster, kube: client.ApiClient) -> None:
+    out = wait_for("kubectl explain", lambda: (r := kubectl(
+        cluster, "explain", "nsp.spec.failure.maxUnreachableFraction")).returncode == 0 and r)
+    assert "Partition guard" in out.stdout
+    header = kubectl(cluster, "get", "nsp").stdout.splitlines()
+    if header:  # no policies yet prints nothing on stdout
+        assert header[0].split() == ["NAME", "SELECTOR", "PRIORITY", "NODES", "READY",
+                                     "UNREACHABLE", "AGE"]
+
+
+def test_two_pools_grace_15_and_60(kube: client.ApiClient, operators: list[Operator],
+                                   renewer: Renewer) -> None:
+    fast = make_nodes(kube, "fast", 2)
+    slow = make_nodes(kube, "slow", 2)
+    pf = policy(kube, "fast", "fast", grace=15, lease=10)
+    ps = policy(kube, "slow", "slow", grace=60, lease=40)
+    renewer.start_renewing(fast + slow)
+    wait_for("policies written onto the nodes", lambda: all(
+        heartbeat(kube, n).get("policy") == (pf if n in fast else ps) for n in fast + slow))
+    assert heartbeat(kube, fast[0])["renewIntervalSeconds"] == 2  # 10 / 4, from policy.py
+    wait_for("status counts", lambda: (get_policy(kube, pf).get("status") or {}).get(
+        "readyNodes") == 2)
+    assert all(effects(kube, n) == set() for n in fast + slow)
+
+    renewer.set(fast + slow, False)  # both pools' nodes fall silent
+    stopped = time.monotonic()
+    wait_for("the 15 s pool tainted", lambda: all(
+        effects(kube, n) == {"NoSchedule", "NoExecute"} for n in fast), 40)
+    # Not before its grace period (less the renewer's last second), and not the 60 s pool.
+    assert time.monotonic() - stopped >= 14
+    assert all(effects(kube, n) == set() for n in slow)
+    ready = ready_status(kube, fast[0])
+    assert ready.status == "Unknown" and ready.reason == "NodeStatusUnknown"
+    assert pf in ready.message
+    status = get_policy(kube, pf)["status"]
+    assert (status["nodes"], status["unreachableNodes"]) == (2, 2)
+
+    renewer.set(fast + slow, True)  # they come back
+    wait_for("taints removed after renewal", lambda: all(
+        effects(kube, n) == set() for n in fast), 20)
+    assert all(effects(kube, n) == set() for n in slow)
+    assert not renewer.errors
+
+
+def test_partition_guard_stops_noexecute(kube: client.ApiClient, operators: list[Operator],
+                                         renewer: Renewer) -> None:
+    nodes = make_nodes(kube, "part", 4)
+    p = policy(kube, "part", "part", grace=15, maxUnreachableFraction=0.5,
+               noExecuteTaintsPerMinute=6)
+    renewer.start_renewing(nodes)
+    wait_for("the pool seen ready", lambda: (get_policy(kube, p).get("status") or {}).get(
+        "readyNodes") == 4)
+    renewer.set(nodes[:3], False)  # 3 of 4 fall silent together
+    wait_for("NoSchedule on the silent three", lambda: all(
+        "NoSchedule" in effects(kube, n) for n in nodes[:3]), 40)
+    guard = wait_for("PartitionGuard condition", lambda: (
+        c := condition(get_policy(kube, p), "PartitionGuard")).get("status") == "True" and c)
+    assert guard["reason"] == "TooManyUnreachable" and "3 of 4" in guard["message"]
+    # Renewals go stale a second or so apart, so the first silent node may have been
+    # given its NoExecute before the third made the share 3/4; after that, no more.
+    before = sum("NoExecute" in effects(kube, n) for n in nodes[:3])
+    assert before <= 1
+    time.sleep(12)  # longer than the pacing interval (6/min) would need for another
+    assert sum("NoExecute" in effects(kube, n) for n in nodes[:3]) == before
+    assert effects(kube, nodes[3]) == set()
+    status = get_policy(kube, p)["status"]
+    assert (status["nodes"], status["readyNodes"], status["unreachableNodes"]) == (4, 1, 3)
+    renewer.set(nodes, True)
+    wait_for("guard lifted", lambda: condition(get_policy(kube, p), "PartitionGuard").get(
+        "status") == "False", 20)
+    wait_for("taints removed", lambda: all(effects(kube, n) == set() for n in nodes), 20)
+
+
+def test_no_match_conflict_and_deletion(kube: client.ApiClient, operators: list[Operator],
+                                        renewer: Renewer) -> None:
+    nodes = make_nodes(kube, "mix", 1)
+    renewer.start_renewing(nodes)
+    none = policy(kube, "none", None, grace=30)
+    ready = wait_for("no-match status", lambda: condition(get_policy(kube, none), "Ready"))
+    assert ready["status"] == "True" and ready["reason"] == "NoMatchingNodes"
+    low = policy(kube, "low", "mix", grace=30, priority=1)
+    wait_for("low applies", lambda: heartbeat(kube, nodes[0]).get("policy") == low)
+    b = policy(kube, "tie-b", "mix", grace=30, priority=5)
+    a = policy(kube, "tie-a", "mix", grace=30, priority=5)
+    wait_for("tie goes to the first name", lambda: heartbeat(kube, nodes[0]).get("policy") == a)
+    for name in (a, b):
+        c = wait_for(f"Conflict on {name}", lambda n=name: (
+            c := condition(get_policy(kube, n), "Conflict")).get("status") == "True" and c)
+        assert nodes[0] in c["message"] and a in c["message"] and b in c["message"]
+    custom = client.CustomObjectsApi(kube)
+    custom.delete_cluster_custom_object(GROUP, VERSION, PLURAL, a)
+    wait_for("next match after deletion", lambda: heartbeat(kube, nodes[0]).get("policy") == b)
+    wait_for("conflict cleared", lambda: condition(get_policy(kube, b), "Conflict").get(
+        "status") == "False")
+    custom.delete_cluster_custom_object(GROUP, VERSION, PLURAL, b)
+    wait_for("lower priority after deletion",
+             lambda: heartbeat(kube, nodes[0]).get("policy") == low)
+    custom.delete_cluster_custom_object(GROUP, VERSION, PLURAL, low)
+    wait_for("defaults when nothing matches", lambda: heartbeat(kube, nodes[0]) == {
+        "policy": "", "leaseDurationSeconds": 40, "renewIntervalSeconds": 10,
+        "statusUpdateFrequencySeconds": 10, "statusReportFrequencySeconds": 300,
+        "maxImagesInStatus": 50})
+
+
+def test_ha_failover(kube: client.ApiClient, operators: list[Operator],
+                     renewer: Renewer) -> None:
+    """Runs last: the module's two replicas; the standby never wrote; killing the
+    leader (SIGKILL, by PID) hands over within 60 s and the new leader acts."""
+    by_id = {o.identity: o for o in operators}
+    active = by_id[wait_for("a leader", lambda: leader(kube))]
+    [standby] = [o for o in operators if o is not active]
+    assert active.writes() > 0  # every scenario above was the leader's work
+    assert standby.writes() == 0  # ... and none of it the standby's
+    assert samples(standby.metrics(), "nodepulse_operator_leader") == 0
+
+    nodes = make_nodes(kube, "ha", 1)
+    p = policy(kube, "ha", "ha", grace=15)
+    renewer.start_renewing(nodes)
+    wait_for("leader applies the policy", lambda: heartbeat(kube, nodes[0]).get("policy") == p)
+    active.kill(signal.SIGKILL)
+    renewer.set(nodes, False)  # and the node falls silent during the failover
+    killed = time.monotonic()
+    wait_for("standby takes the leader Lease", lambda: leader(kube) == standby.identity, 60)
+    took = time.monotonic() - killed
+    assert took < 60
+    assert samples(standby.metrics(), "nodepulse_operator_leader") == 1
+    wait_for("the new leader taints the silent node",
+             lambda: effects(kube, nodes[0]) == {"NoSchedule", "NoExecute"}, 40)
+    assert standby.writes() > 0
+    print(f"\nfailover: standby took the leader Lease {took:.1f} s after SIGKILL")
