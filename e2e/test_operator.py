@@ -367,9 +367,12 @@ def test_no_match_conflict_and_deletion(kube: client.ApiClient, operators: list[
     b = policy(kube, "tie-b", "mix", grace=30, priority=5)
     a = policy(kube, "tie-a", "mix", grace=30, priority=5)
     wait_for("tie goes to the first name", lambda: heartbeat(kube, nodes[0]).get("policy") == a)
+    def conflict(name: str) -> dict[str, Any] | None:
+        c = condition(get_policy(kube, name), "Conflict")
+        return c if c.get("status") == "True" else None
+
     for name in (a, b):
-        c = wait_for(f"Conflict on {name}", lambda n=name: (
-            c := condition(get_policy(kube, n), "Conflict")).get("status") == "True" and c)
+        c = wait_for(f"Conflict on {name}", lambda n=name: conflict(n))
         assert nodes[0] in c["message"] and a in c["message"] and b in c["message"]
     custom = client.CustomObjectsApi(kube)
     custom.delete_cluster_custom_object(GROUP, VERSION, PLURAL, a)
