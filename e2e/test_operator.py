@@ -7,6 +7,7 @@ in-test renewer (one thread, node credentials) unless a test says it runs real a
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -372,7 +373,7 @@ def test_no_match_conflict_and_deletion(kube: client.ApiClient, operators: list[
         return c if c.get("status") == "True" else None
 
     for name in (a, b):
-        c = wait_for(f"Conflict on {name}", lambda n=name: conflict(n))
+        c = wait_for(f"Conflict on {name}", functools.partial(conflict, name))
         assert nodes[0] in c["message"] and a in c["message"] and b in c["message"]
     custom = client.CustomObjectsApi(kube)
     custom.delete_cluster_custom_object(GROUP, VERSION, PLURAL, a)
