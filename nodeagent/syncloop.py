@@ -168,6 +168,8 @@ class SyncLoop:
                 log.warning("pod %s is bound to node %s, not %s; ignored", uid, node,
                             self.node_name)
                 continue
+            log.debug("pod %s (%s): %s from %s", uid, (pod.get("metadata") or {}).get("name"),
+                      u.op, u.source)
             if u.op in (Op.ADD, Op.UPDATE):
                 self.pods[uid] = pod
                 if (pod.get("metadata") or {}).get("deletionTimestamp"):

@@ -512,6 +512,8 @@ class PodWorkers:
         if w is None:
             # also for REMOVE of a pod never seen: the runtime may hold its containers
             w = self._w[uid] = _Worker(uid, pod)
+        log.debug("pod %s: %s update (phase %s, running=%s)", uid, kind.value, w.phase.value,
+                  w.task is not None and not w.task.done())
         w.pod = pod  # latest wins
         if kind in (UpdateKind.KILL, UpdateKind.REMOVE):
             w.kill = True
@@ -560,6 +562,8 @@ class PodWorkers:
     async def _step(self, w: _Worker, entry: CacheEntry) -> None:
         started = self.clock.monotonic()
         phase = w.phase
+        log.debug("pod %s: %s step (kill=%s removed=%s)", w.uid, phase.value, w.kill,
+                  w.removed)
         try:
             requeue = self.sync_frequency
             if w.phase == Phase.SYNCING and w.kill:
@@ -582,6 +586,7 @@ class PodWorkers:
                     await self.syncer.cleanup_pod(w.uid)
                     self.cache.delete(w.uid)
                     del self._w[w.uid]
+                    log.debug("pod %s: removed, worker forgotten", w.uid)
             w.errors = 0
             w.due = self.clock.monotonic() + requeue
             self._m.syncs.labels(node=self.node, phase=phase.value, result="ok").inc()
