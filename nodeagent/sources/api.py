@@ -266,6 +266,10 @@ class APISource:
         finally:
             self._close_stream()
 
+    def drop_connection(self) -> None:
+        """Close the open watch stream as a network failure would (tests, benchmarks)."""
+        self._close_stream()
+
     def _close_stream(self) -> None:
         with self._resp_lock:
             resp, self._resp = self._resp, None

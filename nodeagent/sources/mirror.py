@@ -69,9 +69,14 @@ class MirrorManager:
         self.deletes = 0
         self.passes = 0
         self._pass_cond = asyncio.Condition()
+        self._changed = merge.listen()
+
+    def resync_now(self) -> None:
+        """Make a pass now rather than at the next change or resync."""
+        self._changed.set()
 
     async def run(self) -> None:
-        changed = self.merge.listen()
+        changed = self._changed
         delay = 0.0
         while True:
             changed.clear()

@@ -1,0 +1,319 @@
+"""Pod sources against the real control plane, with a node's own credentials
+(Node authorizer + NodeRestriction), driven in-process on an asyncio loop.
+
+- a manifest dropped in the folder yields a mirror pod; edit -> replaced; a touch -> no
+  API write (API server metrics); bad manifest -> Warning Event on the Node; delete ->
+  mirror deleted;
+- what NodeRestriction admits as a mirror pod is what static.mirror_problem predicts;
+- a dropped watch resumes from its resourceVersion without a relist or LIST, and a pod
+  created while it was down is delivered once;
+- an API server restart: no LIST (API server metrics), the pod created during the
+  outage is delivered once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import os
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from e2e.cluster import Cluster
+from e2e.promtext import samples
+from nodeagent.api.client import new_api_client
+from nodeagent.api.clock import FakeClock, RealClock, settle
+from nodeagent.sources.api import APISource
+from nodeagent.sources.events import NodeEvents
+from nodeagent.sources.file import FileSource
+from nodeagent.sources.merge import Merge
+from nodeagent.sources.mirror import MirrorManager
+from nodeagent.sources.problems import Problems
+from nodeagent.sources.rest import request, request_json
+from nodeagent.sources.static import check_pod, make_static_pod, mirror_pod, mirror_problem
+from nodeagent.sources.types import ANN_CONFIG_HASH, ANN_CONFIG_MIRROR, Op, PodUpdate, Source
+
+WAIT = 30.0
+WRITE_VERBS = ("POST", "PUT", "PATCH", "DELETE", "DELETECOLLECTION")
+
+
+def apiserver_metrics(cluster: Cluster) -> str:
+    """The API server's /metrics (read with the admin client)."""
+    with cluster.api_client() as api:
+        resp = request(api, "GET", "/metrics", timeout=30.0)
+        return str(resp.data.decode())
+
+
+def pod_writes(text: str) -> float:
+    return sum(samples(text, "apiserver_request_total", resource="pods", verb=v)
+               for v in WRITE_VERBS)
+
+
+def pod_lists(text: str) -> float:
+    return samples(text, "apiserver_request_total", resource="pods", verb="LIST")
+
+
+async def eventually(pred: Callable[[], Any], what: str, timeout: float = WAIT) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        got = await asyncio.to_thread(pred)
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.1)
+
+
+def register_node(cluster: Cluster) -> tuple[str, client.ApiClient]:
+    """A fresh Node, registered by the node itself; returns its name and credentials."""
+    name = f"src-{uuid.uuid4().hex[:8]}"
+    api = new_api_client(cluster.node_kubeconfig(name), component="e2e-node")
+    request_json(api, "POST", "/api/v1/nodes",
+                 body={"apiVersion": "v1", "kind": "Node", "metadata": {"name": name}})
+    return name, api
+
+
+def manifest(image: str = "busybox:1", extra: str = "") -> str:
+    return ("apiVersion: v1\nkind: Pod\nmetadata:\n  name: web\n  labels: {app: web}\n"
+            f"spec:\n  containers:\n  - name: c\n    image: {image}\n"
+            f"    command: [sleep, '3600']\n{extra}")
+
+
+def test_static_manifest_to_mirror_pod_lifecycle(cluster: Cluster, tmp_path: Path) -> None:
+    node, api = register_node(cluster)
+    admin = client.CoreV1Api(cluster.api_client())
+    folder = tmp_path / "manifests"
+    folder.mkdir()
+    mirror_name = f"web-{node}"
+
+    def mirror() -> dict | None:
+        try:
+            return request_json(cluster.api_client(), "GET",
+                                f"/api/v1/namespaces/default/pods/{mirror_name}")
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+
+    async def body() -> None:
+        clock = RealClock()
+        events = NodeEvents(api, node, clock)
+        merge = Merge([Source.API, Source.FILE], Problems(events))
+        src = FileSource(folder, node, merge, clock, debounce=0.05)
+        watch = APISource(api, [node], merge, clock)
+        mirrors = MirrorManager(api, node, merge, clock)
+        tasks = [asyncio.create_task(x.run()) for x in (src, watch, mirrors)]
+        try:
+            await asyncio.wait_for(merge.ready.wait(), WAIT)
+
+            # dropped in -> mirror pod, shaped as NodeRestriction wants, made by the node
+            (folder / "web.yaml").write_text(manifest())
+            m = await eventually(mirror, "the mirror pod")
+            static = next(p for p in merge.pods() if p["metadata"]["name"] == mirror_name)
+            h1 = static["metadata"]["annotations"][ANN_CONFIG_HASH]
+            assert m["metadata"]["annotations"][ANN_CONFIG_MIRROR] == h1
+            assert m["metadata"]["ownerReferences"][0]["kind"] == "Node"
+            assert m["metadata"]["ownerReferences"][0]["name"] == node
+            assert m["spec"]["nodeName"] == node
+            assert m["metadata"]["labels"] == {"app": "web"}
+            await eventually(lambda: mirror_name in {n.split("/")[1] for n in merge.mirrors},
+                             "the watch to see the mirror pod")
+
+            # edited -> the mirror pod is replaced by one with the new hash
+            (folder / "web.yaml").write_text(manifest(image="busybox:2"))
+
+            def replaced() -> dict | None:
+                m2 = mirror()
+                ok = m2 and m2["metadata"]["annotations"][ANN_CONFIG_MIRROR] != h1
+                return m2 if ok else None
+            m2 = await eventually(replaced, "the mirror pod to be replaced")
+            assert m2["spec"]["containers"][0]["image"] == "busybox:2"
+            assert m2["metadata"]["uid"] != m["metadata"]["uid"]
+            await eventually(lambda: merge.mirrors.get(f"default/{mirror_name}", {})
+                             .get("metadata", {}).get("uid") == m2["metadata"]["uid"],
+                             "the watch to see the new mirror pod")
+
+            # touch, identical rewrite -> no pod write in the API server at all
+            before = pod_writes(apiserver_metrics(cluster))
+            batches = src.batches
+            os.utime(folder / "web.yaml")
+            (folder / "web.yaml").write_text(manifest(image="busybox:2"))
+            await asyncio.wait_for(src.wait_batches(batches + 1), WAIT)
+            passes = mirrors.passes
+            mirrors.resync_now()  # and let the mirror manager look again
+            await asyncio.wait_for(mirrors.wait_passes(passes + 1), WAIT)
+            after = pod_writes(apiserver_metrics(cluster))
+            assert after == before, f"pod writes went from {before} to {after}"
+
+            # a bad edit -> Warning Event on the Node, the pod and its mirror stay
+            (folder / "web.yaml").write_text("apiVersion: v1\nkind: Pod\nmetadata: {name: [")
+
+            def warning() -> list:
+                evs = admin.list_namespaced_event(
+                    "default", field_selector=f"involvedObject.name={node}").items
+                return [e for e in evs if e.reason == "StaticPodMalformed"]
+            (ev,) = await eventually(warning, "the Warning Event on the Node")
+            assert ev.type == "Warning" and "web.yaml" in ev.message
+            assert "malformed YAML/JSON" in ev.message and ev.involved_object.kind == "Node"
+            still = mirror()
+            assert still is not None and still["metadata"]["uid"] == m2["metadata"]["uid"]
+
+            # deleted -> the mirror pod goes
+            (folder / "web.yaml").unlink()
+            await eventually(lambda: mirror() is None, "the mirror pod to be deleted")
+            ups: list[PodUpdate] = []
+            while not merge.updates.empty():
+                ups.append(merge.updates.get_nowait())
+            assert [u.op for u in ups if u.source is Source.FILE] == [
+                Op.ADD, Op.REMOVE, Op.ADD, Op.REMOVE]
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await events.drain()
+    asyncio.run(body())
+
+
+@pytest.mark.parametrize("patch", [
+    {},
+    {"serviceAccountName": "default"},
+    {"volumes": [{"name": "s", "secret": {"secretName": "x"}}]},
+    {"volumes": [{"name": "c", "configMap": {"name": "x"}}]},
+    {"volumes": [{"name": "p", "persistentVolumeClaim": {"claimName": "x"}}]},
+    {"containers": [{"name": "c", "image": "i", "env": [
+        {"name": "X", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]}]},
+], ids=["plain", "service-account", "secret", "configmap", "pvc", "env-secret"])
+def test_mirror_problem_predicts_node_restriction(cluster: Cluster, patch: dict) -> None:
+    node, api = register_node(cluster)
+    node_uid = request_json(api, "GET", f"/api/v1/nodes/{node}")["metadata"]["uid"]
+    doc = check_pod({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "m"},
+                     "spec": {"containers": [{"name": "c", "image": "i"}], **patch}}, "m")
+    static = make_static_pod(doc, Source.FILE, node, RealClock().now())
+    body = mirror_pod(static, node_uid)
+    predicted = mirror_problem(static)
+    try:
+        request_json(api, "POST", "/api/v1/namespaces/default/pods", body=body)
+    except ApiException as e:
+        assert predicted is not None, f"the API server refused a mirror we allow: {e.body}"
+        assert e.status == 403
+    else:
+        assert predicted is None, f"the API server admitted a mirror we refuse: {predicted}"
+        request_json(api, "DELETE", f"/api/v1/namespaces/default/pods/m-{node}",
+                     body={"gracePeriodSeconds": 0})
+    # and the shape matters: without the owner reference, a node is refused
+    bare = copy.deepcopy(mirror_pod(make_static_pod(
+        check_pod({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "bare"},
+                   "spec": {"containers": [{"name": "c", "image": "i"}]}}, "b"),
+        Source.FILE, node, RealClock().now()), node_uid))
+    del bare["metadata"]["ownerReferences"]
+    with pytest.raises(ApiException) as refused:
+        request_json(api, "POST", "/api/v1/namespaces/default/pods", body=bare)
+    assert refused.value.status == 403 and "owner reference" in str(refused.value.body)
+
+
+def bound_pod(name: str, node: str) -> dict:
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
+            "spec": {"nodeName": node, "automountServiceAccountToken": False,
+                     "containers": [{"name": "c", "image": "busybox:1"}]}}
+
+
+def names(ups: list[PodUpdate], op: Op) -> list[str]:
+    return [p["metadata"]["name"] for u in ups if u.op is op for p in u.pods]
+
+
+async def drain(merge: Merge, quiet: float = 1.0) -> list[PodUpdate]:
+    """Every update until none arrives for `quiet` seconds."""
+    out: list[PodUpdate] = []
+    while True:
+        try:
+            out.append(await asyncio.wait_for(merge.updates.get(), quiet))
+        except TimeoutError:
+            return out
+
+
+def test_dropped_watch_resumes_without_relist(cluster: Cluster) -> None:
+    node, api = register_node(cluster)
+    admin_api = cluster.api_client()
+    name_a, name_b = f"a-{node}", f"b-{node}"
+    request_json(admin_api, "POST", "/api/v1/namespaces/default/pods",
+                 body=bound_pod(name_a, node))
+
+    async def body() -> None:
+        clock = FakeClock()  # backoff waits only when the test says so
+        merge = Merge([Source.API])
+        src = APISource(api, [node], merge, clock)
+        task = asyncio.create_task(src.run())
+        try:
+            await asyncio.wait_for(merge.ready.wait(), WAIT)
+            await asyncio.wait_for(src.connected.wait(), WAIT)
+            assert names(await drain(merge), Op.ADD) == [name_a]
+            lists_before = pod_lists(apiserver_metrics(cluster))
+            rv_before = src.resource_version
+            src.drop_connection()
+            await eventually(lambda: clock.sleepers == 1 and not src.connected.is_set(),
+                             "the source to back off")
+            await asyncio.to_thread(request_json, admin_api, "POST",
+                                    "/api/v1/namespaces/default/pods",
+                                    body=bound_pod(name_b, node))
+            await clock.advance(1.0)
+            ups = await drain(merge)
+            assert names(ups, Op.ADD) == [name_b]  # delivered once
+            assert names(ups, Op.REMOVE) == []
+            assert src.relists == 0 and src.lists == 1 and src.resumes >= 1
+            assert int(src.resource_version or 0) > int(rv_before or 0)
+            assert pod_lists(apiserver_metrics(cluster)) == lists_before
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await settle()
+    asyncio.run(body())
+
+
+def test_apiserver_restart_no_list_and_once(cluster: Cluster) -> None:
+    if not hasattr(cluster, "pids"):
+        pytest.fail("restarting the API server needs the local control plane")
+    node, api = register_node(cluster)
+    admin_api = cluster.api_client()
+    before_name, during_name = f"before-{node}", f"during-{node}"
+    request_json(admin_api, "POST", "/api/v1/namespaces/default/pods",
+                 body=bound_pod(before_name, node))
+
+    async def body() -> None:
+        clock = FakeClock()
+        merge = Merge([Source.API])
+        src = APISource(api, [node], merge, clock)
+        task = asyncio.create_task(src.run())
+        try:
+            await asyncio.wait_for(merge.ready.wait(), WAIT)
+            await asyncio.wait_for(src.connected.wait(), WAIT)
+            assert names(await drain(merge), Op.ADD) == [before_name]
+            await asyncio.to_thread(cluster.restart_apiserver)
+            # the watch broke; the source waits on its (fake) backoff clock
+            await eventually(lambda: clock.sleepers == 1, "the source to back off")
+            # created while the source is disconnected
+            await asyncio.to_thread(request_json, cluster.api_client(), "POST",
+                                    "/api/v1/namespaces/default/pods",
+                                    body=bound_pod(during_name, node))
+            deadline = time.monotonic() + WAIT
+            while not src.connected.is_set() and time.monotonic() < deadline:
+                await clock.advance(30.0)  # each retry waits its backoff
+                await asyncio.sleep(0.2)
+            ups = await drain(merge, quiet=2.0)
+            assert names(ups, Op.ADD) == [during_name]  # once
+            assert names(ups, Op.REMOVE) == [] and names(ups, Op.UPDATE) == []
+            text = apiserver_metrics(cluster)  # counters restarted with the API server
+            assert pod_lists(text) == 0, "a LIST of pods reached the restarted API server"
+            print(f"\nafter the restart: resumes={src.resumes} relists={src.relists} "
+                  f"(410 Gone answered by the new watch cache -> streaming relist) "
+                  f"lists={src.lists} watches={src.watches}")
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    asyncio.run(body())
