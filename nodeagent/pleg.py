@@ -248,6 +248,7 @@ class Pleg:
         self.cache = cache or PodCache()
         self.events: asyncio.Queue[PodLifecycleEvent] = asyncio.Queue(channel_capacity)
         self.last_result: RelistResult | None = None  # for housekeeping and adoption
+        self.last_result_at = -math.inf  # monotonic start of the relist that made it
         self.relists = 0
         self._records: dict[str, dict[str, str]] = {}
         self._sem = asyncio.Semaphore(inspect_concurrency)
@@ -323,6 +324,7 @@ class Pleg:
         changed = diff(self._records, records)
         self._records = records
         self.last_result = result
+        self.last_result_at = start
         for uid in self._reinspect - changed.keys():
             changed[uid] = []
         self._reinspect.clear()

@@ -210,7 +210,12 @@ class SyncLoop:
         result = self.pleg.last_result
         if result is None:
             return []
-        known = self.pods.keys() | self.workers.uids()
+        # cleaned up after this relist started: its records are stale, not orphans
+        since = self.pleg.last_result_at
+        forgotten = self.workers.forgotten
+        for uid in [u for u, t in forgotten.items() if t < since]:
+            del forgotten[uid]
+        known = self.pods.keys() | self.workers.uids() | forgotten.keys()
         names: dict[str, tuple[str, str]] = {}
         for s in result.sandboxes:
             names.setdefault(s.pod_uid, (s.name, s.namespace))

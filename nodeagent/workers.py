@@ -473,6 +473,9 @@ class PodWorkers:
         self.error_initial = error_initial
         self.error_max = error_max
         self._w: dict[str, _Worker] = {}
+        # uid -> when its worker finished cleaning up; a relist older than that still
+        # shows the pod, which housekeeping must not take for an orphan
+        self.forgotten: dict[str, float] = {}
         self._m = _worker_metrics(registry)
         for ph in Phase:
             self._m.workers.labels(node=node, phase=ph.value).set_function(
@@ -586,6 +589,7 @@ class PodWorkers:
                     await self.syncer.cleanup_pod(w.uid)
                     self.cache.delete(w.uid)
                     del self._w[w.uid]
+                    self.forgotten[w.uid] = self.clock.monotonic()
                     log.debug("pod %s: removed, worker forgotten", w.uid)
             w.errors = 0
             w.due = self.clock.monotonic() + requeue

@@ -321,3 +321,25 @@ async def test_one_hung_pod_does_not_hold_back_the_others() -> None:
     assert a.status("ub")["phase"] == "Running" and a.status("uc")["phase"] == "Running"
     assert a.loop.health() is None
     await a.loop.stop()
+
+
+@aio
+async def test_housekeeping_ignores_pods_cleaned_up_after_the_last_relist() -> None:
+    clock = FakeClock()
+    a = await started(clock)
+    pod = mkpod("web", "u1")
+    a.send(Op.ADD, pod)
+    await a.run_for(3)
+    stale = a.loop.pleg.last_result
+    a.send(Op.REMOVE, pod)
+    await settle()
+    for step in (0.1, 0.2, 0.3):  # cache "fresh" for each worker step, but no relist
+        await a.loop.pleg.cache.update_time(clock.monotonic() + step)
+        await settle()
+    assert "u1" not in a.loop.workers and a.rt.find("u1", "c0") == []
+    assert a.loop.pleg.last_result is stale  # no relist since: it still shows u1
+    assert a.loop.housekeeping() == []
+    await a.run_for(2)
+    assert a.loop.housekeeping() == []
+    assert a.loop.workers.forgotten == {}  # pruned once a newer relist came
+    await a.loop.stop()
