@@ -407,15 +407,23 @@ class StatusManager:
                 raise
             except Exception as exc:
                 code = status_of(exc)
-                if code in (404, 409, 422):
+                if code == 404 and kind == "patch" and is_static(e.pod):
+                    # a static pod's status goes to its mirror pod, which the mirror
+                    # manager may not have created yet: keep trying
+                    self._writes.labels(node=self.node, kind=kind, result="error").inc()
+                    log.info("pod %s: no mirror pod yet for its status; retry in %.0fs",
+                             uid, delay)
+                elif code in (404, 409, 422):
                     # the pod is gone or was replaced by a new one with the same name
                     log.info("pod %s: status %s gave %s; the pod is gone", uid, kind, code)
                     self._writes.labels(node=self.node, kind=kind, result="gone").inc()
                     e.sent = want
                     e.deleted = True
                     return
-                self._writes.labels(node=self.node, kind=kind, result="error").inc()
-                log.warning("pod %s: status %s failed (%s), retry in %.0fs%s", uid, kind,
-                            exc, delay, "" if is_retriable(exc) else " (not retriable?)")
+                else:
+                    self._writes.labels(node=self.node, kind=kind, result="error").inc()
+                    log.warning("pod %s: status %s failed (%s), retry in %.0fs%s", uid,
+                                kind, exc, delay,
+                                "" if is_retriable(exc) else " (not retriable?)")
             await self.clock.sleep(delay)
             delay = min(delay * 2, self.retry_max)

@@ -230,3 +230,18 @@ async def test_manager_finishes_deletion_and_handles_gone_pods() -> None:
     m.finish_deletion(static)
     await settle()
     assert w.deletes == ["u1"]
+
+
+@aio
+async def test_static_pod_status_waits_for_its_mirror_pod() -> None:
+    clock = FakeClock()
+    w = FakeWriter()
+    m = StatusManager(w, clock, registry=CollectorRegistry())
+    static = mkpod()
+    static["metadata"]["annotations"] = {"kubernetes.io/config.source": "file"}
+    w.fail = [ApiException(status=404), ApiException(status=404)]
+    m.set_status(static, status(static, rs()))
+    await settle()
+    assert w.patches == [] and m.dirty("u1")
+    await clock.advance(3)  # retried at 1 s (404 again) and 3 s: the mirror exists now
+    assert len(w.patches) == 1 and not m.dirty("u1")
