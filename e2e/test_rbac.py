@@ -1,0 +1,488 @@
+"""The chart's RBAC is enough and no more, proved with the chart's own identities.
+
+The chart is installed; tokens for its two ServiceAccounts come from the TokenRequest
+API; the operator and an agent then run as processes with only those tokens and do
+their work (the agent registers its Node and keeps its Lease renewed, the operator
+writes the effective policy onto the Node), while the things neither should do are
+refused with 403.
+
+A ServiceAccount is not a node identity: the Node authorizer and NodeRestriction, which
+hold a kubelet's credentials to its own Node and Lease, do not apply to it. The chart
+builds the same fence itself (RBAC resourceNames for every write but create, and a
+ValidatingAdmissionPolicy for create), and the tests below check each side of it.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import dataclasses
+import datetime as dt
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import yaml
+from kubernetes import client
+
+from e2e.cluster import Cluster
+from e2e.test_helm import CHART, Tools, values
+from nodeagent.api.client import new_api_client
+from nodeagent.api.policy import AGENT_LABEL, HEARTBEAT_ANNOTATION, decode_heartbeat_annotation
+
+T = TypeVar("T")
+REFUSED = re.compile(r"[Ff]orbidden|\(403\)|status=403|\"code\": ?403")
+BIN = Path(sys.executable).parent
+
+
+@dataclasses.dataclass
+class Release:
+    name: str
+    namespace: str
+    policy: str  # the chart's default NodeStatusPolicy
+
+    @property
+    def operator_sa(self) -> str:
+        return f"{self.name}-nodepulse-operator"
+
+    @property
+    def agent_sa(self) -> str:
+        return f"{self.name}-nodepulse-agent"
+
+    def agent_node(self, ordinal: int, i: int) -> str:
+        """A Node name the chart lets its agents own."""
+        return f"{self.name}-nodepulse-agent-{ordinal}-{i}"
+
+    def user(self, sa: str) -> str:
+        return f"system:serviceaccount:{self.namespace}:{sa}"
+
+
+@pytest.fixture(scope="module")
+def tools(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Tools:
+    t = Tools(cluster, tmp_path_factory.mktemp("helm-home"))
+    t.apply_crds()
+    return t
+
+
+@pytest.fixture(scope="module")
+def release(tools: Tools, cluster: Cluster) -> Iterator[Release]:
+    suffix = uuid.uuid4().hex[:5]
+    rel = Release(f"np-rbac-{suffix}", f"np-rbac-{suffix}", f"e2e-rbac-{suffix}")
+    core = client.CoreV1Api(cluster.api_client())
+    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=rel.namespace)))
+    # A short lease so the agent's renewals are seen within seconds. The chart's pods
+    # stay Pending (no image, no kubelet here): the processes below stand in for them.
+    tools.helm("install", rel.name, str(CHART), "--namespace", rel.namespace, *values(
+        agent={"enabled": True, "replicas": 1, "nodesPerReplica": 2},
+        defaultPolicy={"enabled": True, "name": rel.policy,
+                       "heartbeat": {"leaseDurationSeconds": 10, "renewIntervalSeconds": 2},
+                       "failure": {"gracePeriodSeconds": 20}}))
+    try:
+        yield rel
+    finally:
+        tools.helm("uninstall", rel.name, "--namespace", rel.namespace, check=False)
+        with contextlib.suppress(client.ApiException):
+            core.delete_namespace(rel.namespace)
+        for i in range(2):  # what the agent registered
+            name = rel.agent_node(0, i)
+            with contextlib.suppress(client.ApiException):
+                client.CoordinationV1Api(cluster.api_client()).delete_namespaced_lease(
+                    name, "kube-node-lease")
+            with contextlib.suppress(client.ApiException):
+                core.delete_node(name)
+
+
+def token_kubeconfig(cluster: Cluster, namespace: str, sa: str, path: Path) -> Path:
+    """A kubeconfig holding a TokenRequest token for the ServiceAccount, and nothing else."""
+    core = client.CoreV1Api(cluster.api_client())
+    req = core.create_namespaced_service_account_token(sa, namespace, client.AuthenticationV1TokenRequest(
+        spec=client.V1TokenRequestSpec(audiences=[], expiration_seconds=3600)))
+    admin = yaml.safe_load(cluster.kubeconfig.read_text())
+    ctx = next(c for c in admin["contexts"] if c["name"] == admin["current-context"])
+    cl = next(c for c in admin["clusters"] if c["name"] == ctx["context"]["cluster"])["cluster"]
+    ca = cl.get("certificate-authority-data") or base64.b64encode(
+        Path(cl["certificate-authority"]).read_bytes()).decode()
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": sa,
+        "clusters": [{"name": "c", "cluster": {"server": cl["server"],
+                                               "certificate-authority-data": ca}}],
+        "users": [{"name": sa, "user": {"token": req.status.token}}],
+        "contexts": [{"name": sa, "context": {"cluster": "c", "user": sa}}]}))
+    path.chmod(0o600)
+    return path
+
+
+@pytest.fixture(scope="module")
+def identities(cluster: Cluster, release: Release,
+               tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("identities")
+    return {"operator": token_kubeconfig(cluster, release.namespace, release.operator_sa,
+                                         d / "operator.kubeconfig"),
+            "agent": token_kubeconfig(cluster, release.namespace, release.agent_sa,
+                                      d / "agent.kubeconfig")}
+
+
+# ---- the rules, verb by verb, as the API server's authorizer judges them
+
+def _allowed(cluster: Cluster, user: str, namespace: str, verb: str, resource: str,
+             name: str = "", group: str = "", subresource: str = "") -> bool:
+    auth = client.AuthorizationV1Api(cluster.api_client())
+    ns = namespace.split(":", 1)[0]
+    review = auth.create_subject_access_review(client.V1SubjectAccessReview(
+        spec=client.V1SubjectAccessReviewSpec(
+            user=user, groups=["system:serviceaccounts", f"system:serviceaccounts:{ns}",
+                               "system:authenticated"],
+            resource_attributes=client.V1ResourceAttributes(
+                verb=verb, group=group, resource=resource, subresource=subresource or None,
+                name=name or None, namespace=namespace.split(":", 1)[1] or None))))
+    return bool(review.status.allowed)
+
+
+def _matrix(rel: Release, foreign: str) -> dict[str, list[tuple[str, str, str, str, str, bool]]]:
+    """(verb, group, resource[/subresource], namespace, name) -> allowed, per identity."""
+    own, lease_ns, ns = rel.agent_node(0, 1), "kube-node-lease", rel.namespace
+    election = f"{rel.name}-nodepulse-operator"
+    np, co = "nodepulse.dev", "coordination.k8s.io"
+    return {
+        "operator": [
+            ("list", "", "nodes", "", "", True), ("watch", "", "nodes", "", "", True),
+            ("patch", "", "nodes", "", foreign, True),
+            ("patch", "", "nodes/status", "", foreign, True),
+            ("create", "", "nodes", "", "", False), ("delete", "", "nodes", "", foreign, False),
+            ("update", "", "nodes", "", foreign, False),
+            ("list", np, "nodestatuspolicies", "", "", True),
+            ("watch", np, "nodestatuspolicies", "", "", True),
+            ("patch", np, "nodestatuspolicies/status", "", rel.policy, True),
+            ("patch", np, "nodestatuspolicies", "", rel.policy, False),
+            ("create", np, "nodestatuspolicies", "", "", False),
+            ("delete", np, "nodestatuspolicies", "", rel.policy, False),
+            ("list", co, "leases", lease_ns, "", True), ("watch", co, "leases", lease_ns, "", True),
+            ("update", co, "leases", lease_ns, own, False),
+            ("delete", co, "leases", lease_ns, own, False),
+            ("list", co, "leases", "kube-system", "", False),
+            ("get", co, "leases", ns, election, True), ("patch", co, "leases", ns, election, True),
+            ("update", co, "leases", ns, election, False),
+            ("create", co, "leases", ns, "", True),
+            ("update", co, "leases", ns, "someone-else", False),
+            ("create", co, "leases", "kube-system", "", False),
+            ("get", "", "secrets", ns, "any", False), ("list", "", "secrets", "", "", False),
+            ("list", "", "pods", "", "", False), ("create", "", "events", "default", "", False),
+            # kopf's observation of the cluster: read only
+            ("list", "", "namespaces", "", "", True), ("watch", "", "namespaces", "", "", True),
+            ("get", "", "namespaces", "", ns, False), ("delete", "", "namespaces", "", ns, False),
+            ("list", "apiextensions.k8s.io", "customresourcedefinitions", "", "", True),
+            ("watch", "apiextensions.k8s.io", "customresourcedefinitions", "", "", True),
+            ("update", "apiextensions.k8s.io", "customresourcedefinitions", "",
+             "nodestatuspolicies.nodepulse.dev", False),
+        ],
+        "agent": [
+            ("get", "", "nodes", "", own, True), ("list", "", "nodes", "", "", True),
+            ("watch", "", "nodes", "", "", True), ("create", "", "nodes", "", "", True),
+            ("patch", "", "nodes", "", own, True), ("patch", "", "nodes/status", "", own, True),
+            ("patch", "", "nodes", "", foreign, False),
+            ("patch", "", "nodes/status", "", foreign, False),
+            ("update", "", "nodes", "", own, False), ("delete", "", "nodes", "", own, False),
+            ("patch", "", "nodes", "", rel.agent_node(0, 2), False),  # past nodesPerReplica
+            ("patch", "", "nodes", "", rel.agent_node(1, 0), False),  # past replicas
+            ("get", co, "leases", lease_ns, own, True), ("update", co, "leases", lease_ns, own, True),
+            ("create", co, "leases", lease_ns, "", True),
+            ("get", co, "leases", lease_ns, foreign, False),
+            ("update", co, "leases", lease_ns, foreign, False),
+            ("list", co, "leases", lease_ns, "", False),
+            ("delete", co, "leases", lease_ns, own, False),
+            ("create", co, "leases", ns, "", False),
+            ("get", "", "secrets", ns, "any", False), ("list", "", "secrets", "", "", False),
+            ("list", np, "nodestatuspolicies", "", "", False),
+            ("patch", np, "nodestatuspolicies/status", "", rel.policy, False),
+        ],
+    }
+
+
+def test_rbac_rules_verb_by_verb(cluster: Cluster, release: Release) -> None:
+    foreign = "some-other-node"
+    wrong = []
+    for who, rows in _matrix(release, foreign).items():
+        sa = release.operator_sa if who == "operator" else release.agent_sa
+        for verb, group, res, ns, name, expected in rows:
+            resource, _, sub = res.partition("/")
+            got = _allowed(cluster, release.user(sa), f"{release.namespace}:{ns}", verb,
+                           resource, name, group, sub)
+            print(f"{who:8} {verb:6} {group + '/' if group else ''}{res:28} "
+                  f"{ns + '/' if ns else ''}{name:30} {'allowed' if got else 'denied'}")
+            if got != expected:
+                wrong.append((who, verb, group, res, ns, name, got))
+    assert wrong == []
+
+
+# ---- forbidden things, tried for real with the tokens
+
+def _status(fn: Callable[[], Any]) -> tuple[int, str]:
+    """The refusal's HTTP status and the API server's message."""
+    with pytest.raises(client.ApiException) as refused:
+        fn()
+    try:
+        message = str(json.loads(refused.value.body)["message"])
+    except (TypeError, ValueError, KeyError):
+        message = str(refused.value.body)
+    return refused.value.status, message
+
+
+def _node(name: str) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name}}
+
+
+def _lease(name: str) -> dict[str, Any]:
+    now = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+            "metadata": {"name": name, "namespace": "kube-node-lease"},
+            "spec": {"holderIdentity": name, "leaseDurationSeconds": 40, "renewTime": now}}
+
+
+@pytest.fixture
+def foreign_node(cluster: Cluster) -> Iterator[str]:
+    """A Node (and its Lease) the chart's agents do not own."""
+    name = f"e2e-foreign-{uuid.uuid4().hex[:6]}"
+    api = cluster.api_client()
+    client.CoreV1Api(api).create_node(_node(name))
+    client.CoordinationV1Api(api).create_namespaced_lease("kube-node-lease", _lease(name))
+    yield name
+    with contextlib.suppress(client.ApiException):
+        client.CoordinationV1Api(api).delete_namespaced_lease(name, "kube-node-lease")
+    with contextlib.suppress(client.ApiException):
+        client.CoreV1Api(api).delete_node(name)
+
+
+def test_agent_identity_cannot_touch_what_it_does_not_own(
+        cluster: Cluster, release: Release, identities: dict[str, Path], foreign_node: str) -> None:
+    api = new_api_client(identities["agent"], component="e2e-agent-sa")
+    core, coord = client.CoreV1Api(api), client.CoordinationV1Api(api)
+
+    # RBAC: writes to a Node or Lease by name, when the name is not the agents'
+    status, body = _status(lambda: core.patch_node(
+        foreign_node, {"metadata": {"labels": {"stolen": "yes"}}}))
+    assert status == 403 and "cannot patch resource \"nodes\"" in body
+    status, _ = _status(lambda: core.patch_node_status(
+        foreign_node, {"status": {"conditions": [{"type": "Ready", "status": "False"}]}}))
+    assert status == 403
+    lease = client.CoordinationV1Api(cluster.api_client()).read_namespaced_lease(
+        foreign_node, "kube-node-lease")
+    lease.spec.holder_identity = release.agent_node(0, 0)
+    status, _ = _status(lambda: coord.replace_namespaced_lease(foreign_node, "kube-node-lease",
+                                                               lease))
+    assert status == 403
+    admin_core = client.CoreV1Api(cluster.api_client())
+    assert "stolen" not in (admin_core.read_node(foreign_node).metadata.labels or {})
+
+    # admission (what NodeRestriction would do for a kubelet): create under another name
+    status, body = _status(lambda: core.create_node(_node(f"e2e-squatter-{uuid.uuid4().hex[:6]}")))
+    assert status == 403
+    assert f"may only create nodes named {release.agent_sa}-<ordinal>-<i>" in body
+    status, body = _status(lambda: core.create_node(_node(release.agent_node(0, 2))))
+    assert status == 403 and "i < 2" in body  # a name past nodesPerReplica
+    status, body = _status(lambda: coord.create_namespaced_lease(
+        "kube-node-lease", _lease(f"e2e-squatter-{uuid.uuid4().hex[:6]}")))
+    assert status == 403 and "may only create leases named" in body
+
+    # nothing else at all
+    status, _ = _status(lambda: core.list_namespaced_secret(release.namespace))
+    assert status == 403
+    status, _ = _status(lambda: core.delete_node(foreign_node))
+    assert status == 403
+
+
+def test_operator_identity_cannot_read_secrets_or_make_nodes(
+        cluster: Cluster, release: Release, identities: dict[str, Path], foreign_node: str) -> None:
+    api = new_api_client(identities["operator"], component="e2e-operator-sa")
+    core = client.CoreV1Api(api)
+    secret = client.V1Secret(metadata=client.V1ObjectMeta(name="e2e-secret"),
+                             string_data={"password": "hunter2"})
+    client.CoreV1Api(cluster.api_client()).create_namespaced_secret(release.namespace, secret)
+
+    status, body = _status(lambda: core.read_namespaced_secret("e2e-secret", release.namespace))
+    assert status == 403 and "cannot get resource \"secrets\"" in body
+    status, _ = _status(lambda: core.list_secret_for_all_namespaces())
+    assert status == 403
+    status, _ = _status(lambda: core.create_node(_node(f"e2e-op-{uuid.uuid4().hex[:6]}")))
+    assert status == 403
+    status, _ = _status(lambda: core.delete_node(foreign_node))
+    assert status == 403
+    status, _ = _status(lambda: client.CoordinationV1Api(api).delete_namespaced_lease(
+        foreign_node, "kube-node-lease"))
+    assert status == 403
+    status, _ = _status(lambda: client.CustomObjectsApi(api).patch_cluster_custom_object(
+        "nodepulse.dev", "v1alpha1", "nodestatuspolicies", release.policy,
+        {"spec": {"priority": 5}}))
+    assert status == 403
+
+
+# ---- the programs themselves, under those identities
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def _process(args: list[str], log: Path, cwd: Path) -> Iterator[subprocess.Popen[bytes]]:
+    with open(log, "wb") as out:
+        # cwd elsewhere: the repository's operator/ folder would shadow the stdlib module
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, cwd=cwd,
+                                stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+
+
+def _eventually(what: str, fn: Callable[[], T | None], procs: dict[str, tuple[Any, Path]],
+                timeout: float = 90) -> T:
+    deadline = time.monotonic() + timeout
+    while True:
+        for name, (proc, log) in procs.items():
+            if proc.poll() is not None:
+                raise AssertionError(f"{name} exited {proc.returncode} while waiting for "
+                                     f"{what}:\n{log.read_text()[-4000:]}")
+        value = fn()
+        if value is not None and value is not False:
+            return value
+        if time.monotonic() > deadline:
+            logs = "\n".join(f"--- {n}\n{lg.read_text()[-3000:]}" for n, (_, lg) in procs.items())
+            raise AssertionError(f"timed out waiting for {what}\n{logs}")
+        time.sleep(0.5)
+
+
+def _get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def _columns(table: str) -> dict[str, str]:
+    """kubectl's one-row table as {column: cell}, cut at the header's positions (a cell
+    may hold spaces, like "<all nodes>")."""
+    header, row = table.rstrip("\n").splitlines()
+    starts = [m.start() for m in re.finditer(r"\S+", header)]
+    ends = starts[1:] + [None]
+    return {header[s:e].strip(): row[s:e].strip() for s, e in zip(starts, ends, strict=True)}
+
+
+def test_operator_and_agent_work_under_the_chart_identities(
+        cluster: Cluster, tools: Tools, release: Release, identities: dict[str, Path],
+        tmp_path: Path) -> None:
+    admin = cluster.api_client()
+    core, coord = client.CoreV1Api(admin), client.CoordinationV1Api(admin)
+    custom = client.CustomObjectsApi(admin)
+    node = release.agent_node(0, 0)
+    identity = f"e2e-operator-{uuid.uuid4().hex[:4]}"
+    op_port, agent_port = _free_port(), _free_port()
+    agent_log, op_log = tmp_path / "agent.log", tmp_path / "operator.log"
+
+    with _process([str(BIN / "nodepulse-agent"), "--kubeconfig", str(identities["agent"]),
+                   "--node-name", node, "--root-dir", str(tmp_path / "agent-root"),
+                   "--healthz-bind-address", f"127.0.0.1:{agent_port}"],
+                  agent_log, tmp_path) as agent, \
+         _process([str(BIN / "nodepulse-operator"), "--kubeconfig", str(identities["operator"]),
+                   "--leader-election-namespace", release.namespace,
+                   "--leader-election-name", f"{release.name}-nodepulse-operator",
+                   "--identity", identity, "--monitor-period", "1",
+                   "--metrics-port", str(op_port)],
+                  op_log, tmp_path) as operator:
+        procs = {"agent": (agent, agent_log), "operator": (operator, op_log)}
+
+        def node_or_none() -> Any:
+            try:
+                return core.read_node(node)
+            except client.ApiException as e:
+                if e.status == 404:
+                    return None
+                raise
+
+        registered = _eventually("the agent to register its Node", node_or_none, procs)
+        assert registered.metadata.labels[AGENT_LABEL] == node
+
+        def holder() -> str | None:
+            try:
+                return str(coord.read_namespaced_lease(f"{release.name}-nodepulse-operator",
+                                                       release.namespace).spec.holder_identity)
+            except client.ApiException:
+                return None
+
+        assert _eventually("the operator to lead", lambda: holder() == identity, procs)
+
+        def effective() -> Any:
+            value = (node_or_none().metadata.annotations or {}).get(HEARTBEAT_ANNOTATION)
+            return decode_heartbeat_annotation(value) if value else None
+
+        policy, heartbeat = _eventually("the operator to write the effective policy", effective,
+                                        procs)
+        assert policy == release.policy
+        assert (heartbeat.leaseDurationSeconds, heartbeat.renewIntervalSeconds) == (10, 2)
+
+        # the agent follows the policy (duration 10 s) and keeps renewing its Lease
+        def lease_spec() -> Any:
+            try:
+                return coord.read_namespaced_lease(node, "kube-node-lease").spec
+            except client.ApiException:
+                return None
+
+        _eventually("the agent to take the policy's lease duration",
+                    lambda: (s := lease_spec()) is not None and s.lease_duration_seconds == 10,
+                    procs)
+        first = lease_spec().renew_time
+        renewed: set[Any] = {first}
+
+        def renewals() -> bool:
+            renewed.add(lease_spec().renew_time)
+            return len(renewed) >= 3
+
+        _eventually("two more Lease renewals", renewals, procs)
+        assert lease_spec().holder_identity == node
+
+        # the policy's status counts the node (the printer columns show real values)
+        def status() -> Any:
+            st = custom.get_cluster_custom_object("nodepulse.dev", "v1alpha1",
+                                                  "nodestatuspolicies", release.policy).get("status")
+            return st if st and st.get("nodes", 0) >= 1 and st.get("readyNodes", 0) >= 1 else None
+
+        st = _eventually("the policy status", status, procs)
+        table = tools.kubectl("get", "nsp", release.policy).stdout
+        print(table)
+        row = _columns(table)
+        assert list(row) == ["NAME", "SELECTOR", "PRIORITY", "NODES", "READY", "UNREACHABLE", "AGE"]
+        assert row["NAME"] == release.policy and row["SELECTOR"] == "<all nodes>"
+        assert row["PRIORITY"] == "-1000"
+        assert (row["NODES"], row["READY"]) == (str(st["nodes"]), str(st["readyNodes"]))
+        assert row["UNREACHABLE"] == str(st["unreachableNodes"])
+        described = tools.kubectl("describe", "node", node).stdout
+        assert HEARTBEAT_ANNOTATION in described
+
+        assert _get(f"http://127.0.0.1:{agent_port}/healthz")[0] == 200
+        code, metrics = _get(f"http://127.0.0.1:{op_port}/metrics")
+        assert code == 200 and "nodepulse_operator_leader 1.0" in metrics
+
+    for name, log in (("agent", agent_log), ("operator", op_log)):
+        text = log.read_text()
+        print(f"--- {name} log\n{text[-2000:]}")
+        # every call each made was allowed: nothing refused, nothing retried for it
+        assert not REFUSED.search(text), f"{name} was refused something:\n{text[-4000:]}"
