@@ -302,8 +302,8 @@ class Pleg:
                 await self.relist()
             except asyncio.CancelledError:
                 raise
-            except Exception:  # a failed relist is retried next period; health tells
-                log.exception("PLEG relist failed")
+            except Exception as e:  # retried next period; health tells if it lasts
+                log.warning("PLEG relist failed: %s", e)
             next_at += self.relist_period
             now = self.clock.monotonic()
             if next_at < now:  # fell behind (slow runtime): do not burst to catch up

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -234,3 +235,21 @@ class SyncLoop:
                                           self.config.orphan_grace}},
                                 UpdateKind.REMOVE)
         return orphans
+
+
+async def route_updates(updates: asyncio.Queue[PodUpdate],
+                        targets: Mapping[str, asyncio.Queue[PodUpdate]]) -> None:
+    """Virtual-node mode: one merge serves many nodes, one SyncLoop per node. Splits
+    each PodUpdate by `spec.nodeName` onto that node's queue, keeping the order."""
+    while True:
+        u = await updates.get()
+        by_node: dict[str, list[Pod]] = {}
+        for pod in u.pods:
+            node = pod_node_name(pod)
+            if node in targets:
+                by_node.setdefault(node, []).append(pod)
+            else:
+                log.warning("pod %s: node %r is not served here; ignored",
+                            (pod.get("metadata") or {}).get("uid"), node)
+        for node, pods in by_node.items():
+            targets[node].put_nowait(PodUpdate(u.op, tuple(pods), u.source))

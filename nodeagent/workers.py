@@ -318,8 +318,14 @@ class PodSyncer:
         if not await self._rt(self.runtime.image_present(image), "image_present"):
             self._image_missing(name, image, policy, plan)
             return
-        cfg = ContainerConfig.from_pod(pod, spec, attempt=attempt, restart_count=restarts,
-                                       init=init, field_values=fields)
+        try:
+            cfg = ContainerConfig.from_pod(pod, spec, attempt=attempt,
+                                           restart_count=restarts, init=init,
+                                           field_values=fields)
+        except ValueError as e:  # a spec we cannot run (bad quantity, ...): say so
+            plan.waiting[name] = Waiting("CreateContainerConfigError", str(e))
+            plan.again(self.IMAGE_RETRY)
+            return
         try:
             cid = await self._rt(self.runtime.create_container(sandbox.id, cfg, sc),
                                  "create_container")

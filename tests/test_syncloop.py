@@ -12,7 +12,7 @@ from nodeagent.api.clock import FakeClock, settle
 from nodeagent.runtime import ContainerState, RuntimeTimeout, SandboxState
 from nodeagent.runtime.fake import FakeRuntime
 from nodeagent.sources.types import Op, PodUpdate, Source, SourcesReady
-from nodeagent.syncloop import SyncLoop
+from nodeagent.syncloop import SyncLoop, route_updates
 from tests.test_podstatus import FakeWriter
 from tests.test_runtime_fake import aio
 
@@ -343,3 +343,36 @@ async def test_housekeeping_ignores_pods_cleaned_up_after_the_last_relist() -> N
     assert a.loop.housekeeping() == []
     assert a.loop.workers.forgotten == {}  # pruned once a newer relist came
     await a.loop.stop()
+
+
+@aio
+async def test_unrunnable_spec_is_reported_not_crashed_on() -> None:
+    clock = FakeClock()
+    a = await started(clock)
+    pod = mkpod("web", "u1", containers=2)
+    pod["spec"]["containers"][1]["resources"] = {"limits": {"memory": "lots"}}
+    a.send(Op.ADD, pod)
+    await a.run_for(3)
+    bad = a.cstatus("u1", 1)["state"]["waiting"]
+    assert bad["reason"] == "CreateContainerConfigError"
+    assert "container c1: resources.limits.memory" in bad["message"]
+    assert len(a.rt.running("u1")) == 1  # the good container runs
+    await a.loop.stop()
+
+
+@aio
+async def test_route_updates_splits_by_node() -> None:
+    src: asyncio.Queue[PodUpdate] = asyncio.Queue()
+    q1: asyncio.Queue[PodUpdate] = asyncio.Queue()
+    q2: asyncio.Queue[PodUpdate] = asyncio.Queue()
+    task = asyncio.create_task(route_updates(src, {"n1": q1, "n2": q2}))
+    p1, p2, p3 = mkpod("a", "ua"), mkpod("b", "ub"), mkpod("c", "uc")
+    p2["spec"]["nodeName"] = "n2"
+    p3["spec"]["nodeName"] = "elsewhere"
+    src.put_nowait(PodUpdate(Op.ADD, (p1, p2, p3), Source.API))
+    src.put_nowait(PodUpdate(Op.REMOVE, (p1,), Source.API))
+    await settle()
+    assert [(u.op, [p["metadata"]["uid"] for p in u.pods]) for u in
+            (q1.get_nowait(), q1.get_nowait())] == [(Op.ADD, ["ua"]), (Op.REMOVE, ["ua"])]
+    assert q2.get_nowait().pods == (p2,) and q2.empty()
+    task.cancel()
