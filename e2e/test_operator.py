@@ -390,6 +390,25 @@ def test_no_match_conflict_and_deletion(kube: client.ApiClient, operators: list[
         "maxImagesInStatus": 50})
 
 
+def test_apiserver_restart(cluster: Cluster, kube: client.ApiClient,
+                           operators: list[Operator], renewer: Renewer) -> None:
+    """The API server goes away and comes back: the operator's watches and writes
+    recover; a node that kept renewing is never judged stale for the renewals the
+    outage swallowed, and one that really stopped is still tainted afterwards."""
+    nodes = make_nodes(kube, "restart", 2)
+    p = policy(kube, "restart", "restart", grace=15)
+    renewer.start_renewing(nodes)
+    wait_for("policy applied", lambda: all(heartbeat(kube, n).get("policy") == p
+                                           for n in nodes))
+    renewer.set(nodes[1:], False)
+    cluster.restart_apiserver()
+    wait_for("the silent node tainted", lambda: effects(kube, nodes[1]) == {
+        "NoSchedule", "NoExecute"}, 60)
+    # Never marked: nodes[0] had no Ready condition, and Unknown would have stayed.
+    assert ready_status(kube, nodes[0]) is None and effects(kube, nodes[0]) == set()
+    renewer.errors.clear()  # renewals refused while the API server was down
+
+
 def test_ha_failover(kube: client.ApiClient, operators: list[Operator],
                      renewer: Renewer) -> None:
     """Runs last: the module's two replicas; the standby never wrote; killing the

@@ -100,7 +100,8 @@ async def run(opts: Options, clock: Clock | None = None) -> None:
                             renew_deadline=opts.renew_deadline, retry=opts.retry_period)
     writer = KubeWriter(api, workers=opts.writers)
     monitor = Monitor(store, clock, writer, period=opts.monitor_period,
-                      is_leader=lambda: elector.leading, parallel=opts.writers)
+                      is_leader=lambda: elector.leading,
+                      api_ok_since=lambda: elector.api_ok_since, parallel=opts.writers)
     ready = asyncio.Event()
     server = None
     if opts.metrics_port is not None:

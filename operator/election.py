@@ -57,6 +57,10 @@ class LeaderElector:
         self._seen: tuple[str, str | None] | None = None  # (holder, renewTime) seen
         self._seen_at = 0.0
         self.holder: str | None = None
+        # Since when our calls to the API server have succeeded without a break
+        # (None while they fail): the monitor does not count a node's silence
+        # while it could not have heard it.
+        self.api_ok_since: float | None = None
 
     @property
     def leading(self) -> bool:
@@ -67,9 +71,13 @@ class LeaderElector:
 
     async def run(self) -> None:
         while True:
+            started = self.clock.monotonic()
             try:
                 await self.try_once()
+                if self.api_ok_since is None:
+                    self.api_ok_since = started
             except Exception as e:  # the API is down: keep trying, the deadline decides
+                self.api_ok_since = None
                 log.warning("leader election: %s", e)
             self.leading  # noqa: B018 (updates the gauge)
             await self.clock.sleep(self.retry)

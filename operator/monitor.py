@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
@@ -117,10 +118,12 @@ class Plan:
 class Monitor:
     def __init__(self, store: Store, clock: Clock, writer: Writer, *,
                  period: float = 2.0, is_leader: Callable[[], bool] = lambda: True,
+                 api_ok_since: Callable[[], float | None] = lambda: -math.inf,
                  parallel: int = 16) -> None:
         self.store, self.clock, self.writer = store, clock, writer
         self.period = period
         self.is_leader = is_leader
+        self.api_ok_since = api_ok_since
         self.pacer = Pacer(clock, period)
         self._sem = asyncio.Semaphore(parallel)
         # object key -> resourceVersions our last write went through; until the
@@ -176,12 +179,19 @@ class Monitor:
                 groups[p.name] = GroupState(p.spec.failure)
 
         # Staleness first, so each group's stale share is known before any NoExecute.
+        # Silence is counted from when we could hear again at the earliest: after an
+        # API server outage, renewals that could not be made are nobody's fault.
+        # None: our API calls are failing right now, so no silence counts.
+        floor = self.api_ok_since()
+        if floor is None:
+            floor = now
         stale: dict[str, float] = {}  # node -> seconds past grace expiry
         for name, node in store.nodes.items():
             group = groups[res.effective[name] or DEFAULT_GROUP]
             group.matched += 1
             lease = store.leases.get(name)
             last = lease.observed if lease else node.first_seen
+            last = max(last, floor)
             over = now - last - group.failure.gracePeriodSeconds
             if over > 0:
                 stale[name] = over

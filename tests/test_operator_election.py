@@ -80,14 +80,17 @@ def test_apiserver_outage_stops_leader_acting_after_deadline() -> None:
         task = asyncio.create_task(a.run())
         await clock.advance(0)
         assert a.leading
+        assert a.api_ok_since == 0
         lease.down = True
         await clock.advance(9)
+        assert a.api_ok_since is None
         assert a.leading
         await clock.advance(2)
         assert not a.leading  # could not renew for 10 s: stop acting
         lease.down = False
         await clock.advance(2)
         assert a.leading  # still the holder in the Lease: renews and resumes
+        assert a.api_ok_since is not None and a.api_ok_since >= 11
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

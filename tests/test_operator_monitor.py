@@ -453,3 +453,28 @@ def test_not_leader_writes_nothing_and_run_loop_wakes_on_change() -> None:
         with pytest.raises(asyncio.CancelledError):
             await task
     run(t)
+
+
+def test_silence_during_an_api_outage_is_not_counted() -> None:
+    async def t(env: Env) -> None:
+        clock, store, api, _ = env
+        since: list[float | None] = [0.0]
+        mon = Monitor(store, clock, api, period=2, api_ok_since=lambda: since[0])
+        api.add_policy("p", spec(grace=15))
+        api.add_node("n1")
+        api.add_node("n2")
+        api.renew("n1")
+        api.renew("n2")
+        await step(clock, mon, 10)
+        since[0] = None  # the API server goes away: renewals cannot arrive
+        await step(clock, mon, 10)
+        assert api.taints("n1") == set()  # 20 s of silence, but we were deaf
+        since[0] = clock.monotonic()  # back at t=20
+        api.renew("n2")  # n2's agent renews at once; n1's is really gone
+        await step(clock, mon, 14)
+        assert api.taints("n1") == set()  # a full grace period from the API's return
+        api.renew("n2")
+        await step(clock, mon, 2)
+        assert api.taints("n1") == {"NoSchedule", "NoExecute"}
+        assert api.taints("n2") == set()
+    run(t)

@@ -1,0 +1,62 @@
+"""The operator's command line and its conversion of our client configuration into
+kopf's ConnectionInfo (no cluster needed: kubeconfigs are written to a temp dir)."""
+
+from __future__ import annotations
+
+import base64
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from nodeoperator import cli
+from nodeoperator.app import connection_info
+
+
+def kubeconfig(tmp: Path, user: dict[str, str]) -> Path:
+    path = tmp / "kubeconfig"
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "c",
+        "clusters": [{"name": "k", "cluster": {
+            "server": "https://127.0.0.1:6443",
+            "certificate-authority-data": base64.b64encode(b"CA PEM").decode()}}],
+        "users": [{"name": "u", "user": user}],
+        "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u"}}]}))
+    return path
+
+
+def test_help_runs_as_the_console_script() -> None:
+    out = subprocess.run([str(Path(sys.executable).parent / "nodepulse-operator"), "--help"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0
+    assert "--kubeconfig" in out.stdout and "--leader-election-namespace" in out.stdout
+
+
+def test_bad_leader_timings_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--leader-lease-duration", "5", "--leader-renew-deadline", "10"]) == 2
+    assert "--leader-renew-deadline" in capsys.readouterr().err
+
+
+def test_missing_kubeconfig_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "nope"
+    assert cli.main(["--kubeconfig", str(missing)]) == 2
+    assert str(missing) in capsys.readouterr().err
+
+
+def test_connection_info_with_client_certificate(tmp_path: Path) -> None:
+    path = kubeconfig(tmp_path, {
+        "client-certificate-data": base64.b64encode(b"CERT").decode(),
+        "client-key-data": base64.b64encode(b"KEY").decode()})
+    info = connection_info(str(path), None)
+    assert info.server == "https://127.0.0.1:6443"
+    assert info.ca_path and Path(str(info.ca_path)).read_bytes() == b"CA PEM"
+    assert info.certificate_path and Path(str(info.certificate_path)).read_bytes() == b"CERT"
+    assert info.private_key_path and Path(str(info.private_key_path)).read_bytes() == b"KEY"
+    assert info.token is None and not info.insecure
+
+
+def test_connection_info_with_token(tmp_path: Path) -> None:
+    info = connection_info(str(kubeconfig(tmp_path, {"token": "s3cret"})), None)
+    assert info.scheme == "Bearer" and info.token == "s3cret"
+    assert info.certificate_path is None
