@@ -30,7 +30,6 @@ import hashlib
 import json
 import logging
 import os
-import select
 import shutil
 import signal
 import subprocess
@@ -72,9 +71,10 @@ ANNOTATION_PID = "nodepulse.dev/pid"
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 START_ERROR_CODE = 128  # what containerd reports when a container cannot start
 
-# $0 is the record's path prefix; "$@" the workload. A trapped signal is handled only
-# after the foreground workload ends, so the wrapper always records the code.
-WRAPPER = ('echo $$ > "$0.pid"; trap : TERM INT HUP QUIT; "$@"; rc=$?; '
+# $0 is the record's path prefix; "$@" the workload, run through env so it is always
+# a program of its own (never a shell builtin). A trapped signal is handled only after
+# the foreground workload ends, so the wrapper always records the code.
+WRAPPER = ('echo $$ > "$0.pid"; trap : TERM INT HUP QUIT; env -- "$@"; rc=$?; '
            'echo $rc > "$0.exit"; exit $rc')
 
 
@@ -336,32 +336,49 @@ class ProcessRuntime(Runtime):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(c.pid, sig)
 
-    def _wait_exit(self, c: _ContainerRec, timeout: float) -> bool:
-        """Block up to `timeout` s until the wrapper exits; True if it did."""
+    async def _await_exit(self, c: _ContainerRec, timeout: float) -> bool:
+        """Wait up to `timeout` s for the wrapper to exit; True if it did. Waits on the
+        event loop (a pidfd becomes readable at exit, child or not), never in a worker
+        thread: a long grace period must not tie up the threads the relist uses."""
         if c.pid is None:
             return True
         try:
             fd = os.pidfd_open(c.pid)
         except ProcessLookupError:
             return True
-        except OSError:  # no pidfd (old kernel): poll /proc
+        except OSError:  # no pidfd (old kernel): poll
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline:
-                with self._lock:
-                    if not self._alive(c):
-                        return True
-                time.sleep(0.02)
-            with self._lock:
-                return not self._alive(c)
-        try:
-            with self._lock:
-                if not self._same_process(c):  # checked after pinning the pid
+                if not await asyncio.to_thread(self._locked_alive, c):
                     return True
-            p = select.poll()
-            p.register(fd, select.POLLIN)
-            return bool(p.poll(max(0, int(timeout * 1000))))
+                await asyncio.sleep(0.05)
+            return not await asyncio.to_thread(self._locked_alive, c)
+        loop = asyncio.get_running_loop()
+        exited: asyncio.Future[None] = loop.create_future()
+        try:
+            if not await asyncio.to_thread(self._locked_same, c):
+                return True  # checked after pinning the pid: the pidfd is another's
+            def readable() -> None:
+                if not exited.done():
+                    exited.set_result(None)
+            loop.add_reader(fd, readable)
+            try:
+                await asyncio.wait_for(exited, max(0.0, timeout))
+                return True
+            except TimeoutError:
+                return False
+            finally:
+                loop.remove_reader(fd)
         finally:
             os.close(fd)
+
+    def _locked_alive(self, c: _ContainerRec) -> bool:
+        with self._lock:
+            return self._alive(c)
+
+    def _locked_same(self, c: _ContainerRec) -> bool:
+        with self._lock:
+            return self._same_process(c)
 
     # --- records to interface objects ----------------------------------------------
 
@@ -509,59 +526,65 @@ class ProcessRuntime(Runtime):
 
     @staticmethod
     def _wait_forked(proc: subprocess.Popen[bytes], limit: float = 5.0) -> None:
-        """Return once the wrapper has forked the workload (or ended). A SIGTERM sent
-        before that would reach only the wrapper, whose trap defers it, and the
-        workload would never see it; so "started" means the workload exists."""
-        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
+        """Return once the workload has been exec'd (or the wrapper ended). A SIGTERM
+        sent earlier would reach only the wrapper, whose trap defers it, or the forked
+        child before exec, still running the wrapper's handler: the workload would
+        never see it. So "started" means the workload program runs."""
+        me = Path(f"/proc/{proc.pid}")
         deadline = time.monotonic() + limit
-        pause = 0.0005
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                if children.read_text().strip():
-                    return
-            except OSError:
-                return
-            time.sleep(pause)
-            pause = min(pause * 2, 0.02)
+        pause = 0.0002
+        try:
+            mine = (me / "cmdline").read_bytes()
+            while time.monotonic() < deadline and proc.poll() is None:
+                kids = (me / "task" / str(proc.pid) / "children").read_text().split()
+                if kids:
+                    with contextlib.suppress(OSError):
+                        if Path(f"/proc/{kids[0]}/cmdline").read_bytes() != mine:
+                            return
+                time.sleep(pause)
+                pause = min(pause * 2, 0.01)
+        except OSError:
+            return  # no /proc children file here: best effort
 
-    def _stop(self, cid: str, timeout: float) -> None:
+    def _stop_begin(self, cid: str, timeout: float) -> _ContainerRec | None:
+        """First step of a stop: the record if it runs (SIGTERM sent), else None."""
         with self._lock:
             c = self._containers.get(cid)
             if c is None:
-                return
+                return None
             self._refresh(c)
             if c.state == ContainerState.CREATED.value:
                 c.state, c.exit_code, c.reason = ContainerState.EXITED.value, 0, "Stopped"
                 c.finished_at = _iso(self.clock.now())
                 self._save(c)
-                return
+                return None
             if c.state != ContainerState.RUNNING.value:
-                return
+                return None
             if timeout > 0:
                 self._signal_group(c, signal.SIGTERM)
-        if timeout <= 0 or not self._wait_exit(c, timeout):
-            with self._lock:
-                c.killed = True
-                self._signal_group(c, signal.SIGKILL)
-            self._wait_exit(c, self.kill_wait)
+            return c
+
+    def _kill(self, c: _ContainerRec) -> None:
+        with self._lock:
+            c.killed = True
+            self._signal_group(c, signal.SIGKILL)
+
+    def _settle(self, c: _ContainerRec) -> None:
         with self._lock:
             self._refresh(c)
 
-    def _stop_sandbox(self, sid: str) -> None:
+    def _sandbox_containers(self, sid: str) -> list[str]:
+        with self._lock:
+            return [c.id for c in self._containers.values() if c.sandbox_id == sid]
+
+    def _mark_sandbox(self, sid: str, state: SandboxState) -> None:
         with self._lock:
             sb = self._sandboxes.get(sid)
-            if sb is None:
-                return
-            ids = [c.id for c in self._containers.values() if c.sandbox_id == sid]
-        # like StopPodSandbox: whatever still runs is killed (grace was the caller's job)
-        for cid in ids:
-            self._stop(cid, 0)
-        with self._lock:
-            sb.state = SandboxState.NOTREADY.value
-            self._save_sandbox(sb)
+            if sb is not None:
+                sb.state = state.value
+                self._save_sandbox(sb)
 
-    def _remove_container(self, cid: str) -> None:
-        self._stop(cid, 0)
+    def _forget_container(self, cid: str) -> None:
         with self._lock:
             if self._containers.pop(cid, None) is None:
                 return
@@ -571,12 +594,7 @@ class ProcessRuntime(Runtime):
                 with contextlib.suppress(FileNotFoundError):
                     base.with_suffix(suffix).unlink()
 
-    def _remove_sandbox(self, sid: str) -> None:
-        self._stop_sandbox(sid)
-        with self._lock:
-            ids = [c.id for c in self._containers.values() if c.sandbox_id == sid]
-        for cid in ids:
-            self._remove_container(cid)
+    def _forget_sandbox(self, sid: str) -> None:
         with self._lock:
             sb = self._sandboxes.pop(sid, None)
             if sb is None:
@@ -604,10 +622,16 @@ class ProcessRuntime(Runtime):
         return await asyncio.to_thread(self._run_sandbox, config)
 
     async def stop_sandbox(self, sandbox_id: str) -> None:
-        await asyncio.to_thread(self._stop_sandbox, sandbox_id)
+        # like StopPodSandbox: whatever still runs is killed (grace was the caller's job)
+        ids = await asyncio.to_thread(self._sandbox_containers, sandbox_id)
+        await asyncio.gather(*(self.stop_container(cid, 0) for cid in ids))
+        await asyncio.to_thread(self._mark_sandbox, sandbox_id, SandboxState.NOTREADY)
 
     async def remove_sandbox(self, sandbox_id: str) -> None:
-        await asyncio.to_thread(self._remove_sandbox, sandbox_id)
+        await self.stop_sandbox(sandbox_id)
+        for cid in await asyncio.to_thread(self._sandbox_containers, sandbox_id):
+            await self.remove_container(cid)
+        await asyncio.to_thread(self._forget_sandbox, sandbox_id)
 
     async def create_container(self, sandbox_id: str, config: ContainerConfig,
                                sandbox_config: SandboxConfig) -> str:
@@ -617,10 +641,17 @@ class ProcessRuntime(Runtime):
         await asyncio.to_thread(self._start, container_id)
 
     async def stop_container(self, container_id: str, timeout: float) -> None:
-        await asyncio.to_thread(self._stop, container_id, timeout)
+        c = await asyncio.to_thread(self._stop_begin, container_id, timeout)
+        if c is None:
+            return
+        if timeout <= 0 or not await self._await_exit(c, timeout):
+            await asyncio.to_thread(self._kill, c)
+            await self._await_exit(c, self.kill_wait)
+        await asyncio.to_thread(self._settle, c)
 
     async def remove_container(self, container_id: str) -> None:
-        await asyncio.to_thread(self._remove_container, container_id)
+        await self.stop_container(container_id, 0)
+        await asyncio.to_thread(self._forget_container, container_id)
 
     async def image_present(self, ref: str) -> bool:
         return True  # the image is only a label here
@@ -634,20 +665,19 @@ class ProcessRuntime(Runtime):
     async def wait_container(self, container_id: str, timeout: float) -> bool:
         """Wait up to `timeout` s for a running container to exit; True once it has.
         For tests and tools; the agent learns of exits from the relist."""
-        def body() -> bool:
+        def current() -> _ContainerRec:
             with self._lock:
                 c = self._containers.get(container_id)
                 if c is None:
                     raise NotFound(f"process wait_container: container {container_id} "
                                    "not found")
                 self._refresh(c)
-                if c.state != ContainerState.RUNNING.value:
-                    return True
-            done = self._wait_exit(c, timeout)
-            with self._lock:
-                self._refresh(c)
-                return done and c.state == ContainerState.EXITED.value
-        return await asyncio.to_thread(body)
+                return c
+        c = await asyncio.to_thread(current)
+        if c.state == ContainerState.RUNNING.value:
+            await self._await_exit(c, timeout)
+            await asyncio.to_thread(self._settle, c)
+        return c.state == ContainerState.EXITED.value
 
     async def close(self) -> None:
         """Release the state dir lock; processes keep running (a new runtime on the
