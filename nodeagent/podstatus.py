@@ -155,14 +155,14 @@ def _condition(ctype: str, ok: bool, previous: Mapping[str, Mapping[str, Any]], 
     status = "True" if ok else "False"
     prev = previous.get(ctype) or {}
     since = prev.get("lastTransitionTime") if prev.get("status") == status else None
+    # reason and message are always present, None when they do not apply: the
+    # strategic merge patch merges conditions by type, so an omitted key would keep
+    # the old reason ("ContainersNotReady") on a condition that turned True
     c: dict[str, Any] = {"type": ctype, "status": status, "lastProbeTime": None,
-                         "lastTransitionTime": since or now}
-    if not ok and reason:
-        c["reason"] = reason
-    if not ok and message:
-        c["message"] = message
-    if ok and reason == "PodCompleted":
-        c["reason"] = reason
+                         "lastTransitionTime": since or now,
+                         "reason": reason if (not ok or reason == "PodCompleted") and reason
+                         else None,
+                         "message": message if not ok and message else None}
     return c
 
 
@@ -239,10 +239,19 @@ def compute_pod_status(pod: Pod, rs: PodRuntimeStatus, *, host_ip: str, scheme: 
     return status
 
 
+def _drop_nones(v: Any) -> Any:
+    if isinstance(v, dict):
+        return {k: _drop_nones(x) for k, x in v.items() if x is not None}
+    if isinstance(v, list):
+        return [_drop_nones(x) for x in v]
+    return v
+
+
 def owned(status: Mapping[str, Any] | None) -> Status:
-    """The part of a status this agent writes, for comparing with what we computed."""
+    """The part of a status this agent writes, normalized for comparison: a null in
+    our patch means "remove", so None and a missing key compare equal."""
     status = status or {}
-    return {k: status[k] for k in OWNED if status.get(k) is not None}
+    return {k: _drop_nones(status[k]) for k in OWNED if status.get(k) is not None}
 
 
 # --- writing to the API -------------------------------------------------------------

@@ -61,6 +61,10 @@ def test_running_pod() -> None:
     assert st["phase"] == "Running"
     assert [cond(st, t) for t in ("PodScheduled", "Initialized", "ContainersReady",
                                   "Ready")] == ["True"] * 4
+    # reason/message are explicit nulls: a strategic merge patch must clear the old
+    # "ContainersNotReady" of a condition that turned True
+    ready = next(c for c in st["conditions"] if c["type"] == "Ready")
+    assert "reason" in ready and ready["reason"] is None and ready["message"] is None
     a = st["containerStatuses"][0]
     assert a["containerID"] == "containerd://a0" and a["ready"] and a["started"]
     assert a["state"] == {"running": {"startedAt": "2026-01-01T00:00:00Z"}}
