@@ -390,99 +390,129 @@ def _columns(table: str) -> dict[str, str]:
 def test_operator_and_agent_work_under_the_chart_identities(
         cluster: Cluster, tools: Tools, release: Release, identities: dict[str, Path],
         tmp_path: Path) -> None:
+    """The agent registers, renews and follows its policy; the operator leads, writes
+    the effective policy and the policy's status, marks the node unreachable when the
+    agent stops and clears it when the agent is back: every write path of both,
+    under the chart's ServiceAccounts, and not one request refused."""
     admin = cluster.api_client()
     core, coord = client.CoreV1Api(admin), client.CoordinationV1Api(admin)
     custom = client.CustomObjectsApi(admin)
     node = release.agent_node(0, 0)
     identity = f"e2e-operator-{uuid.uuid4().hex[:4]}"
     op_port, agent_port = _free_port(), _free_port()
-    agent_log, op_log = tmp_path / "agent.log", tmp_path / "operator.log"
+    op_log = tmp_path / "operator.log"
+    agent_logs: list[Path] = []
 
-    with _process([str(BIN / "nodepulse-agent"), "--kubeconfig", str(identities["agent"]),
-                   "--node-name", node, "--root-dir", str(tmp_path / "agent-root"),
-                   "--healthz-bind-address", f"127.0.0.1:{agent_port}"],
-                  agent_log, tmp_path) as agent, \
-         _process([str(BIN / "nodepulse-operator"), "--kubeconfig", str(identities["operator"]),
-                   "--leader-election-namespace", release.namespace,
-                   "--leader-election-name", f"{release.name}-nodepulse-operator",
-                   "--identity", identity, "--monitor-period", "1",
-                   "--metrics-port", str(op_port)],
-                  op_log, tmp_path) as operator:
-        procs = {"agent": (agent, agent_log), "operator": (operator, op_log)}
+    def agent_process(stack: contextlib.ExitStack) -> subprocess.Popen[bytes]:
+        log = tmp_path / f"agent-{len(agent_logs)}.log"
+        agent_logs.append(log)
+        return stack.enter_context(_process(
+            [str(BIN / "nodepulse-agent"), "--kubeconfig", str(identities["agent"]),
+             "--node-name", node, "--root-dir", str(tmp_path / "agent-root"),
+             "--healthz-bind-address", f"127.0.0.1:{agent_port}"], log, tmp_path))
 
-        def node_or_none() -> Any:
-            try:
-                return core.read_node(node)
-            except client.ApiException as e:
-                if e.status == 404:
-                    return None
-                raise
-
-        registered = _eventually("the agent to register its Node", node_or_none, procs)
-        assert registered.metadata.labels[AGENT_LABEL] == node
-
-        def holder() -> str | None:
-            try:
-                return str(coord.read_namespaced_lease(f"{release.name}-nodepulse-operator",
-                                                       release.namespace).spec.holder_identity)
-            except client.ApiException:
+    def node_or_none() -> Any:
+        try:
+            return core.read_node(node)
+        except client.ApiException as e:
+            if e.status == 404:
                 return None
+            raise
 
-        assert _eventually("the operator to lead", lambda: holder() == identity, procs)
+    def lease_spec() -> Any:
+        try:
+            return coord.read_namespaced_lease(node, "kube-node-lease").spec
+        except client.ApiException:
+            return None
 
-        def effective() -> Any:
-            value = (node_or_none().metadata.annotations or {}).get(HEARTBEAT_ANNOTATION)
-            return decode_heartbeat_annotation(value) if value else None
+    def holder() -> str | None:
+        try:
+            return str(coord.read_namespaced_lease(f"{release.name}-nodepulse-operator",
+                                                   release.namespace).spec.holder_identity)
+        except client.ApiException:
+            return None
 
-        policy, heartbeat = _eventually("the operator to write the effective policy", effective,
-                                        procs)
-        assert policy == release.policy
-        assert (heartbeat.leaseDurationSeconds, heartbeat.renewIntervalSeconds) == (10, 2)
+    def effective() -> Any:
+        value = (node_or_none().metadata.annotations or {}).get(HEARTBEAT_ANNOTATION)
+        return decode_heartbeat_annotation(value) if value else None
 
-        # the agent follows the policy (duration 10 s) and keeps renewing its Lease
-        def lease_spec() -> Any:
-            try:
-                return coord.read_namespaced_lease(node, "kube-node-lease").spec
-            except client.ApiException:
-                return None
+    def unreachable() -> tuple[bool, str | None]:
+        n = node_or_none()
+        tainted = any(t.key == "node.kubernetes.io/unreachable" and t.effect == "NoSchedule"
+                      for t in n.spec.taints or [])
+        ready = next((c.status for c in n.status.conditions or [] if c.type == "Ready"), None)
+        return tainted, ready
 
-        _eventually("the agent to take the policy's lease duration",
-                    lambda: (s := lease_spec()) is not None and s.lease_duration_seconds == 10,
-                    procs)
-        first = lease_spec().renew_time
-        renewed: set[Any] = {first}
+    with contextlib.ExitStack() as op_stack:
+        operator = op_stack.enter_context(_process(
+            [str(BIN / "nodepulse-operator"), "--kubeconfig", str(identities["operator"]),
+             "--leader-election-namespace", release.namespace,
+             "--leader-election-name", f"{release.name}-nodepulse-operator",
+             "--identity", identity, "--monitor-period", "1", "--metrics-port", str(op_port)],
+            op_log, tmp_path))
+        with contextlib.ExitStack() as agent_stack:
+            agent = agent_process(agent_stack)
+            procs = {"agent": (agent, agent_logs[-1]), "operator": (operator, op_log)}
 
-        def renewals() -> bool:
-            renewed.add(lease_spec().renew_time)
-            return len(renewed) >= 3
+            registered = _eventually("the agent to register its Node", node_or_none, procs)
+            assert registered.metadata.labels[AGENT_LABEL] == node
+            assert _eventually("the operator to lead", lambda: holder() == identity, procs)
 
-        _eventually("two more Lease renewals", renewals, procs)
-        assert lease_spec().holder_identity == node
+            policy, heartbeat = _eventually("the operator to write the effective policy",
+                                            effective, procs)
+            assert policy == release.policy
+            assert (heartbeat.leaseDurationSeconds, heartbeat.renewIntervalSeconds) == (10, 2)
 
-        # the policy's status counts the node (the printer columns show real values)
-        def status() -> Any:
-            st = custom.get_cluster_custom_object("nodepulse.dev", "v1alpha1",
-                                                  "nodestatuspolicies", release.policy).get("status")
-            return st if st and st.get("nodes", 0) >= 1 and st.get("readyNodes", 0) >= 1 else None
+            # the agent follows the policy (duration 10 s) and keeps renewing its Lease
+            _eventually("the agent to take the policy's lease duration",
+                        lambda: (s := lease_spec()) is not None and s.lease_duration_seconds == 10,
+                        procs)
+            renewed: set[Any] = {lease_spec().renew_time}
 
-        st = _eventually("the policy status", status, procs)
-        table = tools.kubectl("get", "nsp", release.policy).stdout
-        print(table)
-        row = _columns(table)
-        assert list(row) == ["NAME", "SELECTOR", "PRIORITY", "NODES", "READY", "UNREACHABLE", "AGE"]
-        assert row["NAME"] == release.policy and row["SELECTOR"] == "<all nodes>"
-        assert row["PRIORITY"] == "-1000"
-        assert (row["NODES"], row["READY"]) == (str(st["nodes"]), str(st["readyNodes"]))
-        assert row["UNREACHABLE"] == str(st["unreachableNodes"])
+            def renewals() -> bool:
+                renewed.add(lease_spec().renew_time)
+                return len(renewed) >= 3
+
+            _eventually("two more Lease renewals", renewals, procs)
+            assert lease_spec().holder_identity == node
+
+            # the policy's status counts the node (the printer columns show real values)
+            def status() -> Any:
+                st = custom.get_cluster_custom_object(
+                    "nodepulse.dev", "v1alpha1", "nodestatuspolicies", release.policy).get("status")
+                return st if st and st.get("nodes", 0) >= 1 and st.get("readyNodes", 0) >= 1 else None
+
+            st = _eventually("the policy status", status, procs)
+            table = tools.kubectl("get", "nsp", release.policy).stdout
+            print(table)
+            row = _columns(table)
+            assert list(row) == ["NAME", "SELECTOR", "PRIORITY", "NODES", "READY", "UNREACHABLE",
+                                 "AGE"]
+            assert row["NAME"] == release.policy and row["SELECTOR"] == "<all nodes>"
+            assert row["PRIORITY"] == "-1000"
+            assert (row["NODES"], row["READY"]) == (str(st["nodes"]), str(st["readyNodes"]))
+            assert row["UNREACHABLE"] == str(st["unreachableNodes"])
+            assert HEARTBEAT_ANNOTATION in tools.kubectl("describe", "node", node).stdout
+
+            assert _get(f"http://127.0.0.1:{agent_port}/healthz")[0] == 200
+            code, metrics = _get(f"http://127.0.0.1:{op_port}/metrics")
+            assert code == 200 and "nodepulse_operator_leader 1.0" in metrics
+        # the agent is stopped: past the policy's 20 s grace the operator marks the node
+        procs = {"operator": (operator, op_log)}
+        assert _eventually("the unreachable taint and Ready=Unknown",
+                           lambda: unreachable() == (True, "Unknown"), procs)
         described = tools.kubectl("describe", "node", node).stdout
-        assert HEARTBEAT_ANNOTATION in described
+        print(described)
+        assert "node.kubernetes.io/unreachable:NoSchedule" in described
 
-        assert _get(f"http://127.0.0.1:{agent_port}/healthz")[0] == 200
-        code, metrics = _get(f"http://127.0.0.1:{op_port}/metrics")
-        assert code == 200 and "nodepulse_operator_leader 1.0" in metrics
+        with contextlib.ExitStack() as agent_stack:
+            agent = agent_process(agent_stack)
+            procs = {"agent": (agent, agent_logs[-1]), "operator": (operator, op_log)}
+            assert _eventually("the taint gone and Ready=True once the Lease is renewed",
+                               lambda: unreachable() == (False, "True"), procs)
 
-    for name, log in (("agent", agent_log), ("operator", op_log)):
+    for log in [*agent_logs, op_log]:
         text = log.read_text()
-        print(f"--- {name} log\n{text[-2000:]}")
+        print(f"--- {log.name}\n{text[-2000:]}")
         # every call each made was allowed: nothing refused, nothing retried for it
-        assert not REFUSED.search(text), f"{name} was refused something:\n{text[-4000:]}"
+        assert not REFUSED.search(text), f"{log.name}: refused something:\n{text[-4000:]}"
