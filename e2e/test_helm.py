@@ -114,7 +114,10 @@ def tools(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Tools:
 def namespace(tools: Tools) -> Iterator[str]:
     name = f"np-helm-{uuid.uuid4().hex[:6]}"
     core = client.CoreV1Api(tools.cluster.api_client())
-    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
+    # Pod Security "restricted": a pod template that breaks it is refused (enforce) and
+    # warned about on apply (warn), which the dry-run test treats as a failure.
+    psa = {f"pod-security.kubernetes.io/{mode}": "restricted" for mode in ("enforce", "warn")}
+    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name, labels=psa)))
     yield name
     # a failed test may leave its release: its cluster-scoped objects outlive the namespace
     for release in tools.helm("list", "--namespace", name, "-q").stdout.split():
