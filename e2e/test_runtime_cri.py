@@ -265,6 +265,31 @@ def test_errors_map_to_the_interface(ctd: Containerd) -> None:
     run(body, ctd)
 
 
+def test_client_recovers_when_containerd_restarts(ctd: Containerd) -> None:
+    """containerd stops (its shims and containers keep running) and comes back: the
+    same client reports Unavailable meanwhile, then sees the same running container."""
+    p = pod("survivor", "uid-survivor", ["sleep", "3600"])
+
+    async def body(rt: CriRuntime) -> None:
+        _, sid, cid = await start_pod(rt, ctd, p)
+        await asyncio.to_thread(ctd.kill_daemon)
+        with pytest.raises(Unavailable):
+            await rt.relist()
+        await asyncio.to_thread(ctd.start_daemon)
+
+        async def back() -> bool:
+            try:
+                r = await rt.relist()
+            except Unavailable:
+                return False
+            return any(c.id == cid and c.state == ContainerState.RUNNING
+                       for c in r.containers)
+        await eventually(back, "the running container after containerd's restart")
+        await rt.stop_sandbox(sid)
+        await rt.remove_sandbox(sid)
+    run(body, ctd)
+
+
 def test_zz_teardown_leaves_nothing_running() -> None:
     """Runs last in this module: stop the module's containerd (as the fixture does)
     and check containerd and every shim it started are gone."""

@@ -359,3 +359,26 @@ async def test_make_runtime_and_images_are_labels(tmp_path: Path) -> None:
         for sb in (await rt.relist()).sandboxes:
             await rt.remove_sandbox(sb.id)
         await rt.close()
+
+
+@aio
+async def test_long_stops_do_not_stall_the_relist(tmp_path: Path) -> None:
+    """More pending stops (each waiting out a long grace period) than worker threads:
+    the relist still completes, since stops wait on the event loop."""
+    async with runtime(tmp_path / "state") as rt:
+        ids = []
+        for i in range(12):
+            ready = tmp_path / f"ready{i}"
+            _, cid = await start(rt, {**sleeper(ready, trap="trap '' TERM; "),
+                                      "metadata": {"name": f"p{i}", "namespace": "ns",
+                                                   "uid": f"u{i}"}})
+            workload_pid(ready)
+            ids.append(cid)
+        stops = [asyncio.create_task(rt.stop_container(cid, 3600)) for cid in ids]
+        listed = await asyncio.wait_for(rt.relist(), WAIT)
+        assert len(listed.containers) == 12
+        assert all(c.state == ContainerState.RUNNING for c in listed.containers)
+        assert not any(t.done() for t in stops)
+        for t in stops:
+            t.cancel()
+        await asyncio.gather(*stops, return_exceptions=True)

@@ -180,6 +180,24 @@ class Containerd:
         if not self.keep_files:
             shutil.rmtree(self.base, ignore_errors=True)
 
+    def kill_daemon(self, timeout: float = 20.0) -> None:
+        """Stop only the containerd process (by PID): shims and containers keep
+        running, as when containerd crashes or is upgraded."""
+        if self.proc is not None and self.proc.poll() is None:
+            _stop_pid(self.proc, timeout)
+
+    def start_daemon(self, ready_timeout: float = 30.0) -> None:
+        """Start containerd again on the same root, state and socket; it recovers
+        the sandboxes and containers whose shims still run."""
+        if self.proc is not None and self.proc.poll() is None:
+            raise RuntimeError(f"containerd already runs as pid {self.proc.pid}")
+        self.proc = _spawn(self.base)
+        _wait_ready(self, ready_timeout)
+
+    def restart(self, timeout: float = 20.0) -> None:
+        self.kill_daemon(timeout)
+        self.start_daemon()
+
     def __enter__(self) -> Containerd:
         return self
 
@@ -262,14 +280,7 @@ def start_containerd(*, cni: bool = True, subnet: str = "10.88.0.0/24",
         root=base / "root", state=base / "state", sock=base / "containerd.sock",
         ttrpc=base / "containerd.ttrpc.sock", base=base, sandbox_image=images.PAUSE_IMAGE,
         cni_bin=CNI_BIN_DIR, cni_conf=cni_conf, runc_root=base / "runc"))
-    log = open(base / "containerd.log", "ab")  # noqa: SIM115 - handed to the child
-    try:
-        proc = subprocess.Popen(["containerd", "--config", str(config)], stdout=log,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
-    finally:
-        log.close()
-    ctd = Containerd(base=base, proc=proc, bridge=bridge, keep_files=keep_files)
+    ctd = Containerd(base=base, proc=_spawn(base), bridge=bridge, keep_files=keep_files)
     try:
         _wait_ready(ctd, ready_timeout)
         if import_images:
@@ -281,6 +292,13 @@ def start_containerd(*, cni: bool = True, subnet: str = "10.88.0.0/24",
         ctd.stop()
         raise
     return ctd
+
+
+def _spawn(base: Path) -> subprocess.Popen[bytes]:
+    with open(base / "containerd.log", "ab") as log:
+        return subprocess.Popen(["containerd", "--config", str(base / "config.toml")],
+                                stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
 
 
 def _wait_ready(ctd: Containerd, timeout: float) -> None:

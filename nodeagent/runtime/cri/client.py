@@ -60,6 +60,15 @@ CPU_PERIOD_US = 100_000
 MIN_CPU_SHARES = 2
 MIN_CPU_QUOTA_US = 1000
 
+# A local socket: reconnect quickly after a runtime restart instead of backing off
+# for minutes; lists of many containers exceed gRPC's 4 MiB default.
+CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+    ("grpc.max_receive_message_length", 16 * 1024 * 1024),
+]
+
 T = TypeVar("T")
 
 _CONTAINER_STATE = {
@@ -218,7 +227,7 @@ class CriRuntime(Runtime):
 
     def _stubs(self) -> tuple[pb_grpc.RuntimeServiceStub, pb_grpc.ImageServiceStub]:
         if self._rt is None or self._img is None:
-            self._channel = grpc.aio.insecure_channel(self.target)
+            self._channel = grpc.aio.insecure_channel(self.target, options=CHANNEL_OPTIONS)
             self._rt = pb_grpc.RuntimeServiceStub(self._channel)
             self._img = pb_grpc.ImageServiceStub(self._channel)
         return self._rt, self._img
