@@ -49,14 +49,18 @@ class ManifestError(ValueError):
         self.reason = reason  # short CamelCase word for metrics and Events
 
 
-class _Loader(yaml.SafeLoader):
+# libyaml's parser when PyYAML has it (about 8x faster on a typical manifest).
+_SafeLoader: type[yaml.SafeLoader] = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+class _Loader(_SafeLoader):  # type: ignore[valid-type,misc]
     """SafeLoader without YAML 1.1 timestamps: an unquoted date stays a string, as it
     would in the API's JSON (and json.dumps can hash it)."""
 
 
 _Loader.yaml_implicit_resolvers = {
     k: [(tag, rx) for tag, rx in v if tag != "tag:yaml.org,2002:timestamp"]
-    for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()
+    for k, v in _SafeLoader.yaml_implicit_resolvers.items()
 }
 
 
@@ -66,6 +70,11 @@ def parse_documents(data: bytes, subject: str) -> list[Any]:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise ManifestError(subject, f"not UTF-8 text (byte {e.start})", "Malformed") from e
+    if text.lstrip().startswith("{"):
+        try:
+            return [json.loads(text)]  # JSON: the fast path (YAML errors name lines, below)
+        except ValueError:
+            pass
     try:
         docs = [d for d in yaml.load_all(text, Loader=_Loader) if d is not None]
     except yaml.YAMLError as e:
