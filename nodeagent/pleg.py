@@ -18,6 +18,7 @@ import contextlib
 import enum
 import logging
 import math
+import weakref
 from collections.abc import Awaitable, Iterable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -193,13 +194,14 @@ class PlegMetrics:
     healthy: Gauge
 
 
-_METRICS: dict[int, PlegMetrics] = {}
+# per registry object (not id(): ids of dead registries are reused)
+_METRICS: weakref.WeakKeyDictionary[CollectorRegistry, PlegMetrics] = weakref.WeakKeyDictionary()
 
 
 def pleg_metrics(registry: CollectorRegistry) -> PlegMetrics:
     """One set of metric families per registry, labelled by node, so several PLEGs
     (virtual nodes, tests) can share a process."""
-    m = _METRICS.get(id(registry))
+    m = _METRICS.get(registry)
     if m is None:
         buckets = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
         m = PlegMetrics(
@@ -225,7 +227,7 @@ def pleg_metrics(registry: CollectorRegistry) -> PlegMetrics:
                           "1 when a relist completed within the health threshold.",
                           ["node"], registry=registry),
         )
-        _METRICS[id(registry)] = m
+        _METRICS[registry] = m
     return m
 
 

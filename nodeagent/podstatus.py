@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import datetime as dt
 import logging
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -305,16 +306,17 @@ class _Entry:
     deleted: bool = False
 
 
-_COUNTERS: dict[int, Counter] = {}
+# per registry object (not id(): ids of dead registries are reused)
+_COUNTERS: weakref.WeakKeyDictionary[CollectorRegistry, Counter] = weakref.WeakKeyDictionary()
 
 
 def _writes_counter(registry: CollectorRegistry) -> Counter:
-    c = _COUNTERS.get(id(registry))
+    c = _COUNTERS.get(registry)
     if c is None:
         c = Counter("nodepulse_pod_status_writes_total",
                     "Pod status API writes by result (ok, error, gone) and kind.",
                     ["node", "kind", "result"], registry=registry)
-        _COUNTERS[id(registry)] = c
+        _COUNTERS[registry] = c
     return c
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -52,13 +53,14 @@ class SyncLoopConfig:
     crash_backoff_reset: float = 600.0
 
 
-_HK: dict[int, Counter] = {}
+# per registry object (not id(): ids of dead registries are reused)
+_HK: weakref.WeakKeyDictionary[CollectorRegistry, Counter] = weakref.WeakKeyDictionary()
 
 
 def _housekeeping_counter(registry: CollectorRegistry) -> Counter:
-    c = _HK.get(id(registry))
+    c = _HK.get(registry)
     if c is None:
-        c = _HK[id(registry)] = Counter(
+        c = _HK[registry] = Counter(
             "nodepulse_housekeeping_orphans_total",
             "Pods found in the runtime that belong to no known pod, sent for removal.",
             ["node"], registry=registry)

@@ -19,6 +19,7 @@ import contextlib
 import enum
 import logging
 import math
+import weakref
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -450,13 +451,14 @@ class _WorkerMetrics:
     workers: Gauge
 
 
-_WM: dict[int, _WorkerMetrics] = {}
+# per registry object (not id(): ids of dead registries are reused)
+_WM: weakref.WeakKeyDictionary[CollectorRegistry, _WorkerMetrics] = weakref.WeakKeyDictionary()
 
 
 def _worker_metrics(registry: CollectorRegistry) -> _WorkerMetrics:
-    m = _WM.get(id(registry))
+    m = _WM.get(registry)
     if m is None:
-        m = _WM[id(registry)] = _WorkerMetrics(
+        m = _WM[registry] = _WorkerMetrics(
             syncs=Counter("nodepulse_pod_worker_syncs_total",
                           "Pod worker syncs by lifecycle phase and result.",
                           ["node", "phase", "result"], registry=registry),
