@@ -504,6 +504,7 @@ def test_operator_and_agent_work_under_the_chart_identities(
         described = tools.kubectl("describe", "node", node).stdout
         print(described)
         assert "node.kubernetes.io/unreachable:NoSchedule" in described
+        assert "NodeStatusUnknown" in described  # the Ready condition's reason, as kubectl shows it
 
         with contextlib.ExitStack() as agent_stack:
             agent = agent_process(agent_stack)
