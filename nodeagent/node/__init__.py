@@ -1,1 +1,7 @@
-"""node."""
+"""The node's heartbeat: registration, NodeStatus computed often but written only on a
+meaningful change or once per report period, and a Lease renewed often (KEP-589).
+
+Per-node objects (controller.NodeController, lease.LeaseRenewer) are driven by shared
+machinery (scheduler.DueScheduler twice, with separate thread pools; watch.NodeWatch),
+composed in nodeagent.agent.
+"""
