@@ -86,6 +86,8 @@ class FakeAPIServer:
             def do_POST(self) -> None:  # noqa: N802
                 body = self._body()
                 owner.writes.append(("POST", self.path, copy.deepcopy(body)))
+                if self.path.endswith("/events"):
+                    return self._json(201, body)
                 if owner.refuse_creates:
                     code, msg = owner.refuse_creates
                     return self._json(code, {"kind": "Status", "code": code, "message": msg})
