@@ -121,6 +121,17 @@ def test_created_replaced_deleted(server: FakeAPIServer, tmp_path: Path) -> None
     run(server, tmp_path, body)
 
 
+def test_nothing_is_written_before_the_api_source_has_listed(tmp_path: Path) -> None:
+    async def main() -> None:
+        merge = Merge([Source.API, Source.FILE])
+        api = new_api_client(kubeconfig(tmp_path, "http://127.0.0.1:9"))  # never reached
+        mgr = MirrorManager(api, "n1", merge, FakeClock())
+        merge.set(Source.FILE, [static("web")])
+        assert await mgr.sync_once() is True and mgr.creates == 0 and mgr.deletes == 0
+        api.close()
+    aio(main())
+
+
 def test_orphans_wait_for_all_sources(server: FakeAPIServer, tmp_path: Path) -> None:
     def before(s: FakeAPIServer) -> None:
         orphan = {"apiVersion": "v1", "kind": "Pod", "metadata": {

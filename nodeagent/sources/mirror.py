@@ -13,7 +13,8 @@ the API source sees (the watch covers every pod bound to the node, mirrors inclu
   a missing static pod proves nothing).
 
 Runs when the merge reports a change to static or mirror pods, and every `resync`
-seconds; nothing changed means no API call. Failures retry with backoff.
+seconds, once the API source has listed what exists (so an agent restart does not
+create mirrors blindly); nothing changed means no API call. Failures retry with backoff.
 """
 
 from __future__ import annotations
@@ -106,6 +107,8 @@ class MirrorManager:
 
     async def sync_once(self) -> bool:
         """One pass. Returns False if something failed and should be retried soon."""
+        if not self.merge.ready.seen(Source.API):
+            return True  # which mirrors exist is not known yet: creating now would be blind
         desired = {name: pod for name, pod in self.merge.static_pods().items()
                    if pod_node_name(pod) == self.node_name}
         actual = {name: pod for name, pod in self.merge.mirrors.items()
