@@ -272,7 +272,8 @@ BAD: dict[str, tuple[Callable[[Path], None], str, str]] = {
 
 
 @pytest.mark.parametrize("case", sorted(BAD))
-def test_bad_file_keeps_last_good_version(tmp_path: Path, case: str) -> None:
+def test_bad_file_keeps_last_good_version(tmp_path: Path, case: str,
+                                         caplog: pytest.LogCaptureFixture) -> None:
     spoil, reason, words = BAD[case]
     a = tmp_path / "a.yaml"
     a.write_text(manifest("a"))
@@ -291,6 +292,9 @@ def test_bad_file_keeps_last_good_version(tmp_path: Path, case: str) -> None:
         assert ev_reason == f"StaticPod{reason}"
         assert str(a) in message and words in message
         assert "keeping the last good version of pod default/a-n1" in message
+        logged = [r for r in caplog.records if r.levelname == "WARNING"
+                  and str(a) in r.getMessage() and words in r.getMessage()]
+        assert len(logged) == 1
         await h.rescan()  # the same problem is not reported again
         assert len(h.sink.events) == 1 and errors(reason) == before + 1
         (tmp_path / "new.yaml").write_text(manifest("new"))  # others still flow
