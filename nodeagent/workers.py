@@ -195,9 +195,10 @@ class PodSyncer:
         else:
             current = [c for c in rs.containers if c.sandbox_id == sandbox.id]
         sc = SandboxConfig.from_pod(pod, attempt=sandbox.attempt, log_root=self.log_root)
+        pod_ip = self.host_ip if spec.get("hostNetwork") else sandbox.ip
         fields = {"spec.nodeName": self.node_name, "status.hostIP": self.host_ip,
-                  "status.podIP": self.host_ip if spec.get("hostNetwork") else sandbox.ip,
-                  "spec.serviceAccountName": str(spec.get("serviceAccountName", ""))}
+                  "status.hostIPs": self.host_ip, "status.podIP": pod_ip,
+                  "status.podIPs": pod_ip}
 
         def latest(name: str, among: list[Container]) -> Container | None:
             cs = [c for c in among if c.name == name]

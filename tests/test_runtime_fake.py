@@ -70,6 +70,20 @@ def test_bad_pod_fields_are_named() -> None:
     with pytest.raises(ValueError, match="image is empty"):
         ContainerConfig.from_pod(p, {"name": "c"})
     assert parse_quantity("1.5Gi") == 1.5 * 2**30
+    secret = {"name": "c", "image": "i", "env": [
+        {"name": "PW", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]}
+    with pytest.raises(ValueError, match=r"env PW: valueFrom.secretKeyRef is not supported"):
+        ContainerConfig.from_pod(p, secret)
+    with pytest.raises(ValueError, match="envFrom is not supported"):
+        ContainerConfig.from_pod(p, {"name": "c", "image": "i", "envFrom": [{}]})
+    odd = {"name": "c", "image": "i", "env": [
+        {"name": "X", "valueFrom": {"fieldRef": {"fieldPath": "status.nope"}}}]}
+    with pytest.raises(ValueError, match="fieldPath 'status.nope' is not supported"):
+        ContainerConfig.from_pod(p, odd)
+    lab = {"name": "c", "image": "i", "env": [
+        {"name": "APP", "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['app']"}}},
+        {"name": "NO", "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['no']"}}}]}
+    assert ContainerConfig.from_pod(p, lab).env == [("APP", "x"), ("NO", "")]
 
 
 def test_factory_kinds(tmp_path) -> None:

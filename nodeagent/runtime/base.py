@@ -179,15 +179,39 @@ class ContainerConfig:
         image = container.get("image")
         if not image:
             raise ValueError(f"pod {namespace}/{name}: container {cname}: image is empty")
+        spec = pod.get("spec") or {}
         fields = {"metadata.name": name, "metadata.namespace": namespace,
-                  "metadata.uid": uid, **(field_values or {})}
+                  "metadata.uid": uid, "spec.nodeName": str(spec.get("nodeName") or ""),
+                  "spec.serviceAccountName": str(spec.get("serviceAccountName") or ""),
+                  "status.hostIP": "", "status.hostIPs": "", "status.podIP": "",
+                  "status.podIPs": "", **(field_values or {})}
+        meta = pod.get("metadata") or {}
+        for kind in ("labels", "annotations"):
+            for k, v in (meta.get(kind) or {}).items():
+                fields[f"metadata.{kind}['{k}']"] = str(v)
+        where = f"pod {namespace}/{name} container {cname}"
+        if container.get("envFrom"):
+            raise ValueError(f"{where}: envFrom is not supported by this agent "
+                             "(no ConfigMap/Secret access)")
         env: list[tuple[str, str]] = []
         for e in container.get("env") or []:
             if "value" in e or "valueFrom" not in e:
                 env.append((str(e["name"]), str(e.get("value") or "")))
                 continue
-            ref = (e.get("valueFrom") or {}).get("fieldRef") or {}
-            env.append((str(e["name"]), str(fields.get(ref.get("fieldPath", ""), ""))))
+            value_from = e.get("valueFrom") or {}
+            path = (value_from.get("fieldRef") or {}).get("fieldPath")
+            if path is None:
+                kinds = ", ".join(sorted(value_from)) or "nothing"
+                raise ValueError(f"{where}: env {e['name']}: valueFrom.{kinds} is not "
+                                 "supported by this agent (only fieldRef)")
+            if path not in fields:
+                # a label or annotation that is not set resolves to "", like the kubelet
+                if path.startswith(("metadata.labels[", "metadata.annotations[")):
+                    fields[path] = ""
+                else:
+                    raise ValueError(f"{where}: env {e['name']}: valueFrom.fieldRef."
+                                     f"fieldPath {path!r} is not supported")
+            env.append((str(e["name"]), fields[path]))
         labels = {LABEL_POD_UID: uid, LABEL_POD_NAME: name, LABEL_POD_NAMESPACE: namespace,
                   LABEL_CONTAINER_NAME: str(cname), LABEL_MANAGED: "true"}
         h = container_spec_hash(container)
