@@ -84,11 +84,13 @@ def release(tools: Tools, cluster: Cluster) -> Iterator[Release]:
     core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=rel.namespace)))
     # A short lease so the agent's renewals are seen within seconds. The chart's pods
     # stay Pending (no image, no kubelet here): the processes below stand in for them.
+    # The policy matches every node, other tests' left-over ones too, while this
+    # module's operator runs: NoSchedule only, so it evicts no other test's pods.
     tools.helm("install", rel.name, str(CHART), "--namespace", rel.namespace, *values(
         agent={"enabled": True, "replicas": 1, "nodesPerReplica": 2},
         defaultPolicy={"enabled": True, "name": rel.policy,
                        "heartbeat": {"leaseDurationSeconds": 10, "renewIntervalSeconds": 2},
-                       "failure": {"gracePeriodSeconds": 20}}))
+                       "failure": {"gracePeriodSeconds": 20, "taintUnreachable": False}}))
     try:
         yield rel
     finally:
