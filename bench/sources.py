@@ -76,12 +76,13 @@ async def bench_files(n: int, samples: int, period: float) -> None:
             (folder / f"static-{i}.yaml").write_text(manifest(i))
         merge = Merge([Source.FILE])
         src = FileSource(folder, "bench-node", merge, RealClock())
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         task = asyncio.create_task(src.run())
         await merge.ready.wait()
-        load = time.perf_counter() - t0
+        load, cpu_load = time.perf_counter() - t0, time.process_time() - c0
         added = drain(merge)
-        print(f"initial load: {load * 1000:.0f} ms for {added} pods")
+        print(f"initial load: {load * 1000:.0f} ms wall, {cpu_load * 1000:.0f} ms CPU "
+              f"for {added} pods (load average {os.getloadavg()[0]:.1f})")
 
         cpu0, wall0 = time.process_time(), time.perf_counter()
         src._scan_all("rescan")
