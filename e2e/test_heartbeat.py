@@ -16,6 +16,7 @@ API server's own apiserver_request_total must agree with their sum.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import os
 import signal
@@ -324,3 +325,34 @@ def _try(check: Callable[[], bool]) -> bool:
 
 def _delta(m0: str, m1: str, name: str, **labels: str) -> float:
     return samples(m1, name, **labels) - samples(m0, name, **labels)
+
+
+def test_survives_an_apiserver_restart(cluster: Cluster, agents: Callable[..., AgentProcess]
+                                       ) -> None:
+    """Lease renewals and the node watch come back by themselves after the API server
+    restarts: a policy written afterwards is still followed."""
+    api = cluster.api_client()
+    core, coord = client.CoreV1Api(api), client.CoordinationV1Api(api)
+    name = "hb-restart"
+    with contextlib.suppress(client.ApiException):
+        core.delete_node(name)
+    a = agents(name)
+    wait_for("registered", lambda: _try(lambda: a.get("/readyz")[0] == 200)
+             and _lease_exists(coord, name), 60)
+    cluster.restart_apiserver()
+    api = cluster.api_client()
+    core, coord = client.CoreV1Api(api), client.CoordinationV1Api(api)
+    core.patch_node(name, {"metadata": {"annotations": {
+        HEARTBEAT_ANNOTATION: encode_heartbeat_annotation(
+            "fast", Heartbeat(leaseDurationSeconds=40, renewIntervalSeconds=2))}}})
+    seen: set[str] = set()
+
+    def renewed_often() -> bool:
+        seen.add(str(coord.read_namespaced_lease(name, "kube-node-lease").spec.renew_time))
+        return len(seen) >= 5
+    # watch back-off (at most 8 s) + one old interval (10 s) + four 2 s renewals
+    wait_for("renewals every 2 s after the restart", renewed_often, 35)
+    assert a.get("/healthz")[0] == 200
+    _, text = a.get("/metrics")
+    assert samples(text, "nodepulse_heartbeat_policy_updates_total", result="applied") == 1
+    assert a.stop() == 0

@@ -208,16 +208,24 @@ def test_watch_resumes_from_last_version_and_relists_only_on_410():
         await rig.clock.advance(5)
         rvs = [int(c[2]) for c in rig.kube.calls if c[1] == "watch_nodes"]
         assert rvs == sorted(rvs) and rig.watch.lists == 1
-        rig.kube.expire_next_watch = True  # history gone: the next watch gets 410
+        # history gone (e.g. the API server restarted): the next watch gets 410, and
+        # the stream refuses to close as a finished response does
+        rig.kube.expire_next_watch = True
+        rig.kube.close_error = RuntimeError("already released to the pool")
         await rig.clock.advance(1.5)
         assert rig.watch.lists == 2
+        await rig.clock.advance(5)
+        assert rig.watch.lists == 2  # resumed from the new list, no relist loop
+        rig.kube.close_error = None
+        rig.kube.fail("watch_nodes", api_error(410))  # as an HTTP status this time
+        await rig.clock.advance(2.5)
+        assert rig.watch.lists == 3
         rig.kube.annotate("n1", HEARTBEAT_ANNOTATION, annotation(renewIntervalSeconds=3))
         await rig.clock.advance(2)
         assert rig.node.heartbeat.renewIntervalSeconds == 3
-        assert rig.watch.lists == 2
         rig.kube.fail("watch_nodes", api_error(500), ConnectionError("reset"))
         await rig.clock.advance(5)  # errors: back off and resume, no new list
-        assert rig.watch.lists == 2
+        assert rig.watch.lists == 3
         rig.kube.annotate("n1", HEARTBEAT_ANNOTATION, annotation(renewIntervalSeconds=4))
         await rig.clock.advance(2)
         assert rig.node.heartbeat.renewIntervalSeconds == 4

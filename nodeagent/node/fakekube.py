@@ -51,6 +51,7 @@ class FakeKube:
         self.events: list[tuple[int, str, Obj]] = []  # node watch events (rv, type, obj)
         self.compacted = 0  # watches from a resourceVersion below this get 410
         self.expire_next_watch = False  # the next watch gets 410 whatever its version
+        self.close_error: Exception | None = None  # watch streams fail to close with this
         self._failures: dict[str, list[BaseException | Callable[[], BaseException | None]]] = {}
         self._rv = 100
         self._now = now
@@ -176,7 +177,7 @@ class FakeKube:
                 events = [{"type": kind, "object": copy.deepcopy(obj)}
                           for erv, kind, obj in self.events
                           if erv > rv and _matches(obj, field_selector, label_selector)]
-            return _FakeStream(events)
+            return _FakeStream(events, self.close_error)
 
     # -- leases --
     def get_lease(self, name: str, timeout: float | None = None) -> Obj:
@@ -228,8 +229,9 @@ def _matches(obj: Obj, field_selector: str, label_selector: str) -> bool:
 
 
 class _FakeStream:
-    def __init__(self, events: list[Obj]) -> None:
+    def __init__(self, events: list[Obj], close_error: Exception | None = None) -> None:
         self._events = events
+        self._close_error = close_error
         self.closed = False
 
     def __iter__(self) -> Iterator[Obj]:
@@ -240,6 +242,8 @@ class _FakeStream:
 
     def close(self) -> None:
         self.closed = True
+        if self._close_error:
+            raise self._close_error
 
 
 class InlineExecutor(concurrent.futures.Executor):

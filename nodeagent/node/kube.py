@@ -118,7 +118,9 @@ class _Stream:
             yield json.loads(buf)
 
     def close(self) -> None:
-        # shutdown() wakes a reader blocked in another thread
-        with contextlib.suppress(AttributeError, OSError, ValueError):
+        # shutdown() wakes a reader blocked in another thread; either call may refuse
+        # when the response already ended, which is fine: it is closed either way
+        with contextlib.suppress(Exception):
             self._resp.shutdown()
-        self._resp.release_conn()
+        with contextlib.suppress(Exception):
+            self._resp.release_conn()

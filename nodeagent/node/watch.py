@@ -61,7 +61,7 @@ class NodeWatch:
                 if self._stopping:
                     break
                 failures += 1
-                delay = min(30.0, 0.5 * 2 ** min(failures, 6))
+                delay = min(8.0, 0.5 * 2 ** min(failures, 4))
                 log.warning("node watch: %s; again in %.1fs", _brief(e), delay)
                 await self.clock.sleep(delay)
 
@@ -76,8 +76,14 @@ class NodeWatch:
     def _watch_once(self, rv: str, loop: asyncio.AbstractEventLoop) -> tuple[str | None, int]:
         """Blocking: follow one watch until the server ends it. Returns the resourceVersion
         to resume from (None after 410: list again) and how many events came."""
-        stream = self.kube.watch_nodes(rv, self.field_selector, self.label_selector,
-                                       self.timeout_seconds)
+        try:
+            stream = self.kube.watch_nodes(rv, self.field_selector, self.label_selector,
+                                           self.timeout_seconds)
+        except ApiException as e:
+            if e.status == 410:  # refused up front rather than as an ERROR event
+                log.info("node watch: resourceVersion %s is gone; listing again", rv)
+                return None, 0
+            raise
         self._stream = stream
         seen = 0
         try:
@@ -98,7 +104,10 @@ class NodeWatch:
                     loop.call_soon_threadsafe(self.handler, str(kind), obj)
         finally:
             self._stream = None
-            stream.close()
+            try:
+                stream.close()
+            except Exception as e:  # must not hide the outcome (e.g. the 410 above)
+                log.debug("node watch: closing the stream: %s", e)
         return rv, seen
 
     def stop(self) -> None:
