@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import os
 import time
@@ -78,6 +79,17 @@ def register_node(cluster: Cluster) -> tuple[str, client.ApiClient]:
     request_json(api, "POST", "/api/v1/nodes",
                  body={"apiVersion": "v1", "kind": "Node", "metadata": {"name": name}})
     return name, api
+
+
+def cleanup(cluster: Cluster, node: str, pods: tuple[str, ...] | list[str] = ()) -> None:
+    """Remove what a test made: its pods (at once, no kubelet will confirm) and Node."""
+    admin = cluster.api_client()
+    for name in pods:
+        with contextlib.suppress(ApiException):
+            request_json(admin, "DELETE", f"/api/v1/namespaces/default/pods/{name}",
+                         body={"gracePeriodSeconds": 0})
+    with contextlib.suppress(ApiException):
+        request_json(admin, "DELETE", f"/api/v1/nodes/{node}")
 
 
 def manifest(image: str = "busybox:1", extra: str = "") -> str:
@@ -178,7 +190,10 @@ def test_static_manifest_to_mirror_pod_lifecycle(cluster: Cluster, tmp_path: Pat
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await events.drain()
-    asyncio.run(body())
+    try:
+        asyncio.run(body())
+    finally:
+        cleanup(cluster, node, [mirror_name])
 
 
 @pytest.mark.parametrize("patch", [
@@ -216,6 +231,7 @@ def test_mirror_problem_predicts_node_restriction(cluster: Cluster, patch: dict)
     with pytest.raises(ApiException) as refused:
         request_json(api, "POST", "/api/v1/namespaces/default/pods", body=bare)
     assert refused.value.status == 403 and "owner reference" in str(refused.value.body)
+    cleanup(cluster, node)
 
 
 def bound_pod(name: str, node: str) -> dict:
@@ -273,7 +289,10 @@ def test_dropped_watch_resumes_without_relist(cluster: Cluster) -> None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
             await settle()
-    asyncio.run(body())
+    try:
+        asyncio.run(body())
+    finally:
+        cleanup(cluster, node, [name_a, name_b])
 
 
 def test_apiserver_restart_no_list_and_once(cluster: Cluster) -> None:
@@ -316,4 +335,7 @@ def test_apiserver_restart_no_list_and_once(cluster: Cluster) -> None:
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-    asyncio.run(body())
+    try:
+        asyncio.run(body())
+    finally:
+        cleanup(cluster, node, [before_name, during_name])
