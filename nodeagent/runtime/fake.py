@@ -7,6 +7,7 @@ Used by unit tests (with FakeClock) and scale runs (virtual nodes, bench/). Cont
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 from collections import Counter
 from collections.abc import Iterable
@@ -185,7 +186,7 @@ class FakeRuntime(Runtime):
             id=cid, sandbox_id=sandbox_id, pod_uid=sb.pod_uid, name=config.name,
             image=config.image, state=ContainerState.CREATED, attempt=config.attempt,
             restart_count=config.restart_count, created_at=self.clock.now(),
-            image_id=f"sha256:{abs(hash(config.image)):064x}"[:71],
+            image_id="sha256:" + hashlib.sha256(config.image.encode()).hexdigest(),
             spec_hash=config.spec_hash, init=config.init,
             labels=dict(config.labels), annotations=dict(config.annotations))
         self._by_pod.setdefault(sb.pod_uid, set()).add(cid)
@@ -233,5 +234,5 @@ class FakeRuntime(Runtime):
         self._call("list_images")
         refs = self.images if self.images is not None else {c.image for c in
                                                             self.containers.values()}
-        return [ImageInfo(id=f"sha256:{i:064x}", names=[r], size_bytes=self.image_size)
-                for i, r in enumerate(sorted(refs))]
+        return [ImageInfo(id="sha256:" + hashlib.sha256(r.encode()).hexdigest(), names=[r],
+                          size_bytes=self.image_size) for r in sorted(refs)]
