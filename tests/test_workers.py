@@ -4,7 +4,7 @@ latest-wins, kill during a sync, init container order, the API status writer."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, cast
 
 from prometheus_client import CollectorRegistry
 
@@ -195,7 +195,7 @@ async def test_api_writer_sends_strategic_patch_with_uid_precondition() -> None:
     from kubernetes.client import ApiClient, Configuration
     w = ApiStatusWriter(ApiClient(Configuration()))
     core = FakeCore()
-    w.core = core  # type: ignore[assignment]
+    w.core = cast(Any, core)
     pod = mkpod("web", "u1")
     await w.patch_status(pod, {"phase": "Running"})
     kind, args, kw = core.calls[0]
