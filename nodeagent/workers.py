@@ -443,6 +443,14 @@ class _Worker:
     due: float = math.inf         # when a periodic or retry sync is due
     errors: int = 0
     syncs: int = 0
+    # set once its containers are stopped for good: a successor with the same
+    # namespace/name (an edited static pod gets a new uid) waits for it
+    stopped: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def full_name(self) -> str:
+        meta = self.pod.get("metadata") or {}
+        return f"{meta.get('namespace', 'default')}/{meta.get('name', '')}"
 
 
 @dataclass
@@ -557,6 +565,8 @@ class PodWorkers:
     async def _run(self, w: _Worker) -> None:
         try:
             while w.pending:
+                if w.syncs == 0 and not w.kill:
+                    await self._wait_for_predecessor(w)
                 w.pending = False
                 entry = await self.cache.get_newer_than(w.uid, w.last_sync)
                 w.syncs += 1
@@ -570,6 +580,16 @@ class PodWorkers:
         except Exception:  # _step handles sync errors; this is a bug: keep the pod due
             log.exception("pod %s: worker failed", w.uid)
             w.due = self.clock.monotonic() + self.error_max
+
+    async def _wait_for_predecessor(self, w: _Worker) -> None:
+        """A pod replacing another of the same name (REMOVE old, ADD new) starts only
+        once the old one's containers are stopped: both would claim the same host
+        ports and names."""
+        for other in list(self._w.values()):
+            if other is not w and other.kill and other.full_name == w.full_name:
+                log.info("pod %s (%s): waiting for pod %s of the same name to stop",
+                         w.uid, w.full_name, other.uid)
+                await other.stopped.wait()
 
     async def _step(self, w: _Worker, entry: CacheEntry) -> None:
         started = self.clock.monotonic()
@@ -590,6 +610,7 @@ class PodWorkers:
             elif w.phase == Phase.TERMINATING:
                 await self.syncer.terminate_pod(w.pod, grace_of(w.pod, w.grace))
                 w.phase = Phase.TERMINATED
+                w.stopped.set()
                 w.pending = True  # one more pass with fresh state for the final status
             elif w.phase == Phase.TERMINATED:
                 if not w.removed:  # a removed pod has no API object to write to

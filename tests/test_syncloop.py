@@ -376,3 +376,23 @@ async def test_route_updates_splits_by_node() -> None:
             (q1.get_nowait(), q1.get_nowait())] == [(Op.ADD, ["ua"]), (Op.REMOVE, ["ua"])]
     assert q2.get_nowait().pods == (p2,) and q2.empty()
     task.cancel()
+
+
+@aio
+async def test_replacement_with_same_name_waits_for_the_old_pod_to_stop() -> None:
+    clock = FakeClock()
+    a = await started(clock)
+    old = mkpod("static-web", "old", terminationGracePeriodSeconds=5)
+    a.send(Op.ADD, old)
+    await a.run_for(3)
+    a.rt.ignore_sigterm.add("c0")  # the old one takes its whole grace period to stop
+    new = mkpod("static-web", "new")
+    a.send(Op.REMOVE, old)
+    a.send(Op.ADD, new)
+    await a.run_for(3)
+    assert len(a.rt.running("old")) == 1
+    assert not [s for s in a.rt.sandboxes.values() if s.pod_uid == "new"]
+    await a.run_for(4)
+    assert a.rt.running("old") == []
+    assert len(a.rt.running("new")) == 1
+    await a.loop.stop()
