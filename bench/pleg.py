@@ -174,8 +174,10 @@ async def containerd_run(pods: int, containers: int, periods: int) -> None:
         uids = await populate(rt, pods, containers, BUSYBOX_IMAGE)
         print(f"\ncontainerd: started {pods} pods x {containers} containers in "
               f"{time.perf_counter() - t:.1f}s; gRPC calls counted by CriRuntime")
-        print("runtime      pods  ctrs | calls (interface, gRPC) per period: "
-              "pleg polling pleg-rpc polling-rpc")
+        print("runtime      pods  ctrs | calls/period, interface then gRPC | "
+              "CPU ms/period (median)     | wall ms/period (median)    | calls\n"
+              "                        |   pleg polling    pleg  polling |     pleg   polling"
+              "   ratio |     pleg   polling   ratio | ratio")
         p = await measure_pleg(rt, periods)
         q = await measure_polling(rt, uids, periods)
         row("containerd", pods, containers, p, q, rpc=True)
