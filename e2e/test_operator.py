@@ -1,8 +1,11 @@
-"""The operator against the real control plane: two replicas (one leads), node pools
-under policies, Leases renewed with each node's own credentials.
+"""The operator against the real control plane: two replicas for the whole module
+(one leads), node pools under policies, Leases renewed with each node's own credentials.
 
-Which scenario uses what (see the README/report): the renewals here come from a small
-in-test renewer (one thread, node credentials) unless a test says it runs real agents.
+Which scenario uses what:
+- real agents (nodepulse-agent, node credentials, killed by PID): two pools 15 s/60 s,
+  renew interval change followed by the agents (API server metrics), partition guard;
+- an in-test renewer (one thread renewing Leases with node credentials): conflicts and
+  deletion, API server restart, HA failover (the operator is what is under test there).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from nodeagent.api.policy import GROUP, HEARTBEAT_ANNOTATION, PLURAL, VERSION
 ROOT = Path(__file__).resolve().parent.parent
 CRDS = ROOT / "charts" / "nodepulse" / "crds"
 OPERATOR = Path(sys.executable).parent / "nodepulse-operator"
+AGENT = Path(sys.executable).parent / "nodepulse-agent"
 UNREACHABLE = "node.kubernetes.io/unreachable"
 RUN = uuid.uuid4().hex[:5]  # names of this run's objects
 ELECTION = f"nodepulse-operator-e2e-{RUN}"
@@ -151,6 +155,50 @@ class Renewer(threading.Thread):
             self.stopping.wait(1.0)
 
 
+# ---- real agents (nodepulse-agent with node credentials)
+class Agent:
+    def __init__(self, cluster: Cluster, name: str, pool: str, root: Path) -> None:
+        self.name, self.port = name, free_port()
+        self.log = cluster.log_dir / f"agent-{name}.log"
+        argv = [str(AGENT), "--node-name", name,
+                "--kubeconfig", str(cluster.node_kubeconfig(name)),
+                "--healthz-bind-address", f"127.0.0.1:{self.port}",
+                "--root-dir", str(root / name),
+                "--node-labels", f"nodepulse-e2e/pool={RUN}-{pool}"]
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+                                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5) as r:
+            return str(r.read().decode())
+
+    def kill(self) -> None:
+        """SIGKILL by PID: the node falls silent at once, as if cut off."""
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+class Agents:
+    def __init__(self, cluster: Cluster, root: Path) -> None:
+        self.cluster, self.root = cluster, root
+        self.started: list[Agent] = []
+
+    def start(self, names: list[str], pool: str) -> list[Agent]:
+        out = [Agent(self.cluster, n, pool, self.root) for n in names]
+        self.started += out
+        return out
+
+
+@pytest.fixture
+def agents(cluster: Cluster, tmp_path: Path) -> Iterator[Agents]:
+    a = Agents(cluster, tmp_path)
+    yield a
+    for agent in a.started:
+        agent.kill()
+
+
 # ---- fixtures
 @pytest.fixture(scope="module")
 def kube(cluster: Cluster) -> Iterator[client.ApiClient]:
@@ -166,6 +214,14 @@ def kube(cluster: Cluster) -> Iterator[client.ApiClient]:
     for n in core.list_node().items:
         if n.metadata.name.startswith(f"op-{RUN}-"):
             core.delete_node(n.metadata.name)
+    coord = client.CoordinationV1Api(api)
+    for lease in coord.list_namespaced_lease("kube-node-lease").items:
+        if lease.metadata.name.startswith(f"op-{RUN}-"):
+            try:
+                coord.delete_namespaced_lease(lease.metadata.name, "kube-node-lease")
+            except client.ApiException as e:
+                if e.status != 404:  # gone with its Node (owner reference)
+                    raise
     custom = client.CustomObjectsApi(api)
     for p in custom.list_cluster_custom_object(GROUP, VERSION, PLURAL)["items"]:
         if p["metadata"]["name"].startswith(f"op-{RUN}-"):
@@ -203,6 +259,10 @@ def leader(api: client.ApiClient) -> str | None:
     return lease.spec.holder_identity or None
 
 
+def names(pool: str, count: int) -> list[str]:
+    return [f"op-{RUN}-{pool}-{i}" for i in range(count)]
+
+
 def make_nodes(api: client.ApiClient, pool: str, count: int) -> list[str]:
     core = client.CoreV1Api(api)
     names = [f"op-{RUN}-{pool}-{i}" for i in range(count)]
@@ -213,14 +273,15 @@ def make_nodes(api: client.ApiClient, pool: str, count: int) -> list[str]:
 
 
 def policy(api: client.ApiClient, name: str, pool: str | None, grace: int,
-           lease: int = 10, priority: int = 0, **failure: Any) -> str:
+           lease: int = 10, priority: int = 0, heartbeat: dict[str, Any] | None = None,
+           **failure: Any) -> str:
     full = f"op-{RUN}-{name}"
     body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "NodeStatusPolicy",
             "metadata": {"name": full},
             "spec": {"priority": priority,
                      "nodeSelector": {"matchLabels": {"nodepulse-e2e/pool": f"{RUN}-{pool}"}}
                      if pool else {"matchLabels": {"nodepulse-e2e/pool": "nowhere"}},
-                     "heartbeat": {"leaseDurationSeconds": lease},
+                     "heartbeat": {"leaseDurationSeconds": lease, **(heartbeat or {})},
                      "failure": {"gracePeriodSeconds": grace, **failure}}}
     client.CustomObjectsApi(api).create_cluster_custom_object(GROUP, VERSION, PLURAL, body)
     return full
@@ -249,9 +310,26 @@ def ready_status(api: client.ApiClient, name: str) -> Any:
                 None)
 
 
+def heartbeat_or_none(api: client.ApiClient, name: str) -> dict[str, Any]:
+    """The annotation, or {} while the Node does not exist yet (its agent registers it)."""
+    try:
+        return heartbeat(api, name)
+    except client.ApiException as e:
+        if e.status == 404:
+            return {}
+        raise
+
+
 def heartbeat(api: client.ApiClient, name: str) -> dict[str, Any]:
     ann = (node(api, name).metadata.annotations or {}).get(HEARTBEAT_ANNOTATION)
     return dict(json.loads(ann)) if ann else {}
+
+
+def apiserver_metrics(api: client.ApiClient) -> str:
+    """The API server's /metrics (admin credentials)."""
+    resp = api.call_api("GET", f"{api.configuration.host}/metrics")
+    resp.read()
+    return str(resp.data.decode())
 
 
 def kubectl(cluster: Cluster, *args: str, stdin: str | None = None
@@ -294,66 +372,108 @@ def test_explain_and_printer_columns(cluster: Cluster, kube: client.ApiClient) -
 
 
 def test_two_pools_grace_15_and_60(kube: client.ApiClient, operators: list[Operator],
-                                   renewer: Renewer) -> None:
-    fast = make_nodes(kube, "fast", 2)
-    slow = make_nodes(kube, "slow", 2)
+                                   agents: Agents) -> None:
+    """Real agents: two pools under policies with grace 15 s and 60 s; all agents are
+    killed; only the 15 s pool is tainted; restarted agents get the taints removed."""
+    fast, slow = names("fast", 2), names("slow", 2)
     pf = policy(kube, "fast", "fast", grace=15, lease=10)
     ps = policy(kube, "slow", "slow", grace=60, lease=40)
-    renewer.start_renewing(fast + slow)
-    wait_for("policies written onto the nodes", lambda: all(
-        heartbeat(kube, n).get("policy") == (pf if n in fast else ps) for n in fast + slow))
+    running = agents.start(fast, "fast") + agents.start(slow, "slow")
+    wait_for("agents registered and policies written onto their nodes", lambda: all(
+        heartbeat_or_none(kube, n).get("policy") == (pf if n in fast else ps)
+        for n in fast + slow), 60)
     assert heartbeat(kube, fast[0])["renewIntervalSeconds"] == 2  # 10 / 4, from policy.py
-    wait_for("status counts", lambda: (get_policy(kube, pf).get("status") or {}).get(
-        "readyNodes") == 2)
+    wait_for("the pools seen ready", lambda: all(
+        (get_policy(kube, p).get("status") or {}).get("readyNodes") == 2 for p in (pf, ps)))
     assert all(effects(kube, n) == set() for n in fast + slow)
 
-    renewer.set(fast + slow, False)  # both pools' nodes fall silent
+    for a in running:  # both pools' agents stop
+        a.kill()
     stopped = time.monotonic()
     wait_for("the 15 s pool tainted", lambda: all(
         effects(kube, n) == {"NoSchedule", "NoExecute"} for n in fast), 40)
-    # Not before its grace period (less the renewer's last second), and not the 60 s pool.
-    assert time.monotonic() - stopped >= 14
+    # Not before its grace period (less one renew interval), and not the 60 s pool.
+    assert time.monotonic() - stopped >= 13
     assert all(effects(kube, n) == set() for n in slow)
     ready = ready_status(kube, fast[0])
     assert ready.status == "Unknown" and ready.reason == "NodeStatusUnknown"
     assert pf in ready.message
     status = get_policy(kube, pf)["status"]
     assert (status["nodes"], status["unreachableNodes"]) == (2, 2)
+    assert get_policy(kube, ps)["status"]["unreachableNodes"] == 0
 
-    renewer.set(fast + slow, True)  # they come back
+    agents.start(fast, "fast")
+    agents.start(slow, "slow")  # they come back
     wait_for("taints removed after renewal", lambda: all(
-        effects(kube, n) == set() for n in fast), 20)
+        effects(kube, n) == set() for n in fast), 40)
+    wait_for("the agents report Ready again", lambda: all(
+        ready_status(kube, n).status == "True" for n in fast), 40)
     assert all(effects(kube, n) == set() for n in slow)
-    assert not renewer.errors
+
+
+def test_renew_interval_follows_the_policy(cluster: Cluster, kube: client.ApiClient,
+                                           operators: list[Operator],
+                                           agents: Agents) -> None:
+    """Real agents: the policy's renewIntervalSeconds changes and the agents' Lease
+    renewals, counted by the API server, follow."""
+    nodes = names("rate", 3)
+    p = policy(kube, "rate", "rate", grace=30, lease=20, heartbeat={"renewIntervalSeconds": 10})
+    running = agents.start(nodes, "rate")
+    wait_for("policy on the nodes", lambda: all(
+        heartbeat_or_none(kube, n).get("renewIntervalSeconds") == 10 for n in nodes), 60)
+    wait_for("every agent renewing", lambda: all(
+        samples(a.metrics(), "nodepulse_lease_renewals_total", result="success") >= 1
+        for a in running), 30)
+
+    def lease_puts(seconds: float) -> float:
+        before = samples(apiserver_metrics(kube), "apiserver_request_total",
+                         resource="leases", verb="PUT")
+        time.sleep(seconds)
+        return samples(apiserver_metrics(kube), "apiserver_request_total",
+                       resource="leases", verb="PUT") - before
+
+    slow_puts = lease_puts(20)  # 3 agents every 10 s: about 6 (+ the API server's own)
+    client.CustomObjectsApi(kube).patch_cluster_custom_object(
+        GROUP, VERSION, PLURAL, p, {"spec": {"heartbeat": {"renewIntervalSeconds": 1}}})
+    wait_for("new interval on the nodes", lambda: all(
+        heartbeat(kube, n)["renewIntervalSeconds"] == 1 for n in nodes))
+    time.sleep(3)  # the agents see their Node change and reschedule
+    fast_puts = lease_puts(10)  # 3 agents every second: about 30
+    print(f"\nlease PUTs: renew interval 10 s -> {slow_puts:.0f} in 20 s, "
+          f"1 s -> {fast_puts:.0f} in 10 s")
+    assert fast_puts >= 20 and fast_puts / 10 >= 4 * slow_puts / 20
 
 
 def test_partition_guard_stops_noexecute(kube: client.ApiClient, operators: list[Operator],
-                                         renewer: Renewer) -> None:
-    nodes = make_nodes(kube, "part", 4)
+                                         agents: Agents) -> None:
+    """Real agents: 3 of a pool's 4 agents killed together with maxUnreachableFraction
+    0.5: NoExecute tainting stops for the pool and its status says so."""
+    nodes = names("part", 4)
     p = policy(kube, "part", "part", grace=15, maxUnreachableFraction=0.5,
-               noExecuteTaintsPerMinute=6)
-    renewer.start_renewing(nodes)
+               noExecuteTaintsPerMinute=60)
+    running = agents.start(nodes, "part")
     wait_for("the pool seen ready", lambda: (get_policy(kube, p).get("status") or {}).get(
-        "readyNodes") == 4)
-    renewer.set(nodes[:3], False)  # 3 of 4 fall silent together
+        "readyNodes") == 4, 60)
+    for a in running[:3]:
+        a.kill()
     wait_for("NoSchedule on the silent three", lambda: all(
         "NoSchedule" in effects(kube, n) for n in nodes[:3]), 40)
     guard = wait_for("PartitionGuard condition", lambda: (
         c := condition(get_policy(kube, p), "PartitionGuard")).get("status") == "True" and c)
     assert guard["reason"] == "TooManyUnreachable" and "3 of 4" in guard["message"]
-    # Renewals go stale a second or so apart, so the first silent node may have been
+    # Leases go stale a renew interval apart, so the first silent node may have been
     # given its NoExecute before the third made the share 3/4; after that, no more.
     before = sum("NoExecute" in effects(kube, n) for n in nodes[:3])
     assert before <= 1
-    time.sleep(12)  # longer than the pacing interval (6/min) would need for another
+    time.sleep(4)  # pacing (60/min) alone would have tainted another by now
     assert sum("NoExecute" in effects(kube, n) for n in nodes[:3]) == before
     assert effects(kube, nodes[3]) == set()
     status = get_policy(kube, p)["status"]
     assert (status["nodes"], status["readyNodes"], status["unreachableNodes"]) == (4, 1, 3)
-    renewer.set(nodes, True)
+    agents.start(nodes[:3], "part")
     wait_for("guard lifted", lambda: condition(get_policy(kube, p), "PartitionGuard").get(
-        "status") == "False", 20)
-    wait_for("taints removed", lambda: all(effects(kube, n) == set() for n in nodes), 20)
+        "status") == "False", 40)
+    wait_for("taints removed", lambda: all(effects(kube, n) == set() for n in nodes), 40)
 
 
 def test_no_match_conflict_and_deletion(kube: client.ApiClient, operators: list[Operator],
