@@ -349,11 +349,17 @@ async def test_errors_map_to_the_interface(tmp_path: Path) -> None:
 
 @aio
 async def test_every_call_has_a_deadline(tmp_path: Path) -> None:
-    async with served(tmp_path, call_timeout=0.05) as (fake, rt):
+    async with served(tmp_path, call_timeout=0.05, request_timeout=0.1) as (fake, rt):
         fake.hang.add("ListContainers")
         with pytest.raises(RuntimeTimeout, match="ListContainers"):
             await rt.relist()
         _, cid = await start(rt, pod())
+        fake.hang.add("CreateContainer")
+        sc = SandboxConfig.from_pod(pod(uid="u2"))
+        sid = await rt.run_sandbox(sc)
+        with pytest.raises(RuntimeTimeout, match="CreateContainer"):
+            await rt.create_container(sid, ContainerConfig.from_pod(
+                pod(uid="u2"), pod()["spec"]["containers"][0]), sc)
         # StopContainer's deadline covers the grace timeout (whole seconds, rounded up)
         await rt.stop_container(cid, 1.2)
         assert fake.last("StopContainer").timeout == 2
@@ -384,6 +390,8 @@ async def test_version_conditions_and_images(tmp_path: Path) -> None:
             (["localhost/busybox:1"], 42), (["localhost/pause:1"], 42)]
 
 
-def test_constructor_refuses_an_empty_socket() -> None:
+def test_constructor_refuses_bad_settings() -> None:
     with pytest.raises(ValueError, match="socket"):
         CriRuntime("")
+    with pytest.raises(ValueError, match="request_timeout"):
+        CriRuntime("/x.sock", request_timeout=0)

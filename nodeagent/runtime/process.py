@@ -78,6 +78,9 @@ WRAPPER = ('echo $$ > "$0.pid"; trap : TERM INT HUP QUIT; env -- "$@"; rc=$?; '
            'echo $rc > "$0.exit"; exit $rc')
 
 
+_WRAPPER_ARGV = b"/bin/sh\0-c\0" + WRAPPER.encode() + b"\0"
+
+
 def default_state_dir() -> Path:
     env = os.environ.get("NODEPULSE_PROCESS_STATE_DIR")
     if env:
@@ -173,6 +176,7 @@ class ProcessRuntime(Runtime):
         self._sandboxes: dict[str, _SandboxRec] = {}
         self._containers: dict[str, _ContainerRec] = {}
         self._children: dict[str, subprocess.Popen[bytes]] = {}  # ours to reap
+        self._starting: set[str] = set()  # between fork and the saved RUNNING record
         self._boot = _boot_id()
         for sub in ("sandboxes", "containers", "pods", "logs"):
             (self.state_dir / sub).mkdir(parents=True, exist_ok=True)
@@ -276,7 +280,8 @@ class ProcessRuntime(Runtime):
         return len(args) > 3 and args[3] == str(self._base(cid)).encode()
 
     def _refresh(self, c: _ContainerRec) -> None:
-        if c.state == ContainerState.CREATED.value and c.pid is None:
+        if (c.state == ContainerState.CREATED.value and c.pid is None
+                and c.id not in self._starting):
             self._adopt_started(c)
         if c.state == ContainerState.RUNNING.value and not self._alive(c):
             self._finish(c)
@@ -306,30 +311,18 @@ class ProcessRuntime(Runtime):
         c.finished_at = _iso(self.clock.now())
         self._save(c)
 
-    def _group_members(self, c: _ContainerRec) -> list[int]:
-        """Processes still in the container's process group. Linux does not reuse a
-        PID while a group of that id exists, so while the wrapper's number is free or
-        still the wrapper, members of that group are ours."""
-        if c.pid is None or c.boot_id != self._boot:
-            return []
-        leader = _proc_stat(c.pid)
-        if leader is not None and leader[2] != c.start_ticks:
-            return []  # the number now names another process (and maybe its group)
-        out = []
-        for d in Path("/proc").iterdir():
-            if not d.name.isdigit():
-                continue
-            st = _proc_stat(int(d.name))
-            if st and st[1] == c.pid and st[0] != "Z" and st[2] >= (c.start_ticks or 0):
-                out.append(int(d.name))
-        return out
-
     def _reap_group(self, c: _ContainerRec) -> None:
         """When the wrapper is gone the container is gone: like a container's PID 1
-        ending, whatever is left in its group is killed."""
-        for pid in self._group_members(c):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        ending, whatever is left in its process group is killed. Linux does not reuse
+        a number while a process group of that id exists, so unless the number now
+        names another process, a group of that id is still ours."""
+        if c.pid is None or c.boot_id != self._boot:
+            return
+        leader = _proc_stat(c.pid)
+        if leader is not None and leader[2] != c.start_ticks:
+            return  # the number was reused: not our group any more
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(c.pid, signal.SIGKILL)
 
     def _signal_group(self, c: _ContainerRec, sig: int) -> None:
         if self._same_process(c) and c.pid:
@@ -483,15 +476,18 @@ class ProcessRuntime(Runtime):
         return ContainerRuntimeError(f"process start_container {c.id} ({c.name}): {message}")
 
     def _start(self, cid: str) -> None:
+        # checks under the lock; fork/exec and the wait for exec outside it, so starts
+        # run side by side and a relist never waits behind one
         with self._lock:
             c = self._containers.get(cid)
             if c is None:
                 raise NotFound(f"process start_container: container {cid} not found")
             self._refresh(c)
-            if c.state != ContainerState.CREATED.value:
+            if c.state != ContainerState.CREATED.value or cid in self._starting:
                 raise ContainerRuntimeError(
-                    f"process start_container {cid} ({c.name}): container is {c.state}; a "
-                    "restart is a new container")
+                    f"process start_container {cid} ({c.name}): container is "
+                    f"{'starting' if cid in self._starting else c.state}; a restart is a "
+                    "new container")
             env = dict((k, v) for k, v in c.env)
             cwd = c.working_dir or str(self.state_dir / "pods" / c.sandbox_id)
             if not os.path.isdir(cwd):
@@ -502,6 +498,8 @@ class ProcessRuntime(Runtime):
             if not found:
                 raise self._start_error(c, f"executable {exe!r} not found"
                                            + ("" if "/" in exe else " in $PATH"))
+            self._starting.add(cid)
+        try:
             Path(c.log_path).parent.mkdir(parents=True, exist_ok=True)
             base = self._base(cid)
             for suffix in (".pid", ".exit"):
@@ -514,15 +512,20 @@ class ProcessRuntime(Runtime):
                         stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
                         start_new_session=True, close_fds=True)
                 except OSError as e:
-                    raise self._start_error(c, f"cannot start /bin/sh: {e}") from e
+                    with self._lock:
+                        raise self._start_error(c, f"cannot start /bin/sh: {e}") from e
             self._wait_forked(proc)
             st = _proc_stat(proc.pid)
-            self._children[cid] = proc
-            c.pid, c.boot_id = proc.pid, self._boot
-            c.start_ticks = st[2] if st else None
-            c.state = ContainerState.RUNNING.value
-            c.started_at = _iso(self.clock.now())
-            self._save(c)
+            with self._lock:
+                self._children[cid] = proc
+                c.pid, c.boot_id = proc.pid, self._boot
+                c.start_ticks = st[2] if st else None
+                c.state = ContainerState.RUNNING.value
+                c.started_at = _iso(self.clock.now())
+                self._save(c)
+        finally:
+            with self._lock:
+                self._starting.discard(cid)
 
     @staticmethod
     def _wait_forked(proc: subprocess.Popen[bytes], limit: float = 5.0) -> None:
@@ -530,16 +533,18 @@ class ProcessRuntime(Runtime):
         sent earlier would reach only the wrapper, whose trap defers it, or the forked
         child before exec, still running the wrapper's handler: the workload would
         never see it. So "started" means the workload program runs."""
-        me = Path(f"/proc/{proc.pid}")
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
         deadline = time.monotonic() + limit
         pause = 0.0002
         try:
-            mine = (me / "cmdline").read_bytes()
             while time.monotonic() < deadline and proc.poll() is None:
-                kids = (me / "task" / str(proc.pid) / "children").read_text().split()
+                kids = children.read_text().split()
                 if kids:
                     with contextlib.suppress(OSError):
-                        if Path(f"/proc/{kids[0]}/cmdline").read_bytes() != mine:
+                        # empty while an exec is under way; the wrapper's own argv until
+                        # the forked child has exec'd
+                        argv = Path(f"/proc/{kids[0]}/cmdline").read_bytes()
+                        if argv and not argv.startswith(_WRAPPER_ARGV):
                             return
                 time.sleep(pause)
                 pause = min(pause * 2, 0.01)

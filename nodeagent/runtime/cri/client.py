@@ -206,19 +206,25 @@ def _container(c: pb.Container, st: pb.ContainerStatus | None = None) -> Contain
 class CriRuntime(Runtime):
     """CRI v1 client. `socket`: path of the runtime's unix socket (or unix:// URL).
 
-    call_timeout: deadline of quick calls (lists, status, create, start, remove).
-    sandbox_timeout: deadline of RunPodSandbox/StopPodSandbox (CNI can be slow).
+    call_timeout: deadline of reads (version, lists, status, image status).
+    request_timeout: deadline of changes (sandbox run/stop/remove, container create,
+      start, remove; a stop gets its grace period on top). Like the kubelet's
+      --runtime-request-timeout (2 min): under a burst, containerd on a small machine
+      takes seconds per create.
     The channel is opened lazily inside the running event loop."""
 
     scheme = "containerd"
 
     def __init__(self, socket: str, *, call_timeout: float = 10.0,
-                 sandbox_timeout: float = 120.0, runtime_handler: str = "") -> None:
+                 request_timeout: float = 120.0, runtime_handler: str = "") -> None:
         if not socket:
             raise ValueError("cri: socket path is empty")
+        if call_timeout <= 0 or request_timeout <= 0:
+            raise ValueError(f"cri: call_timeout ({call_timeout}) and request_timeout "
+                             f"({request_timeout}) must be positive seconds")
         self.target = socket if socket.startswith("unix:") else f"unix://{socket}"
         self.call_timeout = call_timeout
-        self.sandbox_timeout = sandbox_timeout
+        self.request_timeout = request_timeout
         self.runtime_handler = runtime_handler
         self.calls = 0  # gRPC calls made, for tests and benchmarks
         self._channel: grpc.aio.Channel | None = None
@@ -306,7 +312,7 @@ class CriRuntime(Runtime):
             f"RunPodSandbox {config.namespace}/{config.name}", rt.RunPodSandbox,
             pb.RunPodSandboxRequest(config=sandbox_config_pb(config),
                                     runtime_handler=self.runtime_handler),
-            self.sandbox_timeout)
+            self.request_timeout)
         return r.pod_sandbox_id
 
     async def stop_sandbox(self, sandbox_id: str) -> None:
@@ -314,14 +320,14 @@ class CriRuntime(Runtime):
         with contextlib.suppress(NotFound):  # idempotent: gone already
             await self._call(f"StopPodSandbox {sandbox_id}", rt.StopPodSandbox,
                              pb.StopPodSandboxRequest(pod_sandbox_id=sandbox_id),
-                             self.sandbox_timeout)
+                             self.request_timeout)
 
     async def remove_sandbox(self, sandbox_id: str) -> None:
         rt, _ = self._stubs()
         with contextlib.suppress(NotFound):
             await self._call(f"RemovePodSandbox {sandbox_id}", rt.RemovePodSandbox,
                              pb.RemovePodSandboxRequest(pod_sandbox_id=sandbox_id),
-                             self.sandbox_timeout)
+                             self.request_timeout)
 
     async def create_container(self, sandbox_id: str, config: ContainerConfig,
                                sandbox_config: SandboxConfig) -> str:
@@ -334,13 +340,15 @@ class CriRuntime(Runtime):
             f"CreateContainer {config.name} in sandbox {sandbox_id}", rt.CreateContainer,
             pb.CreateContainerRequest(pod_sandbox_id=sandbox_id,
                                       config=container_config_pb(config, sandbox_config),
-                                      sandbox_config=sandbox_config_pb(sandbox_config)))
+                                      sandbox_config=sandbox_config_pb(sandbox_config)),
+            self.request_timeout)
         return r.container_id
 
     async def start_container(self, container_id: str) -> None:
         rt, _ = self._stubs()
         await self._call(f"StartContainer {container_id}", rt.StartContainer,
-                         pb.StartContainerRequest(container_id=container_id))
+                         pb.StartContainerRequest(container_id=container_id),
+                         self.request_timeout)
 
     async def stop_container(self, container_id: str, timeout: float) -> None:
         rt, _ = self._stubs()
@@ -348,13 +356,14 @@ class CriRuntime(Runtime):
         with contextlib.suppress(NotFound):
             await self._call(f"StopContainer {container_id}", rt.StopContainer,
                              pb.StopContainerRequest(container_id=container_id, timeout=secs),
-                             secs + self.call_timeout)
+                             secs + self.request_timeout)
 
     async def remove_container(self, container_id: str) -> None:
         rt, _ = self._stubs()
         with contextlib.suppress(NotFound):
             await self._call(f"RemoveContainer {container_id}", rt.RemoveContainer,
-                             pb.RemoveContainerRequest(container_id=container_id))
+                             pb.RemoveContainerRequest(container_id=container_id),
+                             self.request_timeout)
 
     async def image_present(self, ref: str) -> bool:
         _, img = self._stubs()
