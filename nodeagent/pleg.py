@@ -139,7 +139,9 @@ class PodCache:
         self._entries: dict[str, CacheEntry] = {}
         self._pending: set[str] = set()  # uids whose inspection is in flight
         self.timestamp = -math.inf       # start time of the last relist fully applied
-        self._changed = asyncio.Condition()
+        # waiting workers per uid: a store wakes only that pod's waiters, a relist only
+        # the pods someone waits for (no thundering herd at thousands of pods)
+        self._waiters: dict[str, list[tuple[float, asyncio.Future[None]]]] = {}
 
     def get(self, uid: str) -> CacheEntry:
         return self._entries.get(uid) or CacheEntry(PodRuntimeStatus(uid), None, -math.inf)
@@ -153,25 +155,47 @@ class PodCache:
         return self.timestamp > t and uid not in self._pending
 
     async def get_newer_than(self, uid: str, t: float) -> CacheEntry:
-        async with self._changed:
-            await self._changed.wait_for(lambda: self._fresh(uid, t))
+        if not self._fresh(uid, t):
+            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._waiters.setdefault(uid, []).append((t, fut))
+            try:
+                await fut
+            finally:
+                if fut.cancelled():  # the worker was cancelled: drop its waiter now
+                    self._wake(uid)
         return self.get(uid)
+
+    def _wake(self, uid: str) -> None:
+        waiters = self._waiters.get(uid)
+        if not waiters:
+            return
+        keep = []
+        for t, fut in waiters:
+            if fut.done():
+                continue
+            if self._fresh(uid, t):
+                fut.set_result(None)
+            else:
+                keep.append((t, fut))
+        if keep:
+            waiters[:] = keep
+        else:
+            del self._waiters[uid]
 
     def mark_pending(self, uid: str) -> None:
         self._pending.add(uid)
 
     async def store(self, uid: str, status: PodRuntimeStatus, error: BaseException | None,
-                  modified: float, *, done: bool = True) -> None:
+                    modified: float, *, done: bool = True) -> None:
         self._entries[uid] = CacheEntry(status, error, modified)
         if done:
             self._pending.discard(uid)
-        async with self._changed:
-            self._changed.notify_all()
+        self._wake(uid)
 
     async def update_time(self, t: float) -> None:
         self.timestamp = max(self.timestamp, t)
-        async with self._changed:
-            self._changed.notify_all()
+        for uid in list(self._waiters):
+            self._wake(uid)
 
     def delete(self, uid: str) -> None:
         self._entries.pop(uid, None)

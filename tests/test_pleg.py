@@ -214,3 +214,23 @@ async def test_clock_timeout() -> None:
         return 7
     assert await clock_timeout(clock, quick(), 2, "x") == 7
     assert clock.sleepers == 0
+
+
+@aio
+async def test_cache_waiters_are_woken_per_pod_and_cancellation_is_clean() -> None:
+    cache = PodCache()
+    await cache.update_time(1.0)
+    a = asyncio.create_task(cache.get_newer_than("a", 1.0))
+    b1 = asyncio.create_task(cache.get_newer_than("b", 1.0))
+    b2 = asyncio.create_task(cache.get_newer_than("b", 1.0))
+    await settle()
+    b1.cancel()
+    await settle()
+    assert len(cache._waiters["b"]) == 1  # the cancelled waiter is gone at once
+    await cache.store("a", PodRuntimeStatus("a"), None, 2.0)
+    await settle()
+    assert a.done() and not b2.done()  # only pod a's waiter woke
+    await cache.update_time(2.0)  # a relist that found b unchanged
+    await settle()
+    assert b2.done() and b1.cancelled()
+    assert cache._waiters == {}
