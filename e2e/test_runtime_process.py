@@ -78,13 +78,27 @@ def test_sigkilled_agent_is_adopted_without_duplicates(tmp_path: Path) -> None:
         agent.wait(30)
         wrappers = sorted(_sleepers(state))
         assert len(wrappers) == n
+        # one container ends while no agent runs at all: its wrapper records the code
+        orphan = json.loads((state / "containers" / f"{started['uid-4']}.json").read_text())
+        opid = int(orphan["pid"])
+        os.kill(int(Path(f"/proc/{opid}/task/{opid}/children").read_text().split()[0]),
+                signal.SIGTERM)
+        exit_file = state / "containers" / f"{started['uid-4']}.exit"
+        deadline = time.monotonic() + 10
+        while not (exit_file.exists() and exit_file.read_text().strip()):
+            assert time.monotonic() < deadline, "the wrapper never recorded the exit code"
+            time.sleep(0.05)
+        wrappers = [w for w in wrappers if w != opid]
 
         async def adopt() -> None:
             rt = ProcessRuntime(state)  # the lock died with the agent
             try:
                 listed = await rt.relist()
-                running = {c.pod_uid: c for c in listed.containers}
-                assert {u: c.id for u, c in running.items()} == started
+                by_uid = {c.pod_uid: c for c in listed.containers}
+                assert {u: c.id for u, c in by_uid.items()} == started
+                ended = by_uid["uid-4"]
+                assert (ended.state, ended.exit_code) == (ContainerState.EXITED, 143)
+                running = {u: c for u, c in by_uid.items() if u != "uid-4"}
                 assert all(c.state == ContainerState.RUNNING for c in running.values())
                 assert sorted(int(c.annotations[ANNOTATION_PID])
                               for c in running.values()) == wrappers
