@@ -11,7 +11,7 @@
 #      plane, against kind, through NODEPULSE_E2E_KUBECONFIG.
 #
 # Environment: KIND_CLUSTER (nodepulse-e2e), NODEPULSE_IMAGE (nodepulse:e2e),
-# NODEPULSE_KIND_AGENTS (1; 0 until the agent's virtual-node mode exists),
+# NODEPULSE_KIND_AGENTS (1 or 0; by default 1 when nodepulse-agent has --virtual-nodes),
 # KEEP_CLUSTER=1 to keep the cluster afterwards, PYTEST_ARGS (extra pytest arguments).
 #
 # It cannot run on the CI machines of this repository: they have no Docker engine.
@@ -21,7 +21,9 @@ repo=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$repo"
 cluster=${KIND_CLUSTER:-nodepulse-e2e}
 image=${NODEPULSE_IMAGE:-nodepulse:e2e}
-agents=${NODEPULSE_KIND_AGENTS:-1}
+# the virtual-node agents, once the agent has that mode
+if .venv/bin/nodepulse-agent --help | grep -q -- --virtual-nodes; then default_agents=1; else default_agents=0; fi
+agents=${NODEPULSE_KIND_AGENTS:-$default_agents}
 state=${XDG_CACHE_HOME:-$HOME/.cache}/nodepulse/kind
 kubeconfig=$state/$cluster.kubeconfig
 release=nodepulse
