@@ -22,7 +22,7 @@ cd "$repo"
 cluster=${KIND_CLUSTER:-nodepulse-e2e}
 image=${NODEPULSE_IMAGE:-nodepulse:e2e}
 # the virtual-node agents, once the agent has that mode
-if .venv/bin/nodepulse-agent --help | grep -q -- --virtual-nodes; then default_agents=1; else default_agents=0; fi
+if .venv/bin/nodepulse-agent --help 2>/dev/null | grep -- --virtual-nodes >/dev/null; then default_agents=1; else default_agents=0; fi
 agents=${NODEPULSE_KIND_AGENTS:-$default_agents}
 state=${XDG_CACHE_HOME:-$HOME/.cache}/nodepulse/kind
 kubeconfig=$state/$cluster.kubeconfig
@@ -68,10 +68,10 @@ k -n "$namespace" get pods -o wide
 # the leader writes every node's effective policy, the real kubelets' nodes included
 for node in $(k get nodes -o name); do
     for _ in $(seq 60); do
-        k get "$node" -o jsonpath='{.metadata.annotations.nodepulse\.dev/heartbeat}' | grep -q policy && break
+        k get "$node" -o jsonpath='{.metadata.annotations.nodepulse\.dev/heartbeat}' | grep policy >/dev/null && break
         sleep 1
     done
-    k get "$node" -o jsonpath='{.metadata.annotations.nodepulse\.dev/heartbeat}' | grep -q policy \
+    k get "$node" -o jsonpath='{.metadata.annotations.nodepulse\.dev/heartbeat}' | grep policy >/dev/null \
         || { echo "e2e-kind: no effective policy on $node" >&2; exit 1; }
 done
 k get nsp
