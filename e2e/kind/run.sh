@@ -40,7 +40,7 @@ paths = build.ensure(["kubectl", "helm"], log=lambda _: None)
 print("kubectl=%s helm=%s" % (paths["kubectl"], paths["helm"]))')"
 mkdir -p "$state"
 
-if ! kind get clusters | grep -qx "$cluster"; then
+if ! kind get clusters | grep -x "$cluster" >/dev/null; then
     kind create cluster --name "$cluster" --config e2e/kind/kind-config.yaml \
         --kubeconfig "$kubeconfig" --wait 180s
 else
