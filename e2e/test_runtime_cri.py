@@ -42,12 +42,16 @@ _started: list[Containerd] = []
 
 
 @pytest.fixture(scope="module")
-def ctd() -> Iterator[Containerd]:
+def ctd(request: pytest.FixtureRequest) -> Iterator[Containerd]:
     c = start_containerd(cni=True)
     _started.append(c)
+    failed = request.session.testsfailed
     try:
         yield c
     finally:
+        if request.session.testsfailed > failed:
+            c.keep_files = True  # containerd.log and the pod logs, for a human
+            print(f"\ncontainerd files kept in {c.base}")
         c.stop()
 
 
