@@ -1,5 +1,6 @@
-"""Wiring: kopf watches Leases (kube-node-lease), Nodes and NodeStatusPolicies into the
-indexes; the leader elector and the one monitor loop run beside kopf in its loop.
+"""Wiring: kopf watches Nodes and NodeStatusPolicies into the indexes, a plain watch
+(watch.py) does the same for the node Leases; the leader elector and the one monitor
+loop run beside kopf in its event loop.
 
 kopf handlers here only read events (no create/update handlers, so kopf writes no
 progress annotations or finalizers): every write is the monitor's, and only the
@@ -16,10 +17,12 @@ import socket
 from typing import Any
 
 import kopf
+from kubernetes import client
 from nodeoperator.election import KubeLeaseBackend, LeaderElector
 from nodeoperator.kube import KubeWriter
 from nodeoperator.monitor import Monitor
 from nodeoperator.state import LEASE_NAMESPACE, Store
+from nodeoperator.watch import LeaseWatch
 
 from nodeagent.api.client import load_configuration, new_api_client
 from nodeagent.api.clock import Clock, RealClock
@@ -68,12 +71,8 @@ def build_registry(store: Store, opts: Options) -> kopf.OperatorRegistry:
     def login(**_: Any) -> kopf.ConnectionInfo:
         return connection_info(opts.kubeconfig, opts.context)
 
-    @kopf.on.event("coordination.k8s.io", "v1", "leases", registry=reg)
-    async def lease_event(type: str | None, body: Any, **_: Any) -> None:  # noqa: A002 (kopf's name)
-        store.lease_event(type, body)
-
     @kopf.on.event("", "v1", "nodes", registry=reg)
-    async def node_event(type: str | None, body: Any, **_: Any) -> None:  # noqa: A002
+    async def node_event(type: str | None, body: Any, **_: Any) -> None:  # noqa: A002 (kopf's)
         store.node_event(type, body)
 
     @kopf.on.event(GROUP, VERSION, PLURAL, registry=reg)
@@ -104,21 +103,24 @@ async def run(opts: Options, clock: Clock | None = None) -> None:
     monitor = Monitor(store, clock, writer, period=opts.monitor_period,
                       is_leader=lambda: elector.leading,
                       api_ok_since=lambda: elector.api_ok_since, parallel=opts.writers)
+    leases = LeaseWatch(client.CoordinationV1Api(api), store, clock)
     ready = asyncio.Event()
     server = None
     if opts.metrics_port is not None:
         server = HealthServer(opts.metrics_host, opts.metrics_port)
         server.ready_checks["watching"] = (
-            lambda: None if ready.is_set() else "the watches have not started yet")
+            lambda: None if ready.is_set() and leases.listed.is_set()
+            else "the watches have not started yet")
         server.start()
         log.info("metrics and health on http://%s:%d", opts.metrics_host, server.port)
     log.info("starting as %s (leader Lease %s/%s)", opts.identity, opts.election_namespace,
              opts.election_name)
     tasks = [asyncio.create_task(elector.run(), name="election"),
+             asyncio.create_task(leases.run(), name="lease-watch"),
              asyncio.create_task(monitor.run(), name="monitor")]
     try:
-        # Namespaced resources (Leases) are watched in kube-node-lease only; Nodes and
-        # policies are cluster-scoped. kopf handles SIGINT/SIGTERM and returns.
+        # kopf watches only cluster-scoped resources here (the namespace list just
+        # keeps it from asking for cluster-wide access). It handles SIGINT/SIGTERM.
         await kopf.operator(registry=build_registry(store, opts), settings=settings(),
                             standalone=True, namespaces=[LEASE_NAMESPACE],
                             ready_flag=ready)

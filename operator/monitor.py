@@ -199,9 +199,18 @@ class Monitor:
         store.stale = set(stale)
         STALE.set(len(stale))
 
+        # Nodes whose last write the index does not show yet are left alone this time.
+        pending = {name for name, node in store.nodes.items()
+                   if node.rv in self._written.get("node/" + name, ())}
+        for key in [k for k in self._written if k.startswith("node/")]:
+            if key[5:] not in store.nodes:
+                del self._written[key]
+
         # Longest silent first, so pacing serves nodes in the order they went quiet.
         grants: set[str] = set()
         for name in sorted(stale, key=lambda n: (-stale[n], n)):
+            if name in pending:
+                continue
             g = res.effective[name] or DEFAULT_GROUP
             group = groups[g]
             if (group.failure.taintUnreachable and not group.guarded
@@ -211,8 +220,8 @@ class Monitor:
 
         actions = []
         for name, node in store.nodes.items():
-            if store.nodes[name].rv in self._written.get("node/" + name, ()):
-                continue  # our last write is not in the index yet
+            if name in pending:
+                continue
             pname = res.effective[name]
             action = self._node_action(node, pname, groups[pname or DEFAULT_GROUP],
                                        stale.get(name), name in grants)
@@ -220,6 +229,9 @@ class Monitor:
                 actions.append(action)
 
         statuses = {}
+        for key in [k for k in self._written if k.startswith("policy/")]:
+            if key[7:] not in policies:
+                del self._written[key]
         for p in policies.values():
             if p.rv in self._written.get("policy/" + p.name, ()):
                 continue

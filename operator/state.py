@@ -121,6 +121,11 @@ class Store:
         if name in self.stale:
             self.changed.set()  # a silent node is back: untaint it promptly
 
+    def lease_sync(self, names: set[str]) -> None:
+        """After a full list: forget Leases deleted while we were not watching."""
+        for gone in set(self.leases) - names:
+            del self.leases[gone]
+
     def policy_event(self, kind: str | None, body: Mapping[str, Any]) -> None:
         name = (body.get("metadata") or {}).get("name")
         if not name:
