@@ -317,3 +317,29 @@ def _wait_ready(ctd: Containerd, timeout: float) -> None:
                 last = e
         time.sleep(0.1)
     raise RuntimeError(f"containerd CRI not ready after {timeout}s ({last}); see {ctd.log_path}")
+
+
+def main() -> None:
+    """python -m e2e.cluster.containerd [--no-cni]: a private containerd in the
+    foreground with the images imported; Ctrl-C (or SIGTERM) tears it all down."""
+    import argparse
+    import threading
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--no-cni", action="store_true", help="hostNetwork pods only")
+    args = ap.parse_args()
+    ctd = start_containerd(cni=not args.no_cni)
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    try:
+        print(f"containerd pid {ctd.pid}\n  --container-runtime-endpoint={ctd.endpoint}\n"
+              f"  images: {', '.join(ctd.images.values())}\n  log: {ctd.log_path}",
+              flush=True)
+        done.wait()
+    finally:
+        ctd.stop()
+
+
+if __name__ == "__main__":
+    main()
