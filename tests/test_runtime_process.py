@@ -382,3 +382,35 @@ async def test_long_stops_do_not_stall_the_relist(tmp_path: Path) -> None:
         for t in stops:
             t.cancel()
         await asyncio.gather(*stops, return_exceptions=True)
+
+
+@aio
+async def test_leftover_background_processes_die_with_the_container(tmp_path: Path) -> None:
+    async with runtime(tmp_path / "state") as rt:
+        bg = tmp_path / "bg"
+        _, cid = await start(rt, pod(["sh", "-c", 'sleep 600 & echo $! > "$0"; exit 0',
+                                      str(bg)]))
+        assert await rt.wait_container(cid, WAIT)
+        c = await one(rt, cid)
+        assert (c.state, c.exit_code, c.reason) == (ContainerState.EXITED, 0, "Completed")
+        assert _wait_gone(int(bg.read_text()))  # like a container whose PID 1 ended
+
+
+@aio
+async def test_records_from_before_a_reboot_are_not_adopted(tmp_path: Path) -> None:
+    rt = ProcessRuntime(tmp_path)
+    _, cid = await start(rt, pod(["sleep", "600"]))
+    pid = int((await one(rt, cid)).annotations[ANNOTATION_PID])
+    await rt.close()
+    path = tmp_path / "containers" / f"{cid}.json"
+    rec = json.loads(path.read_text())
+    rec["boot_id"] = "another-boot"
+    path.write_text(json.dumps(rec))
+    try:
+        async with runtime(tmp_path) as rt2:
+            c = await one(rt2, cid)
+            assert (c.state, c.exit_code) == (ContainerState.EXITED, 137)
+            assert pid_running(pid)  # a PID from another boot is never signalled
+    finally:
+        os.killpg(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
