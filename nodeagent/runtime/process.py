@@ -308,7 +308,13 @@ class ProcessRuntime(Runtime):
         c.exit_code = code
         c.reason = "Completed" if code == 0 else "Error"
         c.message = message
-        c.finished_at = _iso(self.clock.now())
+        finished = self.clock.now()
+        if isinstance(self.clock, RealClock):
+            # the wrapper's file says when, even for an exit while no agent ran
+            with contextlib.suppress(OSError):
+                mtime = self._base(c.id).with_suffix(".exit").stat().st_mtime
+                finished = dt.datetime.fromtimestamp(mtime, dt.UTC)
+        c.finished_at = _iso(finished)
         self._save(c)
 
     def _reap_group(self, c: _ContainerRec) -> None:
