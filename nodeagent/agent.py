@@ -39,7 +39,7 @@ def status_settings(cfg: AgentConfig) -> StatusSettings:
     return StatusSettings(max_pods=cfg.max_pods, thresholds=cfg.eviction_hard,
                           system_reserved=dict(cfg.system_reserved),
                           max_images=cfg.heartbeat.maxImagesInStatus,
-                          agent_version=f"nodepulse-{__version__}")
+                          agent_version=f"v{__version__}-nodepulse")  # semver: tools parse it
 
 
 def host_probe(cfg: AgentConfig) -> HostProbe:

@@ -9,7 +9,7 @@ import os
 
 from prometheus_client import CollectorRegistry
 
-from nodeagent import config
+from nodeagent import __version__, config
 from nodeagent.agent import Agent
 from nodeagent.api.clock import FakeClock, settle
 from nodeagent.node.controller import NodeSpec
@@ -44,7 +44,7 @@ def test_runs_reports_health_and_stops(tmp_path):
         node = kube.nodes["n1"]
         assert node["status"]["images"] == [{"names": ["localhost/pause:1"],
                                              "sizeBytes": 700_000}]
-        assert node["status"]["nodeInfo"]["kubeletVersion"].startswith("nodepulse-")
+        assert node["status"]["nodeInfo"]["kubeletVersion"] == f"v{__version__}-nodepulse"
         assert "n1" in kube.leases
         await clock.advance(30)
         assert agent.healthz() is None
