@@ -33,6 +33,7 @@ import tempfile
 import threading
 import time
 import urllib.parse
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from e2e.cluster import LocalCluster  # noqa: E402
 from e2e.cluster.cluster import free_port  # noqa: E402
+from e2e.promtext import samples  # noqa: E402
 from nodeagent.api.client import load_configuration  # noqa: E402
 from nodeagent.api.policy import GROUP, PLURAL, VERSION  # noqa: E402
 
@@ -155,30 +157,47 @@ class TaintWatch(threading.Thread):
         self.seen: dict[str, float] = {}
         self.stop = False
 
+    def note(self, obj: dict[str, Any], at: float) -> None:
+        name = obj["metadata"]["name"]
+        taints = (obj.get("spec") or {}).get("taints") or []
+        if name not in self.seen and any(t["key"] == TAINT and t["effect"] == "NoSchedule"
+                                         for t in taints):
+            self.seen[name] = at
+
+    def relist(self) -> None:
+        """After a 410 or a broken stream: catch up from a list (taints found there
+        are stamped now, which can only make a delay look longer)."""
+        body = self.raw.req("GET", f"/api/v1/nodes?labelSelector={LABEL}%3Db")
+        now = time.time()
+        for obj in body["items"]:
+            self.note(obj, now)
+        self.rv = body["metadata"]["resourceVersion"]
+
     def run(self) -> None:
         while not self.stop:
             q = urllib.parse.urlencode({"watch": "1", "labelSelector": f"{LABEL}=b",
                                         "resourceVersion": self.rv,
                                         "allowWatchBookmarks": "true",
                                         "timeoutSeconds": "30"})
-            r = self.raw.req("GET", f"/api/v1/nodes?{q}", preload_content=False,
-                             timeout=urllib3.Timeout(connect=5, read=60))
-            buf = b""
-            for chunk in r.stream(65536):
-                buf += chunk
-                while b"\n" in buf:
-                    line, buf = buf.split(b"\n", 1)
-                    ev = json.loads(line)
-                    obj = ev["object"]
-                    self.rv = obj["metadata"]["resourceVersion"]
-                    if ev["type"] in ("ADDED", "MODIFIED"):
-                        name = obj["metadata"]["name"]
-                        taints = (obj.get("spec") or {}).get("taints") or []
-                        if name not in self.seen and any(
-                                t["key"] == TAINT and t["effect"] == "NoSchedule"
-                                for t in taints):
-                            self.seen[name] = time.time()
-            r.release_conn()
+            try:
+                r = self.raw.req("GET", f"/api/v1/nodes?{q}", preload_content=False,
+                                 timeout=urllib3.Timeout(connect=5, read=60))
+                buf = b""
+                for chunk in r.stream(65536):
+                    buf += chunk
+                    while b"\n" in buf:
+                        line, buf = buf.split(b"\n", 1)
+                        ev = json.loads(line)
+                        if ev["type"] == "ERROR":  # 410 Gone: too old
+                            raise RuntimeError(ev["object"].get("message"))
+                        self.rv = ev["object"]["metadata"]["resourceVersion"]
+                        if ev["type"] in ("ADDED", "MODIFIED"):
+                            self.note(ev["object"], time.time())
+                r.release_conn()
+            except (urllib3.exceptions.HTTPError, RuntimeError):
+                # The server ends a watch at timeoutSeconds, sometimes abruptly.
+                if not self.stop:
+                    self.relist()
 
 
 def wait(what: str, check: Any, timeout: float) -> None:
@@ -196,11 +215,12 @@ def pct(values: list[float], p: float) -> float:
 
 def run_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix="nodepulse-bench-op-"))
-    cluster = LocalCluster(workdir).up(log=lambda m: print(f"  {m}", file=sys.stderr))
+    cluster = LocalCluster(workdir)
     procs: list[mp.Process] = []
     op: subprocess.Popen[bytes] | None = None
     stop, stop_victims = mp.Event(), mp.Event()
     try:
+        cluster.up(log=lambda m: print(f"  {m}", file=sys.stderr))
         kubectl = cluster.binary("kubectl")
         subprocess.run([str(kubectl), "--kubeconfig", str(cluster.kubeconfig), "apply", "-f",
                         str(ROOT / "charts" / "nodepulse" / "crds")], check=True,
@@ -280,6 +300,15 @@ def run_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
         wait("every victim tainted", all_seen, args.grace + 120)
         react_cpu = (proc_cpu(op.pid) - c1) / (time.monotonic() - w1) * 100
         watcher.stop = True
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+            om = resp.read().decode()
+        ticks = samples(om, "nodepulse_operator_monitor_tick_seconds_count")
+        tick_mean = samples(om, "nodepulse_operator_monitor_tick_seconds_sum") / max(1, ticks)
+        decided = samples(om, "nodepulse_operator_taint_delay_seconds_count")
+        decide_mean = samples(om, "nodepulse_operator_taint_delay_seconds_sum") / max(1, decided)
+        print(f"  operator: {ticks:.0f} monitor periods, mean work {tick_mean * 1000:.0f} ms; "
+              f"mean grace-expiry-to-decision {decide_mean:.2f} s over {decided:.0f} taints",
+              file=sys.stderr)
         delays = [watcher.seen[node_name(i)] - (last[i] + args.grace) for i in range(victims)]
         others = [nm for nm in watcher.seen if nm not in victim_names]
         return {"nodes": n, "victims": victims, "renew_per_s": renew_rate,
