@@ -190,10 +190,12 @@ class Monitor:
             group = groups[res.effective[name] or DEFAULT_GROUP]
             group.matched += 1
             lease = store.leases.get(name)
-            last = lease.observed if lease else node.first_seen
-            last = max(last, floor)
-            over = now - last - group.failure.gracePeriodSeconds
-            if over > 0:
+            heard = lease.observed if lease else node.first_seen
+            grace = group.failure.gracePeriodSeconds
+            over = now - heard - grace
+            # The floor only holds back *new* verdicts: a node already marked
+            # unreachable stays so until it renews, outage or not.
+            if over > 0 and (now - floor > grace or _has_taint(node, "NoSchedule")):
                 stale[name] = over
                 group.stale += 1
         store.stale = set(stale)

@@ -463,16 +463,24 @@ def test_silence_during_an_api_outage_is_not_counted() -> None:
         api.add_policy("p", spec(grace=15))
         api.add_node("n1")
         api.add_node("n2")
+        api.add_node("dead")  # silent from the start
+        await step(clock, mon, 5)
+        api.renew("n1")
+        api.renew("n2")
+        await step(clock, mon, 11)
+        assert api.taints("dead") == {"NoSchedule", "NoExecute"}
         api.renew("n1")
         api.renew("n2")
         await step(clock, mon, 10)
         since[0] = None  # the API server goes away: renewals cannot arrive
         await step(clock, mon, 10)
         assert api.taints("n1") == set()  # 20 s of silence, but we were deaf
-        since[0] = clock.monotonic()  # back at t=20
+        assert api.taints("dead") == {"NoSchedule", "NoExecute"}  # still unreachable
+        since[0] = clock.monotonic()  # back
         api.renew("n2")  # n2's agent renews at once; n1's is really gone
         await step(clock, mon, 14)
         assert api.taints("n1") == set()  # a full grace period from the API's return
+        assert api.taints("dead") == {"NoSchedule", "NoExecute"}  # never lifted
         api.renew("n2")
         await step(clock, mon, 2)
         assert api.taints("n1") == {"NoSchedule", "NoExecute"}
