@@ -9,8 +9,10 @@ Each phase starts N agent processes (one per node, node credentials, default
 settings), waits until every node is registered, then measures a steady-state window:
 API writes and request bytes from the API server's own metrics
 (apiserver_request_total, apiserver_request_body_size_bytes for leases and nodes, with
-the API server's own identity-lease renewals, seen by a watch, taken out), and the
-agents' CPU seconds and resident memory from /proc. Prints a table; asserts nothing.
+the API server's own identity-lease renewals, seen by a watch, taken out), the bytes
+of node and lease watch events the API server fans out to its watchers (scheduler,
+controller manager, the agents' own node watches; apiserver_watch_events_sizes), and
+the agents' CPU seconds and resident memory from /proc. Prints a table; asserts nothing.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ class Result:
     lease_puts: float
     status_patches: float
     body_bytes: float  # per node-minute
+    watch_bytes: float  # node and lease watch events sent to watchers, per node-minute
     cpu: float  # agent CPU seconds per node-minute
     rss_mb: float  # mean resident set per agent process
 
@@ -73,21 +76,21 @@ def rss_mb(pid: int) -> float:
 
 
 class OtherLeaseWrites:
-    """Counts lease writes outside kube-node-lease (the API server's identity lease)."""
+    """Counts lease writes in kube-system (the API server's identity lease), watching
+    only there so that node Lease updates gain no extra watcher."""
 
     def __init__(self, api: client.ApiClient) -> None:
         self.times: list[float] = []
         self._w = watch.Watch()
         coord = client.CoordinationV1Api(api)
-        rv = coord.list_lease_for_all_namespaces().metadata.resource_version
+        rv = coord.list_namespaced_lease("kube-system").metadata.resource_version
         self._stopped = False
 
         def run() -> None:
             try:
-                for ev in self._w.stream(coord.list_lease_for_all_namespaces,
+                for ev in self._w.stream(coord.list_namespaced_lease, "kube-system",
                                          resource_version=rv, timeout_seconds=3600):
-                    if ev["object"].metadata.namespace != "kube-node-lease" and \
-                            ev["type"] in ("ADDED", "MODIFIED", "DELETED"):
+                    if ev["type"] in ("ADDED", "MODIFIED", "DELETED"):
                         self.times.append(time.monotonic())
             except Exception:
                 if not self._stopped:
@@ -103,7 +106,7 @@ class OtherLeaseWrites:
         self._w.stop()
 
 
-def writes_and_bytes(m: str) -> tuple[float, float, float, float, float]:
+def writes_and_bytes(m: str) -> tuple[float, float, float, float, float, float]:
     lease_puts = samples(m, "apiserver_request_total", resource="leases", verb="PUT")
     patches = samples(m, "apiserver_request_total", resource="nodes", subresource="status",
                       verb="PATCH")
@@ -113,7 +116,9 @@ def writes_and_bytes(m: str) -> tuple[float, float, float, float, float]:
                for r in ("leases", "nodes") for v in BODY_VERBS)
     lease_body = samples(m, "apiserver_request_body_size_bytes_sum", resource="leases",
                          verb="update")
-    return writes, lease_puts, patches, body, lease_body
+    fanout = sum(samples(m, "apiserver_watch_events_sizes_sum", resource=r)
+                 for r in ("leases", "nodes"))
+    return writes, lease_puts, patches, body, lease_body, fanout
 
 
 def run_phase(cluster: LocalCluster, others: OtherLeaseWrites, mode: str, n: int,
@@ -170,7 +175,8 @@ def run_phase(cluster: LocalCluster, others: OtherLeaseWrites, mode: str, n: int
             with contextlib.suppress(client.ApiException):
                 delete()
     a, b = writes_and_bytes(m0), writes_and_bytes(m1)
-    writes, puts, patches, body, lease_body = (y - x for x, y in zip(a, b, strict=True))
+    writes, puts, patches, body, lease_body, fanout = (
+        y - x for x, y in zip(a, b, strict=True))
     own = others.between(t0, t1)  # the API server's identity lease, not ours
     all_puts = samples(m1, "apiserver_request_body_size_bytes_count", resource="leases",
                        verb="update") - samples(m0, "apiserver_request_body_size_bytes_count",
@@ -180,6 +186,7 @@ def run_phase(cluster: LocalCluster, others: OtherLeaseWrites, mode: str, n: int
     return Result(mode, n, round((t1 - t0) / 60, 2),
                   (writes - own) / node_minutes, (puts - own) / node_minutes,
                   patches / node_minutes, (body - own * mean_put) / node_minutes,
+                  fanout / node_minutes,
                   (cpu1 - cpu0) / node_minutes, rss)
 
 
@@ -207,20 +214,23 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         cluster.remove()
     header = (f"{'mode':<10} {'nodes':>5} {'min':>5} {'writes':>8} {'lease PUT':>9} "
-              f"{'status PATCH':>12} {'req bytes':>10} {'agent CPU s':>11} {'RSS MB':>7}")
+              f"{'status PATCH':>12} {'req bytes':>10} {'watch bytes':>11} "
+              f"{'agent CPU s':>11} {'RSS MB':>7}")
     print("per node-minute (steady state, after registration); RSS per agent process")
     print(header)
     print("-" * len(header))
     for r in results:
         print(f"{r.mode:<10} {r.nodes:>5} {r.minutes:>5.2f} {r.writes:>8.2f} "
               f"{r.lease_puts:>9.2f} {r.status_patches:>12.2f} {r.body_bytes:>10.0f} "
-              f"{r.cpu:>11.3f} {r.rss_mb:>7.1f}")
+              f"{r.watch_bytes:>11.0f} {r.cpu:>11.3f} {r.rss_mb:>7.1f}")
     for n in sizes:
         eff = next((r for r in results if r.nodes == n and r.mode == "efficient"), None)
         leg = next((r for r in results if r.nodes == n and r.mode == "legacy"), None)
         if eff and leg and eff.body_bytes:
+            fan = f", watch bytes x{leg.watch_bytes / eff.watch_bytes:.1f}" \
+                if eff.watch_bytes else ""
             print(f"N={n}: legacy/efficient request bytes x{leg.body_bytes / eff.body_bytes:.1f}, "
-                  f"writes x{leg.writes / eff.writes:.2f}")
+                  f"writes x{leg.writes / eff.writes:.2f}{fan}")
     print(f"agent logs: {workdir}")
     return 0
 
