@@ -49,6 +49,7 @@ class FakeAPIServer:
         self.generation = 0       # bumped to end every open watch
         self.down = False         # answer 503 to everything
         self.watchlist = True     # sendInitialEvents supported
+        self.watchlist_unfinished = False  # initial events, then the stream just ends
         self.stopping = False
         self.requests: list[dict[str, str]] = []
         self.writes: list[tuple[str, str, dict]] = []  # (verb, path, body)
@@ -155,6 +156,8 @@ class FakeAPIServer:
                             for _, p in sorted(owner.pods.items()):
                                 if owner.match(q, p):
                                     self._chunk({"type": "ADDED", "object": p})
+                            if owner.watchlist_unfinished:
+                                return
                             self._chunk({"type": "BOOKMARK", "object": {
                                 "kind": "Pod", "apiVersion": "v1", "metadata": {
                                     "resourceVersion": str(since),
@@ -449,6 +452,27 @@ def test_gone_relists_and_emits_only_differences(server: FakeAPIServer, tmp_path
             assert lists == 2 and not h.src.streaming_relist  # fell back to LIST
         server.create(mkpod("after"))  # and the watch goes on from the relist
         assert await h.next() == (Op.ADD, ["after"])
+    run(server, tmp_path, body)
+
+
+def test_streaming_relist_that_never_finishes_falls_back_to_list(
+        server: FakeAPIServer, tmp_path: Path) -> None:
+    a, b = server.create(mkpod("a")), server.create(mkpod("b"))
+    server.watchlist_unfinished = True
+
+    async def body(h: Harness) -> None:
+        assert await h.next() == (Op.ADD, ["a", "b"])
+        await h.watching(1)
+        _outage_changes(server, a, b)
+        await until(lambda: h.clock.sleepers == 1)
+        server.down = False
+        await h.clock.advance(1.0)  # resume -> 410 -> streaming relist, which ends early
+        await until(lambda: not h.src.streaming_relist and h.clock.sleepers == 1)
+        h.nothing()  # a half-delivered relist changes nothing
+        await h.clock.advance(30.0)  # the retry relists with LIST
+        got = [await h.next(), await h.next(), await h.next()]
+        assert got == [(Op.REMOVE, ["a"]), (Op.ADD, ["c"]), (Op.UPDATE, ["b"])]
+        assert server.verbs()[0] == 2 and h.src.relists == 1
     run(server, tmp_path, body)
 
 

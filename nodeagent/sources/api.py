@@ -87,6 +87,7 @@ class APISource:
         self.connected = asyncio.Event()  # a watch stream is open
         self._resp: urllib3.BaseHTTPResponse | None = None
         self._resp_lock = threading.Lock()
+        self._stop = threading.Event()  # per watch: the reader must stop
 
     async def run(self) -> None:
         delay = 0.0
@@ -178,7 +179,10 @@ class APISource:
             query["resourceVersion"] = self.resource_version
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[list[dict] | BaseException | None] = asyncio.Queue()
-        reader = threading.Thread(target=self._read_stream, args=(query, queue, loop),
+        with self._resp_lock:
+            self._stop = threading.Event()
+        reader = threading.Thread(target=self._read_stream,
+                                  args=(query, queue, loop, self._stop),
                                   name="api-source-watch", daemon=True)
         self.watches += 1
         reader.start()
@@ -198,7 +202,9 @@ class APISource:
         finally:
             self.connected.clear()
             self._close_stream()
-            await asyncio.to_thread(reader.join)
+            # The reader ends as soon as its socket is shut; a request still waiting for
+            # response headers ends at its own timeout (it is a daemon thread).
+            await asyncio.to_thread(reader.join, 10.0)
 
     def _handle(self, event: dict, initial: list[Pod] | None) -> list[Pod] | None:
         etype = event.get("type", "")
@@ -236,15 +242,18 @@ class APISource:
 
     def _read_stream(self, query: dict[str, Any],
                      queue: asyncio.Queue[list[dict] | BaseException | None],
-                     loop: asyncio.AbstractEventLoop) -> None:
+                     loop: asyncio.AbstractEventLoop, stop: threading.Event) -> None:
         """Thread: open the watch, split the stream into JSON lines, pass them on."""
         def put(item: list[dict] | BaseException | None) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, item)
 
+        resp: urllib3.BaseHTTPResponse | None = None
         try:
             resp = request(self.api, "GET", "/api/v1/pods", query=query,
                            timeout=(10.0, self.watch_timeout * 2 + 30))
             with self._resp_lock:
+                if stop.is_set():
+                    raise ConnectionResetError("the watch was closed while it was opened")
                 self._resp = resp
             put([])  # the stream is open
             buf = b""
@@ -264,7 +273,11 @@ class APISource:
         except Exception as e:  # handed to the loop, which decides
             put(e)
         finally:
-            self._close_stream()
+            with self._resp_lock:
+                if self._resp is resp:
+                    self._resp = None
+            if resp is not None:
+                resp.close()
 
     def drop_connection(self) -> None:
         """Close the open watch stream as a network failure would (tests, benchmarks)."""
@@ -272,6 +285,7 @@ class APISource:
 
     def _close_stream(self) -> None:
         with self._resp_lock:
+            self._stop.set()
             resp, self._resp = self._resp, None
         if resp is not None:
             with contextlib.suppress(Exception):
