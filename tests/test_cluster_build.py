@@ -14,6 +14,7 @@ def test_versions_come_from_the_go_modules() -> None:
     assert build.TOOLS["kube-apiserver"].version == build.kubernetes_version()
     assert build.TOOLS["etcd"].version.startswith("v3.")
     assert build.TOOLS["helm"].version.startswith("v3.")
+    assert build.TOOLS["kwok"].version.startswith("v0.")
 
 
 def test_cached_binaries_are_not_rebuilt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -43,7 +43,10 @@ TOOLS = {t.name: t for t in [
     Tool("etcd", "etcd", "go.etcd.io/etcd/server/v3", "go.etcd.io/etcd/server/v3"),
     *(Tool(n, "kubernetes", f"k8s.io/kubernetes/cmd/{n}", "k8s.io/kubernetes") for n in K8S_TOOLS),
     Tool("helm", "helm", "helm.sh/helm/v3/cmd/helm", "helm.sh/helm/v3"),
+    # only the scale benchmark needs KWOK, so tests and setup do not build it
+    Tool("kwok", "kwok", "sigs.k8s.io/kwok/cmd/kwok", "sigs.k8s.io/kwok"),
 ]}
+FOR_TESTS = [n for n in TOOLS if n != "kwok"]
 
 
 def pinned_version(gomod: str, module: str) -> str:
@@ -81,8 +84,9 @@ def go_env() -> dict[str, str]:
 
 
 def ensure(names: list[str] | None = None, log=print) -> dict[str, Path]:
-    """Paths of the named binaries (all by default), building those not cached yet."""
-    tools = [TOOLS[n] for n in (names or list(TOOLS))]
+    """Paths of the named binaries (those the tests need by default), building those
+    not cached yet."""
+    tools = [TOOLS[n] for n in (names or FOR_TESTS)]
     missing = [t for t in tools if not t.path.is_file()]
     if missing and not shutil.which("go"):
         raise RuntimeError("the Go toolchain is needed to build "
