@@ -28,8 +28,8 @@ fi
 stamp=.venv/.nodepulse-installed
 want=$(sha256sum pyproject.toml | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  echo "setup: installing nodepulse and its test tools into .venv"
-  .venv/bin/pip install -q -e '.[test]'
+  echo "setup: installing nodepulse with its test and benchmark tools into .venv"
+  .venv/bin/pip install -q -e '.[test,bench]'
   echo "$want" > "$stamp"
 fi
 
