@@ -288,6 +288,14 @@ def run_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
             "metadata"]["resourceVersion"]
         watcher = TaintWatch(raw, rv)
         watcher.start()
+        def patch_latency() -> tuple[float, float]:
+            r = raw.req("GET", "/metrics", preload_content=False)
+            text = r.data.decode()
+            return (samples(text, "apiserver_request_duration_seconds_sum", resource="nodes",
+                            verb="PATCH"),
+                    samples(text, "apiserver_request_duration_seconds_count",
+                            resource="nodes", verb="PATCH"))
+        lat0 = patch_latency()
         stop_victims.set()
         c1, w1 = proc_cpu(op.pid), time.monotonic()
         victim_names = {node_name(i) for i in range(victims)}
@@ -300,6 +308,10 @@ def run_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
         wait("every victim tainted", all_seen, args.grace + 120)
         react_cpu = (proc_cpu(op.pid) - c1) / (time.monotonic() - w1) * 100
         watcher.stop = True
+        lat1 = patch_latency()
+        patch_ms = (lat1[0] - lat0[0]) / max(1.0, lat1[1] - lat0[1]) * 1000
+        print(f"  API server: {lat1[1] - lat0[1]:.0f} Node PATCHes while reacting, mean "
+              f"{patch_ms:.0f} ms each (server side)", file=sys.stderr)
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
             om = resp.read().decode()
         ticks = samples(om, "nodepulse_operator_monitor_tick_seconds_count")
