@@ -10,6 +10,7 @@ import pytest
 from kubernetes import client
 
 from e2e.cluster import Cluster
+from e2e.promtext import samples
 from nodeagent.api.client import new_api_client
 
 
@@ -75,3 +76,13 @@ def test_a_node_may_renew_only_its_own_lease_and_node(cluster: Cluster) -> None:
     with pytest.raises(client.ApiException) as refused:
         client.CoreV1Api(as_a).list_namespaced_secret("default")
     assert refused.value.status == 403
+
+
+def test_api_server_metrics_count_requests(cluster: Cluster) -> None:
+    core = client.CoreV1Api(cluster.api_client())
+    before = samples(cluster.apiserver_metrics(), "apiserver_request_total",
+                     resource="namespaces", verb="LIST")
+    core.list_namespace()
+    after = samples(cluster.apiserver_metrics(), "apiserver_request_total",
+                    resource="namespaces", verb="LIST")
+    assert after >= before + 1

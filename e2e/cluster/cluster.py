@@ -77,8 +77,12 @@ class Cluster:
 
     def apiserver_metrics(self) -> str:
         with self.api_client() as api:
-            resp = api.call_api("/metrics", "GET", auth_settings=["BearerToken"],
-                                _preload_content=False, _return_http_data_only=True)
+            method, url, headers, body, post = api.param_serialize(
+                "GET", "/metrics", auth_settings=["BearerToken"])
+            resp = api.call_api(method, url, headers, body, post, _request_timeout=30)
+            resp.read()
+            if resp.status != 200:
+                raise RuntimeError(f"GET /metrics of the API server: HTTP {resp.status}")
             return str(resp.data.decode())
 
     def etcd_metrics(self) -> str:
