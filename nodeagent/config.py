@@ -51,6 +51,15 @@ class AgentConfig:
     lease_concurrency: int = 4
     status_concurrency: int = 4
     log_level: str = "info"
+    # pods: sources and runtime
+    pod_manifest_path: str | None = None
+    file_check_frequency: float = 20.0
+    manifest_url: str | None = None
+    manifest_url_headers: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    http_check_frequency: float = 20.0
+    runtime: str = "auto"
+    container_runtime_endpoint: str | None = None
+    register_with_taints: tuple[Mapping[str, str], ...] = ()
 
     @property
     def legacy(self) -> bool:
@@ -197,6 +206,70 @@ def _overrides(value: Any, where: str) -> dict[str, Any]:
         raise ConfigError(str(e)) from None
 
 
+_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
+
+
+def _taints(value: Any, where: str) -> tuple[dict[str, str], ...]:
+    """'key=value:Effect,key:Effect' (the kubelet's flag) or a list of
+    {key, value, effect} (its config file)."""
+    items: list[Any]
+    if isinstance(value, str):
+        items = []
+        for part in filter(None, (p.strip() for p in value.split(","))):
+            kv, sep, effect = part.rpartition(":")
+            if not sep:
+                raise ConfigError(f"{where}: {part!r} is not key[=value]:Effect")
+            k, _, v = kv.partition("=")
+            items.append({"key": k, "value": v, "effect": effect})
+    elif isinstance(value, list):
+        items = value
+    else:
+        raise ConfigError(f"{where}: expected key=value:Effect,... or a list of taints")
+    out = []
+    for t in items:
+        if not isinstance(t, Mapping) or not t.get("key"):
+            raise ConfigError(f"{where}: taint {t!r} has no key")
+        if t.get("effect") not in _EFFECTS:
+            raise ConfigError(f"{where}: taint {t.get('key')}: effect must be one of "
+                              f"{', '.join(_EFFECTS)}, got {t.get('effect')!r}")
+        if not _LABEL_VALUE.match(str(t.get("value") or "")):
+            raise ConfigError(f"{where}: taint {t['key']}: {t.get('value')!r} is not a "
+                              "valid value")
+        taint = {"key": str(t["key"]), "effect": str(t["effect"])}
+        if t.get("value"):
+            taint["value"] = str(t["value"])
+        out.append(taint)
+    return tuple(out)
+
+
+def _headers(value: Any, where: str) -> dict[str, str]:
+    """'Name:value,Other:value' (the kubelet's flag) or a mapping of name to a value or
+    a list of values (its config file)."""
+    if isinstance(value, Mapping):
+        return {str(k): ",".join(map(str, v)) if isinstance(v, list) else str(v)
+                for k, v in value.items()}
+    if not isinstance(value, str):
+        raise ConfigError(f"{where}: expected Name:value,... or a mapping")
+    out = {}
+    for part in filter(None, (p.strip() for p in value.split(","))):
+        k, sep, v = part.partition(":")
+        if not sep or not k.strip():
+            raise ConfigError(f"{where}: {part!r} is not Name:value")
+        out[k.strip()] = v.strip()
+    return out
+
+
+def _period(value: Any, where: str) -> float:
+    seconds = parse_duration(value, where)
+    if seconds <= 0:
+        raise ConfigError(f"{where}: must be more than zero, got {value!r}")
+    return seconds
+
+
+def _opt_str(value: Any, where: str) -> str | None:
+    return _str(value, where) or None
+
+
 @dataclasses.dataclass(frozen=True)
 class Option:
     field: str  # AgentConfig field, or heartbeat.<name>
@@ -248,6 +321,24 @@ OPTIONS: tuple[Option, ...] = (
            "threads for NodeStatus work (4)"),
     Option("log_level", "log-level", "logLevel", _choice("debug", "info", "warning", "error"),
            "log level (info)"),
+    Option("pod_manifest_path", "pod-manifest-path", "staticPodPath", _opt_str,
+           "folder of static pod manifests"),
+    Option("file_check_frequency", "file-check-frequency", "fileCheckFrequency",
+           _period, "full rescan of the manifest folder (20s)"),
+    Option("manifest_url", "manifest-url", "staticPodURL", _opt_str,
+           "URL of static pod manifests"),
+    Option("manifest_url_headers", "manifest-url-header", "staticPodURLHeader", _headers,
+           "headers for --manifest-url, Name:value,..."),
+    Option("http_check_frequency", "http-check-frequency", "httpCheckFrequency",
+           _period, "how often --manifest-url is polled (20s)"),
+    Option("runtime", "runtime", "runtime", _choice("auto", "cri", "process", "fake"),
+           "container runtime: cri, process, fake, or auto (cri when the endpoint's "
+           "socket exists, else process)"),
+    Option("container_runtime_endpoint", "container-runtime-endpoint",
+           "containerRuntimeEndpoint", _opt_str,
+           "CRI socket (unix:///run/containerd/containerd.sock)"),
+    Option("register_with_taints", "register-with-taints", "registerWithTaints", _taints,
+           "taints the Node is registered with, key=value:Effect,..."),
 )
 _IGNORED_KEYS = {"apiVersion", "kind"}  # a KubeletConfiguration-style header
 
