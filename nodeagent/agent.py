@@ -14,7 +14,7 @@ import dataclasses
 import logging
 import random
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kubernetes import client
 from prometheus_client import REGISTRY, CollectorRegistry
@@ -31,6 +31,9 @@ from nodeagent.node.metrics import NodeMetrics
 from nodeagent.node.scheduler import Blocking, DueScheduler
 from nodeagent.node.status import StatusSettings
 from nodeagent.node.watch import NodeWatch
+
+if TYPE_CHECKING:
+    from nodeagent.pods import Pods
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +59,10 @@ class Agent:
                  env: Mapping[str, str] | None = None,
                  lease_executor: concurrent.futures.Executor | None = None,
                  status_executor: concurrent.futures.Executor | None = None,
-                 watch_executor: concurrent.futures.Executor | None = None) -> None:
+                 watch_executor: concurrent.futures.Executor | None = None,
+                 pods: Pods | None = None) -> None:
+        """`pods`: the node's pod machinery (nodeagent.pods); it also supplies the
+        image list, the runtime version and readiness unless those are given."""
         if kube is None:
             if api is None:
                 raise ValueError("Agent needs an ApiClient (or a Kube)")
@@ -64,8 +70,9 @@ class Agent:
         self.cfg = cfg
         self.kube = kube
         self.clock = clock or RealClock()
-        self.images = images
-        self.readiness = readiness
+        self.pods = pods
+        self.images = images or (pods.images if pods else None)
+        self.readiness = readiness or (pods.readiness if pods else None)
         self.metrics = NodeMetrics(registry)
         self.registry = registry
         self._flags = dict(flags or {})
@@ -158,7 +165,8 @@ class Agent:
             log.warning("config file: %s only take effect on restart", ", ".join(changed))
         self.cfg = dataclasses.replace(self.cfg, **{f: getattr(cfg, f) for f in live})
         self.probe.overrides = dict(self.cfg.host_overrides)
-        self.settings = status_settings(self.cfg)
+        self.settings = dataclasses.replace(status_settings(self.cfg),
+                                            runtime_version=self.settings.runtime_version)
         for node in self.nodes.values():
             node.settings = self.settings
         log.info("config file reloaded: eviction thresholds %s",
@@ -168,7 +176,8 @@ class Agent:
     async def run(self, stop: asyncio.Event) -> None:
         if not self.nodes:
             self.add_node(NodeSpec(self.cfg.node_name, self.cfg.agent_id,
-                                   labels=dict(self.cfg.node_labels)))
+                                   labels=dict(self.cfg.node_labels),
+                                   taints=self.cfg.register_with_taints))
         # one node: a single-object watch (all node credentials allow); many: one
         # label-selector watch for all of them
         one = len(self.nodes) == 1
@@ -181,11 +190,20 @@ class Agent:
             self.health = HealthServer(host, port, self.registry)
             self.health.health_checks["heartbeat"] = self.healthz
             self.health.ready_checks["registered"] = self.readyz
+            if self.pods:
+                self.health.health_checks["pleg"] = self.pods.health
             self.health.start()
             log.info("serving /healthz and /metrics on %s:%d", host, self.health.port)
         tasks = [asyncio.create_task(self.renewals.run(), name="renewals"),
                  asyncio.create_task(self.ticker.run(), name="status"),
                  asyncio.create_task(self.watch.run(), name="watch")]
+        if self.pods:
+            await self.pods.start()  # the runtime's version is in the first NodeStatus
+            self.settings = dataclasses.replace(self.settings,
+                                                runtime_version=self.pods.runtime_version)
+            for node in self.nodes.values():
+                node.settings = self.settings
+            tasks.append(asyncio.create_task(self.pods.wait(), name="pods"))
         for node in self.nodes.values():
             node.start()
         log.info("agent running: %d node(s), heartbeat mode %s", len(self.nodes),
@@ -202,6 +220,8 @@ class Agent:
         log.info("stopping")
         if self.watch:
             self.watch.stop()
+        if self.pods:
+            await self.pods.stop()  # pods keep running; a restarted agent adopts them
         await self.renewals.stop()
         await self.ticker.stop()
         for t in tasks:

@@ -11,6 +11,7 @@ import sys
 
 from nodeagent import __version__, config
 from nodeagent.api.client import ClientConfigError, new_api_client
+from nodeagent.runtime.base import ContainerRuntimeError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,7 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def _serve(cfg: config.AgentConfig, flags: dict[str, object]) -> None:
-    from nodeagent.agent import Agent  # the heavy imports only when running
+    from nodeagent.agent import Agent, host_probe  # the heavy imports only when running
+    from nodeagent.api.clock import RealClock
+    from nodeagent.pods import Pods, host_ip
 
     api = new_api_client(cfg.kubeconfig, component="agent",
                          pool_size=cfg.lease_concurrency + cfg.status_concurrency + 2)
@@ -35,7 +38,9 @@ async def _serve(cfg: config.AgentConfig, flags: dict[str, object]) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
-        await Agent(cfg, api, flags=flags, env=os.environ).run(stop)
+        clock = RealClock()
+        pods = Pods.from_config(cfg, api, clock, host_ip=host_ip(cfg, host_probe(cfg)))
+        await Agent(cfg, api, clock=clock, flags=flags, env=os.environ, pods=pods).run(stop)
     finally:
         api.close()
 
@@ -52,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         asyncio.run(_serve(cfg, flags))
-    except ClientConfigError as e:
+    except (ClientConfigError, ContainerRuntimeError) as e:
         print(f"nodepulse-agent: error: {e}", file=sys.stderr)
         return 2
     return 0

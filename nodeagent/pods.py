@@ -1,0 +1,159 @@
+"""The pod half of the agent: sources -> sync loop -> runtime, for one node.
+
+    pods = Pods.from_config(cfg, api, clock)     # runtime, pod sources, sync loop
+    Agent(cfg, api, pods=pods)                   # it feeds NodeStatus (images, runtime
+                                                 # version, readiness) and /healthz
+
+The runtime's image list is cached here and refreshed on its own period, because the
+node status is computed in a worker thread and the runtime's calls are coroutines of
+the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+from kubernetes import client
+from prometheus_client import REGISTRY, CollectorRegistry
+
+from nodeagent.api.clock import Clock
+from nodeagent.config import AgentConfig
+from nodeagent.node.host import HostProbe, HostReadError
+from nodeagent.podstatus import PodStatusWriter
+from nodeagent.runtime import ContainerRuntimeError, Runtime, make_runtime
+from nodeagent.sources.bundle import PodSources, SourcesConfig
+from nodeagent.sources.events import NodeEvents
+from nodeagent.sources.types import PodUpdate, SourcesReady
+from nodeagent.syncloop import SyncLoop, SyncLoopConfig
+
+log = logging.getLogger(__name__)
+
+IMAGE_REFRESH = 10.0  # seconds; the default NodeStatus update period
+
+
+def build_runtime(cfg: AgentConfig, host_ip: str = "") -> Runtime:
+    """The runtime the config names; process runtime state lives under --root-dir."""
+    opts: dict[str, Any] = {}
+    kind = cfg.runtime
+    if kind == "auto":
+        from nodeagent.runtime import socket_path
+        kind = "cri" if Path(socket_path(cfg.container_runtime_endpoint)).exists() else "process"
+    if kind == "process":
+        opts = {"state_dir": Path(cfg.root_dir) / "process", "host_ip": host_ip}
+    elif kind == "fake":
+        opts = {"host_ip": host_ip or "192.0.2.10"}
+    return make_runtime(kind, cfg.container_runtime_endpoint, **opts)
+
+
+def host_ip(cfg: AgentConfig, probe: HostProbe) -> str:
+    """The node's first InternalIP (pods report it as hostIP)."""
+    if cfg.node_ips:
+        return cfg.node_ips[0]
+    try:
+        addresses = probe.read().addresses
+    except HostReadError:
+        return ""
+    return next((a for t, a in addresses if t == "InternalIP"), "")
+
+
+class Pods:
+    def __init__(self, *, runtime: Runtime, clock: Clock, node_name: str,
+                 updates: asyncio.Queue[PodUpdate], sources_ready: SourcesReady,
+                 run_sources: Callable[[], Coroutine[Any, Any, None]] | None = None,
+                 api_client: client.ApiClient | None = None,
+                 status_writer: PodStatusWriter | None = None, host_ip: str = "",
+                 config: SyncLoopConfig | None = None,
+                 registry: CollectorRegistry = REGISTRY,
+                 image_refresh: float = IMAGE_REFRESH) -> None:
+        self.runtime = runtime
+        self.clock = clock
+        self.node_name = node_name
+        self.run_sources = run_sources
+        self.image_refresh = image_refresh
+        self.loop = SyncLoop(runtime=runtime, clock=clock, node_name=node_name,
+                             updates=updates, sources_ready=sources_ready,
+                             api_client=api_client, status_writer=status_writer,
+                             host_ip=host_ip, config=config, registry=registry)
+        self.runtime_version = ""   # "<name>://<version>", as nodeInfo shows it
+        self.runtime_problem: str | None = None
+        self._images: list[dict[str, Any]] = []
+        self._tasks: list[asyncio.Task[Any]] = []
+
+    @classmethod
+    def from_config(cls, cfg: AgentConfig, api: client.ApiClient, clock: Clock, *,
+                    host_ip: str = "", registry: CollectorRegistry = REGISTRY) -> Pods:
+        runtime = build_runtime(cfg, host_ip)
+        sources = PodSources(api, SourcesConfig(
+            node_names=(cfg.node_name,), pod_manifest_path=cfg.pod_manifest_path,
+            file_check_frequency=cfg.file_check_frequency, manifest_url=cfg.manifest_url,
+            manifest_url_headers=dict(cfg.manifest_url_headers),
+            http_check_frequency=cfg.http_check_frequency),
+            clock, events=NodeEvents(api, cfg.node_name, clock))
+        logs = Path(cfg.root_dir) / "logs" / "pods"
+        return cls(runtime=runtime, clock=clock, node_name=cfg.node_name,
+                   updates=sources.updates, sources_ready=sources.ready,
+                   run_sources=sources.run, api_client=api, host_ip=host_ip,
+                   config=SyncLoopConfig(log_root=str(logs.resolve())), registry=registry)
+
+    # -- what the node status and health server read (any thread) --
+    def images(self) -> list[dict[str, Any]]:
+        return list(self._images)  # the last good list while the runtime is down
+
+    def readiness(self) -> str | None:
+        """A reason for Ready=False: the runtime cannot be reached, or PLEG is stuck."""
+        return self.runtime_problem or self.loop.health()
+
+    def health(self) -> str | None:
+        return self.loop.health()
+
+    # -- running --
+    async def refresh(self) -> None:
+        """Runtime version and image list; a failure is kept as the runtime's problem."""
+        try:
+            v = await asyncio.wait_for(self.runtime.version(), 10.0)
+            images = await asyncio.wait_for(self.runtime.list_images(), 10.0)
+        except (ContainerRuntimeError, TimeoutError) as e:
+            if self.runtime_problem is None:
+                log.warning("container runtime: %s", e)
+            self.runtime_problem = f"container runtime is down: {e}"
+            return
+        if self.runtime_problem is not None:
+            log.info("container runtime is back")
+        self.runtime_problem = None
+        self.runtime_version = f"{v.runtime_name}://{v.runtime_version}"
+        self._images = [{"names": list(i.names), "sizeBytes": i.size_bytes}
+                        for i in images if i.names]
+
+    async def start(self) -> None:
+        """First runtime reading (before the node reports), then the loops."""
+        await self.refresh()
+        log.info("pods: runtime %s%s", self.runtime_version or type(self.runtime).__name__,
+                 f" ({self.runtime_problem})" if self.runtime_problem else "")
+        self._tasks = [self.loop.start(),
+                       asyncio.create_task(self._refresh_loop(), name="runtime-refresh")]
+        if self.run_sources is not None:
+            self._tasks.append(asyncio.create_task(self.run_sources(), name="pod-sources"))
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await self.clock.sleep(self.image_refresh)
+            await self.refresh()
+
+    async def wait(self) -> None:
+        """Until one of the loops ends (which is a failure: they run until stopped)."""
+        await asyncio.wait(self._tasks, return_when=asyncio.FIRST_COMPLETED)
+
+    async def stop(self) -> None:
+        """Stop the loops; pods keep running in the runtime for the next agent to adopt."""
+        for t in self._tasks[1:]:
+            t.cancel()
+        await asyncio.gather(*self._tasks[1:], return_exceptions=True)
+        await self.loop.stop()
+        with contextlib.suppress(ContainerRuntimeError):
+            await self.runtime.close()
+        self._tasks = []

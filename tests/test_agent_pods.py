@@ -1,0 +1,212 @@
+"""The agent with its pod half (nodeagent.pods) on the fake runtime, the in-memory API
+and FakeClock: pods run and report status, the runtime feeds NodeStatus (images,
+containerRuntimeVersion, readiness) and /healthz shows PLEG's health."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from nodeagent import config
+from nodeagent.agent import Agent
+from nodeagent.api.clock import FakeClock, settle
+from nodeagent.node.fakekube import FakeKube, InlineExecutor
+from nodeagent.pods import Pods, build_runtime, host_ip
+from nodeagent.runtime import RelistResult, RuntimeVersion, Unavailable
+from nodeagent.runtime.fake import FakeRuntime
+from nodeagent.sources.types import Op, PodUpdate, Source, SourcesReady
+from nodeagent.syncloop import SyncLoopConfig
+from tests.test_node_host import fake_proc
+from tests.test_podstatus import FakeWriter
+from tests.test_runtime_fake import aio
+
+
+def load(tmp_path: Path, *argv: str) -> config.AgentConfig:
+    parser = argparse.ArgumentParser()
+    config.add_flags(parser)
+    proc = tmp_path / "proc"
+    flags = vars(parser.parse_args(["--node-name", "n1", "--proc-path",
+                                    str(proc if proc.exists() else fake_proc(tmp_path)),
+                                    "--root-dir", str(tmp_path), *argv]))
+    return config.load(flags, {})
+
+
+class Rig:
+    def __init__(self, tmp_path: Path, *argv: str, health: str = "",
+                 pleg_threshold: float = 180.0) -> None:
+        self.cfg = load(tmp_path, "--healthz-bind-address", health, *argv)
+        self.clock = FakeClock()
+        self.kube = FakeKube(now=self.clock.monotonic)
+        self.rt = FakeRuntime(self.clock, images=["localhost/busybox:1", "localhost/pause:1"])
+        self.updates: asyncio.Queue[PodUpdate] = asyncio.Queue()
+        self.ready = SourcesReady({Source.API})
+        self.ready.mark(Source.API)
+        self.writer = FakeWriter()
+        reg = CollectorRegistry()
+        self.pods = Pods(runtime=self.rt, clock=self.clock, node_name="n1",
+                         updates=self.updates, sources_ready=self.ready,
+                         status_writer=self.writer, host_ip="192.0.2.10", registry=reg,
+                         config=SyncLoopConfig(pleg_health_threshold=pleg_threshold))
+        inline = InlineExecutor()
+        self.agent = Agent(self.cfg, kube=self.kube, clock=self.clock, registry=reg,
+                           flags={}, env={}, lease_executor=inline, status_executor=inline,
+                           watch_executor=inline, pods=self.pods)
+        self.stop = asyncio.Event()
+        self.task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self.task = asyncio.create_task(self.agent.run(self.stop))
+        await settle()
+
+    async def finish(self) -> None:
+        self.stop.set()
+        assert self.task is not None
+        await self.task
+
+    def node(self) -> dict[str, Any]:
+        return self.kube.nodes["n1"]
+
+    def ready_condition(self) -> dict[str, Any]:
+        return next(c for c in self.node()["status"]["conditions"] if c["type"] == "Ready")
+
+
+def mkpod(uid: str = "u1") -> dict[str, Any]:
+    return {"metadata": {"name": "web", "namespace": "ns", "uid": uid},
+            "spec": {"nodeName": "n1", "restartPolicy": "Always",
+                     "containers": [{"name": "c", "image": "localhost/busybox:1",
+                                     "command": ["sleep", "3600"]}]},
+            "status": {"phase": "Pending"}}
+
+
+@aio
+async def test_pod_runs_and_node_status_carries_the_runtime(tmp_path: Path) -> None:
+    rig = Rig(tmp_path, "--register-with-taints", "nodepulse.dev/pods=e2e:NoSchedule")
+    await rig.start()
+    node = rig.node()
+    assert node["spec"]["taints"] == [{"key": "nodepulse.dev/pods", "value": "e2e",
+                                       "effect": "NoSchedule"}]
+    assert node["status"]["nodeInfo"]["containerRuntimeVersion"] == "fake://0.1.0"
+    assert [i["names"] for i in node["status"]["images"]] == [["localhost/busybox:1"],
+                                                              ["localhost/pause:1"]]
+    assert rig.ready_condition()["status"] == "True"
+
+    rig.updates.put_nowait(PodUpdate(Op.ADD, (mkpod(),), Source.API))
+    for _ in range(3):
+        await rig.clock.advance(1)
+    assert len(rig.rt.running("u1")) == 1
+    assert [st for uid, st in rig.writer.patches if uid == "u1"][-1]["phase"] == "Running"
+
+    # a container dies: PLEG sees it on the next relist and the worker restarts it
+    cid = rig.rt.running("u1")[0].id
+    rig.rt.exit_container(cid, 1)
+    for _ in range(2):
+        await rig.clock.advance(1)
+    st = [st for uid, st in rig.writer.patches if uid == "u1"][-1]
+    assert st["containerStatuses"][0]["lastState"]["terminated"]["exitCode"] == 1
+
+    await rig.finish()
+    # stopping the agent leaves its pods running (the next agent adopts them)
+    assert rig.rt.running("u1")
+    calls = sum(rig.rt.calls.values())
+    await rig.clock.advance(30)
+    assert sum(rig.rt.calls.values()) == calls  # no loop runs after stop
+
+
+@aio
+async def test_runtime_down_makes_node_not_ready_and_back(tmp_path: Path) -> None:
+    rig = Rig(tmp_path)
+    await rig.start()
+    assert rig.ready_condition()["status"] == "True"
+    images = rig.node()["status"]["images"]
+    real_version = rig.rt.version
+
+    async def down() -> RuntimeVersion:
+        raise Unavailable("socket gone")
+
+    rig.rt.version = down  # type: ignore[method-assign]
+    await rig.clock.advance(10)   # image/version refresh
+    await rig.clock.advance(10)   # next status computation
+    cond = rig.ready_condition()
+    assert cond["status"] == "False" and "container runtime is down" in cond["message"]
+    assert rig.node()["status"]["images"] == images  # last good list kept
+    rig.rt.version = real_version  # type: ignore[method-assign]
+    await rig.clock.advance(20)
+    assert rig.ready_condition()["status"] == "True"
+    await rig.finish()
+
+
+@aio
+async def test_stuck_pleg_fails_healthz_and_readiness(tmp_path: Path) -> None:
+    rig = Rig(tmp_path, health="127.0.0.1:0", pleg_threshold=30.0)
+    hang = asyncio.Event()
+
+    async def stuck() -> RelistResult:
+        await hang.wait()
+        raise AssertionError("unreachable")
+
+    await rig.start()
+    assert rig.agent.health is not None
+    url = f"http://127.0.0.1:{rig.agent.health.port}/healthz"
+    body = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read())
+    assert b"ok" in body
+    rig.rt.relist = stuck  # type: ignore[method-assign]
+    for _ in range(60):
+        await rig.clock.advance(1)
+    with pytest.raises(urllib.error.HTTPError) as e:
+        await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read())
+    assert e.value.code == 500 and b"PLEG is not healthy" in e.value.read()
+    cond = rig.ready_condition()
+    assert cond["status"] == "False" and "PLEG is not healthy" in cond["message"]
+    await rig.finish()
+
+
+def test_config_flags_for_pods(tmp_path: Path) -> None:
+    cfg = load(tmp_path, "--pod-manifest-path", str(tmp_path), "--file-check-frequency",
+               "5s", "--manifest-url", "http://127.0.0.1:1/p.yaml", "--manifest-url-header",
+               "Authorization:Bearer x,X-Node:n1", "--http-check-frequency", "1m",
+               "--runtime", "process", "--container-runtime-endpoint", "unix:///nope.sock",
+               "--register-with-taints", "a=b:NoSchedule,c:NoExecute")
+    assert cfg.pod_manifest_path == str(tmp_path) and cfg.file_check_frequency == 5
+    assert cfg.manifest_url_headers == {"Authorization": "Bearer x", "X-Node": "n1"}
+    assert cfg.http_check_frequency == 60 and cfg.runtime == "process"
+    assert cfg.register_with_taints == ({"key": "a", "value": "b", "effect": "NoSchedule"},
+                                        {"key": "c", "effect": "NoExecute"})
+    (tmp_path / "agent.yaml").write_text(
+        "staticPodPath: /etc/pods\nregisterWithTaints: [{key: k, effect: NoSchedule}]\n"
+        "staticPodURLHeader: {X-A: [one, two]}\n")
+    cfg = load(tmp_path, "--config", str(tmp_path / "agent.yaml"))
+    assert cfg.pod_manifest_path == "/etc/pods"
+    assert cfg.register_with_taints == ({"key": "k", "effect": "NoSchedule"},)
+    assert cfg.manifest_url_headers == {"X-A": "one,two"}
+    assert host_ip(load(tmp_path, "--node-ip", "192.0.2.7"), None) == "192.0.2.7"  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--register-with-taints", "a=b:Sometimes"], "--register-with-taints: taint a: effect"),
+    (["--register-with-taints", "novalue"], "--register-with-taints: 'novalue' is not"),
+    (["--manifest-url-header", "nocolon"], "--manifest-url-header: 'nocolon' is not Name:value"),
+    (["--file-check-frequency", "0s"], "--file-check-frequency: must be more than zero"),
+    (["--runtime", "docker"], "--runtime: must be one of auto, cri, process, fake"),
+])
+def test_bad_pod_settings_are_refused(tmp_path: Path, argv: list[str], message: str) -> None:
+    with pytest.raises(config.ConfigError, match=message.replace("(", r"\(")):
+        load(tmp_path, *argv)
+
+
+@aio
+async def test_runtime_choice(tmp_path: Path) -> None:
+    rt = build_runtime(load(tmp_path, "--runtime", "auto", "--container-runtime-endpoint",
+                            f"unix://{tmp_path}/missing.sock"), "192.0.2.1")
+    try:
+        assert rt.scheme == "process"
+        assert (tmp_path / "process" / "lock").exists()  # state under --root-dir
+    finally:
+        await rt.close()
+    assert isinstance(build_runtime(load(tmp_path, "--runtime", "fake")), FakeRuntime)
