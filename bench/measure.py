@@ -1,0 +1,226 @@
+"""What the scale benchmark measures, as plain functions of metric texts and /proc:
+counter readings from the API server's and etcd's own Prometheus metrics, their
+deltas, per node-minute arithmetic, and the tables. No I/O here except /proc reads,
+so the arithmetic is unit-tested (tests/test_bench_scale.py).
+
+bench/heartbeat.py could move its cpu_seconds/rss_mb here and read its writes and
+body bytes through write_counts/body_bytes."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+WRITE_VERBS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+TICKS = 100.0  # os.sysconf("SC_CLK_TCK") on Linux
+# etcd 3.6: bytes of key-values put (what the API server stores), and bytes appended
+# to the write-ahead log (puts plus raft overhead).
+ETCD_PUT_BYTES = "etcd_debugging_mvcc_total_put_size_in_bytes"
+ETCD_WAL_BYTES = "etcd_disk_wal_write_bytes_total"
+ETCD_PUTS = "etcd_mvcc_put_total"
+
+
+def _samples(text: str, name: str) -> Iterable[tuple[dict[str, str], float]]:
+    # The API server exposes megabytes of metrics; parse only the lines of `name`.
+    lines = [ln for ln in text.splitlines() if ln.startswith((name + "{", name + " "))]
+    for family in text_string_to_metric_families("\n".join(lines) + "\n"):
+        for s in family.samples:
+            if s.name == name:
+                yield s.labels, s.value
+
+
+def write_counts(apiserver_text: str) -> dict[str, float]:
+    """apiserver_request_total for write verbs, keyed "resource[/subresource] VERB"."""
+    out: dict[str, float] = {}
+    for labels, value in _samples(apiserver_text, "apiserver_request_total"):
+        if labels.get("verb") not in WRITE_VERBS or not labels.get("resource"):
+            continue
+        res = labels["resource"] + (f"/{labels['subresource']}" if labels.get("subresource") else "")
+        key = f"{res} {labels['verb']}"
+        out[key] = out.get(key, 0.0) + value
+    return out
+
+
+def body_bytes(apiserver_text: str) -> dict[str, float]:
+    """Request body bytes (apiserver_request_body_size_bytes_sum), keyed "resource verb"
+    (v1.35 labels it by resource and lower-case verb, without subresource)."""
+    out: dict[str, float] = {}
+    for labels, value in _samples(apiserver_text, "apiserver_request_body_size_bytes_sum"):
+        key = f"{labels.get('resource', '')} {labels.get('verb', '')}"
+        out[key] = out.get(key, 0.0) + value
+    return out
+
+
+def body_count(apiserver_text: str, resource: str, verb: str) -> float:
+    return sum(v for labels, v in _samples(apiserver_text, "apiserver_request_body_size_bytes_count")
+               if labels.get("resource") == resource and labels.get("verb") == verb)
+
+
+def etcd_counters(etcd_text: str) -> dict[str, float]:
+    out = {}
+    for name in (ETCD_PUT_BYTES, ETCD_WAL_BYTES, ETCD_PUTS):
+        values = [v for _, v in _samples(etcd_text, name)]
+        if not values:
+            raise ValueError(f"etcd metrics: {name} is missing (is this etcd 3.5+?)")
+        out[name] = sum(values)
+    return out
+
+
+def delta(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float]:
+    """after - before per key (a key first seen after counts from 0). A counter that
+    went down was reset (its process restarted): the window is void, so say so."""
+    out = {}
+    for key in set(before) | set(after):
+        d = after.get(key, 0.0) - before.get(key, 0.0)
+        if d < 0:
+            raise ValueError(f"counter {key!r} went down ({before.get(key)} -> "
+                             f"{after.get(key)}): its process restarted during the window")
+        out[key] = d
+    return out
+
+
+def per_node_minute(value: float, nodes: int, seconds: float) -> float:
+    if nodes <= 0 or seconds <= 0:
+        raise ValueError(f"per node-minute needs nodes > 0 and seconds > 0 "
+                         f"(nodes={nodes}, seconds={seconds})")
+    return value / (nodes * seconds / 60.0)
+
+
+def net(value: float, background_rate: float, seconds: float) -> float:
+    """`value` over a window of `seconds` less the idle cluster's own rate; never
+    below zero (the idle rate is an estimate)."""
+    return max(0.0, value - background_rate * seconds)
+
+
+# ---- /proc
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICKS  # utime + stime
+
+
+def peak_rss_mb(pid: int) -> float:
+    """The process's peak resident set (VmHWM) in MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise ValueError(f"/proc/{pid}/status has no VmHWM line")
+
+
+# ---- results and tables
+SUBJECT_ORDER = ("nodepulse", "legacy", "kwok")
+
+
+@dataclass
+class Result:
+    subject: str  # nodepulse | legacy | kwok
+    nodes: int
+    seconds: float  # measured window
+    writes: float  # API write requests per node-minute
+    body_bytes: float  # request body bytes per node-minute
+    etcd_put_bytes: float  # per node-minute
+    etcd_wal_bytes: float  # per node-minute
+    subject_cpu: float  # CPU seconds per node-minute of the agent (or kwok)
+    apiserver_cpu: float  # per node-minute, idle cluster's own use taken out
+    etcd_cpu: float  # per node-minute, idle use taken out
+    subject_rss_mb: float  # peak, all its processes
+    apiserver_rss_mb: float
+    etcd_rss_mb: float
+    processes: int = 1  # processes the subject ran
+    stale_max: int = 0  # most nodes seen at once without a fresh heartbeat
+    by_resource: dict[str, float] = field(default_factory=dict)  # writes per node-minute
+
+
+COLUMNS: list[tuple[str, str, str]] = [
+    # (header, attribute, format)
+    ("writes", "writes", "{:.2f}"),
+    ("req bytes", "body_bytes", "{:,.0f}"),
+    ("etcd put B", "etcd_put_bytes", "{:,.0f}"),
+    ("etcd WAL B", "etcd_wal_bytes", "{:,.0f}"),
+    ("subj CPU s", "subject_cpu", "{:.4f}"),
+    ("apisrv CPU s", "apiserver_cpu", "{:.4f}"),
+    ("etcd CPU s", "etcd_cpu", "{:.4f}"),
+    ("subj RSS MB", "subject_rss_mb", "{:.0f}"),
+    ("apisrv RSS MB", "apiserver_rss_mb", "{:.0f}"),
+    ("etcd RSS MB", "etcd_rss_mb", "{:.0f}"),
+]
+RATIO_ATTRS = ("writes", "body_bytes", "etcd_put_bytes", "etcd_wal_bytes", "subject_cpu",
+               "apiserver_cpu", "etcd_cpu", "subject_rss_mb")
+
+
+def ordered(results: Iterable[Result]) -> list[Result]:
+    def key(r: Result) -> tuple[int, int]:
+        rank = SUBJECT_ORDER.index(r.subject) if r.subject in SUBJECT_ORDER else len(SUBJECT_ORDER)
+        return r.nodes, rank
+    return sorted(results, key=key)
+
+
+def ratio(a: float, b: float) -> float:
+    """a/b; nan when b is zero (a ratio to nothing says nothing)."""
+    return a / b if b else math.nan
+
+
+def ratios(results: Iterable[Result], num: str, den: str) -> dict[int, dict[str, float]]:
+    """For every node count where both subjects ran: attribute -> num/den."""
+    by = {(r.subject, r.nodes): r for r in results}
+    out: dict[int, dict[str, float]] = {}
+    for (subject, n), a in sorted(by.items(), key=lambda kv: kv[0][1]):
+        b = by.get((den, n))
+        if subject == num and b is not None:
+            out[n] = {attr: ratio(getattr(a, attr), getattr(b, attr)) for attr in RATIO_ATTRS}
+    return out
+
+
+def _fmt_ratio(x: float) -> str:
+    return "n/a" if math.isnan(x) else f"{x:.3g}"
+
+
+def render_text(results: Iterable[Result]) -> str:
+    rows = ordered(results)
+    head = ["subject", "nodes", "min", *(h for h, _, _ in COLUMNS), "stale"]
+    body = [[r.subject, str(r.nodes), f"{r.seconds / 60:.1f}",
+             *(fmt.format(getattr(r, attr)) for _, attr, fmt in COLUMNS), str(r.stale_max)]
+            for r in rows]
+    widths = [max(len(x) for x in col) for col in zip(head, *body, strict=True)]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True))
+             for row in [head, *body]]
+    lines.insert(1, "-" * len(lines[0]))
+    for num, den in (("nodepulse", "legacy"), ("nodepulse", "kwok")):
+        for n, rs in ratios(rows, num, den).items():
+            lines.append(f"{num}/{den} N={n}: " + ", ".join(
+                f"{attr} {_fmt_ratio(x)}" for attr, x in rs.items()))
+    return "\n".join(lines)
+
+
+def render_markdown(results: Iterable[Result]) -> str:
+    rows = ordered(results)
+    head = ["subject", "nodes", "window min", "processes", *(h for h, _, _ in COLUMNS),
+            "stale max"]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        out.append("| " + " | ".join([r.subject, str(r.nodes), f"{r.seconds / 60:.1f}",
+                                      str(r.processes),
+                                      *(fmt.format(getattr(r, a)) for _, a, fmt in COLUMNS),
+                                      str(r.stale_max)]) + " |")
+    for num, den in (("nodepulse", "legacy"), ("nodepulse", "kwok")):
+        rs = ratios(rows, num, den)
+        if not rs:
+            continue
+        out += ["", f"**{num} / {den}** (below 1: nodepulse costs less)", "",
+                "| nodes | " + " | ".join(RATIO_ATTRS) + " |",
+                "|" + "---|" * (len(RATIO_ATTRS) + 1)]
+        for n, by_attr in rs.items():
+            out.append(f"| {n} | " + " | ".join(_fmt_ratio(by_attr[a]) for a in RATIO_ATTRS)
+                       + " |")
+    keys = sorted({k for r in rows for k in r.by_resource})
+    if keys:
+        out += ["", "**Write requests per node-minute by resource and verb** "
+                "(API server's identity lease taken out)", "",
+                "| subject | nodes | " + " | ".join(keys) + " |", "|" + "---|" * (len(keys) + 2)]
+        for r in rows:
+            out.append(f"| {r.subject} | {r.nodes} | "
+                       + " | ".join(f"{r.by_resource.get(k, 0.0):.2f}" for k in keys) + " |")
+    return "\n".join(out)

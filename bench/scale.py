@@ -1,0 +1,469 @@
+"""Control-plane cost of keeping N nodes alive, three subjects side by side on the
+local control plane (etcd and kube-apiserver included in the measurement):
+
+- nodepulse: nodepulse-agent, efficient heartbeats (Lease + NodeStatus on change);
+- legacy:    nodepulse-agent --heartbeat-mode=legacy (full NodeStatus every 10 s, no Lease);
+- kwok:      KWOK (pinned, built from its Go module) managing N Nodes we create, with
+             the default node stages kwokctl pairs with leases (node-initialize,
+             node-heartbeat-with-lease, read from the pinned module) and a 40 s Lease.
+
+    python -m bench.scale --nodes 100,500,1000 --minutes 5
+
+Every (subject, N) phase gets a fresh control plane, so peak memory and counters
+belong to that phase alone: cluster up -> idle baseline window (the cluster's own
+background) -> subject started -> all N nodes Ready (and leased) -> warm-up ->
+measured window -> subject stopped -> cluster removed. Per node-minute over the
+window: API write requests and request body bytes (apiserver_request_total,
+apiserver_request_body_size_bytes; the API server's identity-lease renewals, seen by
+a watch, and the idle background taken out), etcd bytes put and WAL bytes written
+(etcd's own counters, idle background taken out), CPU seconds of the subject's
+processes, the API server and etcd (the latter two net of idle), and peak RSS
+(VmHWM). Prints a table and the ratios nodepulse/legacy and nodepulse/kwok, writes
+docs/benchmarks/scale.md, scale.json and scale.png. Asserts nothing.
+
+nodepulse runs all N nodes in one process when the agent has --virtual-nodes;
+otherwise it runs one agent process per node (node credentials each), which only
+goes to a few dozen nodes on a small machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import datetime
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from kubernetes import client
+
+from bench import measure
+from bench.heartbeat import OtherLeaseWrites
+from e2e.cluster import LocalCluster, build
+
+ROOT = Path(__file__).resolve().parents[1]
+AGENT = Path(sys.executable).parent / "nodepulse-agent"
+LEASE_NS = "kube-node-lease"
+LEASE_SECONDS = 40  # kubelet's, nodepulse's and kwokctl's (before its heartbeat factor)
+KWOK_ANNOTATION = ("kwok.x-k8s.io/node", "fake")
+BENCH_LABEL = "nodepulse.dev/bench"
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def agent_has_virtual_nodes() -> bool:
+    out = subprocess.run([str(AGENT), "--help"], capture_output=True, text=True, check=True)
+    return "--virtual-nodes" in out.stdout
+
+
+# ---- subjects: a command line and how its nodes come to be
+class Subject:
+    name = ""
+    leases = True  # whether its liveness signal is a Lease
+
+    def __init__(self, tag: str, n: int, workdir: Path) -> None:
+        self.tag, self.n, self.workdir = tag, n, workdir
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    @property
+    def selector(self) -> str:
+        return f"{BENCH_LABEL}={self.tag}"
+
+    def start(self, cluster: LocalCluster) -> None:
+        raise NotImplementedError
+
+    def _spawn(self, args: list[str], logname: str) -> None:
+        with (self.workdir / f"{logname}.log").open("ab") as out:
+            self.procs.append(subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT,
+                                               stdin=subprocess.DEVNULL,
+                                               start_new_session=True))
+
+    def dead(self) -> list[str]:
+        return [f"pid {p.pid} exit {p.returncode}" for p in self.procs if p.poll() is not None]
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+class AgentSubject(Subject):
+    def __init__(self, mode: str, virtual: bool, tag: str, n: int, workdir: Path) -> None:
+        super().__init__(tag, n, workdir)
+        self.mode, self.virtual = mode, virtual
+        self.name = "nodepulse" if mode == "efficient" else mode
+        self.leases = mode != "legacy"
+
+    def start(self, cluster: LocalCluster) -> None:
+        common = ["--heartbeat-mode", self.mode, "--agent-id", self.tag,
+                  "--node-labels", f"{BENCH_LABEL}={self.tag}",
+                  "--healthz-bind-address", ""]
+        if self.virtual:
+            # one process for all N; the admin kubeconfig, as the chart's RBAC would
+            # allow writes to exactly these Nodes and Leases
+            self._spawn([str(AGENT), "--virtual-nodes", str(self.n),
+                         "--node-name-prefix", f"{self.tag}-",
+                         "--kubeconfig", str(cluster.kubeconfig),
+                         "--root-dir", str(self.workdir / self.tag), *common], self.tag)
+            return
+        for i in range(self.n):
+            name = f"{self.tag}-{i}"
+            self._spawn([str(AGENT), "--node-name", name,
+                         "--kubeconfig", str(cluster.node_kubeconfig(name)),
+                         "--root-dir", str(self.workdir / name), *common], name)
+
+
+class KwokSubject(Subject):
+    name = "kwok"
+
+    def start(self, cluster: LocalCluster) -> None:
+        kwok = build.ensure(["kwok"], log=log)["kwok"]
+        core = client.CoreV1Api(cluster.api_client())
+        self._create_nodes(core)
+        self._spawn([str(kwok), f"--kubeconfig={cluster.kubeconfig}",
+                     "--manage-all-nodes=false",
+                     f"--manage-nodes-with-annotation-selector={'='.join(KWOK_ANNOTATION)}",
+                     f"--node-lease-duration-seconds={LEASE_SECONDS}",
+                     *(f"--config={p}" for p in kwok_node_stages())], self.tag)
+
+    def _create_nodes(self, core: client.CoreV1Api) -> None:
+        """N Node objects as KWOK's documentation has users write them."""
+        def create(i: int) -> None:
+            name = f"{self.tag}-{i}"
+            core.create_node(client.V1Node(
+                metadata=client.V1ObjectMeta(
+                    name=name, annotations={KWOK_ANNOTATION[0]: KWOK_ANNOTATION[1],
+                                            "node.alpha.kubernetes.io/ttl": "0"},
+                    labels={BENCH_LABEL: self.tag, "kubernetes.io/hostname": name,
+                            "kubernetes.io/os": "linux", "kubernetes.io/arch": "amd64",
+                            "type": "kwok"}),
+                spec=client.V1NodeSpec(taints=[client.V1Taint(
+                    key=KWOK_ANNOTATION[0], value=KWOK_ANNOTATION[1], effect="NoSchedule")])))
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            list(pool.map(create, range(self.n)))
+
+
+def kwok_node_stages() -> list[Path]:
+    """kwok's own default node stages for a leased node, from the pinned module source
+    (the kwok binary alone picks its stages the other way round in v0.7.0: with a
+    lease duration set it takes node-heartbeat, a status PATCH every 20-45 s; kwokctl
+    writes node-initialize + node-heartbeat-with-lease, which is what we use)."""
+    tool = build.TOOLS["kwok"]
+    src = build.cache_root() / "gomod" / f"{tool.module}@{tool.version}" / "kustomize" / "stage" / "node"
+    paths = [src / "fast" / "node-initialize.yaml",
+             src / "heartbeat-with-lease" / "node-heartbeat-with-lease.yaml"]
+    missing = [str(p) for p in paths if not p.is_file()]
+    if missing:
+        raise RuntimeError(f"kwok's stage files are missing: {missing} (the module source "
+                           f"is fetched when kwok is built; remove {tool.path} to rebuild)")
+    return paths
+
+
+# ---- one phase
+@dataclass
+class Snapshot:
+    t: float
+    writes: dict[str, float]
+    body: dict[str, float]
+    lease_updates: float  # count of lease update bodies (to size the identity lease's)
+    etcd: dict[str, float]
+    cpu: dict[str, float]  # kube-apiserver, etcd, subject
+
+
+def snapshot(cluster: LocalCluster, subject_pids: list[int]) -> Snapshot:
+    api = cluster.apiserver_metrics()
+    etcd = cluster.etcd_metrics()
+    cpu = {c: measure.cpu_seconds(cluster.pids[c]) for c in ("kube-apiserver", "etcd")}
+    cpu["subject"] = sum(measure.cpu_seconds(p) for p in subject_pids)
+    return Snapshot(time.monotonic(), measure.write_counts(api), measure.body_bytes(api),
+                    measure.body_count(api, "leases", "update"),
+                    measure.etcd_counters(etcd), cpu)
+
+
+@dataclass
+class Window:
+    """Counter deltas over a window, the API server's identity lease taken out."""
+    seconds: float
+    writes: dict[str, float]
+    body: float
+    etcd: dict[str, float]
+    cpu: dict[str, float]
+
+    @classmethod
+    def between(cls, a: Snapshot, b: Snapshot, own_lease_writes: int) -> Window:
+        writes = measure.delta(a.writes, b.writes)
+        if own_lease_writes:
+            writes["leases PUT"] = max(0.0, writes.get("leases PUT", 0.0) - own_lease_writes)
+        body = measure.delta(a.body, b.body)
+        updates = b.lease_updates - a.lease_updates
+        mean_update = body.get("leases update", 0.0) / updates if updates else 0.0
+        return cls(b.t - a.t, {k: v for k, v in writes.items() if v},
+                   max(0.0, sum(body.values()) - own_lease_writes * mean_update),
+                   measure.delta(a.etcd, b.etcd), measure.delta(a.cpu, b.cpu))
+
+    def rate(self, value: float) -> float:
+        return value / self.seconds
+
+
+def wait_ready(subject: Subject, cluster: LocalCluster, timeout: float) -> None:
+    api = cluster.api_client()
+    core, coord = client.CoreV1Api(api), client.CoordinationV1Api(api)
+    deadline = time.monotonic() + timeout
+    have = 0
+    while True:
+        nodes = core.list_node(label_selector=subject.selector).items
+        ready = {n.metadata.name for n in nodes
+                 if any(c.type == "Ready" and c.status == "True"
+                        for c in (n.status.conditions or []))}
+        if subject.leases and len(ready) >= subject.n:
+            ready &= {x.metadata.name for x in coord.list_namespaced_lease(LEASE_NS).items}
+        if len(ready) >= subject.n:
+            return
+        if len(ready) != have:
+            have = len(ready)
+            log(f"  {have}/{subject.n} nodes ready")
+        dead = subject.dead()
+        if dead or time.monotonic() > deadline:
+            raise RuntimeError(f"{subject.name}: {len(ready)}/{subject.n} nodes ready "
+                               f"({'exited: ' + ', '.join(dead) if dead else 'timed out'}); "
+                               f"logs in {subject.workdir}")
+        time.sleep(2)
+
+
+def stale_nodes(subject: Subject, cluster: LocalCluster) -> int:
+    """Nodes whose liveness signal (Lease renewTime, or the Ready condition's heartbeat
+    for a subject without leases) is older than the lease duration now."""
+    api = cluster.api_client()
+    now = datetime.datetime.now(datetime.UTC)
+    limit = datetime.timedelta(seconds=LEASE_SECONDS)
+    names = {n.metadata.name: n for n in
+             client.CoreV1Api(api).list_node(label_selector=subject.selector).items}
+    if subject.leases:
+        renewed = {x.metadata.name: x.spec.renew_time for x in
+                   client.CoordinationV1Api(api).list_namespaced_lease(LEASE_NS).items}
+        return sum(1 for n in names if renewed.get(n) is None or now - renewed[n] > limit)
+    stale = 0
+    for node in names.values():
+        beat = next((c.last_heartbeat_time for c in node.status.conditions or []
+                     if c.type == "Ready"), None)
+        stale += beat is None or now - beat > limit
+    return stale
+
+
+def run_phase(subject: Subject, args: argparse.Namespace) -> measure.Result:
+    cluster = LocalCluster(subject.workdir / "cluster")
+    cluster.up(log=log)
+    others: OtherLeaseWrites | None = None
+    try:
+        others = OtherLeaseWrites(cluster.api_client())
+        time.sleep(args.settle_seconds)
+        b0 = snapshot(cluster, [])
+        time.sleep(args.baseline_seconds)
+        b1 = snapshot(cluster, [])
+        idle = Window.between(b0, b1, others.between(b0.t, b1.t))
+        log(f"  idle: {idle.rate(sum(idle.writes.values())) * 60:.1f} writes/min, "
+            f"etcd {idle.rate(idle.etcd[measure.ETCD_PUT_BYTES]) * 60:,.0f} put B/min")
+
+        log(f"  starting {subject.name} with {subject.n} nodes")
+        started = time.monotonic()
+        subject.start(cluster)
+        wait_ready(subject, cluster, args.ready_timeout + subject.n * 0.5)
+        log(f"  all {subject.n} ready in {time.monotonic() - started:.0f} s; "
+            f"warm-up {args.warmup_seconds:g} s")
+        time.sleep(args.warmup_seconds)
+        stale = stale_nodes(subject, cluster)
+        pids = [p.pid for p in subject.procs]
+        s0 = snapshot(cluster, pids)
+        end = s0.t + args.minutes * 60
+        while time.monotonic() < end:
+            time.sleep(min(5.0, max(0.0, end - time.monotonic())))
+            if subject.dead():
+                raise RuntimeError(f"{subject.name} exited during the window: "
+                                   f"{subject.dead()}; logs in {subject.workdir}")
+        s1 = snapshot(cluster, pids)
+        peaks = {c: measure.peak_rss_mb(cluster.pids[c]) for c in ("kube-apiserver", "etcd")}
+        subject_peak = sum(measure.peak_rss_mb(p) for p in pids)
+        stale = max(stale, stale_nodes(subject, cluster))
+        w = Window.between(s0, s1, others.between(s0.t, s1.t))
+    finally:
+        subject.stop()
+        if others is not None:
+            others.stop()
+        cluster.remove()
+
+    n, secs = subject.n, w.seconds
+
+    def pnm(value: float, idle_total: float = 0.0) -> float:
+        """per node-minute, net of the idle cluster's rate for the same span"""
+        return measure.per_node_minute(measure.net(value, idle.rate(idle_total), secs), n, secs)
+
+    return measure.Result(
+        subject=subject.name, nodes=n, seconds=secs,
+        writes=pnm(sum(w.writes.values()), sum(idle.writes.values())),
+        body_bytes=pnm(w.body, idle.body),
+        etcd_put_bytes=pnm(w.etcd[measure.ETCD_PUT_BYTES], idle.etcd[measure.ETCD_PUT_BYTES]),
+        etcd_wal_bytes=pnm(w.etcd[measure.ETCD_WAL_BYTES], idle.etcd[measure.ETCD_WAL_BYTES]),
+        subject_cpu=pnm(w.cpu["subject"]),
+        apiserver_cpu=pnm(w.cpu["kube-apiserver"], idle.cpu["kube-apiserver"]),
+        etcd_cpu=pnm(w.cpu["etcd"], idle.cpu["etcd"]),
+        subject_rss_mb=subject_peak, apiserver_rss_mb=peaks["kube-apiserver"],
+        etcd_rss_mb=peaks["etcd"], processes=len(subject.procs), stale_max=stale,
+        by_resource={k: measure.per_node_minute(v, n, secs) for k, v in w.writes.items()})
+
+
+# ---- output
+def machine() -> str:
+    model = next((ln.split(":", 1)[1].strip() for ln in
+                  Path("/proc/cpuinfo").read_text().splitlines()
+                  if ln.startswith("model name")), platform.processor())
+    mem_kb = next(int(ln.split()[1]) for ln in Path("/proc/meminfo").read_text().splitlines()
+                  if ln.startswith("MemTotal:"))
+    return (f"{os.cpu_count()} CPUs ({model}), {mem_kb / 1024 ** 2:.0f} GiB RAM, "
+            f"{platform.system()} {platform.release()}")
+
+
+def plot(results: list[measure.Result], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [("API writes / node-min", "writes"), ("request bytes / node-min", "body_bytes"),
+              ("etcd bytes put / node-min", "etcd_put_bytes"),
+              ("subject CPU s / node-min", "subject_cpu"),
+              ("API server CPU s / node-min", "apiserver_cpu"),
+              ("subject peak RSS MB", "subject_rss_mb")]
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    for ax, (title, attr) in zip(axes.flat, panels, strict=True):
+        for subject in measure.SUBJECT_ORDER:
+            rows = sorted((r for r in results if r.subject == subject), key=lambda r: r.nodes)
+            if rows:
+                ax.plot([r.nodes for r in rows], [getattr(r, attr) for r in rows],
+                        marker="o", label=subject)
+        ax.set_title(title)
+        ax.set_xlabel("nodes")
+        ax.set_yscale("symlog" if attr.endswith("cpu") else "log")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.suptitle("nodepulse vs legacy heartbeats vs KWOK, per node-minute (lower is better)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_docs(results: list[measure.Result], args: argparse.Namespace, command: str,
+               how: str) -> None:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    plot(results, out / "scale.png")
+    (out / "scale.json").write_text(json.dumps([asdict(r) for r in results], indent=1))
+    versions = ", ".join(f"{n} {build.TOOLS[n].version}"
+                         for n in ("kube-apiserver", "etcd", "kwok"))
+    (out / "scale.md").write_text(f"""# Scale benchmark: nodepulse vs legacy heartbeats vs KWOK
+
+Written by `bench/scale.py`; do not edit by hand.
+
+- command: `{command}`
+- date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M UTC}
+- machine: {machine()}
+- control plane: {versions} (local, loopback, etcd with --unsafe-no-fsync)
+- nodepulse ran as: {how}
+- window: {args.minutes:g} min per phase after all nodes were Ready (and leased) and a
+  {args.warmup_seconds:g} s warm-up; idle baseline {args.baseline_seconds:g} s per phase
+
+Per node-minute over the window. Every (subject, N) phase runs on a fresh control
+plane. Writes and request bytes come from the API server's own metrics
+(`apiserver_request_total` verbs POST/PUT/PATCH/DELETE, `apiserver_request_body_size_bytes`),
+the API server's identity-lease renewals taken out and the idle cluster's background
+subtracted; etcd bytes from etcd's `{measure.ETCD_PUT_BYTES}` (key-value bytes put) and
+`{measure.ETCD_WAL_BYTES}`, idle background subtracted. CPU seconds from /proc (API
+server and etcd net of their idle use); RSS is the peak (VmHWM) of the phase, the
+subject's summed over its processes. "stale max": nodes whose Lease (or, without a
+Lease, Ready heartbeat) was older than {LEASE_SECONDS} s at the start or end of the window.
+
+{measure.render_markdown(results)}
+
+![per node-minute costs](scale.png)
+""")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.scale",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nodes", default="100,500,1000", help="comma-separated node counts")
+    parser.add_argument("--minutes", type=float, default=5.0, help="measured window per phase")
+    parser.add_argument("--subjects", default="nodepulse,legacy,kwok")
+    parser.add_argument("--warmup-seconds", type=float, default=60.0)
+    parser.add_argument("--baseline-seconds", type=float, default=30.0,
+                        help="idle window measuring the cluster's own background")
+    parser.add_argument("--settle-seconds", type=float, default=10.0,
+                        help="wait after the cluster comes up, before the idle window")
+    parser.add_argument("--ready-timeout", type=float, default=120.0,
+                        help="seconds for all nodes to be Ready (plus 0.5 s per node)")
+    parser.add_argument("--agent-processes", choices=("auto", "virtual", "separate"),
+                        default="auto", help="nodepulse as one --virtual-nodes process, or "
+                        "one process per node (auto: virtual when the agent has it)")
+    parser.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
+    parser.add_argument("--churn", action="store_true",
+                        help="pod churn (issue 8 item 3); needs the agent's fake runtime")
+    args = parser.parse_args(argv)
+    try:
+        sizes = [int(x) for x in args.nodes.split(",") if x.strip()]
+    except ValueError:
+        parser.error(f"--nodes: {args.nodes!r} is not a comma-separated list of integers")
+    if not sizes or min(sizes) <= 0:
+        parser.error(f"--nodes: {args.nodes!r} needs positive node counts")
+    subjects = [s for s in args.subjects.split(",") if s]
+    unknown = set(subjects) - set(measure.SUBJECT_ORDER)
+    if unknown:
+        parser.error(f"--subjects: unknown {sorted(unknown)} (known: {measure.SUBJECT_ORDER})")
+    if args.minutes <= 0:
+        parser.error("--minutes must be > 0")
+    if args.churn:
+        parser.error("--churn: the pod churn run needs the agent to run pods on virtual "
+                     "nodes with the fake runtime, which nodepulse-agent does not offer yet")
+    virtual = agent_has_virtual_nodes()
+    if args.agent_processes == "virtual" and not virtual:
+        parser.error("--agent-processes virtual: nodepulse-agent has no --virtual-nodes")
+    virtual = virtual and args.agent_processes != "separate"
+    how = ("one process per subject (--virtual-nodes)" if virtual
+           else "one agent process per node (no --virtual-nodes)")
+    log(f"nodepulse: {how}")
+
+    workdir = Path(tempfile.mkdtemp(prefix="nodepulse-bench-scale-"))
+    results: list[measure.Result] = []
+    for n in sizes:
+        for name in subjects:
+            tag = f"{name[:3]}-{n}"
+            phase_dir = workdir / tag
+            phase_dir.mkdir()
+            subject: Subject = (KwokSubject(tag, n, phase_dir) if name == "kwok" else
+                                AgentSubject("efficient" if name == "nodepulse" else "legacy",
+                                             virtual, tag, n, phase_dir))
+            log(f"-- {name}, {n} nodes, {args.minutes:g} min")
+            results.append(run_phase(subject, args))
+            print(measure.render_text(results), file=sys.stderr)
+    print("per node-minute over the window; RSS = peak MB of the phase")
+    print(measure.render_text(results))
+    command = "python -m bench.scale " + " ".join(argv if argv is not None else sys.argv[1:])
+    write_docs(results, args, command, how)
+    print(f"wrote {args.out}/scale.md, scale.json, scale.png; logs in {workdir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""The scale benchmark's arithmetic: counters read from Prometheus text, their deltas,
+per node-minute figures, ratios and the rendered tables. No timings asserted."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from bench import measure
+
+API_BEFORE = """\
+# HELP apiserver_request_total [STABLE] Counter of apiserver requests.
+# TYPE apiserver_request_total counter
+apiserver_request_total{code="200",resource="leases",subresource="",verb="PUT"} 100
+apiserver_request_total{code="409",resource="leases",subresource="",verb="PUT"} 2
+apiserver_request_total{code="200",resource="nodes",subresource="status",verb="PATCH"} 10
+apiserver_request_total{code="200",resource="nodes",subresource="",verb="LIST"} 999
+apiserver_request_total{code="200",resource="",subresource="/readyz",verb="GET"} 5
+# HELP apiserver_request_body_size_bytes
+# TYPE apiserver_request_body_size_bytes histogram
+apiserver_request_body_size_bytes_bucket{resource="leases",verb="update",le="+Inf"} 102
+apiserver_request_body_size_bytes_sum{resource="leases",verb="update"} 40800
+apiserver_request_body_size_bytes_count{resource="leases",verb="update"} 102
+apiserver_request_body_size_bytes_sum{resource="nodes",verb="patch"} 5000
+apiserver_request_body_size_bytes_count{resource="nodes",verb="patch"} 10
+"""
+
+ETCD = """\
+# TYPE etcd_debugging_mvcc_total_put_size_in_bytes gauge
+etcd_debugging_mvcc_total_put_size_in_bytes 181968
+# TYPE etcd_disk_wal_write_bytes_total gauge
+etcd_disk_wal_write_bytes_total 225528
+# TYPE etcd_mvcc_put_total counter
+etcd_mvcc_put_total 248
+"""
+
+
+def test_write_counts_keep_write_verbs_by_resource_and_subresource() -> None:
+    assert measure.write_counts(API_BEFORE) == {"leases PUT": 102.0,
+                                                "nodes/status PATCH": 10.0}
+
+
+def test_body_bytes_and_counts_by_resource_and_verb() -> None:
+    assert measure.body_bytes(API_BEFORE) == {"leases update": 40800.0, "nodes patch": 5000.0}
+    assert measure.body_count(API_BEFORE, "leases", "update") == 102.0
+    assert measure.body_count(API_BEFORE, "nodes", "update") == 0.0
+
+
+def test_etcd_counters_read_and_missing_one_named() -> None:
+    assert measure.etcd_counters(ETCD) == {measure.ETCD_PUT_BYTES: 181968.0,
+                                           measure.ETCD_WAL_BYTES: 225528.0,
+                                           measure.ETCD_PUTS: 248.0}
+    with pytest.raises(ValueError, match="etcd_disk_wal_write_bytes_total"):
+        measure.etcd_counters(ETCD.replace("etcd_disk_wal", "etcd_other"))
+
+
+def test_delta_counts_new_keys_from_zero_and_refuses_a_reset() -> None:
+    assert measure.delta({"a": 1.0, "b": 5.0}, {"a": 4.0, "b": 5.0, "c": 2.0}) == \
+        {"a": 3.0, "b": 0.0, "c": 2.0}
+    with pytest.raises(ValueError, match="'a' went down"):
+        measure.delta({"a": 10.0}, {"a": 3.0})
+
+
+def test_per_node_minute_and_net_of_background() -> None:
+    # 600 writes by 10 nodes in 120 s = 30 per node-minute
+    assert measure.per_node_minute(600, 10, 120) == 30.0
+    assert measure.per_node_minute(5, 1000, 300) == pytest.approx(0.001)
+    with pytest.raises(ValueError, match="nodes=0"):
+        measure.per_node_minute(1, 0, 60)
+    with pytest.raises(ValueError, match="seconds=0"):
+        measure.per_node_minute(1, 1, 0)
+    assert measure.net(1000, 2.0, 300) == 400.0  # 2/s idle over 300 s
+    assert measure.net(100, 2.0, 300) == 0.0  # never below zero
+
+
+def test_proc_readings_of_this_process() -> None:
+    import os
+    assert measure.cpu_seconds(os.getpid()) >= 0.0
+    assert measure.peak_rss_mb(os.getpid()) > 1.0
+
+
+def result(subject: str, nodes: int, writes: float, body: float = 100.0,
+           cpu: float = 0.01) -> measure.Result:
+    return measure.Result(subject=subject, nodes=nodes, seconds=300.0, writes=writes,
+                          body_bytes=body, etcd_put_bytes=body * 2, etcd_wal_bytes=body * 3,
+                          subject_cpu=cpu, apiserver_cpu=0.002, etcd_cpu=0.0,
+                          subject_rss_mb=80.0, apiserver_rss_mb=300.0, etcd_rss_mb=50.0,
+                          by_resource={"leases PUT": writes})
+
+
+def test_ratios_pair_subjects_at_the_same_node_count() -> None:
+    rs = [result("kwok", 100, 6.0, body=300.0), result("nodepulse", 100, 6.0, body=150.0),
+          result("legacy", 100, 6.0, body=1500.0), result("nodepulse", 500, 6.0)]
+    to_legacy = measure.ratios(rs, "nodepulse", "legacy")
+    assert list(to_legacy) == [100]  # 500 has no legacy phase
+    assert to_legacy[100]["body_bytes"] == pytest.approx(0.1)
+    assert to_legacy[100]["writes"] == 1.0
+    assert math.isnan(to_legacy[100]["etcd_cpu"])  # 0/0 says nothing
+    assert measure.ratios(rs, "nodepulse", "kwok")[100]["body_bytes"] == 0.5
+
+
+def test_tables_order_rows_and_show_ratios() -> None:
+    rs = [result("kwok", 10, 6.0), result("legacy", 10, 6.0, body=1000.0),
+          result("nodepulse", 10, 6.0)]
+    text = measure.render_text(rs)
+    lines = text.splitlines()
+    assert lines[0].split()[:3] == ["subject", "nodes", "min"]
+    assert [ln.split()[0] for ln in lines[2:5]] == ["nodepulse", "legacy", "kwok"]
+    assert "nodepulse/legacy N=10: writes 1, body_bytes 0.1" in text
+    assert "etcd_cpu n/a" in text
+
+    md = measure.render_markdown(rs)
+    assert "| nodepulse | 10 | 5.0 | 1 | 6.00 | 100 |" in md
+    assert "| legacy | 10 | 5.0 | 1 | 6.00 | 1,000 |" in md
+    assert "**nodepulse / kwok**" in md
+    assert "| kwok | 10 | 6.00 |" in md  # by-resource table
+
+
+def test_markdown_without_pairs_has_no_ratio_tables() -> None:
+    md = measure.render_markdown([result("kwok", 10, 6.0)])
+    assert "**nodepulse /" not in md
