@@ -192,6 +192,8 @@ def api_run(runtime: str, sizes: list[int], timeout: float) -> None:
                       flush=True)
             else:
                 print(f"  {n:4d} pods: none reached Running in {timeout:.0f} s; see {log_path}")
+            print(f"        agent RSS with {len(lat)} pods running: {_rss_mib(agent.pid):.0f} MiB",
+                  flush=True)
             core.delete_namespace(ns)
             gone = time.monotonic() + 120
             while core.list_namespaced_pod(ns).items and time.monotonic() < gone:
@@ -207,6 +209,13 @@ def api_run(runtime: str, sizes: list[int], timeout: float) -> None:
         if ctd is not None:
             ctd.stop()
         cluster.remove()
+
+
+def _rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
 
 
 def _node_ready(core: object, node: str) -> bool:
