@@ -224,3 +224,48 @@ def render_markdown(results: Iterable[Result]) -> str:
             out.append(f"| {r.subject} | {r.nodes} | "
                        + " | ".join(f"{r.by_resource.get(k, 0.0):.2f}" for k in keys) + " |")
     return "\n".join(out)
+
+
+# ---- pod churn
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0..100) by the nearest-rank method; nan for no values."""
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile q must be within 0..100, not {q}")
+    if not values:
+        return math.nan
+    ordered_values = sorted(values)
+    rank = max(1, math.ceil(q / 100 * len(ordered_values)))
+    return ordered_values[rank - 1]
+
+
+@dataclass
+class ChurnResult:
+    subject: str
+    nodes: int
+    pods: int  # replicas asked for
+    running: int  # pods seen Running before the timeout
+    all_running_s: float  # Deployment created -> last pod Running (nan if not all)
+    p50_s: float  # per pod: first seen by the watch -> seen Running
+    p99_s: float
+    subject_cpu_s: float  # over the churn, all its processes
+    apiserver_cpu_s: float
+    subject_rss_mb: float
+
+
+def render_churn(results: Iterable[ChurnResult], markdown: bool = False) -> str:
+    head = ["subject", "nodes", "pods", "running", "all Running s", "p50 s", "p99 s",
+            "subject CPU s", "apiserver CPU s", "subject RSS MB"]
+    rows = [[r.subject, str(r.nodes), str(r.pods), str(r.running),
+             "n/a" if math.isnan(r.all_running_s) else f"{r.all_running_s:.1f}",
+             "n/a" if math.isnan(r.p50_s) else f"{r.p50_s:.2f}",
+             "n/a" if math.isnan(r.p99_s) else f"{r.p99_s:.2f}",
+             f"{r.subject_cpu_s:.1f}", f"{r.apiserver_cpu_s:.1f}", f"{r.subject_rss_mb:.0f}"]
+            for r in results]
+    if markdown:
+        return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head),
+                          *("| " + " | ".join(r) + " |" for r in rows)])
+    widths = [max(len(x) for x in col) for col in zip(head, *rows, strict=True)]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True))
+             for row in [head, *rows]]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)

@@ -32,17 +32,19 @@ import argparse
 import concurrent.futures
 import datetime
 import json
+import math
 import os
 import platform
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from kubernetes import client
+from kubernetes import client, watch
 
 from bench import measure
 from bench.heartbeat import OtherLeaseWrites
@@ -60,9 +62,14 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def agent_has_virtual_nodes() -> bool:
-    out = subprocess.run([str(AGENT), "--help"], capture_output=True, text=True, check=True)
-    return "--virtual-nodes" in out.stdout
+VIRTUAL_TAINT = "nodepulse.dev/virtual=true:NoSchedule"  # what virtual nodes carry
+# nodes without real workloads: the in-memory runtime, as virtual nodes use
+AGENT_RUNTIME = ["--runtime", "fake"]
+
+
+def agent_help() -> str:
+    return subprocess.run([str(AGENT), "--help"], capture_output=True, text=True,
+                          check=True).stdout
 
 
 # ---- subjects: a command line and how its nodes come to be
@@ -112,7 +119,7 @@ class AgentSubject(Subject):
     def start(self, cluster: LocalCluster) -> None:
         common = ["--heartbeat-mode", self.mode, "--agent-id", self.tag,
                   "--node-labels", f"{BENCH_LABEL}={self.tag}",
-                  "--healthz-bind-address", ""]
+                  "--healthz-bind-address", "", *AGENT_RUNTIME]
         if self.virtual:
             # one process for all N; the admin kubeconfig, as the chart's RBAC would
             # allow writes to exactly these Nodes and Leases
@@ -125,6 +132,7 @@ class AgentSubject(Subject):
             name = f"{self.tag}-{i}"
             self._spawn([str(AGENT), "--node-name", name,
                          "--kubeconfig", str(cluster.node_kubeconfig(name)),
+                         "--register-with-taints", VIRTUAL_TAINT,
                          "--root-dir", str(self.workdir / name), *common], name)
 
 
@@ -326,6 +334,109 @@ def run_phase(subject: Subject, args: argparse.Namespace) -> measure.Result:
         by_resource={k: measure.per_node_minute(v, n, secs) for k, v in w.writes.items()})
 
 
+# ---- pod churn (issue 8 item 3)
+CHURN_NS = "bench-churn"
+
+
+class PodWatch:
+    """When each pod of a namespace was first seen, and first seen Running, by one
+    watch (monotonic clock)."""
+
+    def __init__(self, api: client.ApiClient, namespace: str) -> None:
+        self.first: dict[str, float] = {}
+        self.running: dict[str, float] = {}
+        self._w = watch.Watch()
+        self._stopped = False
+        self.error: BaseException | None = None
+        core = client.CoreV1Api(api)
+        rv = core.list_namespaced_pod(namespace).metadata.resource_version
+
+        def run() -> None:
+            try:
+                for ev in self._w.stream(core.list_namespaced_pod, namespace,
+                                         resource_version=rv, timeout_seconds=3600,
+                                         allow_watch_bookmarks=False):
+                    pod, now = ev["object"], time.monotonic()
+                    uid = pod.metadata.uid
+                    self.first.setdefault(uid, now)
+                    if pod.status and pod.status.phase == "Running":
+                        self.running.setdefault(uid, now)
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+                if not self._stopped:
+                    self.error = e
+
+        self._thread = threading.Thread(target=run, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._w.stop()
+
+
+def deployment(tag: str, replicas: int) -> client.V1Deployment:
+    labels = {"app": f"churn-{tag}"}
+    return client.V1Deployment(
+        metadata=client.V1ObjectMeta(name=f"churn-{tag}"),
+        spec=client.V1DeploymentSpec(
+            replicas=replicas, selector=client.V1LabelSelector(match_labels=labels),
+            template=client.V1PodTemplateSpec(
+                metadata=client.V1ObjectMeta(labels=labels),
+                spec=client.V1PodSpec(
+                    containers=[client.V1Container(name="c", image="nodepulse.dev/bench:1")],
+                    node_selector={BENCH_LABEL: tag},
+                    tolerations=[client.V1Toleration(operator="Exists")],
+                    automount_service_account_token=False, enable_service_links=False,
+                    termination_grace_period_seconds=0))))
+
+
+def run_churn(subject: Subject, args: argparse.Namespace) -> measure.ChurnResult:
+    cluster = LocalCluster(subject.workdir / "cluster")
+    cluster.up(log=log)
+    pods: PodWatch | None = None
+    try:
+        api = cluster.api_client()
+        log(f"  starting {subject.name} with {subject.n} nodes")
+        subject.start(cluster)
+        wait_ready(subject, cluster, args.ready_timeout + subject.n * 0.5)
+        client.CoreV1Api(api).create_namespace(
+            client.V1Namespace(metadata=client.V1ObjectMeta(name=CHURN_NS)))
+        pods = PodWatch(api, CHURN_NS)
+        pids = [p.pid for p in subject.procs]
+        s0 = snapshot(cluster, pids)
+        client.AppsV1Api(api).create_namespaced_deployment(
+            CHURN_NS, deployment(subject.tag, args.churn_pods))
+        log(f"  Deployment of {args.churn_pods} pods created")
+        deadline = s0.t + args.churn_timeout
+        seen = -1
+        while len(pods.running) < args.churn_pods and time.monotonic() < deadline:
+            time.sleep(2)
+            if pods.error is not None:
+                raise RuntimeError(f"pod watch failed: {pods.error!r}")
+            if subject.dead():
+                raise RuntimeError(f"{subject.name} exited during the churn: "
+                                   f"{subject.dead()}; logs in {subject.workdir}")
+            if len(pods.running) // 500 != seen // 500:
+                seen = len(pods.running)
+                log(f"  {len(pods.first)} pods seen, {seen} Running")
+        s1 = snapshot(cluster, pids)
+        rss = sum(measure.peak_rss_mb(p) for p in pids)
+    finally:
+        if pods is not None:
+            pods.stop()
+        subject.stop()
+        cluster.remove()
+    latencies = [t - pods.first[uid] for uid, t in pods.running.items()]
+    done = len(pods.running) >= args.churn_pods
+    return measure.ChurnResult(
+        subject=subject.name, nodes=subject.n, pods=args.churn_pods,
+        running=len(pods.running),
+        all_running_s=max(pods.running.values()) - s0.t if done else math.nan,
+        p50_s=measure.percentile(latencies, 50), p99_s=measure.percentile(latencies, 99),
+        subject_cpu_s=s1.cpu["subject"] - s0.cpu["subject"],
+        apiserver_cpu_s=s1.cpu["kube-apiserver"] - s0.cpu["kube-apiserver"],
+        subject_rss_mb=rss)
+
+
 # ---- output
 def machine() -> str:
     model = next((ln.split(":", 1)[1].strip() for ln in
@@ -401,6 +512,31 @@ Lease, Ready heartbeat) was older than {LEASE_SECONDS} s at the start or end of 
 """)
 
 
+def write_churn_docs(results: list[measure.ChurnResult], args: argparse.Namespace,
+                     command: str, how: str) -> None:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "churn.json").write_text(json.dumps([asdict(r) for r in results], indent=1))
+    (out / "churn.md").write_text(f"""# Pod churn: a Deployment across the nodes
+
+Written by `bench/scale.py --churn`; do not edit by hand.
+
+- command: `{command}`
+- date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M UTC}
+- machine: {machine()}
+- nodepulse ran as: {how}, fake runtime
+
+One Deployment of {args.churn_pods} pods (node selector on the subject's nodes, all
+taints tolerated) on a fresh local control plane once all nodes are Ready. "all Running
+s": Deployment created until the last pod was seen Running; p50/p99: per pod, first
+seen by a watch until seen Running. Pod creation is paced by kube-controller-manager's
+client rate limit (its defaults) and binding by kube-scheduler's, for every subject
+alike. CPU seconds over the whole churn.
+
+{measure.render_churn(results, markdown=True)}
+""")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.scale",
                                      description=__doc__.split("\n\n")[0])
@@ -419,7 +555,12 @@ def main(argv: list[str] | None = None) -> int:
                         "one process per node (auto: virtual when the agent has it)")
     parser.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
     parser.add_argument("--churn", action="store_true",
-                        help="pod churn (issue 8 item 3); needs the agent's fake runtime")
+                        help="instead of the heartbeat phases: a Deployment of --churn-pods "
+                        "pods across the nodes; time until all Running, startup latency "
+                        "p50/p99, CPU (issue 8 item 3)")
+    parser.add_argument("--churn-pods", type=int, default=3000)
+    parser.add_argument("--churn-timeout", type=float, default=900.0,
+                        help="seconds for all pods to be Running")
     args = parser.parse_args(argv)
     try:
         sizes = [int(x) for x in args.nodes.split(",") if x.strip()]
@@ -433,10 +574,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--subjects: unknown {sorted(unknown)} (known: {measure.SUBJECT_ORDER})")
     if args.minutes <= 0:
         parser.error("--minutes must be > 0")
-    if args.churn:
-        parser.error("--churn: the pod churn run needs the agent to run pods on virtual "
-                     "nodes with the fake runtime, which nodepulse-agent does not offer yet")
-    virtual = agent_has_virtual_nodes()
+    if args.churn_pods <= 0:
+        parser.error("--churn-pods must be > 0")
+    help_text = agent_help()
+    if "--runtime" not in help_text:
+        if args.churn:
+            parser.error("--churn: nodepulse-agent has no --runtime (the fake runtime "
+                         "runs the pods)")
+        AGENT_RUNTIME.clear()  # an agent from before runtimes were selectable
+    virtual = "--virtual-nodes" in help_text
     if args.agent_processes == "virtual" and not virtual:
         parser.error("--agent-processes virtual: nodepulse-agent has no --virtual-nodes")
     virtual = virtual and args.agent_processes != "separate"
@@ -445,7 +591,9 @@ def main(argv: list[str] | None = None) -> int:
     log(f"nodepulse: {how}")
 
     workdir = Path(tempfile.mkdtemp(prefix="nodepulse-bench-scale-"))
+    command = "python -m bench.scale " + " ".join(argv if argv is not None else sys.argv[1:])
     results: list[measure.Result] = []
+    churns: list[measure.ChurnResult] = []
     for n in sizes:
         for name in subjects:
             tag = f"{name[:3]}-{n}"
@@ -454,12 +602,22 @@ def main(argv: list[str] | None = None) -> int:
             subject: Subject = (KwokSubject(tag, n, phase_dir) if name == "kwok" else
                                 AgentSubject("efficient" if name == "nodepulse" else "legacy",
                                              virtual, tag, n, phase_dir))
-            log(f"-- {name}, {n} nodes, {args.minutes:g} min")
-            results.append(run_phase(subject, args))
-            print(measure.render_text(results), file=sys.stderr)
+            if args.churn:
+                log(f"-- churn: {name}, {n} nodes, {args.churn_pods} pods")
+                churns.append(run_churn(subject, args))
+                print(measure.render_churn(churns), file=sys.stderr)
+            else:
+                log(f"-- {name}, {n} nodes, {args.minutes:g} min")
+                results.append(run_phase(subject, args))
+                print(measure.render_text(results), file=sys.stderr)
+    if args.churn:
+        print("pod churn: a Deployment's pods from first seen to seen Running (by one watch)")
+        print(measure.render_churn(churns))
+        write_churn_docs(churns, args, command, how)
+        print(f"wrote {args.out}/churn.md, churn.json; logs in {workdir}")
+        return 0
     print("per node-minute over the window; RSS = peak MB of the phase")
     print(measure.render_text(results))
-    command = "python -m bench.scale " + " ".join(argv if argv is not None else sys.argv[1:])
     write_docs(results, args, command, how)
     print(f"wrote {args.out}/scale.md, scale.json, scale.png; logs in {workdir}")
     return 0

@@ -120,3 +120,43 @@ def test_tables_order_rows_and_show_ratios() -> None:
 def test_markdown_without_pairs_has_no_ratio_tables() -> None:
     md = measure.render_markdown([result("kwok", 10, 6.0)])
     assert "**nodepulse /" not in md
+
+
+def test_percentile_nearest_rank() -> None:
+    values = [float(x) for x in range(1, 101)]  # 1..100
+    assert measure.percentile(values, 50) == 50.0
+    assert measure.percentile(values, 99) == 99.0
+    assert measure.percentile(values, 100) == 100.0
+    assert measure.percentile([3.0, 1.0, 2.0], 0) == 1.0
+    assert math.isnan(measure.percentile([], 50))
+    with pytest.raises(ValueError, match="within 0..100"):
+        measure.percentile(values, 101)
+
+
+def test_churn_table_marks_an_unfinished_run() -> None:
+    r = measure.ChurnResult(subject="nodepulse", nodes=100, pods=3000, running=2990,
+                            all_running_s=math.nan, p50_s=1.234, p99_s=9.0,
+                            subject_cpu_s=12.0, apiserver_cpu_s=30.0, subject_rss_mb=200.0)
+    text = measure.render_churn([r])
+    assert text.splitlines()[2].split() == ["nodepulse", "100", "3000", "2990", "n/a", "1.23",
+                                            "9.00", "12.0", "30.0", "200"]
+    assert "| nodepulse | 100 | 3000 | 2990 | n/a |" in measure.render_churn([r], markdown=True)
+
+
+def test_window_takes_out_the_identity_lease_writes_and_their_bytes() -> None:
+    from bench.scale import Snapshot, Window
+
+    a = Snapshot(t=100.0, writes={"leases PUT": 10.0}, body={"leases update": 4000.0},
+                 lease_updates=10.0, etcd={"x": 5.0}, cpu={"subject": 1.0})
+    # 60 s later: 70 lease PUTs of 400 bytes, 6 of them the API server's own identity
+    # lease; one node status PATCH of 900 bytes
+    b = Snapshot(t=160.0, writes={"leases PUT": 80.0, "nodes/status PATCH": 1.0},
+                 body={"leases update": 32000.0, "nodes patch": 900.0}, lease_updates=80.0,
+                 etcd={"x": 65.0}, cpu={"subject": 1.5})
+    w = Window.between(a, b, own_lease_writes=6)
+    assert w.seconds == 60.0
+    assert w.writes == {"leases PUT": 64.0, "nodes/status PATCH": 1.0}
+    assert w.body == 28000.0 + 900.0 - 6 * 400.0
+    assert w.etcd == {"x": 60.0}
+    assert w.cpu == {"subject": 0.5}
+    assert w.rate(w.etcd["x"]) == 1.0
