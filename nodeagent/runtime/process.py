@@ -314,6 +314,11 @@ class ProcessRuntime(Runtime):
             with contextlib.suppress(OSError):
                 mtime = self._base(c.id).with_suffix(".exit").stat().st_mtime
                 finished = dt.datetime.fromtimestamp(mtime, dt.UTC)
+        started = _parse(c.started_at)
+        # file times are coarser than the clock: a quick exit may look older than the
+        # start we recorded once exec was confirmed
+        if started is not None and finished < started:
+            finished = started
         c.finished_at = _iso(finished)
         self._save(c)
 
