@@ -41,17 +41,6 @@ AGENT = Path(__file__).resolve().parent.parent / ".venv" / "bin" / "nodepulse-ag
 WINDOW = 60.0
 
 
-def apiserver_metrics(cluster: Cluster) -> str:
-    try:
-        return cluster.apiserver_metrics()
-    except TypeError:
-        # Cluster.apiserver_metrics uses the pre-v37 client call_api; read it directly
-        with cluster.api_client() as api:
-            resp = api.call_api("GET", f"{api.configuration.host}/metrics")
-            resp.read()
-            return str(resp.data.decode())
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -227,7 +216,7 @@ def test_efficient_heartbeats(cluster: Cluster, agents: Callable[..., AgentProce
         assert lease.metadata.owner_references[0].uid == node["metadata"]["uid"]
     assert condition(api_dict(core.read_node("hb-cond")), "DiskPressure") == "False"
 
-    m0 = apiserver_metrics(cluster)
+    m0 = cluster.apiserver_metrics()
     t0 = time.monotonic()
     time.sleep(20)
 
@@ -241,7 +230,7 @@ def test_efficient_heartbeats(cluster: Cluster, agents: Callable[..., AgentProce
     t_policy = time.monotonic()
 
     time.sleep(max(0.0, t0 + WINDOW - time.monotonic()))
-    m1 = apiserver_metrics(cluster)
+    m1 = cluster.apiserver_metrics()
     t1 = time.monotonic()
     assert rec.errors == []  # the witnesses saw everything
 
