@@ -208,6 +208,13 @@ def _matrix(rel: Release, foreign: str) -> dict[str, list[tuple[str, str, str, s
             ("get", "", "secrets", ns, "any", False), ("list", "", "secrets", "", "", False),
             ("list", np, "nodestatuspolicies", "", "", False),
             ("patch", np, "nodestatuspolicies/status", "", rel.policy, False),
+            # pods: read all, write only a pod's status and its final delete (admission
+            # then holds both to pods bound to the agents' own nodes)
+            ("list", "", "pods", "", "", True), ("watch", "", "pods", "", "", True),
+            ("patch", "", "pods/status", ns, "any", True), ("delete", "", "pods", ns, "any", True),
+            ("create", "", "pods", ns, "", False), ("patch", "", "pods", ns, "any", False),
+            ("update", "", "pods", ns, "any", False), ("get", "", "configmaps", ns, "any", False),
+            ("create", "", "events", "default", "", True), ("create", "", "events", ns, "", False),
         ],
     }
 
@@ -288,20 +295,72 @@ def test_agent_identity_cannot_touch_what_it_does_not_own(
     assert "stolen" not in (admin_core.read_node(foreign_node).metadata.labels or {})
 
     # admission (what NodeRestriction would do for a kubelet): create under another name
-    status, body = _status(lambda: core.create_node(_node(f"e2e-squatter-{uuid.uuid4().hex[:6]}")))
+    fence = f"may only act on its own nodes, named {release.agent_sa}-<ordinal>-<i>"
+    squatter = f"e2e-squatter-{uuid.uuid4().hex[:6]}"
+    status, body = _status(lambda: core.create_node(_node(squatter)))
     assert status == 403
-    assert f"may only create nodes named {release.agent_sa}-<ordinal>-<i>" in body
+    assert fence in body and f'create nodes concerns node "{squatter}"' in body
     status, body = _status(lambda: core.create_node(_node(release.agent_node(0, 2))))
     assert status == 403 and "i < 2" in body  # a name past nodesPerReplica
-    status, body = _status(lambda: coord.create_namespaced_lease(
-        "kube-node-lease", _lease(f"e2e-squatter-{uuid.uuid4().hex[:6]}")))
-    assert status == 403 and "may only create leases named" in body
+    status, body = _status(lambda: coord.create_namespaced_lease("kube-node-lease",
+                                                                 _lease(squatter)))
+    assert status == 403 and fence in body and "create leases" in body
+
+    # pods: only those bound to its own nodes, and only their status and final delete
+    pod = _pod(cluster, release.namespace, foreign_node)
+    status, body = _status(lambda: core.patch_namespaced_pod_status(
+        pod, release.namespace, {"status": {"phase": "Failed"}}))
+    assert status == 403 and fence in body
+    assert f'update pods/status concerns node "{foreign_node}"' in body
+    status, body = _status(lambda: core.delete_namespaced_pod(pod, release.namespace))
+    assert status == 403 and f'delete pods concerns node "{foreign_node}"' in body
+    status, body = _status(lambda: core.patch_namespaced_pod(
+        pod, release.namespace, {"metadata": {"labels": {"stolen": "yes"}}}))
+    assert status == 403 and 'cannot patch resource "pods"' in body
+    status, body = _status(lambda: core.create_namespaced_pod(release.namespace, _pod_body(
+        "e2e-agent-made", release.agent_node(0, 0))))
+    assert status == 403 and 'cannot create resource "pods"' in body
+    admin_core.read_namespaced_pod(pod, release.namespace)  # still there
+    # (no agent speaks for the foreign node, so nothing would finish a graceful delete)
+    admin_core.delete_namespaced_pod(pod, release.namespace, grace_period_seconds=0)
+
+    # Events: only about its own Nodes, only in "default"
+    status, body = _status(lambda: core.create_namespaced_event("default", _event(foreign_node)))
+    assert status == 403 and f'create events concerns node "{foreign_node}"' in body
+    status, body = _status(lambda: core.create_namespaced_event(
+        release.namespace, _event(release.agent_node(0, 0), release.namespace)))
+    assert status == 403 and 'cannot create resource "events"' in body
 
     # nothing else at all
     status, _ = _status(lambda: core.list_namespaced_secret(release.namespace))
     assert status == 403
+    status, _ = _status(lambda: core.list_namespaced_config_map(release.namespace))
+    assert status == 403
     status, _ = _status(lambda: core.delete_node(foreign_node))
     assert status == 403
+
+
+def _pod_body(name: str, node: str) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
+            "spec": {"nodeName": node, "terminationGracePeriodSeconds": 1,
+                     "containers": [{"name": "c", "image": "busybox",
+                                     "command": ["sleep", "3600"]}]}}
+
+
+def _pod(cluster: Cluster, namespace: str, node: str) -> str:
+    """A pod bound to `node`, made by the admin."""
+    name = f"e2e-pod-{uuid.uuid4().hex[:6]}"
+    client.CoreV1Api(cluster.api_client()).create_namespaced_pod(namespace, _pod_body(name, node))
+    return name
+
+
+def _event(node: str, namespace: str = "default") -> dict[str, Any]:
+    now = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return {"apiVersion": "v1", "kind": "Event",
+            "metadata": {"name": f"{node}.{uuid.uuid4().hex[:8]}", "namespace": namespace},
+            "involvedObject": {"apiVersion": "v1", "kind": "Node", "name": node},
+            "reason": "E2E", "message": "made up", "type": "Warning",
+            "firstTimestamp": now, "lastTimestamp": now, "count": 1}
 
 
 def test_operator_identity_cannot_read_secrets_or_make_nodes(
@@ -410,7 +469,7 @@ def test_operator_and_agent_work_under_the_chart_identities(
         agent_logs.append(log)
         return stack.enter_context(_process(
             [str(BIN / "nodepulse-agent"), "--kubeconfig", str(identities["agent"]),
-             "--node-name", node, "--root-dir", str(tmp_path / "agent-root"),
+             "--node-name", node, "--root-dir", str(tmp_path / "agent-root"), "--runtime", "fake",
              "--healthz-bind-address", f"127.0.0.1:{agent_port}"], log, tmp_path))
 
     def node_or_none() -> Any:
@@ -495,6 +554,24 @@ def test_operator_and_agent_work_under_the_chart_identities(
             assert (row["NODES"], row["READY"]) == (str(st["nodes"]), str(st["readyNodes"]))
             assert row["UNREACHABLE"] == str(st["unreachableNodes"])
             assert HEARTBEAT_ANNOTATION in tools.kubectl("describe", "node", node).stdout
+
+            # a pod bound to the node: the agent runs it (fake runtime), writes its status
+            # and, once it is deleted, finishes the deletion: all under its ServiceAccount
+            pod = _pod(cluster, release.namespace, node)
+
+            def phase() -> str | None:
+                try:
+                    return str(core.read_namespaced_pod(pod, release.namespace).status.phase)
+                except client.ApiException as e:
+                    if e.status == 404:
+                        return "Gone"
+                    raise
+
+            assert _eventually("the agent to report the pod Running",
+                               lambda: phase() == "Running", procs)
+            core.delete_namespaced_pod(pod, release.namespace)  # graceful: the agent ends it
+            assert _eventually("the agent to finish the pod's deletion",
+                               lambda: phase() == "Gone", procs)
 
             assert _get(f"http://127.0.0.1:{agent_port}/healthz")[0] == 200
             code, metrics = _get(f"http://127.0.0.1:{op_port}/metrics")
