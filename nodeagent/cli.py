@@ -31,7 +31,8 @@ async def _serve(cfg: config.AgentConfig, flags: dict[str, object]) -> None:
     from nodeagent.api.clock import RealClock
     from nodeagent.pods import Pods, host_ip
 
-    api = new_api_client(cfg.kubeconfig, component="agent",
+    # retries=0: every caller retries with its own deadline (tenacity for the Lease)
+    api = new_api_client(cfg.kubeconfig, component="agent", retries=0,
                          pool_size=cfg.lease_concurrency + cfg.status_concurrency + 2)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -49,10 +49,15 @@ def load_configuration(kubeconfig: str | os.PathLike[str] | None = None,
 
 def new_api_client(kubeconfig: str | os.PathLike[str] | None = None,
                    context: str | None = None, *, component: str = "nodepulse",
-                   pool_size: int = 16) -> client.ApiClient:
-    """An ApiClient whose connection pool allows `pool_size` concurrent requests."""
+                   pool_size: int = 16, retries: int | None = None) -> client.ApiClient:
+    """An ApiClient whose connection pool allows `pool_size` concurrent requests.
+
+    `retries=0` turns off urllib3's own re-sending, for callers that retry with their
+    own deadlines (a Lease write must not be re-sent past the lease's expiry)."""
     cfg = load_configuration(kubeconfig, context)
     cfg.connection_pool_maxsize = pool_size
+    if retries is not None:
+        cfg.retries = retries
     api = client.ApiClient(cfg)
     api.user_agent = f"{USER_AGENT}/{component}"
     return api
