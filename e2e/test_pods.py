@@ -1,0 +1,401 @@
+"""Pods really run: issue 5's end-to-end scenarios on the real control plane, once with
+containerd (CRI) and once with the process runtime.
+
+One `nodepulse-agent` per runtime runs as a real process with node credentials
+(system:node:<name>) and serves all four scenarios in order:
+
+1. a Deployment of 3 pods is scheduled by the real kube-scheduler onto the agent's
+   node and reaches Running;
+2. SIGKILL to one container's process (PID from the runtime's own records: CRI
+   ContainerStatus for containerd, the state file for the process runtime): PLEG
+   reports ContainerDied within 2 relists (the agent's relist counter) and the
+   container comes back with restartCount 1;
+3. deleting a pod stops its containers before its deletionTimestamp (the grace
+   period) and the agent completes the deletion;
+4. a static pod (manifest in --pod-manifest-path) runs via the runtime and its mirror
+   pod in the API reports it Running.
+
+Placement: the node registers with a NoSchedule taint that only these pods tolerate
+(no other test's pod lands on it), and the pods carry a nodeSelector for the node's
+hostname label (they never land on the other nodes other tests leave registered,
+which no node-lifecycle controller taints here).
+
+Everything started here (agent, containerd, shims, containers) is stopped by PID.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from e2e.cluster import Cluster
+from e2e.cluster.images import BUSYBOX_IMAGE
+from e2e.promtext import samples
+from nodeagent.runtime.cri.gen import api_pb2 as pb
+from nodeagent.runtime.cri.gen import api_pb2_grpc as pb_grpc
+
+AGENT = Path(sys.executable).parent / "nodepulse-agent"
+TAINT_KEY = "nodepulse.dev/e2e-pods"
+GRACE = 10
+# exits at once on SIGTERM (a shell PID 1 ignores signals it does not trap)
+WORKLOAD = ["sh", "-c", "trap 'exit 0' TERM; while true; do sleep 1; done"]
+T = TypeVar("T")
+
+
+def eventually(pred: Callable[[], T | None], what: str, timeout: float = 60.0,
+               every: float = 0.2) -> T:
+    deadline = time.monotonic() + timeout
+    while True:
+        got = pred()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(every)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def marked(value: str) -> list[int]:
+    """PIDs of live processes whose environment has NP_E2E=<value> (every container
+    these tests start carries it): the sweep that proves nothing is left."""
+    needle = f"NP_E2E={value}".encode()
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            with contextlib.suppress(OSError):
+                if needle in (d / "environ").read_bytes().split(b"\0") and alive(int(d.name)):
+                    out.append(int(d.name))
+    return out
+
+
+@dataclass
+class Node:
+    """One agent on one runtime, and the runtime under it."""
+    name: str
+    kind: str                      # "containerd" | "process"
+    root: Path
+    proc: subprocess.Popen[bytes]
+    metrics_url: str
+    manifests: Path
+    core: client.CoreV1Api
+    apps: client.AppsV1Api
+    namespace: str
+    ctd: Any = None                # e2e.cluster.containerd.Containerd
+
+    # -- the runtime's own records --
+    def container_pid(self, container_id: str) -> int:
+        """The PID of the container's workload, from the runtime's records."""
+        scheme, _, cid = container_id.partition("://")
+        if self.kind == "containerd":
+            assert scheme == "containerd", container_id
+            with self.ctd.channel() as ch:
+                st = pb_grpc.RuntimeServiceStub(ch).ContainerStatus(
+                    pb.ContainerStatusRequest(container_id=cid, verbose=True), timeout=10)
+            return int(json.loads(st.info["info"])["pid"])
+        assert scheme == "process", container_id
+        rec = json.loads((self.root / "process" / "containers" / f"{cid}.json").read_text())
+        wrapper = int(rec["pid"])  # the wrapper records the exit; its child is the workload
+        children = Path(f"/proc/{wrapper}/task/{wrapper}/children").read_text().split()
+        assert len(children) == 1, (wrapper, children)
+        return int(children[0])
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(self.metrics_url, timeout=5) as r:
+            return str(r.read().decode())
+
+    def pleg(self) -> tuple[float, float]:
+        """(relists completed, ContainerDied events) from the agent's /metrics."""
+        text = self.metrics()
+        return (samples(text, "nodepulse_pleg_relist_duration_seconds_count", node=self.name),
+                samples(text, "nodepulse_pleg_events_total", node=self.name,
+                        type="ContainerDied"))
+
+    def pods(self, **sel: str) -> list[client.V1Pod]:
+        return list(self.core.list_namespaced_pod(self.namespace, **sel).items)
+
+    def log_tail(self, n: int = 60) -> str:
+        text = (self.root / "agent.log").read_text(errors="replace").splitlines()
+        pods = [f"{p.metadata.name} node={p.spec.node_name} phase={p.status.phase} "
+                f"conditions={[(c.type, c.status, c.message) for c in p.status.conditions or []]} "
+                f"containers={p.status.container_statuses}"
+                for p in self.pods()]
+        return "\n".join(text[-n:] + pods)
+
+
+def running(p: client.V1Pod) -> bool:
+    st = p.status
+    return bool(st and st.phase == "Running" and st.container_statuses
+                and all(c.ready and c.state.running for c in st.container_statuses))
+
+
+def pod_spec(node: str) -> dict[str, Any]:
+    return {
+        "nodeSelector": {"kubernetes.io/hostname": node},
+        "tolerations": [{"key": TAINT_KEY, "operator": "Equal", "value": node,
+                         "effect": "NoSchedule"},
+                        # added to every new Node by the TaintNodesByCondition admission
+                        # plugin; the node-lifecycle controller that would lift it once
+                        # the node is Ready is disabled in this control plane
+                        {"key": "node.kubernetes.io/not-ready", "operator": "Exists",
+                         "effect": "NoSchedule"}],
+        "terminationGracePeriodSeconds": GRACE,
+        "automountServiceAccountToken": False,
+        "containers": [{
+            "name": "main", "image": BUSYBOX_IMAGE, "imagePullPolicy": "Never",
+            "command": WORKLOAD,
+            "env": [{"name": "NP_E2E", "value": node},
+                    {"name": "POD_NAME",
+                     "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]}]}
+
+
+def start_runtime(kind: str, base: Path) -> tuple[Any, list[str]]:
+    if kind == "process":
+        return None, ["--runtime=process"]
+    if shutil.which("containerd") is None:
+        pytest.skip("containerd is not installed here (apt-get install containerd runc)")
+    from e2e.cluster.containerd import start_containerd
+    ctd = start_containerd()
+    return ctd, ["--runtime=cri", f"--container-runtime-endpoint={ctd.endpoint}"]
+
+
+def stop_agent(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def node_kubeconfig(cluster: Cluster, name: str) -> Path:
+    # on an external cluster the CSR approval can race the signer's own status write
+    # (409); the lead owns Cluster.node_kubeconfig, so retry here
+    for _ in range(5):
+        try:
+            return cluster.node_kubeconfig(name)
+        except ApiException as e:
+            if e.status != 409:
+                raise
+    return cluster.node_kubeconfig(name)
+
+
+@pytest.fixture(scope="module", params=["containerd", "process"])
+def node(request: pytest.FixtureRequest, cluster: Cluster,
+         tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
+    kind = str(request.param)
+    name = f"pods-{'ctd' if kind == 'containerd' else 'proc'}-{os.getpid() % 10000}"
+    root = tmp_path_factory.mktemp(name)
+    manifests = root / "manifests"
+    manifests.mkdir()
+    ctd, runtime_args = start_runtime(kind, root)
+    admin = cluster.api_client()
+    core, apps = client.CoreV1Api(admin), client.AppsV1Api(admin)
+    ns = name
+    port = free_port()
+    argv = [str(AGENT), f"--node-name={name}",
+            f"--kubeconfig={node_kubeconfig(cluster, name)}", f"--root-dir={root}",
+            f"--healthz-bind-address=127.0.0.1:{port}", f"--pod-manifest-path={manifests}",
+            f"--register-with-taints={TAINT_KEY}={name}:NoSchedule", *runtime_args]
+    log = open(root / "agent.log", "ab")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+    n = Node(name, kind, root, proc, f"http://127.0.0.1:{port}/metrics", manifests, core,
+             apps, ns, ctd)
+    try:
+        core.create_namespace({"metadata": {"name": ns}})
+        # pods are refused until the namespace's default ServiceAccount exists
+        eventually(lambda: core.list_namespaced_service_account(
+            ns, field_selector="metadata.name=default").items, "default ServiceAccount")
+        eventually(lambda: proc.poll() is None and core.list_node(
+            field_selector=f"metadata.name={name}").items, f"node {name} registered")
+        yield n
+    finally:
+        try:
+            teardown(n)
+        finally:
+            log.close()
+            admin.close()
+
+
+def teardown(n: Node) -> None:
+    """Remove the workloads through the agent, then stop the agent and the runtime, and
+    sweep: no container process of this node may be left."""
+    with contextlib.suppress(ApiException):
+        n.core.delete_namespace(n.namespace)
+    for f in n.manifests.iterdir():
+        f.unlink()
+    leftovers: list[int] = []
+    if n.proc.poll() is None:
+        with contextlib.suppress(AssertionError):
+            eventually(lambda: not marked(n.name), "the agent to stop every container", 40)
+    stop_agent(n.proc)
+    if n.ctd is not None:
+        n.ctd.stop()  # sandboxes, shims, containerd, by PID
+    leftovers = marked(n.name)
+    for pid in leftovers:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ApiException):
+        n.core.delete_node(n.name)
+    assert not leftovers, f"processes left running: {leftovers}"
+
+
+def deployment(n: Node) -> dict[str, Any]:
+    labels = {"app": "web"}
+    return {"apiVersion": "apps/v1", "kind": "Deployment",
+            "metadata": {"name": "web", "namespace": n.namespace},
+            "spec": {"replicas": 3, "selector": {"matchLabels": labels},
+                     "template": {"metadata": {"labels": labels}, "spec": pod_spec(n.name)}}}
+
+
+def web_running(n: Node) -> list[client.V1Pod] | None:
+    pods = [p for p in n.pods(label_selector="app=web") if not p.metadata.deletion_timestamp]
+    ok = len(pods) == 3 and all(running(p) and p.spec.node_name == n.name for p in pods)
+    return pods if ok else None
+
+
+def test_deployment_scheduled_and_running(node: Node) -> None:
+    n = node
+    n.apps.create_namespaced_deployment(n.namespace, deployment(n))
+    try:
+        pods = eventually(lambda: web_running(n), "3 pods Running on the agent's node", 90)
+    except AssertionError:
+        print(n.log_tail())
+        raise
+    for p in pods:
+        assert p.status.host_ip and p.status.pod_ip and p.status.start_time
+        cond = {c.type: c.status for c in p.status.conditions}
+        assert cond["Ready"] == cond["ContainersReady"] == cond["PodScheduled"] == "True"
+        assert n.container_pid(p.status.container_statuses[0].container_id) in marked(n.name)
+    node_obj = n.core.read_node(n.name)
+    assert {c.type: c.status for c in node_obj.status.conditions}["Ready"] == "True"
+    runtime = node_obj.status.node_info.container_runtime_version
+    assert runtime.startswith("containerd://" if n.kind == "containerd" else "process://")
+    if n.kind == "containerd":  # images in NodeStatus come from the runtime
+        assert any(BUSYBOX_IMAGE in (i.names or []) for i in node_obj.status.images or [])
+
+
+def test_killed_container_restarts(node: Node) -> None:
+    n = node
+    pods = eventually(lambda: web_running(n), "3 pods Running")
+    pod = pods[0]
+    cs = pod.status.container_statuses[0]
+    assert cs.restart_count == 0
+    pid = n.container_pid(cs.container_id)
+    relists0, died0 = n.pleg()
+    os.kill(pid, signal.SIGKILL)
+
+    def died() -> float | None:
+        relists, events = n.pleg()
+        return relists - relists0 + 0.5 if events > died0 else None  # 0.5: truthy at 0
+
+    relists = eventually(died, "PLEG ContainerDied", 10, every=0.02) - 0.5
+    assert relists <= 2, f"ContainerDied reported after {relists:.0f} relists"
+
+    def restarted() -> client.V1ContainerStatus | None:
+        p = n.core.read_namespaced_pod(pod.metadata.name, n.namespace)
+        c = p.status.container_statuses[0]
+        return c if c.restart_count == 1 and c.state.running and c.ready else None
+
+    c = eventually(restarted, "the container restarted with restartCount 1", 60)
+    assert c.last_state.terminated is not None
+    assert c.last_state.terminated.exit_code == 137  # SIGKILL
+    assert c.container_id != cs.container_id
+    new_pid = n.container_pid(c.container_id)
+    assert new_pid != pid and alive(new_pid) and not alive(pid)
+
+
+def test_deleted_pod_stops_within_grace(node: Node) -> None:
+    n = node
+    pod = eventually(lambda: web_running(n), "3 pods Running")[0]
+    name = pod.metadata.name
+    pid = n.container_pid(pod.status.container_statuses[0].container_id)
+    n.core.delete_namespaced_pod(name, n.namespace)
+    deleting = n.core.read_namespaced_pod(name, n.namespace)
+    deadline = deleting.metadata.deletion_timestamp.timestamp()
+    assert deleting.metadata.deletion_grace_period_seconds == GRACE
+    eventually(lambda: not alive(pid), "the container process to stop", GRACE + 5, every=0.05)
+    stopped_at = time.time()
+    assert stopped_at < deadline, f"stopped {stopped_at - deadline:.1f}s after the grace period"
+
+    def gone() -> bool:
+        try:
+            n.core.read_namespaced_pod(name, n.namespace)
+        except ApiException as e:
+            return e.status == 404
+        return False
+
+    eventually(gone, "the agent to finish the deletion", 30)
+    eventually(lambda: web_running(n), "the Deployment's replacement Running", 60)
+
+
+def test_static_pod_with_mirror(node: Node) -> None:
+    n = node
+    manifest = {"apiVersion": "v1", "kind": "Pod",
+                "metadata": {"name": "static-web", "namespace": "default",
+                             "labels": {"app": "static-web"}},
+                "spec": {k: v for k, v in pod_spec(n.name).items()
+                         if k not in ("nodeSelector", "tolerations")}}
+    tmp = n.manifests / ".static-web.json.tmp"
+    tmp.write_text(json.dumps(manifest))
+    tmp.rename(n.manifests / "static-web.json")
+    mirror_name = f"static-web-{n.name}"
+
+    def mirror() -> client.V1Pod | None:
+        try:
+            p = n.core.read_namespaced_pod(mirror_name, "default")
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+        return p if running(p) else None
+
+    try:
+        p = eventually(mirror, "the mirror pod Running", 60)
+    except AssertionError:
+        print(n.log_tail())
+        raise
+    assert "kubernetes.io/config.mirror" in p.metadata.annotations
+    assert p.spec.node_name == n.name
+    pid = n.container_pid(p.status.container_statuses[0].container_id)
+    assert pid in marked(n.name)
+    (n.manifests / "static-web.json").unlink()
+    eventually(lambda: not alive(pid), "the static pod to stop", GRACE + 10)
+
+    def mirror_gone() -> bool:
+        try:
+            n.core.read_namespaced_pod(mirror_name, "default")
+        except ApiException as e:
+            return e.status == 404
+        return False
+
+    eventually(mirror_gone, "the mirror pod deleted", 30)
