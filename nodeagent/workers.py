@@ -568,7 +568,12 @@ class PodWorkers:
                 if w.syncs == 0 and not w.kill:
                     await self._wait_for_predecessor(w)
                 w.pending = False
-                entry = await self.cache.get_newer_than(w.uid, w.last_sync)
+                if w.kill and w.phase in (Phase.SYNCING, Phase.TERMINATING):
+                    # the stop reads the runtime itself: waiting for the next relist
+                    # would only push the SIGKILL past the grace period
+                    entry = self.cache.get(w.uid)
+                else:
+                    entry = await self.cache.get_newer_than(w.uid, w.last_sync)
                 w.syncs += 1
                 await self._step(w, entry)
                 # after the step: the next sync needs a relist that saw what it did

@@ -137,6 +137,34 @@ async def test_kill_during_sync_terminates_after_it_with_the_delete_grace() -> N
 
 
 @aio
+async def test_kill_starts_without_waiting_for_a_relist() -> None:
+    """The grace period starts at the delete, not at the next relist: a container that
+    ignores SIGTERM is killed `grace` seconds after the delete arrived."""
+    syncer = SlowSyncer()
+    syncer.gate.set()
+    w, cache, clock = await workers_with(syncer)
+    clock._t = 1.0
+    await cache.update_time(1.0)
+    pod = mkpod("web", "u1")
+    w.update(pod)
+    await settle()
+    assert len(syncer.synced) == 1
+    clock._t = 1.5  # no relist since the sync
+    w.update(pod, UpdateKind.KILL, grace=3)
+    await settle()
+    assert syncer.terminated == [3]
+    assert w.phase("u1") == Phase.TERMINATED
+    # the final status still waits for a relist that saw the stop
+    w.update(pod, UpdateKind.REMOVE)
+    await settle()
+    assert "u1" in w
+    clock._t = 2.0
+    await cache.update_time(2.0)
+    await settle()
+    assert "u1" not in w
+
+
+@aio
 async def test_init_containers_run_in_order_before_containers() -> None:
     clock = FakeClock()
     a = await started(clock)
