@@ -169,7 +169,7 @@ class KwokSubject(Subject):
 def kwok_node_stages() -> list[Path]:
     """kwok's own default node stages for a leased node, from the pinned module source
     (the kwok binary alone picks its stages the other way round in v0.7.0: with a
-    lease duration set it takes node-heartbeat, a status PATCH every 20-45 s; kwokctl
+    lease duration set it takes node-heartbeat, a status PATCH every 20-25 s; kwokctl
     writes node-initialize + node-heartbeat-with-lease, which is what we use)."""
     tool = build.TOOLS["kwok"]
     src = build.cache_root() / "gomod" / f"{tool.module}@{tool.version}" / "kustomize" / "stage" / "node"
@@ -495,6 +495,15 @@ Written by `bench/scale.py`; do not edit by hand.
 - nodepulse ran as: {how}
 - window: {args.minutes:g} min per phase after all nodes were Ready (and leased) and a
   {args.warmup_seconds:g} s warm-up; idle baseline {args.baseline_seconds:g} s per phase
+
+Subjects: **nodepulse** = `nodepulse-agent` with default settings (Lease renewed every
+10 s, NodeStatus on meaningful change or every 5 min), fake runtime; **legacy** = the same
+with `--heartbeat-mode=legacy` (full NodeStatus PATCH every 10 s, no Lease); **kwok** =
+KWOK {build.TOOLS["kwok"].version} managing Nodes created by the benchmark
+(`--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake`,
+`--node-lease-duration-seconds={LEASE_SECONDS}`) with the node stages kwokctl sets up when
+leases are on: `node-initialize` and `node-heartbeat-with-lease` (conditions re-written
+every 600-610 s), read from the pinned module's `kustomize/stage/node/`.
 
 Per node-minute over the window. Every (subject, N) phase runs on a fresh control
 plane. Writes and request bytes come from the API server's own metrics

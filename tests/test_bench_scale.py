@@ -4,6 +4,7 @@ per node-minute figures, ratios and the rendered tables. No timings asserted."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
@@ -160,3 +161,19 @@ def test_window_takes_out_the_identity_lease_writes_and_their_bytes() -> None:
     assert w.etcd == {"x": 60.0}
     assert w.cpu == {"subject": 0.5}
     assert w.rate(w.etcd["x"]) == 1.0
+
+
+def test_kwok_stages_missing_from_the_module_cache_are_named(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from bench.scale import kwok_node_stages
+
+    monkeypatch.setenv("NODEPULSE_CACHE", str(tmp_path))
+    with pytest.raises(RuntimeError, match="node-heartbeat-with-lease.yaml"):
+        kwok_node_stages()
+    stages = tmp_path / "gomod" / "sigs.k8s.io" / "kwok@v0.7.0" / "kustomize" / "stage" / "node"
+    for rel in ("fast/node-initialize.yaml", "heartbeat-with-lease/node-heartbeat-with-lease.yaml"):
+        (stages / rel).parent.mkdir(parents=True, exist_ok=True)
+        (stages / rel).write_text("kind: Stage\n")
+    monkeypatch.setattr("e2e.cluster.build.pinned_version", lambda gomod, module: "v0.7.0")
+    assert [p.name for p in kwok_node_stages()] == ["node-initialize.yaml",
+                                                    "node-heartbeat-with-lease.yaml"]
