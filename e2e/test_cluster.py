@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 import uuid
+from pathlib import Path
 
 import pytest
 from kubernetes import client
@@ -86,3 +87,15 @@ def test_api_server_metrics_count_requests(cluster: Cluster) -> None:
     after = samples(cluster.apiserver_metrics(), "apiserver_request_total",
                     resource="namespaces", verb="LIST")
     assert after >= before + 1
+
+
+def test_node_identity_through_a_certificate_signing_request(
+        cluster: Cluster, tmp_path: Path) -> None:
+    """The way node credentials are got from an existing cluster (kind, say)."""
+    name = f"csr-node-{uuid.uuid4().hex[:6]}"
+    through_csr = Cluster(cluster.kubeconfig, tmp_path)
+    as_node = client.CoreV1Api(new_api_client(through_csr.node_kubeconfig(name)))
+    as_node.create_node(_node(name))
+    admin = client.CoreV1Api(cluster.api_client())
+    assert admin.read_node(name).metadata.name == name
+    admin.delete_node(name)

@@ -104,10 +104,17 @@ class Cluster:
                 request=base64.b64encode(csr).decode(),
                 signer_name="kubernetes.io/kube-apiserver-client-kubelet",
                 usages=["digital signature", "client auth"])))
-        body = certs.read_certificate_signing_request(csr_name)
-        body.status.conditions = [client.V1CertificateSigningRequestCondition(
-            type="Approved", status="True", reason="NodepulseE2E", message="e2e node identity")]
-        certs.replace_certificate_signing_request_approval(csr_name, body)
+        approved = client.V1CertificateSigningRequestCondition(
+            type="Approved", status="True", reason="NodepulseE2E", message="e2e node identity")
+        for _ in range(10):  # the signer may update the object between read and write
+            body = certs.read_certificate_signing_request(csr_name)
+            body.status.conditions = [*(body.status.conditions or []), approved]
+            try:
+                certs.replace_certificate_signing_request_approval(csr_name, body)
+                break
+            except client.ApiException as e:
+                if e.status != 409:
+                    raise
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             cert = certs.read_certificate_signing_request(csr_name).status.certificate
