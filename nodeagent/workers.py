@@ -446,6 +446,7 @@ class _Worker:
     # set once its containers are stopped for good: a successor with the same
     # namespace/name (an edited static pod gets a new uid) waits for it
     stopped: asyncio.Event = field(default_factory=asyncio.Event)
+    killed: asyncio.Event = field(default_factory=asyncio.Event)  # a kill arrived
 
     @property
     def full_name(self) -> str:
@@ -537,6 +538,7 @@ class PodWorkers:
         w.pod = pod  # latest wins
         if kind in (UpdateKind.KILL, UpdateKind.REMOVE):
             w.kill = True
+            w.killed.set()
             if grace is not None:
                 w.grace = grace if w.grace is None else min(w.grace, grace)
         if kind == UpdateKind.REMOVE:
@@ -568,12 +570,7 @@ class PodWorkers:
                 if w.syncs == 0 and not w.kill:
                     await self._wait_for_predecessor(w)
                 w.pending = False
-                if w.kill and w.phase in (Phase.SYNCING, Phase.TERMINATING):
-                    # the stop reads the runtime itself: waiting for the next relist
-                    # would only push the SIGKILL past the grace period
-                    entry = self.cache.get(w.uid)
-                else:
-                    entry = await self.cache.get_newer_than(w.uid, w.last_sync)
+                entry = await self._entry(w)
                 w.syncs += 1
                 await self._step(w, entry)
                 # after the step: the next sync needs a relist that saw what it did
@@ -585,6 +582,26 @@ class PodWorkers:
         except Exception:  # _step handles sync errors; this is a bug: keep the pod due
             log.exception("pod %s: worker failed", w.uid)
             w.due = self.clock.monotonic() + self.error_max
+
+    async def _entry(self, w: _Worker) -> CacheEntry:
+        """The pod's runtime state from a relist newer than the last sync. A stop reads
+        the runtime itself, so a kill never waits for that relist (also when it
+        arrives during the wait): the grace period starts at the delete."""
+        if w.kill and w.phase in (Phase.SYNCING, Phase.TERMINATING):
+            return self.cache.get(w.uid)
+        if w.kill:
+            return await self.cache.get_newer_than(w.uid, w.last_sync)
+        newer = asyncio.ensure_future(self.cache.get_newer_than(w.uid, w.last_sync))
+        killed = asyncio.ensure_future(w.killed.wait())
+        try:
+            await asyncio.wait({newer, killed}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            killed.cancel()
+            if not newer.done():
+                newer.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await newer
+        return newer.result() if not newer.cancelled() else self.cache.get(w.uid)
 
     async def _wait_for_predecessor(self, w: _Worker) -> None:
         """A pod replacing another of the same name (REMOVE old, ADD new) starts only

@@ -150,9 +150,12 @@ async def test_kill_starts_without_waiting_for_a_relist() -> None:
     await settle()
     assert len(syncer.synced) == 1
     clock._t = 1.5  # no relist since the sync
-    w.update(pod, UpdateKind.KILL, grace=3)
+    w.update(pod)   # a status-only change: this sync waits for the next relist...
     await settle()
-    assert syncer.terminated == [3]
+    assert len(syncer.synced) == 1
+    w.update(pod, UpdateKind.KILL, grace=3)  # ...a kill does not
+    await settle()
+    assert syncer.terminated == [3] and len(syncer.synced) == 1
     assert w.phase("u1") == Phase.TERMINATED
     # the final status still waits for a relist that saw the stop
     w.update(pod, UpdateKind.REMOVE)
