@@ -205,6 +205,7 @@ def node_kubeconfig(cluster: Cluster, name: str) -> Path:
         except ApiException as e:
             if e.status != 409:
                 raise
+            time.sleep(1.1)  # its CSR name has a seconds timestamp
     return cluster.node_kubeconfig(name)
 
 
@@ -247,16 +248,16 @@ def node(request: pytest.FixtureRequest, cluster: Cluster,
 
 
 def teardown(n: Node) -> None:
-    """Remove the workloads through the agent, then stop the agent and the runtime, and
-    sweep: no container process of this node may be left."""
+    """Remove the workloads through the agent (it must stop every container), then stop
+    the agent and the runtime by PID, and sweep: no container process may be left."""
     with contextlib.suppress(ApiException):
         n.core.delete_namespace(n.namespace)
     for f in n.manifests.iterdir():
         f.unlink()
-    leftovers: list[int] = []
+    cleaned = False
     if n.proc.poll() is None:
         with contextlib.suppress(AssertionError):
-            eventually(lambda: not marked(n.name), "the agent to stop every container", 40)
+            cleaned = eventually(lambda: not marked(n.name), "the agent's cleanup", 40)
     stop_agent(n.proc)
     if n.ctd is not None:
         n.ctd.stop()  # sandboxes, shims, containerd, by PID
@@ -267,6 +268,7 @@ def teardown(n: Node) -> None:
     with contextlib.suppress(ApiException):
         n.core.delete_node(n.name)
     assert not leftovers, f"processes left running: {leftovers}"
+    assert cleaned, "the agent did not stop the containers of deleted pods"
 
 
 def deployment(n: Node) -> dict[str, Any]:
@@ -319,6 +321,7 @@ def test_killed_container_restarts(node: Node) -> None:
         return relists - relists0 + 0.5 if events > died0 else None  # 0.5: truthy at 0
 
     relists = eventually(died, "PLEG ContainerDied", 10, every=0.02) - 0.5
+    print(f"[{n.kind}] ContainerDied reported {relists:.0f} relist(s) after the kill")
     assert relists <= 2, f"ContainerDied reported after {relists:.0f} relists"
 
     def restarted() -> client.V1ContainerStatus | None:
@@ -339,12 +342,15 @@ def test_deleted_pod_stops_within_grace(node: Node) -> None:
     pod = eventually(lambda: web_running(n), "3 pods Running")[0]
     name = pod.metadata.name
     pid = n.container_pid(pod.status.container_statuses[0].container_id)
+    # deletionTimestamp has whole seconds only: measure from the request instead
+    deadline = time.time() + GRACE
     n.core.delete_namespaced_pod(name, n.namespace)
     deleting = n.core.read_namespaced_pod(name, n.namespace)
-    deadline = deleting.metadata.deletion_timestamp.timestamp()
     assert deleting.metadata.deletion_grace_period_seconds == GRACE
     eventually(lambda: not alive(pid), "the container process to stop", GRACE + 5, every=0.05)
     stopped_at = time.time()
+    print(f"[{n.kind}] container stopped {deadline - stopped_at:.1f}s before the "
+          f"{GRACE}s grace period ended")
     assert stopped_at < deadline, f"stopped {stopped_at - deadline:.1f}s after the grace period"
 
     def gone() -> bool:
@@ -356,6 +362,29 @@ def test_deleted_pod_stops_within_grace(node: Node) -> None:
 
     eventually(gone, "the agent to finish the deletion", 30)
     eventually(lambda: web_running(n), "the Deployment's replacement Running", 60)
+
+
+def test_stubborn_pod_is_killed_when_grace_ends(node: Node) -> None:
+    """A container that ignores SIGTERM is SIGKILLed when its grace period ends (the
+    period starts when the agent begins the stop, just after the delete)."""
+    n = node
+    spec = pod_spec(n.name)
+    spec["terminationGracePeriodSeconds"] = 3
+    spec["containers"][0]["command"] = ["sh", "-c", "trap '' TERM; while true; do sleep 1; done"]
+    n.core.create_namespaced_pod(n.namespace, {"metadata": {"name": "stubborn"}, "spec": spec})
+    p = eventually(lambda: running(x := n.core.read_namespaced_pod("stubborn", n.namespace))
+                   and x, "the stubborn pod Running")
+    pid = n.container_pid(p.status.container_statuses[0].container_id)
+    deadline = time.time() + 3
+    n.core.delete_namespaced_pod("stubborn", n.namespace)
+    time.sleep(2)
+    assert alive(pid), "it ignores SIGTERM: it must still run before its grace ends"
+    eventually(lambda: not alive(pid), "the stubborn container killed", 10, every=0.05)
+    late = time.time() - deadline
+    print(f"[{n.kind}] SIGTERM-ignoring container killed {late:+.2f}s after its 3s grace "
+          "(counted from the delete request)")
+    # the agent's grace period starts when the watch delivers the delete (ms later)
+    assert late < 0.5, f"killed {late:.1f}s after its grace period ended"
 
 
 def test_static_pod_with_mirror(node: Node) -> None:
