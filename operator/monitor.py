@@ -17,7 +17,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
-from nodeoperator import selector
+from nodeoperator import selector, taints
 from nodeoperator.resolve import Resolution, resolve
 from nodeoperator.state import AGENT_CONDITIONS, UNREACHABLE_TAINT, NodeInfo, PolicyInfo, Store
 from prometheus_client import Counter, Gauge, Histogram
@@ -252,20 +252,29 @@ class Monitor:
         if node.heartbeat != want:
             patch["metadata"] = {"annotations": {HEARTBEAT_ANNOTATION: want}}
 
-        taints = [t for t in node.taints if t.get("key") != UNREACHABLE_TAINT]
+        # Unreachable follows the Lease verdict: NoSchedule while stale, NoExecute
+        # (paced, guarded) once granted and kept until the Lease is renewed.
+        unreachable: dict[str, dict[str, Any]] = {}
         if over is not None:
-            taints.append(_find_taint(node, "NoSchedule")
-                          or {"key": UNREACHABLE_TAINT, "effect": "NoSchedule"})
+            unreachable["NoSchedule"] = {"key": UNREACHABLE_TAINT, "effect": "NoSchedule"}
             existing = _find_taint(node, "NoExecute")
             if group.failure.taintUnreachable and (existing or grant):
-                taints.append(existing or {"key": UNREACHABLE_TAINT, "effect": "NoExecute",
-                                           "timeAdded": _rfc3339(self.clock)})
+                unreachable["NoExecute"] = {"key": UNREACHABLE_TAINT, "effect": "NoExecute",
+                                            "timeAdded": _rfc3339(self.clock)}
                 if not existing:
                     action.granted = policy or DEFAULT_GROUP
-        if taints != node.taints:
+        # The other NoSchedule taints follow the conditions; a stale node's are the
+        # Unknown ones this action writes, so it gets unreachable, never not-ready.
+        by_condition = taints.wanted(
+            _unknown(node.conditions) if over is not None else node.conditions,
+            node.unschedulable,
+            {t.get("key") for t in node.taints if t.get("effect") == "NoSchedule"})
+        by_condition.discard(UNREACHABLE_TAINT)
+        new_taints = _merge(node.taints, unreachable, by_condition)
+        if new_taints != node.taints:
             # The taint list is replaced whole, so only on top of the version we read.
             patch.setdefault("metadata", {})["resourceVersion"] = node.rv
-            patch["spec"] = {"taints": taints}
+            patch["spec"] = {"taints": new_taints}
             if over is not None and not _has_taint(node, "NoSchedule"):
                 action.taint_delay = over
         action.node_patch = patch or None
@@ -402,6 +411,37 @@ def _count_failure(kind: str, exc: BaseException, name: str) -> None:
     else:
         WRITES.labels(kind, "error").inc()
         log.warning("writing %s %s failed: %s", kind, name, exc)
+
+
+def _unknown(conditions: Mapping[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The conditions as they are once a stale node's are marked Unknown."""
+    out = dict(conditions)
+    for ctype in AGENT_CONDITIONS:
+        if ctype in out or ctype == "Ready":
+            out[ctype] = {**out.get(ctype, {}), "status": "Unknown"}
+    return out
+
+
+def _merge(current: list[dict[str, Any]], unreachable: Mapping[str, dict[str, Any]],
+           by_condition: set[str]) -> list[dict[str, Any]]:
+    """The node's taint list with ours made to match: taints that stay keep their
+    place and fields (timeAdded), new ones go last, anyone else's are left alone. An
+    unchanged set gives back an equal list, so nothing is written."""
+    out, have = [], set()
+    for t in current:
+        key, effect = t.get("key"), t.get("effect")
+        if key == UNREACHABLE_TAINT:
+            if effect not in unreachable or effect in have:
+                continue
+            have.add(effect)
+        elif effect == "NoSchedule" and key in taints.MANAGED:
+            if key not in by_condition or key in have:
+                continue
+            have.add(key)
+        out.append(t)
+    out += [t for effect, t in unreachable.items() if effect not in have]
+    out += [{"key": key, "effect": "NoSchedule"} for key in sorted(by_condition - have)]
+    return out
 
 
 def _find_taint(node: NodeInfo, effect: str) -> dict[str, Any] | None:

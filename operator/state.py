@@ -15,15 +15,18 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from nodeoperator import selector
+from nodeoperator import selector, taints
 
 from nodeagent.api.clock import Clock
 from nodeagent.api.policy import HEARTBEAT_ANNOTATION, PolicyError, PolicySpec, parse_spec
 
 LEASE_NAMESPACE = "kube-node-lease"
-UNREACHABLE_TAINT = "node.kubernetes.io/unreachable"
+UNREACHABLE_TAINT = taints.UNREACHABLE
 # Conditions the agent posts that go Unknown together when it falls silent.
 AGENT_CONDITIONS = ("Ready", "MemoryPressure", "DiskPressure", "PIDPressure")
+# Conditions kept per node: those, and the ones that decide NoSchedule taints
+# (NetworkUnavailable is the network plugin's: it never goes Unknown with the agent).
+KEPT_CONDITIONS = frozenset(AGENT_CONDITIONS) | taints.CONDITIONS
 
 
 @dataclasses.dataclass
@@ -33,8 +36,9 @@ class NodeInfo:
     labels: dict[str, str]
     heartbeat: str | None  # the HEARTBEAT_ANNOTATION value
     taints: list[dict[str, Any]]
-    conditions: dict[str, dict[str, Any]]  # AGENT_CONDITIONS present, by type
+    conditions: dict[str, dict[str, Any]]  # KEPT_CONDITIONS present, by type
     first_seen: float  # monotonic; staleness starts here for a node with no Lease
+    unschedulable: bool = False  # spec.unschedulable (cordoned)
 
 
 @dataclasses.dataclass
@@ -91,17 +95,22 @@ class Store:
             return
         old = self.nodes.get(name)
         conditions = {c["type"]: dict(c) for c in (body.get("status") or {}).get("conditions") or []
-                      if c.get("type") in AGENT_CONDITIONS}
+                      if c.get("type") in KEPT_CONDITIONS}
         info = NodeInfo(
             name=name, rv=str(meta.get("resourceVersion", "")),
             labels=dict(meta.get("labels") or {}),
             heartbeat=(meta.get("annotations") or {}).get(HEARTBEAT_ANNOTATION),
             taints=[dict(t) for t in (body.get("spec") or {}).get("taints") or []],
             conditions=conditions,
-            first_seen=old.first_seen if old else self.clock.monotonic())
+            first_seen=old.first_seen if old else self.clock.monotonic(),
+            unschedulable=bool((body.get("spec") or {}).get("unschedulable")))
         self.nodes[name] = info
-        # Labels decide the policy; anything else is looked at on the next period.
-        if old is None or old.labels != info.labels or old.heartbeat != info.heartbeat:
+        # Labels decide the policy, conditions the NoSchedule taints (a Ready node
+        # waits for no period to lose admission's not-ready); anything else is looked
+        # at on the next period.
+        if (old is None or old.labels != info.labels or old.heartbeat != info.heartbeat
+                or taints.signature(old.conditions, old.unschedulable)
+                != taints.signature(info.conditions, info.unschedulable)):
             self.changed.set()
 
     def lease_event(self, kind: str | None, body: Mapping[str, Any]) -> None:
