@@ -60,9 +60,9 @@ def test_mapping_table(conditions: dict[str, dict[str, Any]], unschedulable: boo
 
 
 def test_every_condition_taint_is_noschedule_and_managed() -> None:
-    assert set(taints.BY_CONDITION.values()) == {NOT_READY, UNREACHABLE, MEMORY, DISK, PID,
-                                                 NETWORK}
-    assert taints.MANAGED == set(taints.BY_CONDITION.values()) | {UNSCHEDULABLE}
+    condition_keys = {NOT_READY, UNREACHABLE, MEMORY, DISK, PID, NETWORK}
+    assert set(taints.BY_CONDITION.values()) == condition_keys
+    assert set(taints.MANAGED) == condition_keys | {UNSCHEDULABLE}
 
 
 # ---- through the monitor
