@@ -1,5 +1,7 @@
 """The whole system on one machine, in the foreground: the local control plane, the
-CRDs, the operator and one agent. Ctrl-C (or SIGTERM) stops every process by PID.
+CRDs, the operator and one agent that runs pods: on a private containerd when the
+containerd binary is installed, else on the process runtime. Ctrl-C (or SIGTERM) stops
+every process by PID: the agent, the pods' containers, containerd and its shims.
 
     python -m e2e.stack [--node-name NAME]
 """
@@ -7,6 +9,7 @@ CRDs, the operator and one agent. Ctrl-C (or SIGTERM) stops every process by PID
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import shutil
 import signal
@@ -15,8 +18,10 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 from e2e.cluster import LocalCluster
+from e2e.cluster.images import BUSYBOX_IMAGE
 
 ROOT = Path(__file__).resolve().parent.parent
 CRDS = ROOT / "charts" / "nodepulse" / "crds"
@@ -29,6 +34,16 @@ class Stack:
         self.node_name = node_name
         self.cluster = LocalCluster()
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.ctd: Any = None  # e2e.cluster.containerd.Containerd when containerd runs
+        self.runtime = ""
+
+    @property
+    def agent_root(self) -> Path:
+        return self.cluster.workdir / "agent"
+
+    @property
+    def manifests(self) -> Path:
+        return self.cluster.workdir / "manifests"
 
     def start(self) -> None:
         c = self.cluster
@@ -39,10 +54,24 @@ class Stack:
         self._spawn("operator", [str(bindir / "nodepulse-operator"),
                                  f"--kubeconfig={c.kubeconfig}",
                                  f"--metrics-port={OPERATOR_METRICS_PORT}"])
+        runtime = ["--runtime=process"]
+        self.runtime = "the process runtime (containerd is not installed)"
+        if shutil.which("containerd"):
+            from e2e.cluster.containerd import start_containerd
+            try:
+                self.ctd = start_containerd()
+            except RuntimeError as e:
+                self.runtime = f"the process runtime (containerd did not start: {e})"
+            else:
+                self.runtime = f"containerd (pid {self.ctd.pid}, {self.ctd.endpoint})"
+                runtime = ["--runtime=cri",
+                           f"--container-runtime-endpoint={self.ctd.endpoint}"]
+        self.manifests.mkdir(exist_ok=True)
         self._spawn("agent", [str(bindir / "nodepulse-agent"), f"--node-name={self.node_name}",
                               f"--kubeconfig={c.node_kubeconfig(self.node_name)}",
-                              f"--root-dir={c.workdir / 'agent'}",
-                              f"--healthz-bind-address={AGENT_HEALTH}"])
+                              f"--root-dir={self.agent_root}",
+                              f"--pod-manifest-path={self.manifests}",
+                              f"--healthz-bind-address={AGENT_HEALTH}", *runtime])
 
     def _spawn(self, name: str, args: list[str]) -> None:
         with open(self.cluster.log_dir / f"{name}.log", "ab") as log:
@@ -60,11 +89,37 @@ class Stack:
                     proc.kill()
                     proc.wait()
             print(f"{name} stopped ({proc.returncode})", file=sys.stderr)
+        # a stopped agent leaves its pods running for the next one to adopt; here
+        # nothing may outlive the stack
+        if self.ctd is not None:
+            self.ctd.stop()  # sandboxes (containers, shims), then containerd, by PID
+            print("containerd stopped", file=sys.stderr)
+        elif (self.agent_root / "process").exists():
+            asyncio.run(stop_process_pods(self.agent_root / "process"))
         self.cluster.remove()
 
     def exited(self) -> str | None:
         """The name of a program that stopped by itself, if any."""
         return next((n for n, p in self.procs.items() if p.poll() is not None), None)
+
+
+async def stop_process_pods(state_dir: Path) -> None:
+    """Stop and remove every container the process runtime recorded (SIGTERM to its
+    process group by the recorded PID, SIGKILL after 10 s)."""
+    from nodeagent.runtime.process import ProcessRuntime
+    rt = ProcessRuntime(state_dir)
+    try:
+        listed = await rt.relist()
+        await asyncio.gather(*(rt.stop_container(c.id, 10) for c in listed.containers
+                               if c.state != "EXITED"))
+        for c in listed.containers:
+            await rt.remove_container(c.id)
+        for sb in listed.sandboxes:
+            await rt.remove_sandbox(sb.id)
+        if listed.containers:
+            print(f"{len(listed.containers)} pod container(s) stopped", file=sys.stderr)
+    finally:
+        await rt.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,10 +135,16 @@ def main(argv: list[str] | None = None) -> int:
         stack.start()
         kubectl = shutil.which("kubectl") or stack.cluster.binary("kubectl")
         print(f"""
-nodepulse is running: control plane, operator, agent for node {args.node_name!r}.
+nodepulse is running: control plane, operator, agent for node {args.node_name!r},
+its pods on {stack.runtime}.
   export KUBECONFIG={stack.cluster.kubeconfig}
   {kubectl} get nodes,leases -A            # the Node and its Lease
   {kubectl} get nodestatuspolicies         # policies (kubectl get nsp)
+  {kubectl} run demo --image={BUSYBOX_IMAGE} --image-pull-policy=Never \\
+      --overrides='{{"spec":{{"tolerations":[{{"operator":"Exists"}}]}}}}' -- sleep 3600
+                                           # a pod (it must tolerate the Node's not-ready
+                                           # taint: no controller lifts it here)
+  static pods: put manifests in {stack.manifests}
   curl -s http://{AGENT_HEALTH}/metrics     # agent metrics; /healthz too
   curl -s http://127.0.0.1:{OPERATOR_METRICS_PORT}/metrics      # operator metrics
   logs: {stack.cluster.log_dir}

@@ -217,18 +217,25 @@ def node(request: pytest.FixtureRequest, cluster: Cluster,
     root = tmp_path_factory.mktemp(name)
     manifests = root / "manifests"
     manifests.mkdir()
+    kubeconfig = node_kubeconfig(cluster, name)  # before anything runs that needs stopping
     ctd, runtime_args = start_runtime(kind, root)
     admin = cluster.api_client()
     core, apps = client.CoreV1Api(admin), client.AppsV1Api(admin)
     ns = name
     port = free_port()
-    argv = [str(AGENT), f"--node-name={name}",
-            f"--kubeconfig={node_kubeconfig(cluster, name)}", f"--root-dir={root}",
-            f"--healthz-bind-address=127.0.0.1:{port}", f"--pod-manifest-path={manifests}",
+    argv = [str(AGENT), f"--node-name={name}", f"--kubeconfig={kubeconfig}",
+            f"--root-dir={root}", f"--healthz-bind-address=127.0.0.1:{port}",
+            f"--pod-manifest-path={manifests}",
             f"--register-with-taints={TAINT_KEY}={name}:NoSchedule", *runtime_args]
     log = open(root / "agent.log", "ab")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    except OSError:
+        log.close()
+        if ctd is not None:
+            ctd.stop()
+        raise
     n = Node(name, kind, root, proc, f"http://127.0.0.1:{port}/metrics", manifests, core,
              apps, ns, ctd)
     try:
