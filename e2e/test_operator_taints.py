@@ -1,0 +1,252 @@
+"""NoSchedule taints by condition on the real control plane (its controller manager runs
+without the node-lifecycle controller, so only the operator can take them off).
+
+- A real agent registers its Node, which the API server's TaintNodesByCondition
+  admission creates with `node.kubernetes.io/not-ready:NoSchedule`. Without the operator
+  the taint stays although the node is Ready, and a Pod without a toleration for it is
+  left Pending by the real kube-scheduler; with the operator running the taint goes and
+  the same Pod is scheduled onto the node (spec.nodeName; a nodeSelector on the node's
+  hostname label keeps it off other tests' nodes).
+- The agent's config file moves the nodefs threshold so that DiskPressure is True: the
+  operator adds `node.kubernetes.io/disk-pressure:NoSchedule`, and takes it off when the
+  threshold moves back. A watch on the Node checks that the admission's not-ready taint
+  was there at creation and was only removed once Ready was True.
+
+The agents run the fake runtime (a scheduled pod is "run" without containers). Every
+process is stopped by PID; the test's Nodes, Leases and namespace are deleted.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kubernetes import client, watch
+
+from e2e.cluster import Cluster
+from e2e.cluster.cluster import free_port
+from e2e.promtext import samples
+from e2e.test_operator import AGENT, CRDS, Operator, wait_for
+from nodeagent.api.policy import GROUP, PLURAL
+
+RUN = uuid.uuid4().hex[:5]
+NOT_READY = "node.kubernetes.io/not-ready"
+DISK = "node.kubernetes.io/disk-pressure"
+
+
+class Agent:
+    def __init__(self, cluster: Cluster, name: str, root: Path, config: Path) -> None:
+        self.name = name
+        self.log = cluster.log_dir / f"agent-{name}.log"
+        argv = [str(AGENT), "--node-name", name,
+                "--kubeconfig", str(cluster.node_kubeconfig(name)),
+                "--healthz-bind-address", f"127.0.0.1:{free_port()}",
+                "--root-dir", str(root / name), "--runtime", "fake",
+                "--config", str(config)]
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+                                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+class NodeWatch(threading.Thread):
+    """Every version of one Node as the API server hands them out, from before it
+    exists: (event type, NoSchedule taint keys, Ready status)."""
+
+    def __init__(self, api: client.ApiClient, name: str) -> None:
+        super().__init__(daemon=True, name=f"watch-{name}")
+        self.core, self.name = client.CoreV1Api(api), name
+        self.events: list[tuple[str, set[str], str | None]] = []
+        self.rv = self.core.list_node(field_selector=f"metadata.name={name}").metadata \
+            .resource_version
+        self.watch = watch.Watch()
+        self.errors: list[str] = []
+
+    def run(self) -> None:
+        try:
+            for ev in self.watch.stream(self.core.list_node, resource_version=self.rv,
+                                        field_selector=f"metadata.name={self.name}",
+                                        timeout_seconds=300):
+                node = ev["object"]
+                ready = next((c.status for c in node.status.conditions or []
+                              if c.type == "Ready"), None)
+                self.events.append((ev["type"], noschedule(node), ready))
+        except Exception as e:  # the test reads it
+            self.errors.append(repr(e))
+
+    def stop(self) -> None:
+        self.watch.stop()
+
+
+def noschedule(node: Any) -> set[str]:
+    return {t.key for t in node.spec.taints or [] if t.effect == "NoSchedule"}
+
+
+@pytest.fixture(scope="module")
+def kube(cluster: Cluster) -> client.ApiClient:
+    kubectl = str(cluster.binary("kubectl"))
+    subprocess.run([kubectl, "--kubeconfig", str(cluster.kubeconfig), "apply", "-f",
+                    str(CRDS)], check=True, capture_output=True)
+    subprocess.run([kubectl, "--kubeconfig", str(cluster.kubeconfig), "wait",
+                    "--for=condition=Established", "--timeout=60s",
+                    f"crd/{PLURAL}.{GROUP}"], check=True, capture_output=True)
+    return cluster.api_client()
+
+
+@pytest.fixture
+def start_operator(cluster: Cluster, kube: client.ApiClient
+                   ) -> Iterator[Callable[[], Operator]]:
+    started: list[Operator] = []
+
+    def start() -> Operator:
+        op = Operator(cluster, f"taints-{RUN}-{len(started)}")
+        started.append(op)
+        wait_for("operator ready", op.ready, 60)
+        wait_for("operator leading", lambda: samples(
+            op.metrics(), "nodepulse_operator_leader") == 1, 40)
+        return op
+
+    yield start
+    for op in started:
+        op.kill(signal.SIGTERM)
+
+
+@pytest.fixture
+def node_env(cluster: Cluster, kube: client.ApiClient, tmp_path: Path
+             ) -> Iterator[Callable[[str, str], tuple[Agent, Path]]]:
+    """Starts agents (each with a config file), and afterwards kills them and deletes
+    their Nodes and Leases."""
+    agents: list[Agent] = []
+
+    def start(name: str, config: str) -> tuple[Agent, Path]:
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(config)
+        agent = Agent(cluster, name, tmp_path, path)
+        agents.append(agent)
+        return agent, path
+
+    yield start
+    core, coord = client.CoreV1Api(kube), client.CoordinationV1Api(kube)
+    for a in agents:
+        a.kill()
+        for delete, args in ((core.delete_node, (a.name,)),
+                             (coord.delete_namespaced_lease, (a.name, "kube-node-lease"))):
+            try:
+                delete(*args)
+            except client.ApiException as e:
+                if e.status != 404:
+                    raise
+
+
+@pytest.fixture
+def namespace(kube: client.ApiClient) -> Iterator[str]:
+    core = client.CoreV1Api(kube)
+    ns = f"taints-{RUN}"
+    core.create_namespace({"metadata": {"name": ns}})
+    # Pods are refused until the namespace's default ServiceAccount exists.
+    wait_for("default ServiceAccount", lambda: core.list_namespaced_service_account(
+        ns, field_selector="metadata.name=default").items)
+    yield ns
+    for pod in core.list_namespaced_pod(ns).items:
+        core.delete_namespaced_pod(pod.metadata.name, ns, grace_period_seconds=0)
+    core.delete_namespace(ns)
+
+
+def read(kube: client.ApiClient, name: str) -> Any:
+    try:
+        return client.CoreV1Api(kube).read_node(name)
+    except client.ApiException as e:
+        if e.status == 404:
+            return None
+        raise
+
+
+def ready(node: Any) -> str | None:
+    return next((c.status for c in node.status.conditions or [] if c.type == "Ready"), None)
+
+
+def test_not_ready_taint_removed_and_an_untolerating_pod_scheduled(
+        kube: client.ApiClient, start_operator: Callable[[], Operator],
+        node_env: Callable[[str, str], tuple[Agent, Path]], namespace: str) -> None:
+    core = client.CoreV1Api(kube)
+    name = f"taints-{RUN}-sched"
+    node_env(name, "{}\n")
+    node = wait_for("the agent's Node Ready", lambda: (n := read(kube, name))
+                    and ready(n) == "True" and n, 60)
+    # Nothing but the operator removes admission's taint here; it is the only one.
+    assert noschedule(node) == {NOT_READY}
+
+    pod = {"metadata": {"name": "plain"},
+           "spec": {"nodeSelector": {"kubernetes.io/hostname": name},
+                    "containers": [{"name": "c", "image": "registry.k8s.io/pause:3.10"}]}}
+    created = core.create_namespaced_pod(namespace, pod)
+    # No toleration covers a NoSchedule taint (admission adds NoExecute ones only).
+    assert all(t.effect == "NoExecute" for t in created.spec.tolerations or [])
+
+    def unschedulable() -> Any:
+        p = core.read_namespaced_pod("plain", namespace)
+        c = next((c for c in p.status.conditions or [] if c.type == "PodScheduled"), None)
+        return c if c is not None and c.status == "False" else None
+    cond = wait_for("the scheduler's verdict", unschedulable, 30)
+    assert cond.reason == "Unschedulable" and "untolerated taint" in cond.message, cond.message
+    assert core.read_namespaced_pod("plain", namespace).spec.node_name is None
+
+    start_operator()
+    node = wait_for("not-ready taint removed", lambda: NOT_READY not in noschedule(
+        n := read(kube, name)) and n, 30)
+    assert ready(node) == "True"
+    bound = wait_for("the pod scheduled onto the node", lambda: (
+        p := core.read_namespaced_pod("plain", namespace)).spec.node_name and p, 60)
+    assert bound.spec.node_name == name
+
+
+def test_disk_pressure_taint_follows_the_condition(
+        kube: client.ApiClient, start_operator: Callable[[], Operator],
+        node_env: Callable[[str, str], tuple[Agent, Path]]) -> None:
+    name = f"taints-{RUN}-disk"
+    op = start_operator()
+    nw = NodeWatch(kube, name)
+    nw.start()
+    try:
+        _, config = node_env(name, "evictionHard:\n  nodefs.available: '0%'\n")
+        wait_for("Ready, without not-ready", lambda: (n := read(kube, name)) is not None
+                 and ready(n) == "True" and not noschedule(n) & {NOT_READY, DISK}, 60)
+        wait_for("the watch caught up", lambda: nw.events and nw.events[-1][1] == set(), 10)
+        # Created with admission's taint, which went only once Ready was True.
+        kind, first, _ = nw.events[0]
+        assert kind == "ADDED" and NOT_READY in first, nw.events
+        assert all(r == "True" for _, ts, r in nw.events if NOT_READY not in ts), nw.events
+        writes = op.writes()
+
+        # The threshold moves: every filesystem is under pressure.
+        config.write_text("evictionHard:\n  nodefs.available: '100%'\n")
+        node = wait_for("disk-pressure taint", lambda: DISK in noschedule(
+            n := read(kube, name)) and n, 40)
+        assert next(c.status for c in node.status.conditions
+                    if c.type == "DiskPressure") == "True"
+        assert NOT_READY not in noschedule(node)
+        assert op.writes() > writes
+
+        config.write_text("evictionHard:\n  nodefs.available: '0%'\n")
+        node = wait_for("disk-pressure taint removed", lambda: DISK not in noschedule(
+            n := read(kube, name)) and n, 40)
+        assert next(c.status for c in node.status.conditions
+                    if c.type == "DiskPressure") == "False"
+        # Each taint change was a write of its own; none was repeated.
+        changes = [ts for _, ts, _ in nw.events]
+        transitions = sum(1 for a, b in zip(changes, changes[1:], strict=False) if a != b)
+        assert transitions == 3, nw.events  # not-ready off, disk-pressure on, off
+        assert not nw.errors, nw.errors
+    finally:
+        nw.stop()
