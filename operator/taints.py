@@ -29,6 +29,7 @@ BY_CONDITION: dict[tuple[str, str], str] = {
     ("NetworkUnavailable", "True"): "node.kubernetes.io/network-unavailable",
 }
 CONDITIONS = frozenset(ctype for ctype, _ in BY_CONDITION)
+_ORDER = tuple(sorted(CONDITIONS))
 # NoSchedule taints with these keys are ours to add and remove.
 MANAGED = frozenset(BY_CONDITION.values()) | {UNSCHEDULABLE}
 
@@ -53,5 +54,4 @@ def wanted(conditions: Mapping[str, Mapping[str, Any]], unschedulable: bool,
 def signature(conditions: Mapping[str, Mapping[str, Any]], unschedulable: bool
               ) -> tuple[Any, ...]:
     """What the taints depend on, to tell whether a Node update changes them."""
-    return (unschedulable, *((c, (conditions.get(c) or {}).get("status"))
-                             for c in sorted(CONDITIONS)))
+    return (unschedulable, *((conditions.get(c) or {}).get("status") for c in _ORDER))
