@@ -467,7 +467,7 @@ def plot(results: list[measure.Result], path: Path) -> None:
                         marker="o", label=subject)
         ax.set_title(title)
         ax.set_xlabel("nodes")
-        ax.set_yscale("symlog" if attr.endswith("cpu") else "log")
+        ax.set_ylim(bottom=0)
         ax.grid(True, alpha=0.3)
         ax.legend()
     fig.suptitle("nodepulse vs legacy heartbeats vs KWOK, per node-minute (lower is better)")
