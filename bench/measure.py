@@ -3,8 +3,9 @@ counter readings from the API server's and etcd's own Prometheus metrics, their
 deltas, per node-minute arithmetic, and the tables. No I/O here except /proc reads,
 so the arithmetic is unit-tested (tests/test_bench_scale.py).
 
-bench/heartbeat.py could move its cpu_seconds/rss_mb here and read its writes and
-body bytes through write_counts/body_bytes."""
+CPU seconds and the identity-lease watcher come from bench/heartbeat.py (cpu_seconds,
+OtherLeaseWrites); they, with its rss_mb, could move here, and heartbeat.py could read
+its writes and body bytes through write_counts/body_bytes."""
 
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 WRITE_VERBS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
-TICKS = 100.0  # os.sysconf("SC_CLK_TCK") on Linux
 # etcd 3.6: bytes of key-values put (what the API server stores), and bytes appended
 # to the write-ahead log (puts plus raft overhead).
 ETCD_PUT_BYTES = "etcd_debugging_mvcc_total_put_size_in_bytes"
@@ -97,11 +97,6 @@ def net(value: float, background_rate: float, seconds: float) -> float:
 
 
 # ---- /proc
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS  # utime + stime
-
-
 def peak_rss_mb(pid: int) -> float:
     """The process's peak resident set (VmHWM) in MiB."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():

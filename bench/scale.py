@@ -47,7 +47,7 @@ from pathlib import Path
 from kubernetes import client, watch
 
 from bench import measure
-from bench.heartbeat import OtherLeaseWrites
+from bench.heartbeat import OtherLeaseWrites, cpu_seconds
 from e2e.cluster import LocalCluster, build
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -196,8 +196,8 @@ class Snapshot:
 def snapshot(cluster: LocalCluster, subject_pids: list[int]) -> Snapshot:
     api = cluster.apiserver_metrics()
     etcd = cluster.etcd_metrics()
-    cpu = {c: measure.cpu_seconds(cluster.pids[c]) for c in ("kube-apiserver", "etcd")}
-    cpu["subject"] = sum(measure.cpu_seconds(p) for p in subject_pids)
+    cpu = {c: cpu_seconds(cluster.pids[c]) for c in ("kube-apiserver", "etcd")}
+    cpu["subject"] = sum(cpu_seconds(p) for p in subject_pids)
     return Snapshot(time.monotonic(), measure.write_counts(api), measure.body_bytes(api),
                     measure.body_count(api, "leases", "update"),
                     measure.etcd_counters(etcd), cpu)

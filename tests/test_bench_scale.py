@@ -75,9 +75,8 @@ def test_per_node_minute_and_net_of_background() -> None:
     assert measure.net(100, 2.0, 300) == 0.0  # never below zero
 
 
-def test_proc_readings_of_this_process() -> None:
+def test_peak_rss_of_this_process() -> None:
     import os
-    assert measure.cpu_seconds(os.getpid()) >= 0.0
     assert measure.peak_rss_mb(os.getpid()) > 1.0
 
 
