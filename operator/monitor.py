@@ -190,7 +190,10 @@ class Monitor:
             group = groups[res.effective[name] or DEFAULT_GROUP]
             group.matched += 1
             lease = store.leases.get(name)
-            heard = lease.observed if lease else node.first_seen
+            # The agent's own status post counts as renewal does (our Unknown write
+            # keeps its lastHeartbeatTime, so it does not): a node that posts Ready
+            # before its Lease renewal reaches us is not marked Unknown over it.
+            heard = max(lease.observed, node.status_heard) if lease else node.status_heard
             grace = group.failure.gracePeriodSeconds
             over = now - heard - grace
             # The floor only holds back *new* verdicts: a node already marked
@@ -373,7 +376,10 @@ class Monitor:
                     if a.taint_delay is not None:
                         TAINT_DELAY.observe(a.taint_delay)
                 if a.status_patch and self.is_leader():
-                    seen.append(await self.writer.patch_node_status(a.name, a.status_patch))
+                    # Only on top of the version judged stale (or our own write on it):
+                    # a status the agent posted meanwhile is not overwritten (409).
+                    body = {**a.status_patch, "metadata": {"resourceVersion": seen[-1]}}
+                    seen.append(await self.writer.patch_node_status(a.name, body))
                     WRITES.labels("node_status", "ok").inc()
             except Exception as e:
                 self._written.pop("node/" + a.name, None)

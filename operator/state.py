@@ -39,6 +39,9 @@ class NodeInfo:
     conditions: dict[str, dict[str, Any]]  # KEPT_CONDITIONS present, by type
     first_seen: float  # monotonic; staleness starts here for a node with no Lease
     unschedulable: bool = False  # spec.unschedulable (cordoned)
+    # monotonic: when this process saw the agent's Ready heartbeat (lastHeartbeatTime)
+    # change, or first saw the Node. A status post is a sign of life as a renewal is.
+    status_heard: float = 0.0
 
 
 @dataclasses.dataclass
@@ -104,6 +107,13 @@ class Store:
             conditions=conditions,
             first_seen=old.first_seen if old else self.clock.monotonic(),
             unschedulable=bool((body.get("spec") or {}).get("unschedulable")))
+        beat = (conditions.get("Ready") or {}).get("lastHeartbeatTime")
+        if old is None or beat != (old.conditions.get("Ready") or {}).get("lastHeartbeatTime"):
+            info.status_heard = self.clock.monotonic()
+            if old is not None and name in self.stale:
+                self.changed.set()  # a silent node posted: let it be judged at once
+        else:
+            info.status_heard = old.status_heard
         self.nodes[name] = info
         # Labels decide the policy, conditions the NoSchedule taints (a Ready node
         # waits for no period to lose admission's not-ready); anything else is looked

@@ -90,6 +90,9 @@ class FakeApi:
 
     async def patch_node_status(self, name: str, patch: dict[str, Any]) -> str:
         node = self.nodes[name]
+        rv = patch.get("metadata", {}).get("resourceVersion")
+        if rv is not None and rv != node["metadata"]["resourceVersion"]:
+            raise ApiException(status=409, reason="Conflict")
         self.writes.append(("node_status", name, patch))
         conds = {c["type"]: c for c in node["status"].get("conditions", [])}
         for c in patch["status"]["conditions"]:
@@ -485,4 +488,63 @@ def test_silence_during_an_api_outage_is_not_counted() -> None:
         await step(clock, mon, 2)
         assert api.taints("n1") == {"NoSchedule", "NoExecute"}
         assert api.taints("n2") == set()
+    run(t)
+
+
+def _post_ready(api: FakeApi, name: str, deliver: bool = True) -> None:
+    """The agent posts Ready=True with a fresh heartbeat."""
+    node = api.nodes[name]
+    conds = [c for c in node["status"]["conditions"] if c["type"] != "Ready"]
+    node["status"]["conditions"] = [*conds, {
+        "type": "Ready", "status": "True", "reason": "AgentReady",
+        "lastHeartbeatTime": api.clock.now().strftime("%Y-%m-%dT%H:%M:%SZ")}]
+    api._bump(node)
+    if deliver:
+        api.store.node_event("MODIFIED", copy.deepcopy(node))
+
+
+def test_an_agent_status_post_counts_as_a_sign_of_life() -> None:
+    """A restarted agent may post Ready=True before its Lease renewal reaches us: it
+    must not be marked Unknown over it (it would not post again for minutes)."""
+    async def t(env: Env) -> None:
+        clock, store, api, mon = env
+        api.add_policy("p", spec(grace=15))
+        api.add_node("n1")
+        api.renew("n1")
+        await step(clock, mon, 16)
+        assert api.ready("n1")["status"] == "Unknown"
+        assert api.taints("n1") == {"NoSchedule", "NoExecute"}
+        _post_ready(api, "n1")  # the Lease renewal is still on its way
+        assert store.changed.is_set()
+        await mon.tick()
+        assert api.ready("n1")["status"] == "True"  # not overwritten
+        assert api.taints("n1") == set()
+        await step(clock, mon, 10)
+        assert api.ready("n1")["status"] == "True"
+        await step(clock, mon, 6)  # 16 s without a post or a renewal: stale again
+        assert api.ready("n1")["status"] == "Unknown"
+        # Our own Unknown write (lastHeartbeatTime kept) is no sign of life.
+        await step(clock, mon, 2)
+        assert api.taints("n1") == {"NoSchedule", "NoExecute"}
+    run(t)
+
+
+def test_unknown_is_not_written_over_a_status_posted_meanwhile() -> None:
+    async def t(env: Env) -> None:
+        clock, store, api, mon = env
+        api.add_policy("p", spec(grace=15))
+        api.add_node("n1")
+        api.renew("n1")
+        await clock.advance(16)
+        # The agent posts after the index was read but before our status write.
+        real = api.patch_node
+
+        async def agent_posts_first(name: str, patch: dict[str, Any]) -> str:
+            rv = await real(name, patch)
+            _post_ready(api, name, deliver=False)
+            return rv
+        api.patch_node = agent_posts_first  # type: ignore[method-assign]
+        await mon.tick()
+        assert api.ready("n1")["status"] == "True"  # 409: the agent's post stands
+        assert [w[0] for w in api.writes if w[0] != "policy_status"] == ["node"]
     run(t)
