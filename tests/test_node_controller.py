@@ -4,6 +4,7 @@ registration, reporting cadence, policy hot-reload, the node watch, legacy mode.
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import json
 import random
@@ -85,6 +86,32 @@ class Rig:
 
     def status_bodies(self) -> list[dict[str, Any]]:
         return [b["status"] for m, b in self.kube.bodies if m == "patch_node_status"]
+
+
+def test_a_condition_changed_by_someone_else_is_written_back_once():
+    """The operator marks a node Ready=Unknown while its Lease looked stale; the agent,
+    still running, writes Ready=True back at its next update, and only that."""
+    async def main():
+        rig = Rig()
+        await rig.start()
+        await rig.clock.advance(1)
+        patches = rig.kube.count("patch_node_status")
+        node = copy.deepcopy(rig.kube.nodes["n1"])
+        for c in node["status"]["conditions"]:
+            if c["type"] == "Ready":
+                c.update(status="Unknown", reason="NodeStatusUnknown")
+        rig.kube.put_node(node)  # as the operator would write it
+        await rig.clock.advance(10)
+        assert rig.kube.count("patch_node_status") - patches == 1
+        sent = rig.status_bodies()[-1]["conditions"]
+        assert [(c["type"], c["status"]) for c in sent] == [("Ready", "True")]
+        ready = next(c for c in rig.kube.nodes["n1"]["status"]["conditions"]
+                     if c["type"] == "Ready")
+        assert ready["status"] == "True"
+        await rig.clock.advance(60)  # our own write's event is not news
+        assert rig.kube.count("patch_node_status") - patches == 1
+        await rig.stop()
+    run(main())
 
 
 def test_registers_node_then_only_lease_traffic_for_a_minute():

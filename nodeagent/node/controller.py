@@ -84,6 +84,7 @@ class NodeController:
         self.registered = False
         self.uid: str | None = None
         self.reported: Status | None = None  # what the server has, as we last wrote it
+        self.reported_version: str | None = None  # resourceVersion our last write returned
         self.computed: Status | None = None
         self.last_full_report: float | None = None
         self.last_status_write: float | None = None
@@ -159,7 +160,7 @@ class NodeController:
                 log.warning("node %s: registration failed, retrying: %s", self.name, _brief(e))
                 return self.clock.monotonic() + min(every, 5.0)
             self.registered = True
-            self.reported = None
+            self.reported = self.reported_version = None
             self.last_full_report = None
             self.uid = node["metadata"].get("uid")
             self.lease.owner_uid = self.uid
@@ -214,8 +215,8 @@ class NodeController:
             if reason == "change":
                 log.info("node %s: status changed: %s", self.name, ", ".join(changes))
         try:
-            await self.status_call(self.kube.patch_node_status, self.name, body,
-                                   timeout=self.REQUEST_TIMEOUT)
+            written = await self.status_call(self.kube.patch_node_status, self.name, body,
+                                             timeout=self.REQUEST_TIMEOUT)
         except ApiException as e:
             self.metrics.status_errors.inc()
             if e.status == 404:
@@ -232,6 +233,7 @@ class NodeController:
         self.metrics.status_reports.labels(reason).inc()
         self.metrics.status_patch_bytes.observe(body_size(body))
         self.reported = new
+        self.reported_version = (written.get("metadata") or {}).get("resourceVersion")
         self.last_status_write = now
         if reason != "change":
             self.last_full_report = now
@@ -246,6 +248,21 @@ class NodeController:
     def on_node(self, node: Obj) -> None:
         annotations = (node.get("metadata") or {}).get("annotations") or {}
         self.apply_annotation(annotations.get(HEARTBEAT_ANNOTATION))
+        self._follow_api_conditions(node)
+
+    def _follow_api_conditions(self, node: Obj) -> None:
+        """Others write our conditions too: the operator sets Ready=Unknown when our
+        Lease looked stale. Take the API's conditions as what was last reported, so the
+        next tick writes ours back where they differ, as a kubelet compares with the
+        Node it reads. Events older than our last write are not news."""
+        if self.reported is None or _older(node, self.reported_version):
+            return
+        theirs = (node.get("status") or {}).get("conditions") or []
+        if meaningful_changes({"conditions": theirs},
+                              {"conditions": self.reported.get("conditions", [])}):
+            log.info("node %s: conditions were changed in the API; reporting ours again",
+                     self.name)
+            self.reported = {**self.reported, "conditions": theirs}
 
     def apply_annotation(self, value: str | None) -> None:
         if value is None:
@@ -286,3 +303,12 @@ class NodeController:
             if sooner < planned:
                 self._next_tick = sooner
                 self.ticker.schedule(self.name, sooner)
+
+
+def _older(node: Obj, version: str | None) -> bool:
+    """True when `node` predates the resourceVersion our last write returned. Versions
+    are opaque in general but integers from etcd, the only store the API server has."""
+    try:
+        return version is not None and int(node["metadata"]["resourceVersion"]) < int(version)
+    except (KeyError, TypeError, ValueError):
+        return False
