@@ -140,10 +140,8 @@ its pods on {stack.runtime}.
   export KUBECONFIG={stack.cluster.kubeconfig}
   {kubectl} get nodes,leases -A            # the Node and its Lease
   {kubectl} get nodestatuspolicies         # policies (kubectl get nsp)
-  {kubectl} run demo --image={BUSYBOX_IMAGE} --image-pull-policy=Never \\
-      --overrides='{{"spec":{{"tolerations":[{{"operator":"Exists"}}]}}}}' -- sleep 3600
-                                           # a pod (it must tolerate the Node's not-ready
-                                           # taint: no controller lifts it here)
+  {kubectl} run demo --image={BUSYBOX_IMAGE} --image-pull-policy=Never -- sleep 3600
+                                           # a pod on the agent's node (images are local)
   static pods: put manifests in {stack.manifests}
   curl -s http://{AGENT_HEALTH}/metrics     # agent metrics; /healthz too
   curl -s http://127.0.0.1:{OPERATOR_METRICS_PORT}/metrics      # operator metrics

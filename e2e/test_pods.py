@@ -162,8 +162,8 @@ def pod_spec(node: str) -> dict[str, Any]:
         "tolerations": [{"key": TAINT_KEY, "operator": "Equal", "value": node,
                          "effect": "NoSchedule"},
                         # added to every new Node by the TaintNodesByCondition admission
-                        # plugin; the node-lifecycle controller that would lift it once
-                        # the node is Ready is disabled in this control plane
+                        # plugin; what lifts it once the node is Ready (the operator, as
+                        # the node-lifecycle controller is disabled) does not run here
                         {"key": "node.kubernetes.io/not-ready", "operator": "Exists",
                          "effect": "NoSchedule"}],
         "terminationGracePeriodSeconds": GRACE,
@@ -196,19 +196,6 @@ def stop_agent(proc: subprocess.Popen[bytes]) -> None:
             proc.wait()
 
 
-def node_kubeconfig(cluster: Cluster, name: str) -> Path:
-    # on an external cluster the CSR approval can race the signer's own status write
-    # (409); the lead owns Cluster.node_kubeconfig, so retry here
-    for _ in range(5):
-        try:
-            return cluster.node_kubeconfig(name)
-        except ApiException as e:
-            if e.status != 409:
-                raise
-            time.sleep(1.1)  # its CSR name has a seconds timestamp
-    return cluster.node_kubeconfig(name)
-
-
 @pytest.fixture(scope="module", params=["containerd", "process"])
 def node(request: pytest.FixtureRequest, cluster: Cluster,
          tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
@@ -217,7 +204,7 @@ def node(request: pytest.FixtureRequest, cluster: Cluster,
     root = tmp_path_factory.mktemp(name)
     manifests = root / "manifests"
     manifests.mkdir()
-    kubeconfig = node_kubeconfig(cluster, name)  # before anything runs that needs stopping
+    kubeconfig = cluster.node_kubeconfig(name)  # before anything runs that needs stopping
     ctd, runtime_args = start_runtime(kind, root)
     admin = cluster.api_client()
     core, apps = client.CoreV1Api(admin), client.AppsV1Api(admin)
