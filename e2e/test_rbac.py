@@ -415,7 +415,7 @@ def _process(args: list[str], log: Path, cwd: Path) -> Iterator[subprocess.Popen
 
 
 def _eventually(what: str, fn: Callable[[], T | None], procs: dict[str, tuple[Any, Path]],
-                timeout: float = 90) -> T:
+                timeout: float = 90, describe: Callable[[], Any] | None = None) -> T:
     deadline = time.monotonic() + timeout
     while True:
         for name, (proc, log) in procs.items():
@@ -427,7 +427,8 @@ def _eventually(what: str, fn: Callable[[], T | None], procs: dict[str, tuple[An
             return value
         if time.monotonic() > deadline:
             logs = "\n".join(f"--- {n}\n{lg.read_text()[-3000:]}" for n, (_, lg) in procs.items())
-            raise AssertionError(f"timed out waiting for {what}\n{logs}")
+            seen = f"last seen: {describe()}\n" if describe else ""
+            raise AssertionError(f"timed out waiting for {what}\n{seen}{logs}")
         time.sleep(0.5)
 
 
@@ -579,7 +580,8 @@ def test_operator_and_agent_work_under_the_chart_identities(
         # the agent is stopped: past the policy's 20 s grace the operator marks the node
         procs = {"operator": (operator, op_log)}
         assert _eventually("the unreachable taint and Ready=Unknown",
-                           lambda: unreachable() == (True, "Unknown"), procs)
+                           lambda: unreachable() == (True, "Unknown"), procs,
+                           describe=lambda: (unreachable(), lease_spec()))
         described = tools.kubectl("describe", "node", node).stdout
         print(described)
         assert "node.kubernetes.io/unreachable:NoSchedule" in described
@@ -589,7 +591,9 @@ def test_operator_and_agent_work_under_the_chart_identities(
             agent = agent_process(agent_stack)
             procs = {"agent": (agent, agent_logs[-1]), "operator": (operator, op_log)}
             assert _eventually("the taint gone and Ready=True once the Lease is renewed",
-                               lambda: unreachable() == (False, "True"), procs)
+                               lambda: unreachable() == (False, "True"), procs,
+                               describe=lambda: (unreachable(), lease_spec(),
+                                                 _get(f"http://127.0.0.1:{op_port}/metrics")[1]))
 
     for log in [*agent_logs, op_log]:
         text = log.read_text()
