@@ -340,33 +340,62 @@ CHURN_NS = "bench-churn"
 
 class PodWatch:
     """When each pod of a namespace was first seen, and first seen Running, by one
-    watch (monotonic clock)."""
+    watch (monotonic clock). The API server closes a watcher that falls behind, so the
+    watch resumes from the last resourceVersion it saw, and relists when that is gone;
+    events stay plain JSON (building client models is what makes a watcher slow)."""
 
     def __init__(self, api: client.ApiClient, namespace: str) -> None:
         self.first: dict[str, float] = {}
         self.running: dict[str, float] = {}
+        self.unobserved: set[str] = set()  # Running before the watch saw them at all
+        self.resumes = 0
+        self.relists = 0
         self._w = watch.Watch()
         self._stopped = False
         self.error: BaseException | None = None
         core = client.CoreV1Api(api)
-        rv = core.list_namespaced_pod(namespace).metadata.resource_version
+
+        def relist() -> str:
+            pods = core.list_namespaced_pod(namespace)
+            now = time.monotonic()
+            for pod in pods.items:
+                uid, phase = pod.metadata.uid, pod.status.phase if pod.status else None
+                if uid not in self.first and phase == "Running":
+                    self.unobserved.add(uid)  # created and started while unwatched
+                self._see(uid, phase, now)
+            return str(pods.metadata.resource_version)
 
         def run() -> None:
             try:
-                for ev in self._w.stream(core.list_namespaced_pod, namespace,
-                                         resource_version=rv, timeout_seconds=3600,
-                                         allow_watch_bookmarks=False):
-                    pod, now = ev["object"], time.monotonic()
-                    uid = pod.metadata.uid
-                    self.first.setdefault(uid, now)
-                    if pod.status and pod.status.phase == "Running":
-                        self.running.setdefault(uid, now)
+                rv = relist()
+                while not self._stopped:
+                    try:
+                        for ev in self._w.stream(core.list_namespaced_pod, namespace,
+                                                 resource_version=rv, timeout_seconds=600,
+                                                 deserialize=False):
+                            obj = ev["object"]
+                            if ev["type"] == "ERROR":
+                                raise RuntimeError(f"watch error: {obj.get('message')}")
+                            self._see(obj["metadata"]["uid"],
+                                      obj.get("status", {}).get("phase"), time.monotonic())
+                            rv = obj["metadata"]["resourceVersion"]
+                        self.resumes += 1
+                    except Exception:  # closed, expired (410) or refused: start over
+                        if self._stopped:
+                            return
+                        self.relists += 1
+                        rv = relist()
             except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
                 if not self._stopped:
                     self.error = e
 
         self._thread = threading.Thread(target=run, daemon=True)
         self._thread.start()
+
+    def _see(self, uid: str, phase: str | None, now: float) -> None:
+        self.first.setdefault(uid, now)
+        if phase == "Running":
+            self.running.setdefault(uid, now)
 
     def stop(self) -> None:
         self._stopped = True
@@ -420,12 +449,15 @@ def run_churn(subject: Subject, args: argparse.Namespace) -> measure.ChurnResult
                 log(f"  {len(pods.first)} pods seen, {seen} Running")
         s1 = snapshot(cluster, pids)
         rss = sum(measure.peak_rss_mb(p) for p in pids)
+        log(f"  pod watch resumed {pods.resumes}x, relisted {pods.relists}x; "
+            f"{len(pods.unobserved)} pods first seen Running (not in the latencies)")
     finally:
         if pods is not None:
             pods.stop()
         subject.stop()
         cluster.remove()
-    latencies = [t - pods.first[uid] for uid, t in pods.running.items()]
+    latencies = [t - pods.first[uid] for uid, t in pods.running.items()
+                 if uid not in pods.unobserved]
     done = len(pods.running) >= args.churn_pods
     return measure.ChurnResult(
         subject=subject.name, nodes=subject.n, pods=args.churn_pods,
