@@ -12,7 +12,9 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import logging
+import math
 import random
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -23,9 +25,9 @@ from nodeagent import __version__
 from nodeagent.api.clock import Clock, RealClock
 from nodeagent.api.policy import AGENT_LABEL
 from nodeagent.api.serve import HealthServer
-from nodeagent.config import AgentConfig, ConfigError, load
+from nodeagent.config import VIRTUAL_LABEL, AgentConfig, ConfigError, load
 from nodeagent.node.controller import ImageLister, NodeController, NodeSpec, Readiness
-from nodeagent.node.host import HostProbe, HostReadings
+from nodeagent.node.host import HostProbe, HostReadError, HostReadings
 from nodeagent.node.kube import Kube, Obj, RealKube
 from nodeagent.node.metrics import NodeMetrics
 from nodeagent.node.scheduler import Blocking, DueScheduler
@@ -43,6 +45,49 @@ def status_settings(cfg: AgentConfig) -> StatusSettings:
                           system_reserved=dict(cfg.system_reserved),
                           max_images=cfg.heartbeat.maxImagesInStatus,
                           agent_version=f"v{__version__}-nodepulse")  # semver: tools parse it
+
+
+class SharedReadings:
+    """One host reading shared by every node for `ttl` seconds: 1000 virtual nodes'
+    status ticks read /proc once a second, not 1000 times. Called from status threads."""
+
+    def __init__(self, read: Callable[[], HostReadings], clock: Clock, ttl: float = 1.0) -> None:
+        self._read = read
+        self.clock = clock
+        self.ttl = ttl
+        self.reads = 0
+        self._lock = threading.Lock()
+        self._at = -math.inf
+        self._value: HostReadings | HostReadError | None = None
+
+    def read(self) -> HostReadings:
+        with self._lock:
+            now = self.clock.monotonic()
+            if self._value is None or now - self._at >= self.ttl:
+                try:
+                    self._value = self._read()
+                except HostReadError as e:
+                    self._value = e  # the same failure for everyone until the next read
+                self._at = now
+                self.reads += 1
+            value = self._value
+        if isinstance(value, HostReadError):
+            raise value
+        return value
+
+
+def node_specs(cfg: AgentConfig) -> list[NodeSpec]:
+    """The Nodes this process speaks for: one host node, or the virtual ones (labelled
+    nodepulse.dev/virtual=true and tainted with the virtual taints)."""
+    if not cfg.virtual:
+        return [NodeSpec(cfg.node_name, cfg.agent_id, labels=dict(cfg.node_labels),
+                         taints=cfg.register_with_taints)]
+    labels = {**cfg.node_labels, VIRTUAL_LABEL: "true"}
+    taints = list(cfg.register_with_taints)
+    taints += [t for t in cfg.virtual_node_taints
+               if (t["key"], t["effect"]) not in {(u["key"], u["effect"]) for u in taints}]
+    return [NodeSpec(name, cfg.agent_id, labels=labels, taints=taints)
+            for name in cfg.virtual_node_names]
 
 
 def host_probe(cfg: AgentConfig) -> HostProbe:
@@ -87,6 +132,7 @@ class Agent:
         self.renewals: DueScheduler[str] = DueScheduler(self.clock, self._renew, "renewals")
         self.ticker: DueScheduler[str] = DueScheduler(self.clock, self._tick, "status")
         self.probe = host_probe(cfg)
+        self.shared_readings = SharedReadings(self.probe.read, self.clock)
         self.settings = status_settings(cfg)
         self.watch: NodeWatch | None = None
         self.health: HealthServer | None = None
@@ -94,9 +140,11 @@ class Agent:
 
     # -- nodes --
     def add_node(self, spec: NodeSpec, probe: Callable[[], HostReadings] | None = None) -> NodeController:
+        # virtual nodes share one reading of the host; a host node reads it every tick
+        default = self.shared_readings.read if self.cfg.virtual else self.probe.read
         node = NodeController(
             spec, self.kube, self.clock, self.metrics, heartbeat=self.cfg.heartbeat,
-            settings=self.settings, probe=probe or self.probe.read,
+            settings=self.settings, probe=probe or default,
             lease_call=self.lease_call, status_call=self.status_call,
             renewals=self.renewals, ticker=self.ticker, images=self.images,
             readiness=self.readiness, legacy=self.cfg.legacy, rng=random.Random())
@@ -159,7 +207,8 @@ class Agent:
             return
         live = ("eviction_hard", "host_overrides", "system_reserved", "max_pods")
         changed = [f for f in ("heartbeat", "heartbeat_mode", "node_name", "root_dir",
-                               "proc_path", "node_ips", "healthz_bind_address")
+                               "proc_path", "node_ips", "healthz_bind_address",
+                               "virtual_node_names", "virtual_node_taints")
                    if getattr(cfg, f) != getattr(self.cfg, f)]
         if changed:
             log.warning("config file: %s only take effect on restart", ", ".join(changed))
@@ -175,9 +224,8 @@ class Agent:
     # -- run --
     async def run(self, stop: asyncio.Event) -> None:
         if not self.nodes:
-            self.add_node(NodeSpec(self.cfg.node_name, self.cfg.agent_id,
-                                   labels=dict(self.cfg.node_labels),
-                                   taints=self.cfg.register_with_taints))
+            for spec in node_specs(self.cfg):
+                self.add_node(spec)
         # one node: a single-object watch (all node credentials allow); many: one
         # label-selector watch for all of them
         one = len(self.nodes) == 1

@@ -25,6 +25,9 @@ from nodeagent.node.quantity import QuantityError, Threshold, parse_quantity, pa
 
 ENV_PREFIX = "NODEPULSE_"
 DEFAULT_EVICTION_HARD = "memory.available<100Mi,nodefs.available<10%,pid.available<5%"
+VIRTUAL_LABEL = "nodepulse.dev/virtual"
+VIRTUAL_TAINT = {"key": VIRTUAL_LABEL, "value": "true", "effect": "NoSchedule"}
+MAX_VIRTUAL_NODES = 100000
 
 
 class ConfigError(ValueError):
@@ -60,10 +63,22 @@ class AgentConfig:
     runtime: str = "auto"
     container_runtime_endpoint: str | None = None
     register_with_taints: tuple[Mapping[str, str], ...] = ()
+    # virtual-node mode: these Nodes instead of node_name (empty: a host agent)
+    virtual_node_names: tuple[str, ...] = ()
+    virtual_node_taints: tuple[Mapping[str, str], ...] = (dict(VIRTUAL_TAINT),)
 
     @property
     def legacy(self) -> bool:
         return self.heartbeat_mode == "legacy"
+
+    @property
+    def virtual(self) -> bool:
+        return bool(self.virtual_node_names)
+
+    @property
+    def node_names(self) -> tuple[str, ...]:
+        """Every Node this process speaks for."""
+        return self.virtual_node_names or (self.node_name,)
 
 
 # -- value parsers: (raw value, where it came from) -> value --
@@ -270,6 +285,33 @@ def _opt_str(value: Any, where: str) -> str | None:
     return _str(value, where) or None
 
 
+_NODE_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+
+
+def _node_name(name: str, where: str) -> str:
+    if len(name) > 253 or not _NODE_NAME.match(name):
+        raise ConfigError(f"{where}: {name!r} is not a valid Node name (lower-case letters, "
+                          "digits, '-' and '.', at most 253 characters)")
+    return name
+
+
+def _virtual_nodes(value: Any, where: str) -> int | tuple[str, ...]:
+    """A count (names come from the prefix) or a list of names."""
+    if isinstance(value, list):
+        names = tuple(_node_name(_str(v, where), where) for v in value)
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ConfigError(f"{where}: node name(s) listed twice: {', '.join(dup)}")
+        return names
+    return _int(0, MAX_VIRTUAL_NODES)(value, where)
+
+
+def _taints_or_none(value: Any, where: str) -> tuple[dict[str, str], ...]:
+    if value is None or (isinstance(value, str) and value.strip() in ("", "none")):
+        return ()
+    return _taints(value, where)
+
+
 @dataclasses.dataclass(frozen=True)
 class Option:
     field: str  # AgentConfig field, or heartbeat.<name>
@@ -333,12 +375,27 @@ OPTIONS: tuple[Option, ...] = (
            _period, "how often --manifest-url is polled (20s)"),
     Option("runtime", "runtime", "runtime", _choice("auto", "cri", "process", "fake"),
            "container runtime: cri, process, fake, or auto (cri when the endpoint's "
-           "socket exists, else process)"),
+           "socket exists, else process; with --virtual-nodes: fake)"),
     Option("container_runtime_endpoint", "container-runtime-endpoint",
            "containerRuntimeEndpoint", _opt_str,
            "CRI socket (unix:///run/containerd/containerd.sock)"),
     Option("register_with_taints", "register-with-taints", "registerWithTaints", _taints,
            "taints the Node is registered with, key=value:Effect,..."),
+    Option("virtual_nodes", "virtual-nodes", "virtualNodes", _virtual_nodes,
+           "virtual-node mode: run N Nodes named <prefix>-0..<prefix>-(N-1) in this one "
+           "process (0: off, a host agent); in --config also a list of names, "
+           "virtualNodes: [a, b]. Each Node has its own Lease, status and policy; all share "
+           "one pod watch, one runtime (fake or process; cri is refused) and one PLEG. "
+           "Static pods are refused. One agent writes for many Nodes, so it cannot use a "
+           "node client certificate (NodeRestriction lets a node write only its own "
+           "objects): give it a ServiceAccount or admin kubeconfig with the RBAC of the "
+           "Helm chart's agent identity"),
+    Option("node_name_prefix", "node-name-prefix", "nodeNamePrefix", _str,
+           "virtual-node names' prefix (default: the agent id, else the node name)"),
+    Option("virtual_node_taints", "virtual-node-taint", "virtualNodeTaint", _taints_or_none,
+           "taints of virtual Nodes, key=value:Effect,... "
+           "(nodepulse.dev/virtual=true:NoSchedule; 'none' or empty: no taint). Virtual "
+           "Nodes are also labelled nodepulse.dev/virtual=true and nodepulse.dev/agent=<id>"),
 )
 _IGNORED_KEYS = {"apiVersion", "kind"}  # a KubeletConfiguration-style header
 
@@ -387,14 +444,43 @@ def load(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Agen
         raise ConfigError(msg.replace("heartbeat.", "setting ")) from None
     if "eviction_hard" not in values:
         values["eviction_hard"] = parse_thresholds(DEFAULT_EVICTION_HARD)
+    count = values.pop("virtual_nodes", 0)
+    prefix = values.pop("node_name_prefix", None)
+    if isinstance(count, tuple):
+        values["virtual_node_names"] = count
+    elif count:
+        base = prefix or values.get("agent_id") or values.get("node_name") \
+            or socket.gethostname().lower()
+        where = "--node-name-prefix" if prefix else "the node name prefix"
+        _node_name(f"{base}-{count - 1}", where)
+        values["virtual_node_names"] = tuple(f"{base}-{i}" for i in range(count))
+    elif prefix is not None:
+        raise ConfigError("--node-name-prefix: only used with --virtual-nodes N")
     node_name = values.get("node_name") or socket.gethostname().lower()
     values["node_name"] = node_name
+    if values.get("virtual_node_names"):
+        _check_virtual(values)
+        values["node_name"] = values["virtual_node_names"][0]
+        values.setdefault("agent_id", prefix or node_name)
     values.setdefault("agent_id", node_name)
     if not _LABEL_VALUE.match(values["agent_id"]) or not values["agent_id"]:
         raise ConfigError(f"agent id {values['agent_id']!r} is not a valid label value "
                           "(set --agent-id)")
     values["config_file"] = Path(config_path) if config_path else None
     return AgentConfig(**values)
+
+
+def _check_virtual(values: Mapping[str, Any]) -> None:
+    """What one process cannot do for many Nodes is refused at start, by name."""
+    if values.get("pod_manifest_path") or values.get("manifest_url"):
+        which = "--pod-manifest-path" if values.get("pod_manifest_path") else "--manifest-url"
+        raise ConfigError(f"{which}: static pods are not supported with --virtual-nodes "
+                          "(a static pod is named and bound per node); remove one of them")
+    if values.get("runtime") == "cri":
+        raise ConfigError("--runtime cri: not supported with --virtual-nodes: every "
+                          "virtual Node would advertise this host's capacity while all "
+                          "their pods share one containerd and one pod network; use "
+                          "--runtime fake or process")
 
 
 def _pick(opt: Option, flags: Mapping[str, Any], env: Mapping[str, str],

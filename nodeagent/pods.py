@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,7 @@ from nodeagent.runtime import ContainerRuntimeError, Runtime, make_runtime
 from nodeagent.sources.bundle import PodSources, SourcesConfig
 from nodeagent.sources.events import NodeEvents
 from nodeagent.sources.types import PodUpdate, SourcesReady
-from nodeagent.syncloop import SyncLoop, SyncLoopConfig
+from nodeagent.syncloop import NodeLoops, SyncLoop, SyncLoopConfig
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,11 @@ def build_runtime(cfg: AgentConfig, host_ip: str = "") -> Runtime:
     """The runtime the config names; process runtime state lives under --root-dir."""
     opts: dict[str, Any] = {}
     kind = cfg.runtime
+    if kind == "auto" and cfg.virtual:
+        kind = "fake"
+    if kind == "cri" and cfg.virtual:  # config.load refuses it too; a clear error here
+        raise ContainerRuntimeError("the cri runtime cannot serve virtual nodes; use "
+                                    "--runtime fake or process")
     if kind == "auto":
         from nodeagent.runtime import socket_path
         kind = "cri" if Path(socket_path(cfg.container_runtime_endpoint)).exists() else "process"
@@ -69,16 +74,28 @@ class Pods:
                  status_writer: PodStatusWriter | None = None, host_ip: str = "",
                  config: SyncLoopConfig | None = None,
                  registry: CollectorRegistry = REGISTRY,
-                 image_refresh: float = IMAGE_REFRESH) -> None:
+                 image_refresh: float = IMAGE_REFRESH,
+                 node_names: Sequence[str] = (), label: str = "") -> None:
+        """`node_names`: more than one is virtual-node mode: one PLEG for the runtime,
+        one SyncLoop per node (NodeLoops); `label` names the shared PLEG in metrics."""
         self.runtime = runtime
         self.clock = clock
         self.node_name = node_name
+        self.node_names = tuple(node_names) or (node_name,)
         self.run_sources = run_sources
         self.image_refresh = image_refresh
-        self.loop = SyncLoop(runtime=runtime, clock=clock, node_name=node_name,
-                             updates=updates, sources_ready=sources_ready,
-                             api_client=api_client, status_writer=status_writer,
-                             host_ip=host_ip, config=config, registry=registry)
+        self.loop: SyncLoop | NodeLoops
+        if len(self.node_names) > 1:
+            self.loop = NodeLoops(runtime=runtime, clock=clock, node_names=self.node_names,
+                                  updates=updates, sources_ready=sources_ready,
+                                  api_client=api_client, status_writer=status_writer,
+                                  host_ip=host_ip, config=config, registry=registry,
+                                  label=label or node_name)
+        else:
+            self.loop = SyncLoop(runtime=runtime, clock=clock, node_name=node_name,
+                                 updates=updates, sources_ready=sources_ready,
+                                 api_client=api_client, status_writer=status_writer,
+                                 host_ip=host_ip, config=config, registry=registry)
         self.runtime_version = ""   # "<name>://<version>", as nodeInfo shows it
         self.runtime_problem: str | None = None
         self._images: list[dict[str, Any]] = []
@@ -88,8 +105,9 @@ class Pods:
     def from_config(cls, cfg: AgentConfig, api: client.ApiClient, clock: Clock, *,
                     host_ip: str = "", registry: CollectorRegistry = REGISTRY) -> Pods:
         runtime = build_runtime(cfg, host_ip)
+        # virtual nodes: one API pod watch for all names (static pods are refused)
         sources = PodSources(api, SourcesConfig(
-            node_names=(cfg.node_name,), pod_manifest_path=cfg.pod_manifest_path,
+            node_names=cfg.node_names, pod_manifest_path=cfg.pod_manifest_path,
             file_check_frequency=cfg.file_check_frequency, manifest_url=cfg.manifest_url,
             manifest_url_headers=dict(cfg.manifest_url_headers),
             http_check_frequency=cfg.http_check_frequency),
@@ -98,7 +116,8 @@ class Pods:
         return cls(runtime=runtime, clock=clock, node_name=cfg.node_name,
                    updates=sources.updates, sources_ready=sources.ready,
                    run_sources=sources.run, api_client=api, host_ip=host_ip,
-                   config=SyncLoopConfig(log_root=str(logs.resolve())), registry=registry)
+                   config=SyncLoopConfig(log_root=str(logs.resolve())), registry=registry,
+                   node_names=cfg.node_names, label=cfg.agent_id)
 
     # -- what the node status and health server read (any thread) --
     def images(self) -> list[dict[str, Any]]:

@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,9 +73,12 @@ class SyncLoop:
                  api_client: k8s.ApiClient | None = None,
                  status_writer: PodStatusWriter | None = None, host_ip: str = "",
                  config: SyncLoopConfig | None = None,
-                 registry: CollectorRegistry = REGISTRY) -> None:
+                 registry: CollectorRegistry = REGISTRY,
+                 pleg: Pleg | None = None,
+                 events: asyncio.Queue[PodLifecycleEvent] | None = None) -> None:
         """Give `api_client` (status goes to pods/status through it) or, in tests, any
-        `status_writer`."""
+        `status_writer`. `pleg` and `events`: a PLEG shared by several nodes (NodeLoops
+        runs it, routes its events to `events` and does the housekeeping)."""
         if (api_client is None) == (status_writer is None):
             raise ValueError("SyncLoop: give exactly one of api_client or status_writer")
         self.config = cfg = config or SyncLoopConfig()
@@ -90,11 +93,9 @@ class SyncLoop:
         else:
             assert api_client is not None
             writer = ApiStatusWriter(api_client)
-        self.pleg = Pleg(runtime, clock, node=node_name, relist_period=cfg.relist_period,
-                         relist_timeout=cfg.relist_timeout,
-                         inspect_timeout=cfg.inspect_timeout,
-                         inspect_concurrency=cfg.inspect_concurrency,
-                         health_threshold=cfg.pleg_health_threshold, registry=registry)
+        self.shared = pleg is not None
+        self.pleg = pleg or new_pleg(runtime, clock, node_name, cfg, registry)
+        self.events = events if events is not None else self.pleg.events
         self.status = StatusManager(writer, clock, node=node_name, registry=registry)
         self.syncer = PodSyncer(runtime, self.status, clock, node_name=node_name,
                                 host_ip=host_ip, call_timeout=cfg.call_timeout,
@@ -129,9 +130,10 @@ class SyncLoop:
             self._task = None
 
     async def run(self) -> None:
-        self.pleg.start()
+        if not self.shared:
+            self.pleg.start()
         get_update = asyncio.ensure_future(self.updates.get())
-        get_event = asyncio.ensure_future(self.pleg.events.get())
+        get_event = asyncio.ensure_future(self.events.get())
         tick = asyncio.ensure_future(self.clock.sleep(1.0))
         try:
             while True:
@@ -142,10 +144,10 @@ class SyncLoop:
                     get_update = asyncio.ensure_future(self.updates.get())
                 if get_event in done:
                     self.handle_event(get_event.result())
-                    get_event = asyncio.ensure_future(self.pleg.events.get())
+                    get_event = asyncio.ensure_future(self.events.get())
                 if tick in done:
                     self.workers.sync_due()
-                    if self.clock.monotonic() >= self._next_housekeeping:
+                    if not self.shared and self.clock.monotonic() >= self._next_housekeeping:
                         self._next_housekeeping = (self.clock.monotonic()
                                                    + self.config.housekeeping_period)
                         self.housekeeping()
@@ -155,7 +157,8 @@ class SyncLoop:
                 f.cancel()
             await self.workers.stop()
             await self.status.close()
-            await self.pleg.stop()
+            if not self.shared:
+                await self.pleg.stop()
 
     # --- inputs ---------------------------------------------------------------------
 
@@ -208,35 +211,55 @@ class SyncLoop:
     def housekeeping(self) -> list[str]:
         """Send REMOVE for runtime pods that no source knows. Only once every source has
         delivered its first full set: before that, absence proves nothing."""
-        if not self.sources_ready.all_ready():
-            return []
-        result = self.pleg.last_result
-        if result is None:
-            return []
-        # cleaned up after this relist started: its records are stale, not orphans
-        since = self.pleg.last_result_at
+        return housekeeping(self.pleg, self.sources_ready, [self])
+
+    def known_uids(self) -> set[str]:
+        """Pods this loop is responsible for: from the sources, in work, just cleaned up
+        (forgotten before the PLEG's last relist started are dropped: stale records)."""
         forgotten = self.workers.forgotten
-        for uid in [u for u, t in forgotten.items() if t < since]:
+        for uid in [u for u, t in forgotten.items() if t < self.pleg.last_result_at]:
             del forgotten[uid]
-        known = self.pods.keys() | self.workers.uids() | forgotten.keys()
-        names: dict[str, tuple[str, str]] = {}
-        for s in result.sandboxes:
-            names.setdefault(s.pod_uid, (s.name, s.namespace))
-        for c in result.containers:
-            names.setdefault(c.pod_uid, (c.labels.get(LABEL_POD_NAME, ""),
-                                         c.labels.get(LABEL_POD_NAMESPACE, "")))
-        orphans = sorted(names.keys() - known)
-        for uid in orphans:
-            name, ns = names[uid]
-            log.info("housekeeping: pod %s (%s/%s) runs but no source has it; removing",
-                     uid, ns, name)
-            self._orphans.inc()
-            self.workers.update({"metadata": {"uid": uid, "name": name or uid,
-                                              "namespace": ns or "default"},
-                                 "spec": {"terminationGracePeriodSeconds":
-                                          self.config.orphan_grace}},
-                                UpdateKind.REMOVE)
-        return orphans
+        return set(self.pods.keys() | self.workers.uids() | forgotten.keys())
+
+
+def new_pleg(runtime: Runtime, clock: Clock, node: str, cfg: SyncLoopConfig,
+             registry: CollectorRegistry) -> Pleg:
+    return Pleg(runtime, clock, node=node, relist_period=cfg.relist_period,
+                relist_timeout=cfg.relist_timeout, inspect_timeout=cfg.inspect_timeout,
+                inspect_concurrency=cfg.inspect_concurrency,
+                health_threshold=cfg.pleg_health_threshold, registry=registry)
+
+
+def housekeeping(pleg: Pleg, sources_ready: SourcesReady, loops: Sequence[SyncLoop]) -> list[str]:
+    """REMOVE for runtime pods that none of `loops` knows (all loops on one runtime:
+    a pod of another node is not an orphan). The first loop's workers remove them."""
+    if not sources_ready.all_ready():
+        return []
+    result = pleg.last_result
+    if result is None or not loops:
+        return []
+    known: set[str] = set()
+    for loop in loops:
+        known |= loop.known_uids()
+    first = loops[0]
+    names: dict[str, tuple[str, str]] = {}
+    for s in result.sandboxes:
+        names.setdefault(s.pod_uid, (s.name, s.namespace))
+    for c in result.containers:
+        names.setdefault(c.pod_uid, (c.labels.get(LABEL_POD_NAME, ""),
+                                     c.labels.get(LABEL_POD_NAMESPACE, "")))
+    orphans = sorted(names.keys() - known)
+    for uid in orphans:
+        name, ns = names[uid]
+        log.info("housekeeping: pod %s (%s/%s) runs but no source has it; removing",
+                 uid, ns, name)
+        first._orphans.inc()
+        first.workers.update({"metadata": {"uid": uid, "name": name or uid,
+                                           "namespace": ns or "default"},
+                              "spec": {"terminationGracePeriodSeconds":
+                                       first.config.orphan_grace}},
+                             UpdateKind.REMOVE)
+    return orphans
 
 
 async def route_updates(updates: asyncio.Queue[PodUpdate],
@@ -255,3 +278,100 @@ async def route_updates(updates: asyncio.Queue[PodUpdate],
                             (pod.get("metadata") or {}).get("uid"), node)
         for node, pods in by_node.items():
             targets[node].put_nowait(PodUpdate(u.op, tuple(pods), u.source))
+
+
+class NodeLoops:
+    """Virtual-node mode: one PLEG over the shared runtime, one SyncLoop per node.
+
+    The merge's updates are split per node by spec.nodeName; the PLEG's events go to
+    the loop of the node that owns the pod (learnt from those updates); housekeeping
+    runs once for all loops, so a pod of one node is never an orphan of another.
+    Same interface as SyncLoop for Pods: start(), stop(), health().
+    """
+
+    def __init__(self, *, runtime: Runtime, clock: Clock, node_names: Sequence[str],
+                 updates: asyncio.Queue[PodUpdate], sources_ready: SourcesReady,
+                 api_client: k8s.ApiClient | None = None,
+                 status_writer: PodStatusWriter | None = None, host_ip: str = "",
+                 config: SyncLoopConfig | None = None, label: str = "",
+                 registry: CollectorRegistry = REGISTRY) -> None:
+        self.config = cfg = config or SyncLoopConfig()
+        self.clock = clock
+        self.updates = updates
+        self.sources_ready = sources_ready
+        self.pleg = new_pleg(runtime, clock, label, cfg, registry)
+        self.loops: dict[str, SyncLoop] = {}
+        self.owner: dict[str, str] = {}  # pod uid -> node, from the routed updates
+        for name in node_names:
+            self.loops[name] = SyncLoop(
+                runtime=runtime, clock=clock, node_name=name, updates=asyncio.Queue(),
+                sources_ready=sources_ready, api_client=api_client,
+                status_writer=status_writer, host_ip=host_ip, config=cfg,
+                registry=registry, pleg=self.pleg, events=asyncio.Queue())
+        self._task: asyncio.Task[None] | None = None
+
+    def health(self) -> str | None:
+        return self.pleg.health()
+
+    def start(self) -> asyncio.Task[None]:
+        self._task = asyncio.create_task(self.run(), name="syncloops")
+        return self._task
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def run(self) -> None:
+        self.pleg.start()
+        tasks = [asyncio.create_task(self._route_updates(), name="route-updates"),
+                 asyncio.create_task(self._route_events(), name="route-events"),
+                 asyncio.create_task(self._housekeeping(), name="housekeeping"),
+                 *(loop.start() for loop in self.loops.values())]
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for t in done:
+                t.result()  # a loop that ends is a failure: raise it
+        finally:
+            for t in tasks[:3]:
+                t.cancel()
+            await asyncio.gather(*tasks[:3], return_exceptions=True)
+            await asyncio.gather(*(loop.stop() for loop in self.loops.values()),
+                                 return_exceptions=True)
+            await self.pleg.stop()
+
+    async def _route_updates(self) -> None:
+        while True:
+            self.route(await self.updates.get())
+
+    def route(self, u: PodUpdate) -> None:
+        by_node: dict[str, list[Pod]] = {}
+        for pod in u.pods:
+            node = pod_node_name(pod)
+            uid = str((pod.get("metadata") or {}).get("uid") or "")
+            if node not in self.loops:
+                log.warning("pod %s: node %r is not served here; ignored", uid, node)
+                continue
+            by_node.setdefault(node, []).append(pod)
+            if uid:
+                if u.op == Op.REMOVE:
+                    self.owner.pop(uid, None)
+                else:
+                    self.owner[uid] = node
+        for node, pods in by_node.items():
+            self.loops[node].updates.put_nowait(PodUpdate(u.op, tuple(pods), u.source))
+
+    async def _route_events(self) -> None:
+        while True:
+            ev = await self.pleg.events.get()
+            node = self.owner.get(ev.pod_uid)
+            if node is not None:
+                self.loops[node].events.put_nowait(ev)
+            # a pod no node knows: housekeeping removes it
+
+    async def _housekeeping(self) -> None:
+        while True:
+            await self.clock.sleep(self.config.housekeeping_period)
+            housekeeping(self.pleg, self.sources_ready, list(self.loops.values()))
