@@ -73,6 +73,12 @@ def _ldflags(tool: Tool) -> str:
                   f" -X {pkg}.gitMinor={minor} -X {pkg}.gitTreeState=clean")
     elif tool.name == "helm":
         flags += f" -X helm.sh/helm/v3/internal/version.version={tool.version}"
+        # As helm's own release build does: the Kubernetes version helm assumes when it
+        # has no cluster to ask (`helm template`, `helm lint`) is the one of the
+        # client-go it was built with (v0.X.Y -> 1.X), not its source default of 1.20.
+        minor = pinned_version("helm", "k8s.io/client-go").split(".")[1]
+        for pkg in ("helm.sh/helm/v3/pkg/chartutil", "helm.sh/helm/v3/pkg/lint/rules"):
+            flags += f" -X {pkg}.k8sVersionMajor=1 -X {pkg}.k8sVersionMinor={minor}"
     return flags
 
 
