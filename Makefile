@@ -1,5 +1,5 @@
 # The two commands of the README: `make run` and `make test`.
-.PHONY: setup run up down test lint unit
+.PHONY: setup run up down test lint unit e2e-kind
 
 setup:
 	@scripts/setup.sh
@@ -24,3 +24,7 @@ test: lint
 
 unit: setup
 	.venv/bin/pytest tests
+
+# needs Docker and kind (not on the machines this is developed on): see README
+e2e-kind: setup
+	e2e/kind/run.sh
