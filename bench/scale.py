@@ -124,7 +124,7 @@ class AgentSubject(Subject):
             # one process for all N; the admin kubeconfig, as the chart's RBAC would
             # allow writes to exactly these Nodes and Leases
             self._spawn([str(AGENT), "--virtual-nodes", str(self.n),
-                         "--node-name-prefix", f"{self.tag}-",
+                         "--node-name-prefix", self.tag,  # nodes <tag>-0 .. <tag>-(N-1)
                          "--kubeconfig", str(cluster.kubeconfig),
                          "--root-dir", str(self.workdir / self.tag), *common], self.tag)
             return
