@@ -509,7 +509,7 @@ def plot(results: list[measure.Result], path: Path) -> None:
 
 
 def write_docs(results: list[measure.Result], args: argparse.Namespace, command: str,
-               how: str) -> None:
+               how: str, failures: list[str]) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     plot(results, out / "scale.png")
@@ -548,7 +548,7 @@ subject's summed over its processes. "stale max": nodes whose Lease (or, without
 Lease, Ready heartbeat) was older than {LEASE_SECONDS} s at the start or end of the window.
 
 {measure.render_markdown(results)}
-
+{"".join(f"{chr(10)}Failed phase: {f}{chr(10)}" for f in failures)}
 ![per node-minute costs](scale.png)
 """)
 
@@ -635,6 +635,7 @@ def main(argv: list[str] | None = None) -> int:
     command = "python -m bench.scale " + " ".join(argv if argv is not None else sys.argv[1:])
     results: list[measure.Result] = []
     churns: list[measure.ChurnResult] = []
+    failures: list[str] = []
     for n in sizes:
         for name in subjects:
             tag = f"{name[:3]}-{n}"
@@ -649,8 +650,14 @@ def main(argv: list[str] | None = None) -> int:
                 print(measure.render_churn(churns), file=sys.stderr)
             else:
                 log(f"-- {name}, {n} nodes, {args.minutes:g} min")
-                results.append(run_phase(subject, args))
+                try:
+                    results.append(run_phase(subject, args))
+                except Exception as e:  # a failed phase is reported; the others still run
+                    failures.append(f"{name} at {n} nodes: {e}")
+                    log(f"  FAILED: {e}")
                 print(measure.render_text(results), file=sys.stderr)
+                if results:  # written after every phase: a late failure loses nothing
+                    write_docs(results, args, command, how, failures)
     if args.churn:
         print("pod churn: a Deployment's pods from first seen to seen Running (by one watch)")
         print(measure.render_churn(churns))
@@ -659,9 +666,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print("per node-minute over the window; RSS = peak MB of the phase")
     print(measure.render_text(results))
-    write_docs(results, args, command, how)
+    for f in failures:
+        print(f"FAILED: {f}")
     print(f"wrote {args.out}/scale.md, scale.json, scale.png; logs in {workdir}")
-    return 0
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":
