@@ -22,6 +22,7 @@ import os
 import signal
 import subprocess
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -62,12 +63,13 @@ class Agent:
 
 class NodeWatch(threading.Thread):
     """Every version of one Node as the API server hands them out, from before it
-    exists: (event type, NoSchedule taint keys, Ready status)."""
+    exists: (event type, NoSchedule taint keys, Ready status, DiskPressure status,
+    monotonic time received)."""
 
     def __init__(self, api: client.ApiClient, name: str) -> None:
         super().__init__(daemon=True, name=f"watch-{name}")
         self.core, self.name = client.CoreV1Api(api), name
-        self.events: list[tuple[str, set[str], str | None]] = []
+        self.events: list[tuple[str, set[str], str | None, str | None, float]] = []
         self.rv = self.core.list_node(field_selector=f"metadata.name={name}").metadata \
             .resource_version
         self.watch = watch.Watch()
@@ -79,9 +81,9 @@ class NodeWatch(threading.Thread):
                                         field_selector=f"metadata.name={self.name}",
                                         timeout_seconds=300):
                 node = ev["object"]
-                ready = next((c.status for c in node.status.conditions or []
-                              if c.type == "Ready"), None)
-                self.events.append((ev["type"], noschedule(node), ready))
+                status = {c.type: c.status for c in node.status.conditions or []}
+                self.events.append((ev["type"], noschedule(node), status.get("Ready"),
+                                    status.get("DiskPressure"), time.monotonic()))
         except Exception as e:  # the test reads it
             self.errors.append(repr(e))
 
@@ -224,9 +226,9 @@ def test_disk_pressure_taint_follows_the_condition(
                  and ready(n) == "True" and not noschedule(n) & {NOT_READY, DISK}, 60)
         wait_for("the watch caught up", lambda: nw.events and nw.events[-1][1] == set(), 10)
         # Created with admission's taint, which went only once Ready was True.
-        kind, first, _ = nw.events[0]
+        kind, first, *_ = nw.events[0]
         assert kind == "ADDED" and NOT_READY in first, nw.events
-        assert all(r == "True" for _, ts, r in nw.events if NOT_READY not in ts), nw.events
+        assert all(r == "True" for _, ts, r, *_ in nw.events if NOT_READY not in ts), nw.events
         writes = op.writes()
 
         # The threshold moves: every filesystem is under pressure.
@@ -244,9 +246,18 @@ def test_disk_pressure_taint_follows_the_condition(
         assert next(c.status for c in node.status.conditions
                     if c.type == "DiskPressure") == "False"
         # Each taint change was a write of its own; none was repeated.
-        changes = [ts for _, ts, _ in nw.events]
+        changes = [ts for _, ts, *_ in nw.events]
         transitions = sum(1 for a, b in zip(changes, changes[1:], strict=False) if a != b)
         assert transitions == 3, nw.events  # not-ready off, disk-pressure on, off
         assert not nw.errors, nw.errors
+
+        def lag(cond: Callable[[Any], bool], taint: Callable[[Any], bool]) -> float:
+            """From the first event showing `cond` to the first showing `taint`."""
+            t0 = next(e[4] for e in nw.events if cond(e))
+            return next(e[4] for e in nw.events if e[4] >= t0 and taint(e)) - t0
+        print(f"\ncondition -> taint, as the watch saw them: Ready=True -> not-ready off "
+              f"{lag(lambda e: e[2] == 'True', lambda e: NOT_READY not in e[1]):.2f} s; "
+              f"DiskPressure=True -> taint "
+              f"{lag(lambda e: e[3] == 'True', lambda e: DISK in e[1]):.2f} s")
     finally:
         nw.stop()
