@@ -391,7 +391,8 @@ OPTIONS: tuple[Option, ...] = (
            "objects): give it a ServiceAccount or admin kubeconfig with the RBAC of the "
            "Helm chart's agent identity"),
     Option("node_name_prefix", "node-name-prefix", "nodeNamePrefix", _str,
-           "virtual-node names' prefix (default: the agent id, else the node name)"),
+           "virtual-node names' prefix: P gives P-0, P-1, ...; a prefix that ends in "
+           "'-' or '.' is used as is (default: the agent id, else the node name)"),
     Option("virtual_node_taints", "virtual-node-taint", "virtualNodeTaint", _taints_or_none,
            "taints of virtual Nodes, key=value:Effect,... "
            "(nodepulse.dev/virtual=true:NoSchedule; 'none' or empty: no taint). Virtual "
@@ -452,8 +453,10 @@ def load(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Agen
         base = prefix or values.get("agent_id") or values.get("node_name") \
             or socket.gethostname().lower()
         where = "--node-name-prefix" if prefix else "the node name prefix"
-        _node_name(f"{base}-{count - 1}", where)
-        values["virtual_node_names"] = tuple(f"{base}-{i}" for i in range(count))
+        # "vn" -> vn-0, vn-1; "pod-" (the Helm chart's $(POD_NAME)-) -> pod-0, pod-1
+        sep = "" if base.endswith(("-", ".")) else "-"
+        _node_name(f"{base}{sep}{count - 1}", where)
+        values["virtual_node_names"] = tuple(f"{base}{sep}{i}" for i in range(count))
     elif prefix is not None:
         raise ConfigError("--node-name-prefix: only used with --virtual-nodes N")
     node_name = values.get("node_name") or socket.gethostname().lower()
@@ -461,7 +464,7 @@ def load(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Agen
     if values.get("virtual_node_names"):
         _check_virtual(values)
         values["node_name"] = values["virtual_node_names"][0]
-        values.setdefault("agent_id", prefix or node_name)
+        values.setdefault("agent_id", (prefix or node_name).rstrip("-."))
     values.setdefault("agent_id", node_name)
     if not _LABEL_VALUE.match(values["agent_id"]) or not values["agent_id"]:
         raise ConfigError(f"agent id {values['agent_id']!r} is not a valid label value "

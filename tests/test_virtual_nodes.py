@@ -63,6 +63,12 @@ def test_count_and_prefix_make_the_names(tmp_path: Path) -> None:
     env = load(tmp_path, env={"NODEPULSE_VIRTUAL_NODES": "2",
                               "NODEPULSE_NODE_NAME_PREFIX": "e"})
     assert env.node_names == ("e-0", "e-1")
+    # the Helm chart passes --node-name-prefix=$(POD_NAME)- and --agent-id=$(POD_NAME)
+    chart = load(tmp_path, "--virtual-nodes", "2", "--node-name-prefix", "np-agent-0-",
+                 "--agent-id", "np-agent-0")
+    assert chart.node_names == ("np-agent-0-0", "np-agent-0-1")
+    assert load(tmp_path, "--virtual-nodes", "1", "--node-name-prefix",
+                "np-").agent_id == "np"
 
 
 def test_names_from_the_config_file_and_taint_choices(tmp_path: Path) -> None:
