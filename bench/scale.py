@@ -28,6 +28,7 @@ goes to a few dozen nodes on a small machine.
 
 from __future__ import annotations
 
+import abc
 import argparse
 import concurrent.futures
 import datetime
@@ -73,7 +74,7 @@ def agent_help() -> str:
 
 
 # ---- subjects: a command line and how its nodes come to be
-class Subject:
+class Subject(abc.ABC):
     name = ""
     leases = True  # whether its liveness signal is a Lease
 
@@ -85,8 +86,9 @@ class Subject:
     def selector(self) -> str:
         return f"{BENCH_LABEL}={self.tag}"
 
+    @abc.abstractmethod
     def start(self, cluster: LocalCluster) -> None:
-        raise NotImplementedError
+        """Start the subject's processes (and create its nodes, if it does not)."""
 
     def _spawn(self, args: list[str], logname: str) -> None:
         with (self.workdir / f"{logname}.log").open("ab") as out:
