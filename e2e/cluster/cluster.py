@@ -15,6 +15,7 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import yaml
 from kubernetes import client
@@ -28,6 +29,14 @@ SERVICE_IP = "10.96.0.1"
 # controller manager must not fight it. Taint-based eviction stays on: it is a
 # separate controller and carries out the operator's NoExecute taints.
 CONTROLLERS = "*,-node-lifecycle-controller"
+# The API server's metrics count requests, not who made them. Its audit log names the
+# user, so tests can tell a node agent's LIST from the scheduler's; only LISTs of pods
+# and nodes are logged, to keep its cost out of the benchmarks.
+AUDIT_POLICY = {
+    "apiVersion": "audit.k8s.io/v1", "kind": "Policy", "omitStages": ["RequestReceived"],
+    "rules": [{"level": "Metadata", "verbs": ["list"],
+               "resources": [{"group": "", "resources": ["pods", "nodes"]}]},
+              {"level": "None"}]}
 
 
 def free_port() -> int:
@@ -135,6 +144,10 @@ class Cluster:
     def restart_apiserver(self) -> None:
         raise RuntimeError("restarting the API server needs the local control plane")
 
+    def audit_events(self) -> list[dict[str, Any]]:
+        raise RuntimeError(f"the audit log of the cluster behind {self.kubeconfig} is not "
+                           "readable here (only the local control plane writes one)")
+
     def component_logs(self) -> dict[str, Path]:
         return {p.stem: p for p in sorted(self.log_dir.glob("*.log"))}
 
@@ -199,6 +212,14 @@ class LocalCluster(Cluster):
         self._start("kube-apiserver", self._args["kube-apiserver"])
         self._wait(f"{self.server}/readyz", "kube-apiserver")
 
+    def audit_events(self) -> list[dict[str, Any]]:
+        """The API server's audit events so far: every LIST of pods or nodes, with the
+        user who made it (see AUDIT_POLICY)."""
+        path = self.workdir / "audit.log"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line]
+
     def etcd_metrics(self) -> str:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.ports['etcd']}/metrics",
                                     timeout=10) as r:
@@ -221,6 +242,7 @@ class LocalCluster(Cluster):
         return pki.CertificateAuthority(self.pki_dir)
 
     def _pki(self) -> None:
+        (self.workdir / "audit-policy.yaml").write_text(yaml.safe_dump(AUDIT_POLICY))
         ca = self._ca()
         ca.issue("apiserver", "kube-apiserver", server_names=(
             "127.0.0.1", "localhost", SERVICE_IP, "kubernetes", "kubernetes.default",
@@ -260,6 +282,8 @@ class LocalCluster(Cluster):
                 "--authorization-mode=Node,RBAC",
                 "--enable-admission-plugins=NodeRestriction",
                 "--allow-privileged=true", "--profiling=false", "-v=1",
+                f"--audit-policy-file={self.workdir / 'audit-policy.yaml'}",
+                f"--audit-log-path={self.workdir / 'audit.log'}", "--audit-log-format=json",
                 # The API server listens on loopback only, and Endpoints may not hold a
                 # loopback address; nothing here reaches it through the Service IP.
                 "--endpoint-reconciler-type=none"]
