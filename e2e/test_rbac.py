@@ -130,10 +130,31 @@ def token_kubeconfig(cluster: Cluster, namespace: str, sa: str, path: Path) -> P
 def identities(cluster: Cluster, release: Release,
                tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     d = tmp_path_factory.mktemp("identities")
-    return {"operator": token_kubeconfig(cluster, release.namespace, release.operator_sa,
-                                         d / "operator.kubeconfig"),
-            "agent": token_kubeconfig(cluster, release.namespace, release.agent_sa,
-                                      d / "agent.kubeconfig")}
+    ids = {"operator": token_kubeconfig(cluster, release.namespace, release.operator_sa,
+                                        d / "operator.kubeconfig"),
+           "agent": token_kubeconfig(cluster, release.namespace, release.agent_sa,
+                                     d / "agent.kubeconfig")}
+    _wait_for_admission_policies(ids["agent"])
+    return ids
+
+
+def _wait_for_admission_policies(agent_kubeconfig: Path, timeout: float = 60) -> None:
+    """The API server enforces a new ValidatingAdmissionPolicy only once its admission
+    plugin has synced it; until then the agent's fence has RBAC only. A dry-run create
+    under a foreign name goes through admission and writes nothing."""
+    core = client.CoreV1Api(new_api_client(agent_kubeconfig, component="e2e-agent-sa"))
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            core.create_node(_node(f"e2e-probe-{uuid.uuid4().hex[:6]}"), dry_run="All")
+        except client.ApiException as e:
+            if e.status == 403:
+                return
+            raise
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the chart's admission policies were not enforced "
+                                 f"within {timeout:.0f} s")
+        time.sleep(0.5)
 
 
 # ---- the rules, verb by verb, as the API server's authorizer judges them
