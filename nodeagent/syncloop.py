@@ -134,7 +134,9 @@ class SyncLoop:
             self.pleg.start()
         get_update = asyncio.ensure_future(self.updates.get())
         get_event = asyncio.ensure_future(self.events.get())
-        tick = asyncio.ensure_future(self.clock.sleep(1.0))
+        # Loops sharing a PLEG are ticked by their NodeLoops: one timer, not one per node.
+        tick = asyncio.ensure_future(self.clock.sleep(1.0) if not self.shared
+                                     else asyncio.Event().wait())
         try:
             while True:
                 done, _ = await asyncio.wait({get_update, get_event, tick},
@@ -147,7 +149,7 @@ class SyncLoop:
                     get_event = asyncio.ensure_future(self.events.get())
                 if tick in done:
                     self.workers.sync_due()
-                    if not self.shared and self.clock.monotonic() >= self._next_housekeeping:
+                    if self.clock.monotonic() >= self._next_housekeeping:
                         self._next_housekeeping = (self.clock.monotonic()
                                                    + self.config.housekeeping_period)
                         self.housekeeping()
@@ -329,15 +331,17 @@ class NodeLoops:
         tasks = [asyncio.create_task(self._route_updates(), name="route-updates"),
                  asyncio.create_task(self._route_events(), name="route-events"),
                  asyncio.create_task(self._housekeeping(), name="housekeeping"),
+                 asyncio.create_task(self._tick(), name="resync-tick"),
                  *(loop.start() for loop in self.loops.values())]
+        own = tasks[:4]
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             for t in done:
                 t.result()  # a loop that ends is a failure: raise it
         finally:
-            for t in tasks[:3]:
+            for t in own:
                 t.cancel()
-            await asyncio.gather(*tasks[:3], return_exceptions=True)
+            await asyncio.gather(*own, return_exceptions=True)
             await asyncio.gather(*(loop.stop() for loop in self.loops.values()),
                                  return_exceptions=True)
             await self.pleg.stop()
@@ -375,3 +379,10 @@ class NodeLoops:
         while True:
             await self.clock.sleep(self.config.housekeeping_period)
             housekeeping(self.pleg, self.sources_ready, list(self.loops.values()))
+
+    async def _tick(self) -> None:
+        """Every loop's 1 s resync tick, from one timer."""
+        while True:
+            await self.clock.sleep(1.0)
+            for loop in self.loops.values():
+                loop.workers.sync_due()

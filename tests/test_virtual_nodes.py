@@ -317,3 +317,25 @@ def test_one_pod_watch_for_all_nodes_and_the_runtime(tmp_path: Path) -> None:
         asyncio.run(main())
     finally:
         api.close()
+
+
+@aio
+async def test_resyncs_of_every_node_come_from_one_timer() -> None:
+    names = [f"vn-{i}" for i in range(20)]
+    rig = Rig(names)
+    await rig.pods.start()
+    await settle()
+    idle = rig.clock.sleepers
+    rig.updates.put_nowait(PodUpdate(Op.ADD, (vpod("a", "vn-3"), vpod("b", "vn-17")),
+                                     Source.API))
+    for _ in range(5):
+        await rig.clock.advance(1)
+    assert rig.phase("a") == "Running" and rig.phase("b") == "Running"
+    a, b = rig.loops.loops["vn-3"].workers, rig.loops.loops["vn-17"].workers
+    before = a.syncs("a"), b.syncs("b")
+    for _ in range(65):  # past the 1 min resync period: each pod is synced once more
+        await rig.clock.advance(1)
+    assert (a.syncs("a"), b.syncs("b")) == (before[0] + 1, before[1] + 1)
+    # 20 node loops wait on no timer of their own: the sleepers did not grow with nodes
+    assert idle < len(names)
+    await rig.pods.stop()
