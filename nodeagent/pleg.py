@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 import enum
 import logging
 import math
@@ -216,6 +217,8 @@ class PlegMetrics:
     discarded: Counter
     inspect_failures: Counter
     healthy: Gauge
+    relist_failures: Counter
+    runtime_up: Gauge
 
 
 # per registry object (not id(): ids of dead registries are reused)
@@ -250,6 +253,13 @@ def pleg_metrics(registry: CollectorRegistry) -> PlegMetrics:
             healthy=Gauge("nodepulse_pleg_healthy",
                           "1 when a relist completed within the health threshold.",
                           ["node"], registry=registry),
+            relist_failures=Counter("nodepulse_pleg_relist_failures_total",
+                                    "PLEG relists that failed or timed out (runtime "
+                                    "unreachable or erroring).", ["node"], registry=registry),
+            runtime_up=Gauge("nodepulse_pleg_runtime_up",
+                             "0 while the runtime is down as PLEG sees it (its last "
+                             "relists failed in a row), else 1.", ["node"],
+                             registry=registry),
         )
         _METRICS[registry] = m
     return m
@@ -262,8 +272,11 @@ class Pleg:
                  relist_period: float = 1.0, relist_timeout: float = 30.0,
                  inspect_timeout: float = 10.0, inspect_concurrency: int = 8,
                  health_threshold: float = 180.0, channel_capacity: int = 1000,
+                 runtime_failure_threshold: int = 2,
                  cache: PodCache | None = None,
                  registry: CollectorRegistry = REGISTRY) -> None:
+        """`runtime_failure_threshold`: this many failed relists in a row make
+        `runtime_problem()` report the runtime down (one failure may be a blip)."""
         self.runtime = runtime
         self.clock = clock
         self.node = node
@@ -276,6 +289,10 @@ class Pleg:
         self.last_result: RelistResult | None = None  # for housekeeping and adoption
         self.last_result_at = -math.inf  # monotonic start of the relist that made it
         self.relists = 0
+        self.runtime_failure_threshold = max(1, runtime_failure_threshold)
+        self.relist_failures = 0  # in a row; 0 after a relist that worked
+        self.relist_error = ""    # the last failure, for runtime_problem()
+        self._failing_since = dt.datetime.min  # wall time of the first failure in a row
         self._records: dict[str, dict[str, str]] = {}
         self._sem = asyncio.Semaphore(inspect_concurrency)
         self._inspecting: dict[str, asyncio.Task[None]] = {}
@@ -292,6 +309,9 @@ class Pleg:
         self._m_discarded = m.discarded.labels(node=node)
         self._m_inspect_fail = m.inspect_failures
         m.healthy.labels(node=node).set_function(lambda: 0.0 if self.health() else 1.0)
+        self._m_relist_failures = m.relist_failures.labels(node=node)
+        m.runtime_up.labels(node=node).set_function(
+            lambda: 0.0 if self.runtime_problem() else 1.0)
         self._task: asyncio.Task[None] | None = None
 
     # --- health ---------------------------------------------------------------------
@@ -306,6 +326,19 @@ class Pleg:
             return (f"PLEG is not healthy: {what} {idle:.0f}s ago "
                     f"(threshold {self.health_threshold:.0f}s)")
         return None
+
+    def runtime_problem(self) -> str | None:
+        """Why the runtime looks down from here (None: it answers). Unlike health(),
+        which fails only when relists stop completing for minutes (a liveness matter:
+        restarting the agent is the cure), this follows the runtime at the relist
+        period, for the node's readiness: a stopped containerd shows within seconds
+        and clears on the first relist that works again."""
+        if self.relist_failures < self.runtime_failure_threshold:
+            return None
+        # no counts or durations in the text: it is the Node's condition message
+        return (f"container runtime is down: PLEG relists failing since "
+                f"{self._failing_since:%Y-%m-%dT%H:%M:%SZ}; last error: "
+                f"{self.relist_error[:200]}")
 
     # --- running --------------------------------------------------------------------
 
@@ -328,8 +361,10 @@ class Pleg:
                 await self.relist()
             except asyncio.CancelledError:
                 raise
-            except Exception as e:  # retried next period; health tells if it lasts
-                log.warning("PLEG relist failed: %s", e)
+            except Exception as e:  # retried next period; runtime_problem/health tell
+                # once, not every period while the runtime is down
+                (log.warning if self.relist_failures == 1 else log.debug)(
+                    "PLEG relist failed: %s", e)
             next_at += self.relist_period
             now = self.clock.monotonic()
             if next_at < now:  # fell behind (slow runtime): do not burst to catch up
@@ -342,9 +377,21 @@ class Pleg:
         if self._last_relist_start is not None:
             self._m_interval.observe(start - self._last_relist_start)
         self._last_relist_start = start
-        result = await clock_timeout(
-            self.clock, self.runtime.relist(), self.relist_timeout,
-            f"runtime relist took longer than {self.relist_timeout}s")
+        try:
+            result = await clock_timeout(
+                self.clock, self.runtime.relist(), self.relist_timeout,
+                f"runtime relist took longer than {self.relist_timeout}s")
+        except Exception as e:
+            if self.relist_failures == 0:
+                self._failing_since = self.clock.now().astimezone(dt.UTC)
+            self.relist_failures += 1
+            self.relist_error = str(e) or type(e).__name__
+            self._m_relist_failures.inc()
+            raise
+        if self.relist_failures >= self.runtime_failure_threshold:
+            log.info("PLEG: the runtime answers again after %d failed relists",
+                     self.relist_failures)
+        self.relist_failures = 0
         self.relists += 1
         records = records_of(result)
         changed = diff(self._records, records)

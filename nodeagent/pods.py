@@ -34,6 +34,7 @@ from nodeagent.syncloop import NodeLoops, SyncLoop, SyncLoopConfig
 log = logging.getLogger(__name__)
 
 IMAGE_REFRESH = 10.0  # seconds; the default NodeStatus update period
+DOWN_RETRY = 1.0      # seconds between runtime readings while it is down
 
 
 def build_runtime(cfg: AgentConfig, host_ip: str = "") -> Runtime:
@@ -103,8 +104,11 @@ class Pods:
 
     @classmethod
     def from_config(cls, cfg: AgentConfig, api: client.ApiClient, clock: Clock, *,
-                    host_ip: str = "", registry: CollectorRegistry = REGISTRY) -> Pods:
-        runtime = build_runtime(cfg, host_ip)
+                    host_ip: str = "", registry: CollectorRegistry = REGISTRY,
+                    runtime: Runtime | None = None) -> Pods:
+        """`runtime`: use this one instead of the one the config names (an embedding
+        program or a test wrapping the runtime, e.g. to inject faults)."""
+        runtime = runtime or build_runtime(cfg, host_ip)
         # virtual nodes: one API pod watch for all names (static pods are refused)
         sources = PodSources(api, SourcesConfig(
             node_names=cfg.node_names, pod_manifest_path=cfg.pod_manifest_path,
@@ -124,8 +128,10 @@ class Pods:
         return list(self._images)  # the last good list while the runtime is down
 
     def readiness(self) -> str | None:
-        """A reason for Ready=False: the runtime cannot be reached, or PLEG is stuck."""
-        return self.runtime_problem or self.loop.health()
+        """A reason for Ready=False: the runtime cannot be reached (its version/image
+        reading, or PLEG's relists failing in a row), or PLEG is stuck."""
+        return (self.runtime_problem or self.loop.pleg.runtime_problem()
+                or self.loop.health())
 
     def health(self) -> str | None:
         return self.loop.health()
@@ -160,7 +166,11 @@ class Pods:
 
     async def _refresh_loop(self) -> None:
         while True:
-            await self.clock.sleep(self.image_refresh)
+            # while the runtime is down, look again soon: Ready comes back within a
+            # second of the runtime, not one image period later
+            down = self.runtime_problem is not None or self.loop.pleg.runtime_problem()
+            await self.clock.sleep(min(DOWN_RETRY, self.image_refresh) if down
+                                   else self.image_refresh)
             await self.refresh()
 
     async def wait(self) -> None:
