@@ -78,40 +78,67 @@ class PolicySpec:
     failure: Failure = Failure()
 
 
+def _show(value: object) -> str:
+    """repr for an error message, cut short: bad input may be huge or deeply nested."""
+    try:
+        text = repr(value)
+    except RecursionError:
+        text = f"<deeply nested {type(value).__name__}>"
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def _in_range(field: str, value: object, low: float, high: float) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise PolicyError(f"{field} must be a number, got {value!r}")
+        raise PolicyError(f"{field} must be a number, got {_show(value)}")
     if not low <= value <= high:
-        raise PolicyError(f"{field} must be between {low:g} and {high:g}, got {value!r}")
+        raise PolicyError(f"{field} must be between {low:g} and {high:g}, got {_show(value)}")
 
 
-def _build(cls: type, data: Mapping[str, Any] | None, where: str) -> Any:
-    data = dict(data or {})
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
+def _object(data: object, where: str) -> dict[str, Any]:
+    """A section in its API form (a JSON object); absent means empty."""
+    if data is None:
+        return {}
+    if not isinstance(data, Mapping):
+        raise PolicyError(f"{where} must be an object, got {_show(data)}")
+    return dict(data)
+
+
+def _build(cls: type, data: object, where: str) -> Any:
+    """cls from its API form. Each field is checked against the type of its default
+    (the CRD's integer, boolean or number); the ranges are checked by validate()."""
+    data = _object(data, where)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(str(k) for k in data if k not in fields)
     if unknown:
         raise PolicyError(f"{where}: unknown field(s) {', '.join(unknown)}")
+    for name, value in data.items():
+        kind = type(fields[name].default)
+        if kind is bool and not isinstance(value, bool):
+            raise PolicyError(f"{where}.{name} must be true or false, got {_show(value)}")
+        if kind is int:
+            if isinstance(value, float) and value.is_integer():
+                data[name] = value = int(value)  # JSON may spell a whole number 40.0
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise PolicyError(f"{where}.{name} must be a whole number, got {_show(value)}")
     return cls(**data)
 
 
-def parse_heartbeat(data: Mapping[str, Any] | None, where: str = "heartbeat") -> Heartbeat:
+def parse_heartbeat(data: object, where: str = "heartbeat") -> Heartbeat:
     """Heartbeat settings from their API form, defaulted and validated.
 
     A missing renewIntervalSeconds is a quarter of leaseDurationSeconds, as in KEP-589."""
-    data = dict(data or {})
-    if "renewIntervalSeconds" not in data and "leaseDurationSeconds" in data:
-        duration = data["leaseDurationSeconds"]
-        if isinstance(duration, int) and not isinstance(duration, bool):
-            data["renewIntervalSeconds"] = max(1, duration // 4)
     hb: Heartbeat = _build(Heartbeat, data, where)
+    if "renewIntervalSeconds" not in _object(data, where):
+        hb = dataclasses.replace(hb, renewIntervalSeconds=max(1, hb.leaseDurationSeconds // 4))
     hb.validate(where)
     return hb
 
 
-def parse_spec(spec: Mapping[str, Any] | None) -> PolicySpec:
+def parse_spec(spec: object) -> PolicySpec:
     """A NodeStatusPolicy spec, defaulted and validated (the same rules as the CRD)."""
-    spec = dict(spec or {})
-    unknown = sorted(set(spec) - {"nodeSelector", "priority", "heartbeat", "failure"})
+    spec = _object(spec, "spec")
+    unknown = sorted(str(k) for k in spec
+                     if k not in ("nodeSelector", "priority", "heartbeat", "failure"))
     if unknown:
         raise PolicyError(f"spec: unknown field(s) {', '.join(unknown)}")
     heartbeat = parse_heartbeat(spec.get("heartbeat"), "spec.heartbeat")
@@ -119,7 +146,7 @@ def parse_spec(spec: Mapping[str, Any] | None) -> PolicySpec:
     failure.validate(heartbeat, "spec.failure")
     priority = spec.get("priority", 0)
     if isinstance(priority, bool) or not isinstance(priority, int):
-        raise PolicyError(f"spec.priority must be an integer, got {priority!r}")
+        raise PolicyError(f"spec.priority must be an integer, got {_show(priority)}")
     selector = spec.get("nodeSelector") or {}
     if not isinstance(selector, Mapping):
         raise PolicyError("spec.nodeSelector must be a label selector object")
@@ -136,10 +163,14 @@ def encode_heartbeat_annotation(policy_name: str | None, heartbeat: Heartbeat) -
 
 def decode_heartbeat_annotation(value: str) -> tuple[str, Heartbeat]:
     """(policy name, settings) from the annotation; PolicyError says what is wrong."""
+    if not isinstance(value, str):
+        raise PolicyError(f"annotation {HEARTBEAT_ANNOTATION}: must be a string")
     try:
         body = json.loads(value)
     except json.JSONDecodeError as e:
         raise PolicyError(f"annotation {HEARTBEAT_ANNOTATION}: not JSON ({e})") from e
+    except RecursionError:  # the decoder gives up on deep nesting with this
+        raise PolicyError(f"annotation {HEARTBEAT_ANNOTATION}: nested too deeply") from None
     if not isinstance(body, dict):
         raise PolicyError(f"annotation {HEARTBEAT_ANNOTATION}: must be a JSON object")
     name = body.pop("policy", "")
