@@ -1,0 +1,794 @@
+"""Runtime faults on the real control plane (issue 9, faults 4, 5 and 7).
+
+4. containerd restart: containerd is stopped by PID while the agent runs pods and
+   started again on the same state and socket. The agent reports the runtime down
+   (PLEG's nodepulse_pleg_runtime_up metric, the Node's Ready=False "container runtime
+   is down") and recovers; the containers that survived are adopted (same ids, same
+   processes, restartCount unchanged) and none is duplicated.
+5. Agent SIGKILL at seeded random points of a burst of 50 pod creates plus deletes
+   (restarted each time), then a final kill and restart: afterwards the runtime holds
+   exactly what the API asks for, and the API's statuses name those very containers.
+   Once with the process runtime, once with containerd (hostNetwork pods).
+6. (7 in the issue) Slow runtime: the agent runs in this process (its asyncio entry
+   point, the same Agent and Pods the CLI builds) on a process runtime whose
+   pod_status call hangs for one pod; PLEG stays healthy, other pods are created,
+   restarted and deleted meanwhile.
+
+Agents run with node credentials (system:node:<name>); pods are bound with
+spec.nodeName to a Node that registers with a NoSchedule taint nobody else tolerates.
+Everything started here (agents, containerd, shims, containers) is stopped by PID and
+swept by the NP_E2E=<node> marker every container carries.
+
+The burst's sequence (which pod is created or deleted when, and after which operation
+the agent is killed) comes from random.Random(NODEPULSE_FAULT_SEED or 9); the seed is
+printed, so a failure reproduces with the same sequence.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+from prometheus_client import CollectorRegistry
+
+from e2e.cluster import Cluster
+from e2e.cluster.images import BUSYBOX_IMAGE
+from e2e.promtext import samples
+from nodeagent.runtime import PodRuntimeStatus
+from nodeagent.runtime.cri.gen import api_pb2 as pb
+from nodeagent.runtime.cri.gen import api_pb2_grpc as pb_grpc
+from nodeagent.runtime.process import ProcessRuntime
+
+AGENT = Path(sys.executable).parent / "nodepulse-agent"
+TAINT_KEY = "nodepulse.dev/e2e-faults"
+# exits at once on SIGTERM, also as PID 1 of a container (the trap is set); one
+# long sleep, so 50 pods do not fork every second
+WORKLOAD = ["sh", "-c", "trap 'exit 0' TERM; sleep 3600 & wait"]
+SEED = int(os.environ.get("NODEPULSE_FAULT_SEED", "9"))
+T = TypeVar("T")
+
+
+# --- small helpers ------------------------------------------------------------------
+
+def eventually(pred: Callable[[], T | None], what: str, timeout: float = 60.0,
+               every: float = 0.2) -> T:
+    deadline = time.monotonic() + timeout
+    while True:
+        got = pred()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(every)
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _environ(pid: int) -> dict[bytes, bytes]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    return dict(kv.split(b"=", 1) for kv in raw.split(b"\0") if b"=" in kv)
+
+
+def marked(node: str) -> list[int]:
+    """Live processes carrying NP_E2E=<node> (every container these tests start)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and _environ(int(d.name)).get(b"NP_E2E") == node.encode() \
+                and alive(int(d.name)):
+            out.append(int(d.name))
+    return out
+
+
+def workloads(node: str) -> dict[str, list[int]]:
+    """Pod name -> PIDs of the live workload shells (one per running container) of the
+    node's containers, found in /proc: what really runs, whatever the runtime says."""
+    want = [a.encode() for a in WORKLOAD]
+    out: dict[str, list[int]] = {}
+    for pid in marked(node):
+        with contextlib.suppress(OSError):
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[:-1]
+            if argv == want:
+                name = _environ(pid).get(b"POD_NAME", b"?").decode()
+                out.setdefault(name, []).append(pid)
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def running(p: client.V1Pod) -> bool:
+    st = p.status
+    return bool(st and st.phase == "Running" and st.container_statuses
+                and all(c.ready and c.state.running for c in st.container_statuses))
+
+
+def pod_manifest(node: str, name: str, containers: int = 1, grace: int = 2) -> dict[str, Any]:
+    return {"metadata": {"name": name, "labels": {"e2e": "faults"}},
+            "spec": {
+                "nodeName": node, "hostNetwork": True,
+                "tolerations": [{"key": TAINT_KEY, "operator": "Exists"}],
+                "terminationGracePeriodSeconds": grace,
+                "automountServiceAccountToken": False,
+                "containers": [{
+                    "name": f"c{i}", "image": BUSYBOX_IMAGE, "imagePullPolicy": "Never",
+                    "command": WORKLOAD,
+                    "env": [{"name": "NP_E2E", "value": node},
+                            {"name": "POD_NAME",
+                             "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]}
+                    for i in range(containers)]}}
+
+
+# --- the runtime's own records ------------------------------------------------------
+
+@dataclass
+class RtContainer:
+    id: str
+    pod_uid: str
+    name: str
+    state: str   # RUNNING / EXITED / CREATED / UNKNOWN
+
+
+@dataclass
+class RtView:
+    containers: list[RtContainer]
+    sandboxes: dict[str, list[tuple[str, bool]]]  # pod uid -> [(sandbox id, ready)]
+
+    def uids(self) -> set[str]:
+        return {c.pod_uid for c in self.containers} | set(self.sandboxes)
+
+    def of(self, uid: str) -> list[RtContainer]:
+        return [c for c in self.containers if c.pod_uid == uid]
+
+
+def cri_view(ctd: Any) -> RtView:
+    """Everything containerd holds, from its CRI service (our own client, not the
+    agent's)."""
+    with ctd.channel() as ch:
+        rt = pb_grpc.RuntimeServiceStub(ch)
+        cs = rt.ListContainers(pb.ListContainersRequest(), timeout=10).containers
+        sbs = rt.ListPodSandbox(pb.ListPodSandboxRequest(), timeout=10).items
+    state = {pb.CONTAINER_CREATED: "CREATED", pb.CONTAINER_RUNNING: "RUNNING",
+             pb.CONTAINER_EXITED: "EXITED"}
+    out = RtView([], {})
+    for c in cs:
+        out.containers.append(RtContainer(c.id, c.labels.get("io.kubernetes.pod.uid", "?"),
+                                          c.metadata.name, state.get(c.state, "UNKNOWN")))
+    for s in sbs:
+        out.sandboxes.setdefault(s.metadata.uid, []).append(
+            (s.id, s.state == pb.SANDBOX_READY))
+    return out
+
+
+def process_view(state_dir: Path) -> RtView:
+    """What the process runtime holds: its record files, with RUNNING checked against
+    /proc (the wrapper PID recorded must still live)."""
+    out = RtView([], {})
+    for f in sorted((state_dir / "containers").glob("*.json")):
+        with contextlib.suppress(OSError, ValueError):
+            r = json.loads(f.read_text())
+            st = r["state"]
+            if st == "RUNNING" and not (r.get("pid") and alive(int(r["pid"]))):
+                st = "EXITED"
+            out.containers.append(RtContainer(r["id"], r["pod_uid"], r["name"], st))
+    for f in sorted((state_dir / "sandboxes").glob("*.json")):
+        with contextlib.suppress(OSError, ValueError):
+            r = json.loads(f.read_text())
+            out.sandboxes.setdefault(r["uid"], []).append((r["id"], r["state"] == "READY"))
+    return out
+
+
+# --- an agent process ---------------------------------------------------------------
+
+class AgentProc:
+    """nodepulse-agent as a real process with node credentials; start it again after
+    a SIGKILL with the same flags and root dir (what a supervisor would do)."""
+
+    def __init__(self, name: str, root: Path, kubeconfig: Path, runtime_args: list[str]
+                 ) -> None:
+        self.name = name
+        self.root = root
+        self.port = free_port()
+        self.argv = [str(AGENT), f"--node-name={name}", f"--kubeconfig={kubeconfig}",
+                     f"--root-dir={root}", f"--healthz-bind-address=127.0.0.1:{self.port}",
+                     "--node-status-update-frequency=2s",
+                     f"--register-with-taints={TAINT_KEY}={name}:NoSchedule", *runtime_args]
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+
+    def start(self) -> None:
+        with open(self.root / "agent.log", "ab") as log:
+            log.write(f"--- start {self.starts} ---\n".encode())
+            log.flush()
+            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        self.starts += 1
+
+    def sigkill(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(30)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(30)
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def metrics(self) -> str:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics",
+                                        timeout=5) as r:
+                return str(r.read().decode())
+        except OSError:
+            return ""  # (re)starting
+
+    def sample(self, metric: str, **labels: str) -> float | None:
+        text = self.metrics()
+        if not text:
+            return None
+        return samples(text, metric, node=self.name, **labels)
+
+    def healthz(self) -> tuple[int, str]:
+        return http_get(f"http://127.0.0.1:{self.port}/healthz")
+
+    def log_tail(self, n: int = 80) -> str:
+        return "\n".join((self.root / "agent.log").read_text(errors="replace")
+                         .splitlines()[-n:])
+
+
+def http_get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return int(r.status), str(r.read().decode())
+    except urllib.error.HTTPError as e:
+        return int(e.code), str(e.read().decode())
+
+
+@dataclass
+class Env:
+    """One node for one test: its agent (process or in-process), runtime, namespace."""
+    name: str
+    kind: str                 # "containerd" | "process"
+    root: Path
+    core: client.CoreV1Api
+    ns: str
+    ctd: Any = None
+    agent: AgentProc | None = None
+    stoppers: list[Callable[[], None]] = field(default_factory=list)
+
+    def view(self) -> RtView:
+        if self.kind == "containerd":
+            return cri_view(self.ctd)
+        return process_view(self.root / "process")
+
+    def pods(self) -> list[client.V1Pod]:
+        return list(self.core.list_namespaced_pod(self.ns).items)
+
+    def pod(self, name: str) -> client.V1Pod | None:
+        try:
+            return self.core.read_namespaced_pod(name, self.ns)
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+
+    def create(self, name: str, containers: int = 1, grace: int = 2) -> client.V1Pod:
+        return self.core.create_namespaced_pod(
+            self.ns, pod_manifest(self.name, name, containers, grace))
+
+    def ready_condition(self) -> dict[str, str]:
+        node = self.core.read_node(self.name)
+        c = next(c for c in node.status.conditions or [] if c.type == "Ready")
+        return {"status": c.status, "reason": c.reason or "", "message": c.message or ""}
+
+    def describe(self) -> str:
+        lines = []
+        for p in self.pods():
+            cs = [(c.name, c.container_id, c.restart_count,
+                   [k for k, v in (c.state.to_dict() or {}).items() if v])
+                  for c in p.status.container_statuses or []]
+            lines.append(f"{p.metadata.name} uid={p.metadata.uid} phase={p.status.phase} "
+                         f"deleting={bool(p.metadata.deletion_timestamp)} {cs}")
+        v = self.view()
+        lines += [f"runtime: {c}" for c in v.containers]
+        lines += [f"sandboxes: {uid} {sbs}" for uid, sbs in v.sandboxes.items()]
+        lines.append(f"workloads: {workloads(self.name)}")
+        if self.agent is not None:
+            lines.append(self.agent.log_tail())
+        return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def node_env(cluster: Cluster, kind: str, tag: str, base: Path) -> Iterator[Env]:
+    """A node name, its runtime (a private containerd for kind=containerd), namespace;
+    teardown deletes the namespace through the agent (if one runs), stops whatever
+    runs by PID and sweeps leftovers, then deletes the Node."""
+    name = f"flt-{tag}-{os.getpid() % 10000}"
+    root = base / name
+    root.mkdir(parents=True)
+    admin = cluster.api_client()
+    core = client.CoreV1Api(admin)
+    env = Env(name, kind, root, core, name)
+    try:
+        if kind == "containerd":
+            from e2e.cluster.containerd import start_containerd  # names a missing package
+            # hostNetwork pods only: no CNI conf, no bridge
+            env.ctd = start_containerd(cni=False)
+        core.create_namespace({"metadata": {"name": env.ns}})
+        eventually(lambda: core.list_namespaced_service_account(
+            env.ns, field_selector="metadata.name=default").items, "default ServiceAccount")
+        yield env
+    finally:
+        try:
+            _teardown(env)
+        finally:
+            admin.close()
+
+
+def _teardown(env: Env) -> None:
+    with contextlib.suppress(ApiException):
+        env.core.delete_namespace(env.ns)
+    cleaned = True
+    if env.agent is not None and env.agent.running() or env.stoppers:
+        cleaned = False
+        with contextlib.suppress(AssertionError):
+            cleaned = eventually(lambda: not marked(env.name), "the agent's cleanup", 60)
+    if env.agent is not None:
+        env.agent.stop()
+    for stop in env.stoppers:
+        stop()
+    if env.ctd is not None:
+        env.ctd.stop()  # sandboxes, shims, containerd, by PID
+    leftovers = marked(env.name)
+    for pid in leftovers:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ApiException):
+        env.core.delete_node(env.name)
+    assert not leftovers, f"processes left running: {leftovers}"
+    assert cleaned, "the agent did not stop the containers of the deleted namespace"
+
+
+def start_agent(cluster: Cluster, env: Env) -> AgentProc:
+    args = (["--runtime=cri", f"--container-runtime-endpoint={env.ctd.endpoint}"]
+            if env.kind == "containerd" else ["--runtime=process"])
+    env.agent = AgentProc(env.name, env.root, cluster.node_kubeconfig(env.name), args)
+    env.agent.start()
+    eventually(lambda: env.agent is not None and env.agent.running() and env.core.list_node(
+        field_selector=f"metadata.name={env.name}").items, f"node {env.name} registered")
+    return env.agent
+
+
+def all_running(env: Env, names: list[str]) -> list[client.V1Pod] | None:
+    pods = {p.metadata.name: p for p in env.pods()}
+    ok = all(n in pods and running(pods[n]) for n in names)
+    return [pods[n] for n in names] if ok else None
+
+
+# --- fault 4: containerd restart ----------------------------------------------------
+
+def test_containerd_restart_runtime_down_then_survivors_adopted(
+        cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> None:
+    with node_env(cluster, "containerd", "ctdrst", tmp_path_factory.mktemp("ctdrst")) as env:
+        agent = start_agent(cluster, env)
+        names = ["r0", "r1", "r2"]
+        env.create("r0", containers=2)
+        env.create("r1")
+        env.create("r2")
+        try:
+            pods = eventually(lambda: all_running(env, names), "3 pods Running", 90)
+        except AssertionError:
+            print(env.describe())
+            raise
+        before = {p.metadata.name: sorted((c.name, c.container_id, c.restart_count)
+                                          for c in p.status.container_statuses)
+                  for p in pods}
+        uids = {p.metadata.name: p.metadata.uid for p in pods}
+        sandboxes_before = {n: env.view().sandboxes[u] for n, u in uids.items()}
+        procs_before = workloads(env.name)
+        assert {n: len(v) for n, v in procs_before.items()} == {"r0": 2, "r1": 1, "r2": 1}
+        assert agent.sample("nodepulse_pleg_runtime_up") == 1.0
+        failures0 = agent.sample("nodepulse_pleg_relist_failures_total") or 0.0
+
+        stopped_at = time.monotonic()
+        ctd_pid = env.ctd.pid
+        env.ctd.kill_daemon()  # SIGTERM to containerd's PID; shims keep the containers
+        assert not alive(ctd_pid)
+        try:
+            eventually(lambda: agent.sample("nodepulse_pleg_runtime_up") == 0.0,
+                       "PLEG to report the runtime down (nodepulse_pleg_runtime_up 0)", 30)
+            seen_down = time.monotonic() - stopped_at
+            def not_ready() -> dict[str, str] | None:
+                c = env.ready_condition()
+                return c if c["status"] == "False" else None
+
+            cond = eventually(not_ready, "the Node Ready=False", 30)
+            node_down = time.monotonic() - stopped_at
+            assert "container runtime is down" in cond["message"], cond
+            print(f"\n[fault 4] containerd stopped: PLEG reported it down after "
+                  f"{seen_down:.1f}s, Node Ready=False after {node_down:.1f}s: "
+                  f"{cond['message']!r}")
+            # liveness is another matter: the agent itself is fine, a restart of it
+            # would not bring containerd back
+            code, body = agent.healthz()
+            assert code == 200, body
+            # the containers run on without containerd, and the API still says so
+            assert workloads(env.name) == procs_before
+            for p in env.pods():
+                assert running(p), p.status
+        finally:
+            env.ctd.start_daemon()  # same root, state and socket
+        started_at = time.monotonic()
+        eventually(lambda: agent.sample("nodepulse_pleg_runtime_up") == 1.0,
+                   "PLEG to see the runtime again", 30)
+        seen_up = time.monotonic() - started_at
+        eventually(lambda: env.ready_condition()["status"] == "True", "the Node Ready again",
+                   30)
+        node_up = time.monotonic() - started_at
+        print(f"[fault 4] containerd started again: PLEG saw it after {seen_up:.1f}s, "
+              f"Node Ready=True after {node_up:.1f}s; relist failures counted: "
+              f"{(agent.sample('nodepulse_pleg_relist_failures_total') or 0) - failures0:.0f}")
+        # give the agent a few relists and a resync pass on what it found
+        r0 = agent.sample("nodepulse_pleg_relist_duration_seconds_count") or 0.0
+        eventually(lambda: (agent.sample("nodepulse_pleg_relist_duration_seconds_count")
+                            or 0) >= r0 + 5, "5 more relists", 30)
+
+        after = {p.metadata.name: sorted((c.name, c.container_id, c.restart_count)
+                                         for c in p.status.container_statuses)
+                 for p in env.pods()}
+        assert after == before, "the API must show the same containers, not restarted"
+        assert all(running(p) for p in env.pods())
+        assert workloads(env.name) == procs_before, "the same processes, none new"
+        view = env.view()
+        for n, uid in uids.items():
+            mine = view.of(uid)
+            per_name = {c.name: [x for x in mine if x.name == c.name] for c in mine}
+            assert all(len(v) == 1 and v[0].state == "RUNNING" for v in per_name.values()), \
+                f"pod {n}: exactly one running container per name, got {mine}"
+            assert sorted((c.name, f"containerd://{c.id}", 0) for c in mine) == before[n]
+            assert view.sandboxes[uid] == sandboxes_before[n], f"pod {n}: sandboxes"
+        assert view.uids() == set(uids.values())
+
+        # the agent drives the restarted containerd: a new pod runs, a deleted one goes
+        env.create("r3")
+        eventually(lambda: all_running(env, ["r3"]), "a new pod Running after the restart", 60)
+        env.core.delete_namespaced_pod("r1", env.ns)
+        eventually(lambda: env.pod("r1") is None and "r1" not in workloads(env.name),
+                   "r1 deleted and its container stopped", 60)
+        assert uids["r1"] not in env.view().uids()
+
+
+# --- fault 5: agent SIGKILL during a burst ------------------------------------------
+
+@dataclass
+class Burst:
+    ops: list[tuple[str, str]]   # ("create" | "delete", pod name)
+    kills: list[int]             # kill the agent just before these op indexes
+    pauses: list[float]          # after each op
+
+
+def plan_burst(rng: random.Random, creates: int = 50) -> Burst:
+    """`creates` pod creates in order, each followed with probability 0.4 by a delete of
+    a random pod created earlier and not yet deleted; 2 or 3 kills at random ops."""
+    ops: list[tuple[str, str]] = []
+    live: list[str] = []
+    for i in range(creates):
+        name = f"b{i:02d}"
+        ops.append(("create", name))
+        live.append(name)
+        if rng.random() < 0.4:
+            victim = live.pop(rng.randrange(len(live)))
+            ops.append(("delete", victim))
+    kills = sorted(rng.sample(range(3, len(ops) - 1), rng.choice([2, 3])))
+    pauses = [rng.uniform(0.0, 0.15) for _ in ops]
+    return Burst(ops, kills, pauses)
+
+
+def converged(env: Env, live: set[str], gone: set[str]) -> str | None:
+    """None when the runtime holds exactly what the API asks for and the API's statuses
+    name those containers; else what still differs."""
+    pods = {p.metadata.name: p for p in env.pods()}
+    if set(pods) != live:
+        return (f"API pods differ: extra {sorted(set(pods) - live)}, "
+                f"missing {sorted(live - set(pods))}")
+    not_running = sorted(n for n, p in pods.items() if not running(p))
+    if not_running:
+        return f"not Running in the API: {not_running}"
+    procs = workloads(env.name)
+    if procs.keys() != live or any(len(v) != 1 for v in procs.values()):
+        return (f"processes: {sorted((k, len(v)) for k, v in procs.items() if len(v) != 1)}"
+                f" duplicated; stray {sorted(procs.keys() - live)}; "
+                f"missing {sorted(live - procs.keys())}")
+    view = env.view()
+    uids = {p.metadata.uid: n for n, p in pods.items()}
+    if view.uids() != uids.keys():
+        return f"runtime objects of unknown pods (orphans): {sorted(view.uids() - uids.keys())}"
+    for uid, n in uids.items():
+        mine = view.of(uid)
+        if [c.state for c in mine] != ["RUNNING"]:
+            return f"pod {n}: runtime holds {mine}, want one running container"
+        sbs = view.sandboxes.get(uid, [])
+        if [r for _, r in sbs] != [True]:
+            return f"pod {n}: sandboxes {sbs}, want one ready"
+        api_id = pods[n].status.container_statuses[0].container_id
+        if api_id.partition("://")[2] != mine[0].id:
+            return f"pod {n}: API says {api_id}, runtime runs {mine[0].id}"
+    return None
+
+
+@pytest.mark.parametrize("kind", ["process", "containerd"])
+def test_agent_sigkill_during_burst_converges(
+        cluster: Cluster, tmp_path_factory: pytest.TempPathFactory, kind: str) -> None:
+    rng = random.Random(SEED)
+    burst = plan_burst(rng)
+    deletes = sum(1 for op, _ in burst.ops if op == "delete")
+    print(f"\n[fault 5/{kind}] seed {SEED}: {len(burst.ops)} ops ({len(burst.ops) - deletes} "
+          f"creates, {deletes} deletes), agent SIGKILLed before ops {burst.kills} and once "
+          "after the burst")
+    tag = "brst-" + ("ctd" if kind == "containerd" else "proc")
+    with node_env(cluster, kind, tag, tmp_path_factory.mktemp(tag)) as env:
+        agent = start_agent(cluster, env)
+        live: set[str] = set()
+        gone: set[str] = set()
+        started = time.monotonic()
+        for i, (op, name) in enumerate(burst.ops):
+            if i in burst.kills:
+                agent.sigkill()
+                agent.start()
+            if op == "create":
+                env.create(name)
+                live.add(name)
+            else:
+                env.core.delete_namespaced_pod(name, env.ns)
+                live.discard(name)
+                gone.add(name)
+            time.sleep(burst.pauses[i])
+        time.sleep(rng.uniform(0.2, 1.0))
+        agent.sigkill()  # the final restart, while the agent still works on the burst
+        agent.start()
+        try:
+            eventually(lambda: converged(env, live, gone) is None,
+                       "the runtime to match the API", 180, every=0.5)
+        except AssertionError:
+            print(f"still differs: {converged(env, live, gone)}\n{env.describe()}")
+            raise
+        took = time.monotonic() - started
+        # stable: a few relists later nothing moved, and nothing was restarted
+        r0 = agent.sample("nodepulse_pleg_relist_duration_seconds_count") or 0.0
+        eventually(lambda: (agent.sample("nodepulse_pleg_relist_duration_seconds_count")
+                            or 0) >= r0 + 3, "3 more relists", 30)
+        assert converged(env, live, gone) is None, converged(env, live, gone)
+        restarts = {p.metadata.name: p.status.container_statuses[0].restart_count
+                    for p in env.pods() if p.status.container_statuses[0].restart_count}
+        assert restarts == {}, f"containers restarted by the agent's deaths: {restarts}"
+        orphans = agent.sample("nodepulse_housekeeping_orphans_total") or 0.0
+        print(f"[fault 5/{kind}] converged {took:.1f}s after the burst began: "
+              f"{len(live)} pods running one container each, {len(gone)} deleted pods "
+              f"gone from API and runtime; agent started {agent.starts} times; orphans "
+              f"removed by housekeeping since the last start: {orphans:.0f}")
+
+
+# --- fault 7: one pod's status call hangs -------------------------------------------
+
+class HangingRuntime(ProcessRuntime):
+    """The process runtime, except that pod_status of the pods in `hang` does not
+    return until `release` is set (a runtime wedged on one pod's inspection). Built
+    and used on the agent's event loop."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.hang: set[str] = set()
+        self.release = asyncio.Event()
+        self.hung_calls = 0
+        self.in_flight = 0
+
+    async def pod_status(self, pod_uid: str) -> PodRuntimeStatus:
+        if pod_uid in self.hang and not self.release.is_set():
+            self.hung_calls += 1
+            self.in_flight += 1
+            try:
+                await self.release.wait()
+            finally:
+                self.in_flight -= 1
+        return await super().pod_status(pod_uid)
+
+
+class InProcessAgent:
+    """The agent's own asyncio entry point (Agent + Pods, as nodepulse-agent's CLI
+    builds them) on a thread of this process, with the HangingRuntime handed in."""
+
+    def __init__(self, name: str, root: Path, kubeconfig: Path) -> None:
+        from nodeagent import config
+        parser = argparse.ArgumentParser()
+        config.add_flags(parser)
+        self.port = free_port()
+        self.flags = vars(parser.parse_args([
+            f"--node-name={name}", f"--kubeconfig={kubeconfig}", f"--root-dir={root}",
+            f"--healthz-bind-address=127.0.0.1:{self.port}",
+            "--node-status-update-frequency=2s", "--runtime=process",
+            f"--register-with-taints={TAINT_KEY}={name}:NoSchedule"]))
+        self.cfg = config.load(self.flags, {})
+        self.name = name
+        self.root = root
+        self.registry = CollectorRegistry()
+        self.runtime: HangingRuntime | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._ready = threading.Event()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._main, name=f"agent-{name}", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+        assert self._ready.wait(60), "the in-process agent did not start"
+        if self.error is not None:
+            raise self.error
+
+    def _main(self) -> None:
+        try:
+            asyncio.run(self._serve())
+        except BaseException as e:  # reported by start()/stop()
+            self.error = e
+            self._ready.set()
+
+    async def _serve(self) -> None:
+        from nodeagent.agent import Agent, host_probe
+        from nodeagent.api.client import new_api_client
+        from nodeagent.api.clock import RealClock
+        from nodeagent.pods import Pods, host_ip
+
+        cfg = self.cfg
+        api = new_api_client(cfg.kubeconfig, component="agent", retries=0,
+                             pool_size=cfg.lease_concurrency + cfg.status_concurrency + 2)
+        try:
+            clock = RealClock()
+            hip = host_ip(cfg, host_probe(cfg))
+            self.runtime = HangingRuntime(Path(cfg.root_dir) / "process", host_ip=hip)
+            pods = Pods.from_config(cfg, api, clock, host_ip=hip, registry=self.registry,
+                                    runtime=self.runtime)
+            self.loop = asyncio.get_running_loop()
+            self._stop = asyncio.Event()
+            agent = Agent(cfg, api, clock=clock, registry=self.registry, flags=self.flags,
+                          env={}, pods=pods)
+            self._ready.set()
+            await agent.run(self._stop)
+        finally:
+            api.close()
+
+    def call(self, fn: Callable[[], None]) -> None:
+        assert self.loop is not None
+        self.loop.call_soon_threadsafe(fn)
+
+    def sample(self, metric: str, **labels: str) -> float:
+        v = self.registry.get_sample_value(metric, {"node": self.name, **labels})
+        return float(v or 0.0)
+
+    def healthz(self) -> tuple[int, str]:
+        return http_get(f"http://127.0.0.1:{self.port}/healthz")
+
+    def stop(self) -> None:
+        if self.thread.is_alive() and self._stop is not None:
+            stop = self._stop
+            self.call(stop.set)
+        self.thread.join(60)
+        assert not self.thread.is_alive(), "the in-process agent did not stop"
+
+
+def workload_pid(root: Path, container_id: str) -> int:
+    """The workload's PID under the process runtime's wrapper, from its record."""
+    cid = container_id.partition("://")[2]
+    rec = json.loads((root / "process" / "containers" / f"{cid}.json").read_text())
+    wrapper = int(rec["pid"])
+    children = Path(f"/proc/{wrapper}/task/{wrapper}/children").read_text().split()
+    assert len(children) == 1, (wrapper, children)
+    return int(children[0])
+
+
+def test_hung_pod_status_does_not_stall_pleg_or_other_pods(
+        cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> None:
+    with node_env(cluster, "process", "hang", tmp_path_factory.mktemp("hang")) as env:
+        agent = InProcessAgent(env.name, env.root, cluster.node_kubeconfig(env.name))
+        env.stoppers.append(agent.stop)
+        agent.start()
+        eventually(lambda: env.core.list_node(field_selector=f"metadata.name={env.name}")
+                   .items, f"node {env.name} registered")
+        rt = agent.runtime
+        assert rt is not None
+        for n in ("h", "a", "b"):
+            env.create(n)
+        pods = {p.metadata.name: p for p in eventually(
+            lambda: all_running(env, ["h", "a", "b"]), "h, a, b Running", 60)}
+        h_uid = pods["h"].metadata.uid
+
+        # wedge the runtime on h, then give PLEG a reason to inspect h: its container dies
+        agent.call(lambda: rt.hang.add(h_uid))
+        eventually(lambda: h_uid in rt.hang, "the hang armed")
+        relists0 = agent.sample("nodepulse_pleg_relist_duration_seconds_count")
+        os.kill(workload_pid(env.root, pods["h"].status.container_statuses[0].container_id),
+                signal.SIGKILL)
+        eventually(lambda: rt.in_flight > 0, "PLEG's inspection of h to hang", 20)
+        hung_at = time.monotonic()
+
+        # meanwhile: new pods start, a dying container is restarted, a pod is deleted
+        env.create("c")
+        env.create("d")
+        b_cid = pods["b"].status.container_statuses[0].container_id
+        os.kill(workload_pid(env.root, b_cid), signal.SIGKILL)
+        env.core.delete_namespaced_pod("a", env.ns)
+        eventually(lambda: all_running(env, ["c", "d"]), "c and d Running", 60)
+
+        def b_restarted() -> bool:
+            p = env.pod("b")
+            cs = p.status.container_statuses[0] if p else None
+            return bool(cs and cs.restart_count == 1 and cs.state.running
+                        and cs.container_id != b_cid)
+
+        eventually(b_restarted, "b's container restarted", 60)
+        eventually(lambda: env.pod("a") is None and "a" not in workloads(env.name),
+                   "a deleted and stopped", 60)
+        # the hang lasted through all of it: at least one inspection timed out (10 s)
+        eventually(lambda: agent.sample("nodepulse_pleg_inspect_failures_total",
+                                        reason="timeout") >= 1, "an inspection timeout", 30)
+        assert rt.hung_calls >= 1 and h_uid in rt.hang and not rt.release.is_set()
+        held = time.monotonic() - hung_at
+        relists = agent.sample("nodepulse_pleg_relist_duration_seconds_count") - relists0
+        code, body = agent.healthz()
+        assert code == 200, body
+        assert agent.sample("nodepulse_pleg_healthy") == 1.0
+        assert agent.sample("nodepulse_pleg_runtime_up") == 1.0
+        assert env.ready_condition()["status"] == "True"
+        # relists kept their 1 s period while h's inspection hung
+        assert relists >= held - 3, f"{relists:.0f} relists in {held:.0f}s"
+        h = env.pod("h")
+        assert h is not None and h.status.container_statuses[0].restart_count == 0
+        print(f"\n[fault 7] h's status call hung for {held:.1f}s ({rt.hung_calls} calls, "
+              f"{agent.sample('nodepulse_pleg_inspect_failures_total', reason='timeout'):.0f}"
+              f" timed out); meanwhile {relists:.0f} relists, c and d started, b restarted, "
+              "a deleted; /healthz 200, PLEG healthy")
+
+        # the runtime answers again: h's dead container is restarted
+        agent.call(rt.release.set)
+
+        def h_restarted() -> bool:
+            p = env.pod("h")
+            cs = p.status.container_statuses[0] if p else None
+            return bool(cs and cs.restart_count == 1 and cs.state.running and cs.ready)
+
+        eventually(h_restarted, "h restarted once the runtime answers", 60)
+        assert agent.error is None
