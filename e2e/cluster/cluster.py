@@ -13,6 +13,7 @@ import ssl
 import subprocess
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -147,6 +148,32 @@ class Cluster:
     def restart_apiserver(self) -> None:
         raise RuntimeError("restarting the API server needs the local control plane")
 
+    # ---- fault injection: only a local control plane lets tests stop its processes
+    def _local_only(self, what: str) -> RuntimeError:
+        return RuntimeError(f"{what} needs the local control plane (the cluster behind "
+                            f"{self.kubeconfig} is not ours to stop or compact)")
+
+    def stop_apiserver(self) -> None:
+        raise self._local_only("stopping the API server")
+
+    def start_apiserver(self) -> None:
+        raise self._local_only("starting the API server")
+
+    def stop_etcd(self) -> None:
+        raise self._local_only("stopping etcd")
+
+    def start_etcd(self) -> None:
+        raise self._local_only("starting etcd")
+
+    def ensure_running(self) -> None:
+        raise self._local_only("restarting stopped control-plane processes")
+
+    def etcd_revision(self) -> int:
+        raise self._local_only("reading etcd's revision")
+
+    def compact_etcd(self, revision: int) -> None:
+        raise self._local_only("compacting etcd")
+
     def audit_events(self) -> list[dict[str, Any]]:
         raise RuntimeError(f"the audit log of the cluster behind {self.kubeconfig} is not "
                            "readable here (only the local control plane writes one)")
@@ -214,6 +241,65 @@ class LocalCluster(Cluster):
         self._stop("kube-apiserver")
         self._start("kube-apiserver", self._args["kube-apiserver"])
         self._wait(f"{self.server}/readyz", "kube-apiserver")
+
+    # ---- fault injection (e2e/test_faults_control_plane.py)
+    def stop_apiserver(self) -> None:
+        """Stop kube-apiserver (SIGTERM, by PID); start_apiserver() brings it back on
+        the same port and data."""
+        self._stop("kube-apiserver")
+
+    def start_apiserver(self) -> None:
+        """Start kube-apiserver if it is stopped; returns when /readyz is ok."""
+        if not self._running("kube-apiserver"):
+            self._start("kube-apiserver", self._args["kube-apiserver"])
+        self._wait(f"{self.server}/readyz", "kube-apiserver")
+
+    def stop_etcd(self) -> None:
+        """Stop etcd (SIGTERM, by PID); the API server keeps running and fails its
+        requests until start_etcd()."""
+        self._stop("etcd")
+
+    def start_etcd(self) -> None:
+        """Start etcd if it is stopped (same data and ports); returns when etcd is
+        healthy and the API server, which reconnects by itself, is ready again."""
+        if not self._running("etcd"):
+            self._start("etcd", self._args["etcd"])
+        self._wait(f"http://127.0.0.1:{self.ports['etcd']}/health", "etcd")
+        if self._running("kube-apiserver"):
+            self._wait(f"{self.server}/readyz", "kube-apiserver")
+
+    def ensure_running(self) -> None:
+        """Whatever a fault test stopped is started again (tests call it in `finally`:
+        later test modules share this control plane)."""
+        self.start_etcd()
+        self.start_apiserver()
+
+    def etcd_revision(self) -> int:
+        """etcd's current revision (the header of a range request, through etcd's
+        HTTP/JSON gateway)."""
+        key = base64.b64encode(b"/registry/nodepulse-e2e-revision").decode()
+        header = self._etcd_call("/v3/kv/range", {"key": key, "count_only": True})["header"]
+        return int(header["revision"])
+
+    def compact_etcd(self, revision: int) -> None:
+        """Compact etcd's history up to `revision` (physically, before returning): a
+        watch from an older resourceVersion can no longer be served from etcd."""
+        self._etcd_call("/v3/kv/compaction", {"revision": str(revision), "physical": True})
+
+    def _etcd_call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        req = urllib.request.Request(f"http://127.0.0.1:{self.ports['etcd']}{path}",
+                                     data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return dict(json.loads(r.read()))
+        except urllib.error.HTTPError as e:
+            raise RuntimeError(f"etcd {path}: HTTP {e.code}: "
+                               f"{e.read().decode(errors='replace')}") from None
+
+    def _running(self, name: str) -> bool:
+        pid = self.pids.get(name)
+        return pid is not None and _process_runs(pid, self._args[name][0])
 
     def audit_events(self) -> list[dict[str, Any]]:
         """The API server's audit events so far, each with the user who made the
