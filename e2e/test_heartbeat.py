@@ -12,6 +12,11 @@ each on its own node name, so the whole file costs about two minutes:
 
 Per-node counts come from a watch on Leases and Nodes (each write is one event); the
 API server's own apiserver_request_total must agree with their sum.
+
+The checks are `efficient_heartbeats`, which takes the agent processes and which node
+plays which part, so e2e/test_chart_identities.py runs the same checks on one agent
+in virtual-node mode under the Helm chart's ServiceAccount (hb-default's and
+hb-policy's parts; the other two need a config file per node).
 """
 
 from __future__ import annotations
@@ -49,10 +54,14 @@ def free_port() -> int:
 
 @dataclass
 class AgentProcess:
-    name: str
+    name: str  # its agent id (the nodepulse.dev/agent label of its Nodes)
     proc: subprocess.Popen[bytes]
     log: Path
     port: int
+    nodes: tuple[str, ...] = ()  # the Nodes it speaks for (default: its name)
+
+    def __post_init__(self) -> None:
+        self.nodes = self.nodes or (self.name,)
 
     def get(self, path: str) -> tuple[int, str]:
         try:
@@ -153,40 +162,50 @@ def condition(node: dict[str, Any], ctype: str) -> str | None:
     return None
 
 
-@pytest.fixture
-def agents(cluster: Cluster, tmp_path: Path) -> Iterator[Callable[..., AgentProcess]]:
-    started: list[AgentProcess] = []
-
-    def start(name: str, *args: str, config: str | None = None) -> AgentProcess:
-        port = free_port()
-        argv = [str(AGENT), "--node-name", name,
-                "--kubeconfig", str(cluster.node_kubeconfig(name)),
-                "--healthz-bind-address", f"127.0.0.1:{port}",
-                "--root-dir", str(tmp_path / name), *args]
-        if config is not None:
-            path = tmp_path / f"{name}.yaml"
-            path.write_text(config)
-            argv += ["--config", str(path)]
-        log = tmp_path / f"{name}.log"
-        proc = subprocess.Popen(argv, stdout=log.open("wb"), stderr=subprocess.STDOUT,
+def spawn(tmp_path: Path, name: str, kubeconfig: Path, *args: str,
+          config: str | None = None, nodes: tuple[str, ...] = ()) -> AgentProcess:
+    """nodepulse-agent as a process with these credentials; `args` say which node(s)."""
+    port = free_port()
+    argv = [str(AGENT), "--kubeconfig", str(kubeconfig),
+            "--healthz-bind-address", f"127.0.0.1:{port}",
+            "--root-dir", str(tmp_path / name), *args]
+    if config is not None:
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(config)
+        argv += ["--config", str(path)]
+    log = tmp_path / f"{name}.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        agent = AgentProcess(name, proc, log, port)
-        started.append(agent)
-        return agent
+    return AgentProcess(name, proc, log, port, nodes)
 
-    yield start
+
+def kill_all(started: list[AgentProcess]) -> None:
     for a in started:  # by PID, whatever the test's outcome
         if a.proc.poll() is None:
             a.proc.kill()
             a.proc.wait()
 
 
-def test_efficient_heartbeats(cluster: Cluster, agents: Callable[..., AgentProcess],
-                              tmp_path: Path) -> None:
-    api = cluster.api_client()
+@pytest.fixture
+def agents(cluster: Cluster, tmp_path: Path) -> Iterator[Callable[..., AgentProcess]]:
+    """Agents with node credentials (system:node:<name>), one node each."""
+    started: list[AgentProcess] = []
+
+    def start(name: str, *args: str, config: str | None = None) -> AgentProcess:
+        agent = spawn(tmp_path, name, cluster.node_kubeconfig(name), "--node-name", name,
+                      *args, config=config)
+        started.append(agent)
+        return agent
+
+    yield start
+    kill_all(started)
+
+
+def clean_slate(api: client.ApiClient, names: Any) -> None:
+    """Delete the Nodes and Leases an earlier run may have left behind."""
     core, coord = client.CoreV1Api(api), client.CoordinationV1Api(api)
-    names = ("hb-default", "hb-report20", "hb-cond", "hb-policy")
-    for n in names:  # a clean slate if an earlier run left objects behind
+    for n in names:
         for delete in (lambda n=n: core.delete_node(n),
                        lambda n=n: coord.delete_namespaced_lease(n, "kube-node-lease")):
             try:
@@ -194,37 +213,67 @@ def test_efficient_heartbeats(cluster: Cluster, agents: Callable[..., AgentProce
             except client.ApiException as e:
                 assert e.status == 404
 
+
+def test_efficient_heartbeats(cluster: Cluster, agents: Callable[..., AgentProcess],
+                              tmp_path: Path) -> None:
+    names = ("hb-default", "hb-report20", "hb-cond", "hb-policy")
+    clean_slate(cluster.api_client(), names)
+    procs = [agents("hb-default"),
+             agents("hb-report20", config="nodeStatusReportFrequency: 20s\n"),
+             agents("hb-cond", config="evictionHard:\n  nodefs.available: '0%'\n"),
+             agents("hb-policy")]
+    efficient_heartbeats(cluster, procs, Parts(default="hb-default", policy="hb-policy",
+                                               report20="hb-report20", cond="hb-cond",
+                                               cond_config=tmp_path / "hb-cond.yaml"))
+
+
+@dataclass
+class Parts:
+    """Which node plays which part in `efficient_heartbeats`."""
+
+    default: str  # defaults: 6±1 Lease updates and no NodeStatus patch in 60 s
+    policy: str  # the admin writes the heartbeat annotation: renew every 2 s, followed
+    report20: str | None = None  # started with nodeStatusReportFrequency 20s
+    cond: str | None = None  # its config file (cond_config) moves the disk threshold
+    cond_config: Path | None = None
+
+
+def efficient_heartbeats(cluster: Cluster, procs: list[AgentProcess], parts: Parts) -> None:
+    """The efficient-heartbeat checks on running agents (started, not yet registered),
+    witnessed by watches and the API server; stops the agents with SIGTERM at the end."""
+    api = cluster.api_client()
+    core, coord = client.CoreV1Api(api), client.CoordinationV1Api(api)
+    owner = {n: p for p in procs for n in p.nodes}
+    names = tuple(owner)
     rec = Recorder()
     rec.start(api)
-    a = agents("hb-default")
-    b = agents("hb-report20", config="nodeStatusReportFrequency: 20s\n")
-    c = agents("hb-cond", config="evictionHard:\n  nodefs.available: '0%'\n")
-    d = agents("hb-policy")
-    procs = [a, b, c, d]
 
     def all_up() -> bool:
-        return all(p.get("/readyz")[0] == 200 and _lease_exists(coord, p.name) for p in procs)
-    wait_for("4 agents registered with leases", lambda: all(
+        return all(p.get("/readyz")[0] == 200 for p in procs) and all(
+            _lease_exists(coord, n) for n in names)
+    wait_for(f"{len(names)} nodes registered with leases", lambda: all(
         p.proc.poll() is None for p in procs) and _try(all_up), 60)
-    for p in procs:
-        node = api_dict(core.read_node(p.name))
-        assert condition(node, "Ready") == "True", p.name
+    for n in names:
+        node = api_dict(core.read_node(n))
+        assert condition(node, "Ready") == "True", n
         assert node["status"]["capacity"]["pods"] == "110"
-        assert node["metadata"]["labels"]["nodepulse.dev/agent"] == p.name
-        lease = coord.read_namespaced_lease(p.name, "kube-node-lease")
-        assert lease.spec.holder_identity == p.name and lease.spec.lease_duration_seconds == 40
+        assert node["metadata"]["labels"]["nodepulse.dev/agent"] == owner[n].name
+        lease = coord.read_namespaced_lease(n, "kube-node-lease")
+        assert lease.spec.holder_identity == n and lease.spec.lease_duration_seconds == 40
         assert lease.metadata.owner_references[0].uid == node["metadata"]["uid"]
-    assert condition(api_dict(core.read_node("hb-cond")), "DiskPressure") == "False"
+    if parts.cond:
+        assert condition(api_dict(core.read_node(parts.cond)), "DiskPressure") == "False"
 
     m0 = cluster.apiserver_metrics()
     t0 = time.monotonic()
     time.sleep(20)
 
-    # hb-cond: the threshold moves so that any filesystem is under pressure
-    (tmp_path / "hb-cond.yaml").write_text("evictionHard:\n  nodefs.available: '100%'\n")
     t_cond = time.monotonic()
-    # hb-policy: the operator's annotation says renew every 2 s
-    core.patch_node("hb-policy", {"metadata": {"annotations": {
+    if parts.cond_config is not None:
+        # the threshold moves so that any filesystem is under pressure
+        parts.cond_config.write_text("evictionHard:\n  nodefs.available: '100%'\n")
+    # the operator's annotation says renew every 2 s
+    core.patch_node(parts.policy, {"metadata": {"annotations": {
         HEARTBEAT_ANNOTATION: encode_heartbeat_annotation(
             "fast", Heartbeat(leaseDurationSeconds=40, renewIntervalSeconds=2))}}})
     t_policy = time.monotonic()
@@ -235,29 +284,33 @@ def test_efficient_heartbeats(cluster: Cluster, agents: Callable[..., AgentProce
     assert rec.errors == []  # the witnesses saw everything
 
     # defaults: 6±1 lease updates, no status patches after registration
-    assert 5 <= len(rec.lease_updates("hb-default", t0, t1)) <= 7
-    assert rec.status_writes("hb-default", t0, t1) == []
-    # report period 20 s: 3±1 status patches
-    assert 2 <= len(rec.status_writes("hb-report20", t0, t1)) <= 4
-    assert 5 <= len(rec.lease_updates("hb-report20", t0, t1)) <= 7
-    # a crossed disk threshold is reported within one update period (10 s)
-    cond_writes = rec.status_writes("hb-cond", t0, t1)
-    assert len(cond_writes) == 1
-    t_seen, status = cond_writes[0]
-    assert t_seen - t_cond <= 10 + 2
-    assert {c["type"]: c["status"] for c in status["conditions"]}["DiskPressure"] == "True"
+    assert 5 <= len(rec.lease_updates(parts.default, t0, t1)) <= 7
+    assert rec.status_writes(parts.default, t0, t1) == []
+    expected_status = 0
+    if parts.report20:  # report period 20 s: 3±1 status patches
+        assert 2 <= len(rec.status_writes(parts.report20, t0, t1)) <= 4
+        assert 5 <= len(rec.lease_updates(parts.report20, t0, t1)) <= 7
+        expected_status += 4
+    if parts.cond:  # a crossed disk threshold is reported within one update period (10 s)
+        cond_writes = rec.status_writes(parts.cond, t0, t1)
+        assert len(cond_writes) == 1
+        t_seen, status = cond_writes[0]
+        assert t_seen - t_cond <= 10 + 2
+        assert {c["type"]: c["status"] for c in status["conditions"]}["DiskPressure"] == "True"
+        expected_status += 1
     # the annotation is followed within one old renew interval, then every ~2 s
-    after = rec.lease_updates("hb-policy", t_policy, t1)
+    after = rec.lease_updates(parts.policy, t_policy, t1)
     assert after and after[0] - t_policy <= 10
     steady = [t for t in after if t >= t_policy + 4]
     gaps = [y - x for x, y in zip(steady, steady[1:], strict=False)]
     assert len(steady) >= 12 and max(gaps) < 3.5, gaps
-    assert len(rec.lease_updates("hb-policy", t0, t_policy)) <= 3
+    assert len(rec.lease_updates(parts.policy, t0, t_policy)) <= 3
 
     # The API server counts the same writes (others' leases, e.g. its own identity
     # lease, are taken out; a write on the window's edge may fall either side).
+    ours_keys = {f"kube-node-lease/{n}" for n in names}
     others = sum(1 for t, kind, key, _ in rec.leases if kind == "MODIFIED" and t0 <= t < t1
-                 and not key.startswith("kube-node-lease/hb-"))
+                 and key not in ours_keys)
     ours = sum(len(rec.lease_updates(n, t0, t1)) for n in names)
     puts = _delta(m0, m1, "apiserver_request_total", resource="leases", verb="PUT")
     assert abs(puts - others - ours) <= 2, (puts, others, ours)
@@ -265,26 +318,28 @@ def test_efficient_heartbeats(cluster: Cluster, agents: Callable[..., AgentProce
                      subresource="status", verb="PATCH")
     status_ours = sum(len(rec.status_writes(n, t0, t1)) for n in names)
     assert abs(patches - status_ours) <= 2, (patches, status_ours)
-    assert patches <= 6  # 0 + 3±1 + 1: nothing else writes NodeStatus
+    assert patches <= expected_status + 1  # nothing else writes NodeStatus
 
-    # the agent's own metrics and health agree
+    # the agents' own metrics and health agree (process-wide: no per-node labels)
+    a, d = owner[parts.default], owner[parts.policy]
     code, text = a.get("/metrics")
     assert code == 200
     assert samples(text, "nodepulse_lease_renewals_total", result="success") >= 5
-    assert samples(text, "nodepulse_node_status_reports_total", reason="register") == 1
+    assert samples(text, "nodepulse_node_status_reports_total", reason="register") == len(
+        a.nodes)
     assert samples(text, "nodepulse_node_status_reports_total", reason="change") == 0
     assert a.get("/healthz")[0] == 200
     _, text = d.get("/metrics")
     assert samples(text, "nodepulse_heartbeat_policy_updates_total", result="applied") == 1
 
     # a deleted Lease comes back at the next renewal
-    coord.delete_namespaced_lease("hb-default", "kube-node-lease")
+    coord.delete_namespaced_lease(parts.default, "kube-node-lease")
     t_del = time.monotonic()
-    wait_for("hb-default's Lease recreated", lambda: any(
-        kind == "ADDED" and key == "kube-node-lease/hb-default" and t > t_del
+    wait_for(f"{parts.default}'s Lease recreated", lambda: any(
+        kind == "ADDED" and key == f"kube-node-lease/{parts.default}" and t > t_del
         for t, kind, key, _ in rec.leases), 15)
-    lease = coord.read_namespaced_lease("hb-default", "kube-node-lease")
-    assert lease.spec.holder_identity == "hb-default"
+    lease = coord.read_namespaced_lease(parts.default, "kube-node-lease")
+    assert lease.spec.holder_identity == parts.default
 
     # SIGTERM: every agent stops cleanly, nothing refused along the way
     for p in procs:
@@ -293,7 +348,7 @@ def test_efficient_heartbeats(cluster: Cluster, agents: Callable[..., AgentProce
         assert "stopped" in log
         assert "Forbidden" not in log and " 403 " not in log, log[-2000:]
     rec.stop()
-    renew = coord.read_namespaced_lease("hb-policy", "kube-node-lease").spec.renew_time
+    renew = coord.read_namespaced_lease(parts.policy, "kube-node-lease").spec.renew_time
     assert dt.datetime.now(dt.UTC) - renew < dt.timedelta(seconds=10)
 
 

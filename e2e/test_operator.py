@@ -10,6 +10,7 @@ Which scenario uses what:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -26,7 +27,7 @@ from typing import Any
 
 import pytest
 import yaml
-from kubernetes import client
+from kubernetes import client, watch
 
 from e2e.cluster import Cluster
 from e2e.cluster.cluster import free_port
@@ -56,13 +57,30 @@ def wait_for(what: str, check: Callable[[], Any], timeout: float = 30,
 
 
 # ---- the operator processes
+@dataclasses.dataclass(frozen=True)
+class OperatorCredentials:
+    """Who the operator runs as, and its leader Lease: the admin here; the chart's
+    ServiceAccount token and the chart's election Lease in e2e/test_chart_identities.py."""
+
+    kubeconfig: Path
+    election_namespace: str
+    election_name: str
+
+
+@pytest.fixture(scope="module", name="operator_credentials")
+def admin_operator_credentials(cluster: Cluster) -> OperatorCredentials:
+    return OperatorCredentials(cluster.kubeconfig, "kube-system", ELECTION)
+
+
 class Operator:
-    def __init__(self, cluster: Cluster, identity: str) -> None:
+    def __init__(self, cluster: Cluster, identity: str, creds: OperatorCredentials) -> None:
         self.identity = identity
         self.port = free_port()
         self.log = cluster.log_dir / f"operator-{identity}.log"
-        args = [str(OPERATOR), "--kubeconfig", str(cluster.kubeconfig),
-                "--identity", identity, "--leader-election-name", ELECTION,
+        args = [str(OPERATOR), "--kubeconfig", str(creds.kubeconfig),
+                "--identity", identity,
+                "--leader-election-namespace", creds.election_namespace,
+                "--leader-election-name", creds.election_name,
                 "--metrics-port", str(self.port), "--monitor-period", "1"]
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
@@ -229,12 +247,15 @@ def kube(cluster: Cluster) -> Iterator[client.ApiClient]:
 
 
 @pytest.fixture(scope="module")
-def operators(cluster: Cluster, kube: client.ApiClient) -> Iterator[list[Operator]]:
+def operators(cluster: Cluster, kube: client.ApiClient,
+              operator_credentials: OperatorCredentials) -> Iterator[list[Operator]]:
     """Two replicas for the whole module; the HA test (last) kills the leader."""
-    ops = [Operator(cluster, f"op-{RUN}-a"), Operator(cluster, f"op-{RUN}-b")]
+    ops = [Operator(cluster, f"op-{RUN}-a", operator_credentials),
+           Operator(cluster, f"op-{RUN}-b", operator_credentials)]
     try:
         wait_for("both operators ready", lambda: all(o.ready() for o in ops), 60)
-        wait_for("a leader", lambda: leader(kube) in {o.identity for o in ops}, 30)
+        wait_for("a leader", lambda: leader(kube, operator_credentials)
+                 in {o.identity for o in ops}, 30)
         yield ops
     finally:
         for o in ops:
@@ -251,9 +272,10 @@ def renewer(cluster: Cluster) -> Iterator[Renewer]:
 
 
 # ---- helpers
-def leader(api: client.ApiClient) -> str | None:
+def leader(api: client.ApiClient, creds: OperatorCredentials) -> str | None:
     try:
-        lease = client.CoordinationV1Api(api).read_namespaced_lease(ELECTION, "kube-system")
+        lease = client.CoordinationV1Api(api).read_namespaced_lease(
+            creds.election_name, creds.election_namespace)
     except client.ApiException:
         return None
     return lease.spec.holder_identity or None
@@ -537,34 +559,140 @@ def test_apiserver_restart(cluster: Cluster, kube: client.ApiClient,
     renewer.errors.clear()  # renewals refused while the API server was down
 
 
+class TaintWatch(threading.Thread):
+    """Every version of the Nodes with a label, from a resourceVersion on: per node, the
+    list of (monotonic time, taints as (key, effect, timeAdded)) as the watch hands
+    them out, so a taint written twice (removed and added again, or rewritten with a
+    new timeAdded) shows."""
+
+    def __init__(self, api: client.ApiClient, selector: str) -> None:
+        super().__init__(daemon=True, name="taint-watch")
+        self.core, self.selector = client.CoreV1Api(api), selector
+        self.rv = self.core.list_node(label_selector=selector).metadata.resource_version
+        self.seen: dict[str, list[tuple[float, tuple[tuple[str, str, str], ...]]]] = {}
+        self.errors: list[str] = []
+        self.watch = watch.Watch()
+
+    def run(self) -> None:
+        try:
+            for ev in self.watch.stream(self.core.list_node, label_selector=self.selector,
+                                        resource_version=self.rv, timeout_seconds=300):
+                n = ev["object"]
+                taints = tuple((t.key, t.effect, str(t.time_added or ""))
+                               for t in n.spec.taints or [])
+                self.seen.setdefault(n.metadata.name, []).append((time.monotonic(), taints))
+        except Exception as e:  # the test reads it
+            self.errors.append(repr(e))
+
+    def stop(self) -> None:
+        self.watch.stop()
+        self.join(timeout=10)
+
+    def history(self, name: str) -> list[tuple[tuple[str, str, str], ...]]:
+        """The node's distinct taint lists, in order (repeats from other writes folded)."""
+        out: list[tuple[tuple[str, str, str], ...]] = []
+        for _, taints in self.seen.get(name, []):
+            if not out or out[-1] != taints:
+                out.append(taints)
+        return out
+
+    def first(self, name: str, key: str, effect: str) -> float | None:
+        return next((t for t, taints in self.seen.get(name, [])
+                     if any(k == key and e == effect for k, e, _ in taints)), None)
+
+
+def node_events(api: client.ApiClient, name: str) -> list[Any]:
+    """The Events on a Node, as `kubectl describe node` finds them."""
+    return list(client.CoreV1Api(api).list_event_for_all_namespaces(
+        field_selector=f"involvedObject.kind=Node,involvedObject.name={name}").items)
+
+
 def test_ha_failover(kube: client.ApiClient, operators: list[Operator],
-                     renewer: Renewer) -> None:
-    """Runs last: the module's two replicas; the standby writes nothing while the
-    leader works; killing the leader (SIGKILL, by PID) hands over within 60 s and the
-    new leader acts. (The API server restart above may have moved the leadership, so
-    the standby may have written earlier, as leader: only its writes as standby count.)"""
+                     renewer: Renewer, operator_credentials: OperatorCredentials) -> None:
+    """Runs last (issue 9, fault 6): the module's two replicas; the standby writes
+    nothing while the leader works; the leader is SIGKILLed (by PID) and a node falls
+    silent at the same moment. The standby takes the leader Lease and taints the
+    silent node within 60 s. Through the failover a watch on the pool's Nodes shows
+    that no node is tainted twice or wrongly: the silent node's unreachable taints are
+    added once each and never rewritten; a node the old leader had already tainted
+    keeps its taints untouched (same timeAdded, not re-added); the nodes that keep
+    renewing never get a taint written at all. (The API server restart above may
+    have moved the leadership, so the standby may have written earlier, as leader:
+    only its writes as standby count.)"""
     by_id = {o.identity: o for o in operators}
-    active = by_id[wait_for("a leader", lambda: leader(kube))]
+    active = by_id[wait_for("a leader", lambda: leader(kube, operator_credentials))]
     [standby] = [o for o in operators if o is not active]
     wait_for("the standby knows it", lambda: samples(
         standby.metrics(), "nodepulse_operator_leader") == 0)
     assert active.writes() > 0  # every scenario above was a leader's work
     standby_writes = standby.writes()
 
-    nodes = make_nodes(kube, "ha", 1)
-    p = policy(kube, "ha", "ha", grace=15)
-    renewer.start_renewing(nodes)
-    wait_for("leader applies the policy", lambda: heartbeat(kube, nodes[0]).get("policy") == p)
+    silent, healthy1, healthy2, dead = make_nodes(kube, "ha", 4)
+    p = policy(kube, "ha", "ha", grace=15, noExecuteTaintsPerMinute=60)
+    renewer.start_renewing([silent, healthy1, healthy2])  # `dead` never renews
+    wait_for("leader applies the policy", lambda: all(
+        heartbeat(kube, n).get("policy") == p for n in (silent, healthy1, healthy2, dead)))
+    wait_for("the old leader taints the node that never renewed",
+             lambda: effects(kube, dead) == {"NoSchedule", "NoExecute"}, 40)
+    assert all(effects(kube, n) == set() for n in (silent, healthy1, healthy2))
     assert standby.writes() == standby_writes  # none of it the standby's
-    assert leader(kube) == active.identity
-    active.kill(signal.SIGKILL)
-    renewer.set(nodes, False)  # and the node falls silent during the failover
-    killed = time.monotonic()
-    wait_for("standby takes the leader Lease", lambda: leader(kube) == standby.identity, 60)
-    took = time.monotonic() - killed
-    assert took < 60
-    assert samples(standby.metrics(), "nodepulse_operator_leader") == 1
-    wait_for("the new leader taints the silent node",
-             lambda: effects(kube, nodes[0]) == {"NoSchedule", "NoExecute"}, 40)
+    assert leader(kube, operator_credentials) == active.identity
+
+    tw = TaintWatch(kube, f"nodepulse-e2e/pool={RUN}-ha")
+    tw.start()
+    try:
+        before = {n: tuple((t.key, t.effect, str(t.time_added or ""))
+                           for t in node(kube, n).spec.taints or []) for n in (healthy1,
+                                                                            healthy2, dead)}
+        active.kill(signal.SIGKILL)
+        renewer.set([silent], False)  # and the node falls silent during the failover
+        killed = time.monotonic()
+        wait_for("standby takes the leader Lease",
+                 lambda: leader(kube, operator_credentials) == standby.identity, 60)
+        took = time.monotonic() - killed
+        assert took < 60
+        assert samples(standby.metrics(), "nodepulse_operator_leader") == 1
+        wait_for("the new leader taints the silent node",
+                 lambda: effects(kube, silent) == {"NoSchedule", "NoExecute"}, 60)
+        time.sleep(6)  # a few more monitor periods: nothing may be written again
+    finally:
+        tw.stop()
+    assert not tw.errors, tw.errors
     assert standby.writes() > standby_writes
-    print(f"\nfailover: standby took the leader Lease {took:.1f} s after SIGKILL")
+    tainted = tw.first(silent, UNREACHABLE, "NoSchedule")
+    assert tainted is not None and tainted - killed < 60
+
+    # The silent node: each unreachable taint appears once, then stays as written.
+    hist = tw.history(silent)
+    for effect in ("NoSchedule", "NoExecute"):
+        having = [i for i, ts in enumerate(hist)
+                  if any(k == UNREACHABLE and e == effect for k, e, _ in ts)]
+        assert having and having == list(range(having[0], len(hist))), hist
+        added = {ta for ts in hist[having[0]:] for k, e, ta in ts
+                 if k == UNREACHABLE and e == effect}
+        assert len(added) == 1, hist  # never rewritten with a new timeAdded
+    # The node tainted before the failover, and the healthy ones: never written.
+    for n in (dead, healthy1, healthy2):
+        assert tw.history(n) in ([], [before[n]]), (n, tw.history(n))
+    assert all(effects(kube, n) == set() for n in (healthy1, healthy2))
+    assert effects(kube, dead) == {"NoSchedule", "NoExecute"}
+
+    # The new leader said so on the silent node, once each (kubectl describe node).
+    def reasons() -> list[str]:
+        return sorted(e.reason for e in node_events(kube, silent)
+                      if e.reporting_component == "nodepulse-operator")
+    got = wait_for("the new leader's Events on the silent node", lambda: (
+        r := reasons()) and "EvictionStarted" in r and r, 20)
+    events = [e for e in node_events(kube, silent)
+              if e.reporting_component == "nodepulse-operator"]
+    assert all(e.count == 1 and e.reporting_instance == standby.identity for e in events), [
+        (e.reason, e.count, e.reporting_instance) for e in events]
+    assert got.count("EvictionStarted") == 1 and got.count("NodeStatusUnknown") == 1
+    assert got.count("TaintAdded") == 1
+    uid = node(kube, silent).metadata.uid
+    assert all(e.involved_object.uid == uid and e.metadata.namespace == "default"
+               for e in events)
+    assert not any(e.reporting_component == "nodepulse-operator"
+                   for n in (healthy1, healthy2) for e in node_events(kube, n))
+    print(f"\nfailover: standby took the leader Lease {took:.1f} s after SIGKILL, "
+          f"tainted the silent node {tainted - killed:.1f} s after it")

@@ -34,7 +34,14 @@ from kubernetes import client, watch
 from e2e.cluster import Cluster
 from e2e.cluster.cluster import free_port
 from e2e.promtext import samples
-from e2e.test_operator import AGENT, CRDS, Operator, wait_for
+from e2e.test_operator import (  # noqa: F401 (admin_operator_credentials: a fixture)
+    AGENT,
+    CRDS,
+    Operator,
+    OperatorCredentials,
+    admin_operator_credentials,
+    wait_for,
+)
 from nodeagent.api.policy import GROUP, PLURAL
 
 RUN = uuid.uuid4().hex[:5]
@@ -107,12 +114,13 @@ def kube(cluster: Cluster) -> client.ApiClient:
 
 
 @pytest.fixture
-def start_operator(cluster: Cluster, kube: client.ApiClient
+def start_operator(cluster: Cluster, kube: client.ApiClient,
+                   operator_credentials: OperatorCredentials
                    ) -> Iterator[Callable[[], Operator]]:
     started: list[Operator] = []
 
     def start() -> Operator:
-        op = Operator(cluster, f"taints-{RUN}-{len(started)}")
+        op = Operator(cluster, f"taints-{RUN}-{len(started)}", operator_credentials)
         started.append(op)
         wait_for("operator ready", op.ready, 60)
         wait_for("operator leading", lambda: samples(

@@ -201,10 +201,19 @@ def _matrix(rel: Release, foreign: str) -> dict[str, list[tuple[str, str, str, s
             ("update", co, "leases", ns, "someone-else", False),
             ("create", co, "leases", "kube-system", "", False),
             ("get", "", "secrets", ns, "any", False), ("list", "", "secrets", "", "", False),
-            ("list", "", "pods", "", "", False), ("create", "", "events", "default", "", False),
-            # kopf's observation of the cluster: read only
-            ("list", "", "namespaces", "", "", True), ("watch", "", "namespaces", "", "", True),
+            ("list", "", "pods", "", "", False), ("delete", "", "pods", ns, "any", False),
+            # Events on Nodes: created, and patched to count a repeat; in "default" only
+            ("create", "", "events", "default", "", True),
+            ("patch", "", "events", "default", "any", True),
+            ("update", "", "events", "default", "any", False),
+            ("delete", "", "events", "default", "any", False),
+            ("list", "", "events", "default", "", False),
+            ("create", "", "events", ns, "", False), ("create", "", "events", "kube-system", "", False),
+            ("create", "events.k8s.io", "events", "default", "", False),
+            # kopf runs clusterwide: no Namespaces at all
+            ("list", "", "namespaces", "", "", False), ("watch", "", "namespaces", "", "", False),
             ("get", "", "namespaces", "", ns, False), ("delete", "", "namespaces", "", ns, False),
+            # kopf's resource observation: CRDs, read only
             ("list", "apiextensions.k8s.io", "customresourcedefinitions", "", "", True),
             ("watch", "apiextensions.k8s.io", "customresourcedefinitions", "", "", True),
             ("update", "apiextensions.k8s.io", "customresourcedefinitions", "",
@@ -236,6 +245,8 @@ def _matrix(rel: Release, foreign: str) -> dict[str, list[tuple[str, str, str, s
             ("create", "", "pods", ns, "", False), ("patch", "", "pods", ns, "any", False),
             ("update", "", "pods", ns, "any", False), ("get", "", "configmaps", ns, "any", False),
             ("create", "", "events", "default", "", True), ("create", "", "events", ns, "", False),
+            ("patch", "", "events", "default", "any", False),
+            ("delete", "", "events", "default", "any", False),
         ],
     }
 
@@ -407,6 +418,18 @@ def test_operator_identity_cannot_read_secrets_or_make_nodes(
         "nodepulse.dev", "v1alpha1", "nodestatuspolicies", release.policy,
         {"spec": {"priority": 5}}))
     assert status == 403
+    # kopf runs clusterwide: the operator needs no Namespaces, and gets none
+    status, body = _status(lambda: core.list_namespace())
+    assert status == 403 and 'cannot list resource "namespaces"' in body
+    # Events: about Nodes, in "default"; nowhere else, and none deleted
+    status, body = _status(lambda: core.create_namespaced_event(
+        release.namespace, _event(foreign_node, release.namespace)))
+    assert status == 403 and 'cannot create resource "events"' in body
+    made = core.create_namespaced_event("default", _event(foreign_node))
+    status, _ = _status(lambda: core.delete_namespaced_event(made.metadata.name, "default"))
+    assert status == 403
+    client.CoreV1Api(cluster.api_client()).delete_namespaced_event(made.metadata.name,
+                                                                   "default")
 
 
 # ---- the programs themselves, under those identities
@@ -486,13 +509,25 @@ def test_operator_and_agent_work_under_the_chart_identities(
     op_log = tmp_path / "operator.log"
     agent_logs: list[Path] = []
 
+    # A malformed static manifest: the agent reports it with a Warning Event on its
+    # Node, which its ServiceAccount may write (about its own nodes, in "default").
+    manifests = tmp_path / "manifests"
+    manifests.mkdir(mode=0o755)
+    (manifests / "broken.yaml").write_text("apiVersion: v1\nkind: Pod\nmetadata: [unclosed\n")
+
     def agent_process(stack: contextlib.ExitStack) -> subprocess.Popen[bytes]:
         log = tmp_path / f"agent-{len(agent_logs)}.log"
         agent_logs.append(log)
         return stack.enter_context(_process(
             [str(BIN / "nodepulse-agent"), "--kubeconfig", str(identities["agent"]),
              "--node-name", node, "--root-dir", str(tmp_path / "agent-root"), "--runtime", "fake",
+             "--pod-manifest-path", str(manifests),
              "--healthz-bind-address", f"127.0.0.1:{agent_port}"], log, tmp_path))
+
+    def events_from(component: str) -> list[Any]:
+        return [e for e in core.list_event_for_all_namespaces(
+            field_selector=f"involvedObject.kind=Node,involvedObject.name={node}").items
+            if e.source and e.source.component == component]
 
     def node_or_none() -> Any:
         try:
@@ -603,10 +638,34 @@ def test_operator_and_agent_work_under_the_chart_identities(
         assert _eventually("the unreachable taint and Ready=Unknown",
                            lambda: unreachable() == (True, "Unknown"), procs,
                            describe=lambda: (unreachable(), lease_spec()))
+        # the operator's Events are posted after its writes: wait for them
+        _eventually("the operator's Events on the node", lambda: {"TaintAdded", "NodeStatusUnknown"}
+                    <= {e.reason for e in events_from("nodepulse-operator")}, procs)
         described = tools.kubectl("describe", "node", node).stdout
         print(described)
         assert "node.kubernetes.io/unreachable:NoSchedule" in described
-        assert "NodeStatusUnknown" in described  # the Ready condition's reason, as kubectl shows it
+        # the effective-policy annotation
+        assert f"{HEARTBEAT_ANNOTATION}: " in described and release.policy in described
+        # the operator's Ready=Unknown condition: its reason and its message
+        ready_line = next(line for line in described.splitlines()
+                          if line.strip().startswith("Ready ") and "Unknown" in line)
+        assert "NodeStatusUnknown" in ready_line
+        assert ("nodepulse-operator: the node's Lease has not been renewed for more than 20s "
+                f"(grace period of policy {release.policy})") in ready_line
+        # the Events: the operator's (Ready=Unknown, the taint) and the agent's (manifest)
+        # (rows: Type Reason Age From Message; From is "component, instance")
+        events = described.split("\nEvents:", 1)[1]
+        rows = {line.split()[1]: line for line in events.splitlines()[3:]
+                if len(line.split()) > 4}
+        assert rows["NodeStatusUnknown"].split()[0] == "Warning"
+        assert "nodepulse-operator" in rows["NodeStatusUnknown"]
+        assert "Set Ready to Unknown" in rows["NodeStatusUnknown"]
+        assert "nodepulse-operator" in rows["TaintAdded"]
+        assert "node.kubernetes.io/unreachable:NoSchedule" in rows["TaintAdded"]
+        assert any(r.startswith("StaticPod") and "nodepulse-agent" in line
+                   for r, line in rows.items()), events
+        uid = core.read_node(node).metadata.uid
+        assert all(e.involved_object.uid == uid for e in events_from("nodepulse-operator"))
 
         with contextlib.ExitStack() as agent_stack:
             agent = agent_process(agent_stack)

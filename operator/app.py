@@ -19,9 +19,10 @@ from typing import Any
 import kopf
 from kubernetes import client
 from nodeoperator.election import KubeLeaseBackend, LeaderElector
+from nodeoperator.events import NodeEvents
 from nodeoperator.kube import KubeWriter
 from nodeoperator.monitor import Monitor
-from nodeoperator.state import LEASE_NAMESPACE, Store
+from nodeoperator.state import Store
 from nodeoperator.watch import LeaseWatch
 
 from nodeagent.api.client import load_configuration, new_api_client
@@ -102,7 +103,8 @@ async def run(opts: Options, clock: Clock | None = None) -> None:
     writer = KubeWriter(api, workers=opts.writers)
     monitor = Monitor(store, clock, writer, period=opts.monitor_period,
                       is_leader=lambda: elector.leading,
-                      api_ok_since=lambda: elector.api_ok_since, parallel=opts.writers)
+                      api_ok_since=lambda: elector.api_ok_since, parallel=opts.writers,
+                      events=NodeEvents(writer, clock, instance=opts.identity))
     leases = LeaseWatch(client.CoordinationV1Api(api), store, clock)
     ready = asyncio.Event()
     server = None
@@ -119,11 +121,11 @@ async def run(opts: Options, clock: Clock | None = None) -> None:
              asyncio.create_task(leases.run(), name="lease-watch"),
              asyncio.create_task(monitor.run(), name="monitor")]
     try:
-        # kopf watches only cluster-scoped resources here (the namespace list just
-        # keeps it from asking for cluster-wide access). It handles SIGINT/SIGTERM.
+        # kopf watches only cluster-scoped resources (Nodes, policies): clusterwide, so
+        # it neither lists nor watches Namespaces. standalone: no kopf peering (and no
+        # peering CRDs); the Lease election is the HA. It handles SIGINT/SIGTERM.
         await kopf.operator(registry=build_registry(store, opts), settings=settings(),
-                            standalone=True, namespaces=[LEASE_NAMESPACE],
-                            ready_flag=ready)
+                            standalone=True, clusterwide=True, ready_flag=ready)
     finally:
         for t in tasks:
             t.cancel()

@@ -44,5 +44,13 @@ class KubeWriter:
         return await self._run(self.custom.patch_cluster_custom_object_status, GROUP, VERSION,
                                PLURAL, name, patch, content_type=MERGE)
 
+    async def create_event(self, namespace: str, body: dict[str, Any]) -> str:
+        return await self._run(self.core.create_namespaced_event, namespace, body,
+                               content_type="application/json")
+
+    async def patch_event(self, namespace: str, name: str, patch: dict[str, Any]) -> str:
+        return await self._run(self.core.patch_namespaced_event, name, namespace, patch,
+                               content_type=MERGE)
+
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from nodeoperator import selector, taints
+from nodeoperator.events import NodeEvent, NodeEvents
 from nodeoperator.resolve import Resolution, resolve
 from nodeoperator.state import AGENT_CONDITIONS, UNREACHABLE_TAINT, NodeInfo, PolicyInfo, Store
 from prometheus_client import Counter, Gauge, Histogram
@@ -93,6 +94,8 @@ class NodeAction:
     status_patch: dict[str, Any] | None = None  # conditions -> Unknown
     taint_delay: float | None = None  # seconds past grace expiry, for a new taint
     granted: str | None = None  # the policy whose NoExecute token this action spends
+    events: list[NodeEvent] = dataclasses.field(default_factory=list)  # after node_patch
+    status_events: list[NodeEvent] = dataclasses.field(default_factory=list)  # after status
 
 
 @dataclasses.dataclass
@@ -113,14 +116,16 @@ class Plan:
     policies: dict[str, dict[str, Any]]  # policy -> status to write
     groups: dict[str, GroupState]
     resolution: Resolution
+    events: list[NodeEvent] = dataclasses.field(default_factory=list)  # partition guard
 
 
 class Monitor:
     def __init__(self, store: Store, clock: Clock, writer: Writer, *,
                  period: float = 2.0, is_leader: Callable[[], bool] = lambda: True,
                  api_ok_since: Callable[[], float | None] = lambda: -math.inf,
-                 parallel: int = 16) -> None:
+                 parallel: int = 16, events: NodeEvents | None = None) -> None:
         self.store, self.clock, self.writer = store, clock, writer
+        self.events = events
         self.period = period
         self.is_leader = is_leader
         self.api_ok_since = api_ok_since
@@ -130,6 +135,8 @@ class Monitor:
         # index shows a newer one, a difference is only our write not seen yet.
         self._written: dict[str, set[str]] = {}
         self.was_leader = False
+        # policy group -> nodes told that its partition guard withholds their NoExecute
+        self._guard_told: dict[str, set[str]] = {}
 
     # ---- the loop
     async def run(self) -> None:
@@ -139,6 +146,7 @@ class Monitor:
             if leading and not self.was_leader:
                 log.info("leading: taking over the monitor")
                 self._written.clear()
+                self._guard_told.clear()
             self.was_leader = leading
             if not leading:
                 continue
@@ -164,7 +172,8 @@ class Monitor:
         started = self.clock.monotonic()
         plan = self.plan()
         await asyncio.gather(*(self._apply_node(a) for a in plan.nodes),
-                             *(self._apply_policy(n, s) for n, s in plan.policies.items()))
+                             *(self._apply_policy(n, s) for n, s in plan.policies.items()),
+                             *(self._post(e) for e in plan.events))
         TICK.observe(max(0.0, self.clock.monotonic() - started))
         return plan
 
@@ -243,7 +252,42 @@ class Monitor:
             status = self._policy_status(p, res, groups.get(p.name), stale)
             if _status_differs(p.status, status):
                 statuses[p.name] = status
-        return Plan(actions, statuses, groups, res)
+        return Plan(actions, statuses, groups, res, self._guard_events(res, groups, stale))
+
+    def _guard_events(self, res: Resolution, groups: Mapping[str, GroupState],
+                      stale: Mapping[str, float]) -> list[NodeEvent]:
+        """Once per trip, each stale node whose NoExecute the guard withholds is told;
+        when the guard lifts, the nodes told are told so."""
+        out = []
+        for g, group in groups.items():
+            told = self._guard_told.get(g)
+            whose = f"policy {g}" if g else "the default policy"
+            share = (f"{group.stale} of {group.matched} node(s) unreachable, "
+                     f"{{}} maxUnreachableFraction {group.failure.maxUnreachableFraction:g}")
+            if group.guarded and group.failure.taintUnreachable:
+                told = self._guard_told.setdefault(g, set())
+                for name in sorted(stale):
+                    node = self.store.nodes[name]
+                    if ((res.effective[name] or DEFAULT_GROUP) != g or name in told
+                            or _has_taint(node, "NoExecute")):
+                        continue
+                    told.add(name)
+                    out.append(NodeEvent(
+                        name, node.uid, "Warning", "PartitionGuardTripped",
+                        f"NoExecute tainting is stopped for {whose}: "
+                        f"{share.format('more than')}; this node's pods are not evicted."))
+            elif told is not None:
+                del self._guard_told[g]
+                for name in sorted(told):
+                    node = self.store.nodes.get(name)
+                    if node is not None:
+                        out.append(NodeEvent(
+                            name, node.uid, "Normal", "PartitionGuardLifted",
+                            f"NoExecute tainting resumed for {whose}: "
+                            f"{share.format('within')}."))
+        for g in [g for g in self._guard_told if g not in groups]:
+            del self._guard_told[g]  # the policy is gone
+        return out
 
     def _node_action(self, node: NodeInfo, policy: str | None, group: GroupState,
                      over: float | None, grant: bool) -> NodeAction:
@@ -275,6 +319,7 @@ class Monitor:
         by_condition.discard(UNREACHABLE_TAINT)
         new_taints = _merge(node.taints, unreachable, by_condition)
         if new_taints != node.taints:
+            action.events = _taint_events(node, new_taints, over is not None)
             # The taint list is replaced whole, so only on top of the version we read.
             patch.setdefault("metadata", {})["resourceVersion"] = node.rv
             patch["spec"] = {"taints": new_taints}
@@ -286,6 +331,11 @@ class Monitor:
             conditions = self._unknown_conditions(node, policy, group)
             if conditions:
                 action.status_patch = {"status": {"conditions": conditions}}
+                if any(c["type"] == "Ready" for c in conditions):
+                    why = conditions[0]["message"].removeprefix("nodepulse-operator: ")
+                    action.status_events.append(NodeEvent(
+                        node.name, node.uid, "Warning", REASON,
+                        f"Set Ready to Unknown: {why}"))
         return action
 
     def _unknown_conditions(self, node: NodeInfo, policy: str | None,
@@ -368,11 +418,13 @@ class Monitor:
     # ---- writing
     async def _apply_node(self, a: NodeAction) -> None:
         seen = [a.base_rv]
+        posts: list[NodeEvent] = []  # the Events of the writes that went through
         async with self._sem:
             try:
                 if a.node_patch and self.is_leader():
                     seen.append(await self.writer.patch_node(a.name, a.node_patch))
                     WRITES.labels("node", "ok").inc()
+                    posts += a.events
                     if a.taint_delay is not None:
                         TAINT_DELAY.observe(a.taint_delay)
                 if a.status_patch and self.is_leader():
@@ -381,16 +433,24 @@ class Monitor:
                     body = {**a.status_patch, "metadata": {"resourceVersion": seen[-1]}}
                     seen.append(await self.writer.patch_node_status(a.name, body))
                     WRITES.labels("node_status", "ok").inc()
+                    posts += a.status_events
             except Exception as e:
                 self._written.pop("node/" + a.name, None)
                 if a.granted is not None and len(seen) == 1:
                     self.pacer.refund(a.granted)
                 _count_failure("node", e, a.name)
-                return
-        # The last version we produced is what the index should settle on; the
-        # versions before it (the one we read, and our first write's) need no second look.
-        if len(seen) > 1:
-            self._written["node/" + a.name] = set(seen[:-1])
+            else:
+                # The last version we produced is what the index should settle on; the
+                # versions before it (the one we read, and our first write's) need no
+                # second look.
+                if len(seen) > 1:
+                    self._written["node/" + a.name] = set(seen[:-1])
+        for ev in posts:  # outside the write slots: Events never hold up a write
+            await self._post(ev)
+
+    async def _post(self, ev: NodeEvent) -> None:
+        if self.events is not None and self.is_leader():
+            await self.events.post(ev)
 
     async def _apply_policy(self, name: str, status: dict[str, Any]) -> None:
         base = self.store.policies[name].rv
@@ -417,6 +477,52 @@ def _count_failure(kind: str, exc: BaseException, name: str) -> None:
     else:
         WRITES.labels(kind, "error").inc()
         log.warning("writing %s %s failed: %s", kind, name, exc)
+
+
+def _taint_events(node: NodeInfo, new: list[dict[str, Any]], stale: bool) -> list[NodeEvent]:
+    """One Event per taint of ours added or removed, saying why."""
+    def keys(ts: list[dict[str, Any]]) -> set[tuple[str, str]]:
+        return {(t.get("key") or "", t.get("effect") or "") for t in ts}
+
+    old_keys, new_keys = keys(node.taints), keys(new)
+    conditions = _unknown(node.conditions) if stale else node.conditions
+    out = []
+    for key, effect in sorted(new_keys - old_keys):
+        taint = f"{key}:{effect}"
+        if key == UNREACHABLE_TAINT and effect == "NoExecute":
+            out.append(NodeEvent(node.name, node.uid, "Warning", "EvictionStarted",
+                                 f"Added taint {taint}: the node's Lease is stale, so the "
+                                 "pods that do not tolerate it are evicted."))
+        elif key == UNREACHABLE_TAINT:
+            out.append(NodeEvent(node.name, node.uid, "Warning", "TaintAdded",
+                                 f"Added taint {taint}: the node's Lease is stale, so no new "
+                                 "pods are scheduled onto it."))
+        else:
+            out.append(NodeEvent(node.name, node.uid, "Normal", "TaintAdded",
+                                 f"Added taint {taint}: {_why(key, conditions, node)}."))
+    for key, effect in sorted(old_keys - new_keys):
+        taint = f"{key}:{effect}"
+        if key == UNREACHABLE_TAINT and effect == "NoExecute":
+            out.append(NodeEvent(node.name, node.uid, "Normal", "EvictionStopped",
+                                 f"Removed taint {taint}: the node's agent is heard from "
+                                 "again, so its pods are no longer evicted."))
+        elif key == UNREACHABLE_TAINT:
+            out.append(NodeEvent(node.name, node.uid, "Normal", "TaintRemoved",
+                                 f"Removed taint {taint}: the node's agent is heard from "
+                                 "again (Lease renewed or status posted)."))
+        else:
+            out.append(NodeEvent(node.name, node.uid, "Normal", "TaintRemoved",
+                                 f"Removed taint {taint}: {_why(key, conditions, node)}."))
+    return out
+
+
+def _why(key: str, conditions: Mapping[str, dict[str, Any]], node: NodeInfo) -> str:
+    """The state of what a condition taint follows, e.g. `DiskPressure is True`."""
+    if key == taints.UNSCHEDULABLE:
+        return "the node is " + ("cordoned" if node.unschedulable else "no longer cordoned")
+    ctype = next((c for (c, _), k in taints.BY_CONDITION.items() if k == key), "")
+    status = (conditions.get(ctype) or {}).get("status")
+    return f"{ctype} is {status}" if status else f"the node has no {ctype} condition"
 
 
 def _unknown(conditions: Mapping[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:

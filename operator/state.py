@@ -42,6 +42,7 @@ class NodeInfo:
     # monotonic: when this process saw the agent's Ready heartbeat (lastHeartbeatTime)
     # change, or first saw the Node. A status post is a sign of life as a renewal is.
     status_heard: float = 0.0
+    uid: str = ""  # for Events about the node
 
 
 @dataclasses.dataclass
@@ -106,7 +107,8 @@ class Store:
             taints=[dict(t) for t in (body.get("spec") or {}).get("taints") or []],
             conditions=conditions,
             first_seen=old.first_seen if old else self.clock.monotonic(),
-            unschedulable=bool((body.get("spec") or {}).get("unschedulable")))
+            unschedulable=bool((body.get("spec") or {}).get("unschedulable")),
+            uid=str(meta.get("uid") or ""))
         beat = (conditions.get("Ready") or {}).get("lastHeartbeatTime")
         if old is None or beat != (old.conditions.get("Ready") or {}).get("lastHeartbeatTime"):
             info.status_heard = self.clock.monotonic()

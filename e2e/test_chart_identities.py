@@ -1,0 +1,107 @@
+"""The operator and heartbeat e2e scenarios again, under the Helm chart's identities.
+
+The chart is installed (e2e/test_rbac.py's `release` fixture); tokens for its two
+ServiceAccounts come from the TokenRequest API; then the same scenario functions as
+e2e/test_heartbeat.py, e2e/test_operator_taints.py and e2e/test_operator.py run with
+those tokens instead of the admin's or a node's credentials. Only the scenarios that
+together use every permission the chart grants are re-run, so CI time is not doubled:
+
+  agent (virtual-node mode, as the chart's StatefulSet runs it; one process, two
+  Nodes): Node create (registration), Node and Node status patch, Lease create and
+  renew (and re-create after a delete), the Node and pod watches; Events, pod status
+  and the final pod delete are used by test_rbac.py's agent under the same identity.
+  operator: the heartbeat annotation (Node patch), condition taints, Ready=Unknown
+  (Node status), unreachable taints NoSchedule and NoExecute (pods evicted by the
+  taint manager), policy status, the node Leases watch, Events on Nodes, and leader
+  election with two replicas including the SIGKILL failover.
+
+Every process's log is checked for refusals: a permission the chart lacks fails here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from kubernetes import client
+
+from e2e import test_heartbeat as hb
+from e2e import test_operator as op
+from e2e import test_operator_taints as taints
+from e2e import test_rbac as rbac
+from e2e.cluster import Cluster
+
+# The fixtures the scenarios ask for. Those of test_operator(_taints) are the same
+# functions, so they pick up `operator_credentials` below, the chart's.
+tools = rbac.tools
+release = rbac.release
+identities = rbac.identities
+kube = op.kube
+operators = op.operators
+renewer = op.renewer
+agents = op.agents
+start_operator = taints.start_operator
+node_env = taints.node_env
+
+
+@pytest.fixture(scope="module")
+def operator_credentials(release: rbac.Release, identities: dict[str, Path]
+                         ) -> op.OperatorCredentials:
+    """The chart's operator ServiceAccount and the one election Lease its RBAC names."""
+    return op.OperatorCredentials(identities["operator"], release.namespace,
+                                  f"{release.name}-nodepulse-operator")
+
+
+def _not_refused(logs: list[Path]) -> None:
+    for log in logs:
+        text = log.read_text(errors="replace")
+        assert not rbac.REFUSED.search(text), f"{log.name}: refused something:\n{text[-4000:]}"
+
+
+def test_heartbeats_under_the_agent_identity(cluster: Cluster, release: rbac.Release,
+                                             identities: dict[str, Path],
+                                             tmp_path: Path) -> None:
+    """The efficient-heartbeat checks with one agent in virtual-node mode, as the
+    chart's StatefulSet pod 0 runs it, with only the agent ServiceAccount's token."""
+    nodes = (release.agent_node(0, 0), release.agent_node(0, 1))
+    hb.clean_slate(cluster.api_client(), nodes)
+    agent_id = f"{release.agent_sa}-0"  # the StatefulSet's pod 0
+    agent = hb.spawn(tmp_path, agent_id, identities["agent"], "--virtual-nodes", "2",
+                     "--node-name-prefix", f"{agent_id}-", "--agent-id", agent_id,
+                     "--runtime", "fake", nodes=nodes)
+    try:
+        hb.efficient_heartbeats(cluster, [agent], hb.Parts(default=nodes[0], policy=nodes[1]))
+    finally:
+        hb.kill_all([agent])
+    node = client.CoreV1Api(cluster.api_client()).read_node(nodes[0])
+    assert any(t.key == "nodepulse.dev/virtual" for t in node.spec.taints or [])
+    _not_refused([agent.log])
+
+
+def test_condition_taints_under_the_operator_identity(
+        kube: client.ApiClient, start_operator: Callable[[], op.Operator],
+        node_env: Callable[[str, str], tuple[taints.Agent, Path]]) -> None:
+    started: list[op.Operator] = []
+
+    def start() -> op.Operator:
+        started.append(start_operator())
+        return started[-1]
+
+    taints.test_disk_pressure_taint_follows_the_condition(kube, start, node_env)
+    _not_refused([o.log for o in started])
+
+
+def test_two_pools_under_the_operator_identity(kube: client.ApiClient,
+                                               operators: list[op.Operator],
+                                               agents: op.Agents) -> None:
+    op.test_two_pools_grace_15_and_60(kube, operators, agents)
+    _not_refused([o.log for o in operators])
+
+
+def test_ha_failover_under_the_operator_identity(
+        kube: client.ApiClient, operators: list[op.Operator], renewer: op.Renewer,
+        operator_credentials: op.OperatorCredentials) -> None:
+    """Last: kills the leader of the pair."""
+    op.test_ha_failover(kube, operators, renewer, operator_credentials)
+    _not_refused([o.log for o in operators])
