@@ -60,6 +60,7 @@ class AgentConfig:
     manifest_url: str | None = None
     manifest_url_headers: Mapping[str, str] = dataclasses.field(default_factory=dict)
     http_check_frequency: float = 20.0
+    allow_privileged: bool = False  # static pods with host namespaces or privileged
     runtime: str = "auto"
     container_runtime_endpoint: str | None = None
     register_with_taints: tuple[Mapping[str, str], ...] = ()
@@ -136,6 +137,21 @@ def _str(value: Any, where: str) -> str:
     return str(value)
 
 
+_TRUE = ("true", "yes", "on", "1")
+_FALSE = ("false", "no", "off", "0")
+
+
+def _bool(value: Any, where: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower() if isinstance(value, (str, int)) else None
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise ConfigError(f"{where}: expected true or false, got {value!r}")
+
+
 def _choice(*choices: str) -> Callable[[Any, str], str]:
     def parse(value: Any, where: str) -> str:
         if value not in choices:
@@ -195,7 +211,7 @@ def _ips(value: Any, where: str) -> tuple[str, ...]:
     for ip in ips:
         try:
             socket.inet_pton(socket.AF_INET6 if ":" in ip else socket.AF_INET, ip)
-        except OSError:
+        except (OSError, ValueError):  # ValueError: a NUL in it
             raise ConfigError(f"{where}: {ip!r} is not an IP address") from None
     return ips
 
@@ -210,9 +226,20 @@ def _bind(value: Any, where: str) -> tuple[str, int] | None:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
+def _yaml(text: str, where: str) -> Any:
+    """yaml.safe_load, with every failure (PyYAML's constructors also raise ValueError
+    and friends on odd tags) as a ConfigError naming `where`."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{where}: not valid YAML: {e}") from None
+    except (ValueError, TypeError, IndexError, KeyError, OverflowError, RecursionError) as e:
+        raise ConfigError(f"{where}: not valid YAML: {type(e).__name__}: {e}") from None
+
+
 def _overrides(value: Any, where: str) -> dict[str, Any]:
     if isinstance(value, str):
-        value = yaml.safe_load(value)
+        value = _yaml(value, where)
     if not isinstance(value, Mapping):
         raise ConfigError(f"{where}: expected a mapping")
     try:
@@ -373,6 +400,12 @@ OPTIONS: tuple[Option, ...] = (
            "headers for --manifest-url, Name:value,..."),
     Option("http_check_frequency", "http-check-frequency", "httpCheckFrequency",
            _period, "how often --manifest-url is polled (20s)"),
+    Option("allow_privileged", "allow-privileged", "allowPrivileged", _bool,
+           "run static pods (--pod-manifest-path, --manifest-url) that use a host "
+           "namespace (hostNetwork, hostPID, hostIPC) or a privileged container; "
+           "without it (the default, false) such a static pod is refused with a "
+           "Warning Event naming the file and the field. Pods from the API server are "
+           "not affected: admission (PodSecurity) governs those"),
     Option("runtime", "runtime", "runtime", _choice("auto", "cri", "process", "fake"),
            "container runtime: cri, process, fake, or auto (cri when the endpoint's "
            "socket exists, else process; with --virtual-nodes: fake)"),
@@ -406,8 +439,11 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
                         help="YAML config file with kubelet-style camelCase keys")
     for opt in OPTIONS:
         if opt.flag:
+            # a boolean flag alone means true; --flag=false turns it off
+            extra: dict[str, Any] = {"nargs": "?", "const": "true"} if opt.parse is _bool \
+                else {}
             parser.add_argument(f"--{opt.flag}", dest=opt.flag, default=argparse.SUPPRESS,
-                                help=opt.help.replace("%", "%%"))
+                                help=opt.help.replace("%", "%%"), **extra)
 
 
 def env_name(flag: str) -> str:
@@ -499,17 +535,18 @@ def _pick(opt: Option, flags: Mapping[str, Any], env: Mapping[str, str],
 
 def read_file(path: Path) -> dict[str, Any]:
     try:
-        data = yaml.safe_load(path.read_text())
+        text = path.read_text()
     except OSError as e:
         raise ConfigError(f"--config {path}: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"--config {path}: not valid YAML: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"--config {path}: not UTF-8 text (byte {e.start})") from None
+    data = _yaml(text, f"--config {path}")
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"--config {path}: must be a mapping of settings")
     known = {o.key for o in OPTIONS if o.key} | _IGNORED_KEYS
-    unknown = sorted(set(data) - known)
+    unknown = sorted(map(str, set(data) - known))
     if unknown:
         raise ConfigError(f"--config {path}: unknown key(s) {', '.join(unknown)} "
                           f"(known: {', '.join(sorted(known - _IGNORED_KEYS))})")

@@ -132,3 +132,22 @@ def test_duration_refusals():
     for bad in ("10 s", "s", "-5s", "1m-", True):
         with pytest.raises(ConfigError):
             parse_duration(bad, "x")
+
+
+def test_allow_privileged_is_off_unless_set(tmp_path):
+    assert load(["--node-name", "n1"]).allow_privileged is False
+    assert load(["--node-name", "n1", "--allow-privileged"]).allow_privileged is True
+    assert load(["--node-name", "n1", "--allow-privileged=false"]).allow_privileged is False
+    assert load(["--node-name", "n1"], {"NODEPULSE_ALLOW_PRIVILEGED": "yes"}).allow_privileged
+    assert load(["--config", write(tmp_path, "allowPrivileged: true\n")]).allow_privileged
+    with pytest.raises(ConfigError, match=r"agent.yaml: allowPrivileged: expected true or "
+                                          r"false, got 'maybe'"):
+        load(["--config", write(tmp_path, "allowPrivileged: maybe\n")])
+    with pytest.raises(ConfigError, match=r"--allow-privileged: expected true or false"):
+        load(["--node-name", "n1", "--allow-privileged=2"])
+
+
+def test_unknown_keys_of_any_type_are_named(tmp_path):
+    path = write(tmp_path, "1: a\nnull: b\nmaxPods: 5\n")
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) 1, None"):
+        load(["--config", path])

@@ -49,13 +49,13 @@ def errors(reason: str) -> float:
 
 
 class Harness:
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, **kw: Any) -> None:
         self.dir = folder
         self.clock = FakeClock()
         self.sink = Sink()
         self.merge = Merge([Source.FILE], Problems(self.sink))
         self.src = FileSource(folder, "n1", self.merge, self.clock, debounce=0.1,
-                              check_frequency=20.0)
+                              check_frequency=20.0, **kw)
 
     def ops(self) -> list[tuple[Op, list[str]]]:
         out = []
@@ -81,9 +81,9 @@ class Harness:
         await asyncio.wait_for(self.src.wait_batches(n + 1), WAIT)
 
 
-def run(folder: Path, body: Callable[[Harness], Awaitable[None]]) -> None:
+def run(folder: Path, body: Callable[[Harness], Awaitable[None]], **kw: Any) -> None:
     async def main() -> None:
-        h = Harness(folder)
+        h = Harness(folder, **kw)
         task = asyncio.create_task(h.src.run())
         try:
             await asyncio.wait_for(h.merge.ready.wait(), WAIT)
@@ -255,6 +255,35 @@ def _write(text: str) -> Callable[[Path], None]:
     return spoil
 
 
+def _fifo(p: Path) -> None:
+    # tests run as root, which reads any file whatever its mode: a FIFO renamed over
+    # the manifest is what cannot be read as one (opening it must not block either)
+    tmp = p.with_name(".fifo.tmp")
+    os.mkfifo(tmp)
+    tmp.rename(p)
+
+
+def _directory(p: Path) -> None:
+    p.unlink()
+    p.mkdir()
+
+
+def _chmod(mode: int) -> Callable[[Path], None]:
+    def spoil(p: Path) -> None:
+        p.chmod(mode)
+    return spoil
+
+
+def _restore(p: Path) -> None:
+    """Undo a spoil: back to a plain regular file of mode 0644."""
+    if p.is_dir() and not p.is_symlink():
+        p.rmdir()
+    elif p.is_symlink() or (p.exists() and not p.is_file()):
+        p.unlink()
+    elif p.exists():
+        p.chmod(0o644)
+
+
 BAD: dict[str, tuple[Callable[[Path], None], str, str]] = {
     "malformed": (_write("apiVersion: v1\nkind: Pod\nmetadata: {name: [\n"),
                   "Malformed", "malformed YAML/JSON at line"),
@@ -266,8 +295,15 @@ BAD: dict[str, tuple[Callable[[Path], None], str, str]] = {
     "too-large": (_write(manifest("a") + "#" * (1 << 20)), "TooLarge",
                   "over the limit of 1048576 bytes"),
     "symlink-loop": (_relink(""), "Unreadable", "symlink loop"),
-    # open() works, read() fails with EIO: a file that cannot be read, even by root
-    "unreadable": (_relink("/proc/self/mem"), "Unreadable", "unreadable"),
+    "fifo": (_fifo, "Unreadable", "not a regular file (a FIFO)"),
+    "directory": (_directory, "Unreadable", "is now a directory"),
+    # a symlink out of the folder (here to a file that not even root can read: EIO)
+    "symlink-out": (_relink("/proc/self/mem"), "Insecure", "outside the manifest folder"),
+    "world-writable": (_chmod(0o666), "Insecure", "world-writable (mode 0666)"),
+    "host-network": (_write(manifest("a") + "  hostNetwork: true\n"), "Forbidden",
+                     "spec.hostNetwork is set"),
+    "privileged": (_write(manifest("a") + "    securityContext: {privileged: true}\n"),
+                   "Forbidden", "spec.containers[0].securityContext.privileged is set"),
 }
 
 
@@ -300,8 +336,7 @@ def test_bad_file_keeps_last_good_version(tmp_path: Path, case: str,
         (tmp_path / "new.yaml").write_text(manifest("new"))  # others still flow
         await h.batch()
         assert h.ops() == [(Op.ADD, ["new-n1"])]
-        if a.is_symlink():
-            a.unlink()
+        _restore(a)
         a.write_text(manifest("a"))  # fixed, back to the same content: no change
         await h.batch()
         assert h.ops() == []
@@ -376,4 +411,158 @@ def test_debounce_gathers_a_burst_into_one_batch(tmp_path: Path) -> None:
         await asyncio.wait_for(h.src.wait_batches(n + 1), WAIT)
         assert h.ops() == [(Op.ADD, [f"p{i}-n1" for i in range(5)])]
         assert h.src.batches == n + 1
+    run(tmp_path, body)
+
+
+# -- security of the folder -------------------------------------------------------------
+
+def test_world_writable_folder_at_start_runs_nothing(tmp_path: Path) -> None:
+    (tmp_path / "a.yaml").write_text(manifest("a"))
+    tmp_path.chmod(0o777)
+
+    async def body(h: Harness) -> None:
+        assert h.merge.ready.all_ready() and h.merge.pods() == []
+        (reason, message), = h.sink.events
+        assert reason == "StaticPodFolderInsecure"
+        assert f"manifest folder {tmp_path} is world-writable (mode 0777)" in message
+        tmp_path.chmod(0o755)  # fixed: the folder's own attrib event, a full scan
+        await h.batch()
+        assert h.ops() == [(Op.ADD, ["a-n1"])]
+    run(tmp_path, body)
+
+
+def test_folder_made_world_writable_keeps_what_runs_and_reads_nothing(tmp_path: Path) -> None:
+    (tmp_path / "a.yaml").write_text(manifest("a"))
+
+    async def body(h: Harness) -> None:
+        assert h.ops() == [(Op.ADD, ["a-n1"])]
+        running = h.merge.pods()
+        tmp_path.chmod(0o1777)  # sticky or not: anyone may add a file
+        await h.batch()
+        (tmp_path / "b.yaml").write_text(manifest("b"))  # anyone's
+        (tmp_path / "a.yaml").write_text(manifest("a", image="evil"))
+        await h.batch()
+        await h.rescan()
+        assert h.ops() == [] and h.merge.pods() == running
+        assert [r for r, _ in h.sink.events] == ["StaticPodFolderInsecure"]
+        assert "mode 1777" in h.sink.events[0][1]
+        tmp_path.chmod(0o755)
+        await h.batch()
+        assert h.ops() == [(Op.REMOVE, ["a-n1"]), (Op.ADD, ["a-n1", "b-n1"])]
+        assert len(h.sink.events) == 1
+    run(tmp_path, body)
+
+
+def test_world_writable_file_at_start_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "a.yaml").write_text(manifest("a"))
+    (tmp_path / "a.yaml").chmod(0o646)
+    (tmp_path / "b.yaml").write_text(manifest("b"))
+
+    async def body(h: Harness) -> None:
+        assert h.ops() == [(Op.ADD, ["b-n1"])]
+        (reason, message), = h.sink.events
+        assert reason == "StaticPodInsecure"
+        assert f"{tmp_path / 'a.yaml'}: world-writable (mode 0646)" in message
+    run(tmp_path, body)
+
+
+def test_symlinks_within_the_folder_are_followed(tmp_path: Path) -> None:
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "in.yaml").write_text(manifest("inside"))
+    (tmp_path / "link.yaml").symlink_to("sub/in.yaml")
+    outside = tmp_path.parent / f"{tmp_path.name}-outside.yaml"
+    outside.write_text(manifest("outside"))
+    (tmp_path / "out.yaml").symlink_to(outside)
+    (tmp_path / "dotdot.yaml").symlink_to(f"../{outside.name}")
+
+    async def body(h: Harness) -> None:
+        assert h.ops() == [(Op.ADD, ["inside-n1"])]
+        refused = sorted(m for r, m in h.sink.events if r == "StaticPodInsecure")
+        assert len(refused) == 2
+        assert f"{tmp_path / 'dotdot.yaml'}: a symlink to {outside}, outside" in refused[0]
+        assert f"{tmp_path / 'out.yaml'}: a symlink to {outside}, outside" in refused[1]
+    try:
+        run(tmp_path, body)
+    finally:
+        outside.unlink()
+
+
+def test_host_access_only_when_allowed(tmp_path: Path) -> None:
+    (tmp_path / "net.yaml").write_text(manifest("net") + "  hostNetwork: true\n")
+    (tmp_path / "pid.yaml").write_text(manifest("pid") + "  hostPID: true\n")
+    # not a boolean: refused either way (the runtime would read "false" as true)
+    (tmp_path / "str.yaml").write_text(manifest("str") + "  hostIPC: 'false'\n")
+    (tmp_path / "priv.yaml").write_text(
+        manifest("priv") + "  initContainers: [{name: i, image: x, "
+        "securityContext: {privileged: true}}]\n")
+    (tmp_path / "plain.yaml").write_text(manifest("plain") + "  hostIPC: false\n")
+
+    async def refused(h: Harness) -> None:
+        assert h.ops() == [(Op.ADD, ["plain-n1"])]
+        got = sorted(m.split(": ")[2] for r, m in h.sink.events
+                     if r == "StaticPodForbidden")
+        assert got == ["spec.hostNetwork is set", "spec.hostPID is set",
+                       "spec.initContainers[0].securityContext.privileged is set"]
+        assert all("allowPrivileged: true" in m for r, m in h.sink.events
+                   if r == "StaticPodForbidden")
+        assert [r for r, _ in h.sink.events].count("StaticPodInvalidField") == 1
+
+    async def allowed(h: Harness) -> None:
+        assert h.ops() == [(Op.ADD, ["net-n1", "pid-n1", "plain-n1", "priv-n1"])]
+        (reason, message), = h.sink.events
+        assert reason == "StaticPodInvalidField"
+        assert "str.yaml: spec.hostIPC must be true or false, got 'false'" in message
+    run(tmp_path, refused)
+    run(tmp_path, allowed, allow_privileged=True)
+
+
+# -- a file that keeps changing does not thrash its pod ---------------------------------
+
+def test_flapping_file_is_held_and_the_latest_content_applied(tmp_path: Path) -> None:
+    a = tmp_path / "a.yaml"
+    a.write_text(manifest("a", image="v0"))
+
+    def image(h: Harness) -> str:
+        return str(h.merge.pods()[0]["spec"]["containers"][0]["image"])
+
+    async def write(h: Harness, version: int) -> None:
+        tmp = tmp_path / ".a.tmp"
+        tmp.write_text(manifest("a", image=f"v{version}"))
+        tmp.rename(a)
+        await h.batch()
+
+    async def body(h: Harness) -> None:
+        h.ops()
+        held = REGISTRY.get_sample_value("nodepulse_source_file_changes_held_total") or 0
+        await h.rescan()  # the initial load is a while ago
+        await write(h, 1)  # a first change applies at once
+        assert image(h) == "v1"
+        await write(h, 2)  # a second one soon after too, and starts the hold (1 s)
+        assert image(h) == "v2"
+        assert [r for r, _ in h.sink.events] == ["StaticPodFlapping"]
+        for v in range(3, 8):  # 0.5 s of fake time: all held
+            await write(h, v)
+        assert image(h) == "v2"
+        assert h.src._held  # looked at again when the hold ends
+        n = h.src.batches
+        await h.clock.advance(0.5)  # the hold ends: the latest content applies
+        await asyncio.wait_for(h.src.wait_batches(n + 1), WAIT)
+        assert image(h) == "v7"
+        assert h.ops() == [(Op.REMOVE, ["a-n1"]), (Op.ADD, ["a-n1"])] * 3
+        assert (REGISTRY.get_sample_value("nodepulse_source_file_changes_held_total")
+                or 0) >= held + 5
+        await write(h, 8)  # still changing: held again, now for 2 s
+        assert image(h) == "v7"
+        await h.clock.advance(1.0)
+        assert image(h) == "v7"
+        n = h.src.batches
+        await h.clock.advance(1.0)
+        await asyncio.wait_for(h.src.wait_batches(n + 1), WAIT)
+        assert image(h) == "v8"
+        n = h.src.batches
+        await h.clock.advance(30.0)  # quiet for a while: the next change applies at once
+        await asyncio.wait_for(h.src.wait_batches(n + 1), WAIT)
+        await write(h, 9)
+        assert image(h) == "v9"
+        assert len(h.sink.events) == 1  # the Flapping report, once
     run(tmp_path, body)

@@ -33,6 +33,8 @@ class Server:
         self.etag: str | None = '"v1"'
         self.last_modified: str | None = "Thu, 01 Jan 2026 00:00:00 GMT"
         self.status = 200
+        self.send_length = True  # False: no Content-Length, the body ends at close
+        self.sent = 0            # body bytes the client took
         self.requests: list[dict[str, str]] = []
         owner = self
 
@@ -53,9 +55,16 @@ class Server:
                     self.send_header("ETag", owner.etag)
                 if owner.last_modified:
                     self.send_header("Last-Modified", owner.last_modified)
-                self.send_header("Content-Length", str(len(owner.body)))
+                if owner.send_length:
+                    self.send_header("Content-Length", str(len(owner.body)))
                 self.end_headers()
-                self.wfile.write(owner.body)
+                view = memoryview(owner.body)
+                try:
+                    for i in range(0, len(view), 1 << 16):
+                        self.wfile.write(view[i:i + (1 << 16)])
+                        owner.sent += len(view[i:i + (1 << 16)])
+                except OSError:
+                    pass  # the client stopped reading and closed
 
             def log_message(self, format: str, *args: object) -> None:
                 pass
@@ -210,4 +219,49 @@ def test_run_polls_on_the_clock(server: Server) -> None:
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+    aio(main())
+
+
+def test_too_large_bodies_are_not_read(server: Server) -> None:
+    async def main() -> None:
+        merge, src, sink = setup(server.url, max_bytes=4096)
+        server.set([pod_doc("a")], '"v1"')
+        await src.poll()
+        ops(merge)
+        good = merge.pods()
+        server.body, server.etag = b"#" * (8 << 20), '"big"'
+        server.sent = 0
+        assert await src.poll() == "error"
+        assert sink.events[-1] == ("StaticPodTooLarge", f"http source: GET {server.url}: "
+                                   f"Content-Length {8 << 20} is over the limit of 4096 "
+                                   "bytes; not read")
+        assert server.sent < 8 << 20  # the client hung up before the body was sent
+        server.send_length = False  # no length: read up to the limit, then refused
+        server.etag = '"big2"'
+        assert await src.poll() == "error"
+        assert sink.events[-1] == ("StaticPodTooLarge", f"http source: GET {server.url}: "
+                                   "body over the limit of 4096 bytes")
+        assert merge.pods() == good and ops(merge) == []
+    aio(main())
+
+
+def test_host_access_refused_unless_allowed(server: Server) -> None:
+    net = {**pod_doc("b"), "spec": {"hostNetwork": True,
+                                    "containers": [{"name": "c", "image": "i"}]}}
+
+    async def main() -> None:
+        merge, src, sink = setup(server.url)
+        server.set([pod_doc("a")], '"v1"')
+        await src.poll()
+        ops(merge)
+        server.set([pod_doc("a"), net], '"v2"')
+        assert await src.poll() == "error"
+        reason, message = sink.events[-1]
+        assert reason == "StaticPodForbidden"
+        assert f"{server.url} (pod default/b): spec.hostNetwork is set" in message
+        assert "allowPrivileged: true" in message and "keeping the last good set" in message
+        assert ops(merge) == []
+        merge, src, sink = setup(server.url, allow_privileged=True)
+        assert await src.poll() == "changed"
+        assert ops(merge) == [(Op.ADD, ["a-n1", "b-n1"])] and sink.events == []
     aio(main())

@@ -35,6 +35,8 @@ class SourcesConfig:
     manifest_url_headers: dict[str, str] = dataclasses.field(default_factory=dict)
     http_check_frequency: float = 20.0        # --http-check-frequency
     watch_api: bool = True                    # False: static pods only (standalone)
+    allow_privileged: bool = False            # --allow-privileged (allowPrivileged):
+    # static pods with hostNetwork/hostPID/hostIPC or a privileged container
 
 
 class PodSources:
@@ -58,11 +60,13 @@ class PodSources:
             self.parts.append(APISource(api, cfg.node_names, self.merge, clock))
         if cfg.pod_manifest_path:
             self.parts.append(FileSource(cfg.pod_manifest_path, node, self.merge, clock,
-                                         check_frequency=cfg.file_check_frequency))
+                                         check_frequency=cfg.file_check_frequency,
+                                         allow_privileged=cfg.allow_privileged))
         if cfg.manifest_url:
             self.parts.append(HTTPSource(cfg.manifest_url, node, self.merge, clock,
                                          headers=cfg.manifest_url_headers,
-                                         check_frequency=cfg.http_check_frequency))
+                                         check_frequency=cfg.http_check_frequency,
+                                         allow_privileged=cfg.allow_privileged))
         if static and cfg.watch_api and api is not None:
             self.parts.append(MirrorManager(api, node, self.merge, clock))
 

@@ -18,7 +18,27 @@ visible names are symlinks through them.
 
 Bad files are reported (nodeagent.sources.problems) once per distinct content or error,
 and never take a running pod away: the last good version of that file's pod stays
-until the file is fixed or deleted.
+until the file is fixed or deleted. Bad includes: malformed, not a Pod, over
+`max_bytes` (1 MiB; refused from its size before it is read), not a regular file (a
+FIFO, a device; a directory that replaces a manifest), a symlink loop, unreadable.
+
+Security (what a host-level agent must not be talked into):
+- a world-writable folder is refused: reported, and nothing is read from it. At start
+  that means no static pods from it; while running, the pods already loaded from it
+  (read while it was safe) keep running and nothing new is read until the folder is
+  fixed. Stopping them would let whoever can chmod the folder stop node services, and
+  reading it would let anyone on the host start them;
+- a world-writable manifest file is refused like a bad file (its last good version
+  stays);
+- symlinks are followed only within the folder (the `..data` swap of a ConfigMap
+  mount stays inside it); one that resolves outside is refused like a bad file;
+- a manifest with a host namespace (hostNetwork/hostPID/hostIPC) or a privileged
+  container is refused unless `allow_privileged` (the agent's `allowPrivileged`).
+
+A file whose content keeps changing does not restart its pod at every write: after a
+change is applied, the next one is held for `min_hold` seconds, doubling (up to
+`max_hold`) while the file keeps changing, and the latest content is applied when the
+hold ends (nodepulse_source_file_changes_held_total counts the holds).
 """
 
 from __future__ import annotations
@@ -33,6 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import inotify_simple as ino
+from prometheus_client import Counter
 
 from nodeagent.api.clock import Clock
 from nodeagent.sources import metrics
@@ -41,6 +62,7 @@ from nodeagent.sources.problems import Problems
 from nodeagent.sources.static import (
     MAX_MANIFEST_BYTES,
     ManifestError,
+    check_host_access,
     make_static_pod,
     parse_manifest,
     static_uid,
@@ -55,6 +77,12 @@ _WATCH = (ino.flags.CREATE | ino.flags.CLOSE_WRITE | ino.flags.MOVED_TO | ino.fl
           | ino.flags.DELETE | ino.flags.ATTRIB | ino.flags.DELETE_SELF | ino.flags.MOVE_SELF)
 
 
+CHANGES_HELD = Counter(
+    "nodepulse_source_file_changes_held_total",
+    "Manifest file changes not applied yet because the file changes too often "
+    "(applied when the hold ends).")
+
+
 def ignored(name: str) -> bool:
     return (name.startswith((".", "#")) or name.endswith(_IGNORED_SUFFIXES)
             or name == "4913")
@@ -66,13 +94,16 @@ class _Entry:
     pod: Pod | None = None        # last good pod from this file
     error: str | None = None      # current problem, already reported
     shadowed_by: str | None = None  # duplicate pod name: the file that owns it
+    changed_at: float = float("-inf")  # when its pod last changed (clock.monotonic)
+    hold: float = 0.0               # the next change waits until changed_at + hold
 
 
 class FileSource:
     def __init__(self, path: str | os.PathLike[str], node_name: str, merge: Merge,
                  clock: Clock, *, problems: Problems | None = None,
                  check_frequency: float = 20.0, debounce: float = 0.1,
-                 max_bytes: int = MAX_MANIFEST_BYTES) -> None:
+                 max_bytes: int = MAX_MANIFEST_BYTES, allow_privileged: bool = False,
+                 min_hold: float = 1.0, max_hold: float | None = None) -> None:
         self.path = Path(path)
         self.node_name = node_name
         self.merge = merge
@@ -81,6 +112,10 @@ class FileSource:
         self.check_frequency = check_frequency
         self.debounce = debounce
         self.max_bytes = max_bytes
+        self.allow_privileged = allow_privileged
+        self.min_hold = min_hold
+        self.max_hold = check_frequency if max_hold is None else max_hold
+        self._held: dict[str, float] = {}  # file -> when its held change may apply
         self._entries: dict[str, _Entry] = {}
         self._owner: dict[str, str] = {}   # pod full name -> file that delivers it
         self._published: dict[str, Pod] = {}  # uid -> pod, to reuse identical pods
@@ -102,7 +137,8 @@ class FileSource:
             self._scan_all("initial")
             next_rescan = self.clock.monotonic() + self.check_frequency
             while True:
-                woke = await self._wait(max(0.0, next_rescan - self.clock.monotonic()))
+                until = min([next_rescan, *self._held.values()])
+                woke = await self._wait(max(0.0, until - self.clock.monotonic()))
                 if woke and self.debounce > 0:
                     self.debouncing.set()
                     await self.clock.sleep(self.debounce)
@@ -110,7 +146,11 @@ class FileSource:
                 self._wake.clear()
                 names, full = self._pending, self._full
                 self._pending, self._full = set(), False
-                if not woke or self.clock.monotonic() >= next_rescan:
+                now = self.clock.monotonic()
+                due = [n for n, t in self._held.items() if t <= now]
+                for n in due:
+                    del self._held[n]  # _load holds it again if it is still too soon
+                if now >= next_rescan:
                     if self._inotify is None:
                         self._watch(loop)
                     self._scan_all("rescan")
@@ -118,9 +158,10 @@ class FileSource:
                 elif full:
                     self._scan_all("inotify")
                 else:
-                    metrics.FILE_SCANS.labels("inotify").inc()
-                    for name in sorted(names):
-                        self._load(name)
+                    metrics.FILE_SCANS.labels("inotify" if names else "hold").inc()
+                    if self._folder_secure():
+                        for name in sorted(names | set(due)):
+                            self._load(name)
                     self._publish()
                 await self._batch_done()
         finally:
@@ -183,6 +224,10 @@ class FileSource:
                     self._unwatch(asyncio.get_running_loop())
                     self._wake.set()
                     return
+            elif not ev.name:
+                if not ev.mask & ino.flags.ATTRIB:
+                    continue
+                self._full = True  # the folder's own mode changed: look at it again
             elif ev.name.startswith(".."):
                 self._full = True
             elif ev.name and not ignored(ev.name):
@@ -204,15 +249,35 @@ class FileSource:
             names = set()
             # A missing folder means no static pods (the kubelet does the same).
         else:
+            if not self._folder_secure():
+                self._publish()  # what was loaded while it was safe stays (see above)
+                return
             self._dir_problem = None
         for name in sorted(names | self._entries.keys()):
             self._load(name)
         self._publish()
 
-    def _report_dir(self, message: str) -> None:
+    def _folder_secure(self) -> bool:
+        """False (reported) when the folder is world-writable: then nothing is read."""
+        try:
+            mode = os.stat(self.path).st_mode
+        except OSError:
+            return True  # missing or unreadable: the scan reports that
+        if not mode & stat.S_IWOTH:
+            if self._dir_problem is not None and "world-writable" in self._dir_problem:
+                log.info("file source: %s is no longer world-writable", self.path)
+                self._dir_problem = None
+            return True
+        self._report_dir(f"manifest folder {self.path} is world-writable (mode "
+                         f"{stat.S_IMODE(mode):04o}): refused, anyone on the host could "
+                         f"add a pod; nothing is read from it until `chmod o-w {self.path}`"
+                         " (pods already loaded from it keep running)", "FolderInsecure")
+        return False
+
+    def _report_dir(self, message: str, reason: str = "FolderUnreadable") -> None:
         if message != self._dir_problem:
             self._dir_problem = message
-            self.problems.report(Source.FILE, "FolderUnreadable", message)
+            self.problems.report(Source.FILE, reason, message)
 
     def _load(self, name: str) -> None:
         """Look at one file name and update its entry."""
@@ -230,10 +295,22 @@ class FileSource:
             self._fail(name, _oserror(e), "Unreadable")
             return
         if stat.S_ISDIR(st.st_mode):
-            self._entries.pop(name, None)
+            if entry is not None and entry.pod is not None:
+                self._fail(name, "is now a directory, not a manifest file", "Unreadable")
+            else:
+                self._entries.pop(name, None)  # subdirectories are not manifests
+            return
+        if not stat.S_ISREG(st.st_mode):
+            self._fail(name, f"not a regular file (a {_kind(st.st_mode)})", "Unreadable")
+            return
+        real = os.path.realpath(path)
+        root = os.path.realpath(self.path)
+        if os.path.commonpath([root, real]) != root:
+            self._fail(name, f"a symlink to {real}, outside the manifest folder: refused "
+                       "(symlinks are followed only within the folder)", "Insecure")
             return
         try:
-            data = self._read(path)
+            data = self._read(Path(real))
         except ManifestError as e:
             self._fail(name, e.problem, e.reason)
             return
@@ -248,6 +325,8 @@ class FileSource:
         entry.digest = digest
         try:
             doc = parse_manifest(data, name)
+            if not self.allow_privileged:
+                check_host_access(doc, name)
             uid = static_uid(doc, Source.FILE, self.node_name)
             pod = self._published.get(uid)
             if pod is None and entry.pod is not None and pod_uid(entry.pod) == uid:
@@ -257,17 +336,50 @@ class FileSource:
         except ManifestError as e:
             self._fail(name, e.problem, e.reason, parsed=True)
             return
+        if entry.pod is not pod and not self._may_change(name, entry):
+            entry.digest = None  # read it again when the hold ends
+            return
         if entry.error is not None:
             log.info("file source: %s is good again", path)
         entry.error = None
         entry.pod = pod
 
+    def _may_change(self, name: str, entry: _Entry) -> bool:
+        """Whether the file's pod may change now; if not, the change is held (and the
+        file looked at again when the hold ends). Each change applied soon after the
+        previous one doubles the hold, from min_hold to max_hold."""
+        now = self.clock.monotonic()
+        due = entry.changed_at + entry.hold
+        if now < due:
+            CHANGES_HELD.inc()
+            self._held[name] = due
+            return False
+        if now - entry.changed_at < max(self.min_hold, 2 * entry.hold):
+            if entry.hold == 0:
+                self.problems.report(
+                    Source.FILE, "Flapping",
+                    f"{self.path / name}: changes more often than every {self.min_hold:g}s; "
+                    f"further changes are held (the hold doubles up to {self.max_hold:g}s "
+                    "while it keeps changing) and the latest content is applied when the "
+                    "hold ends")
+            entry.hold = min(self.max_hold, max(self.min_hold, entry.hold * 2))
+        else:
+            entry.hold = 0.0
+        entry.changed_at = now
+        return True
+
     def _read(self, path: Path) -> bytes:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        # O_NOFOLLOW: `path` is resolved; a symlink put in its place since is refused
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
-                raise ManifestError(path.name, "not a regular file", "Unreadable")
+                raise ManifestError(path.name, f"not a regular file (a {_kind(st.st_mode)})",
+                                    "Unreadable")
+            if st.st_mode & stat.S_IWOTH:
+                raise ManifestError(path.name, f"world-writable (mode "
+                                    f"{stat.S_IMODE(st.st_mode):04o}): refused, anyone on "
+                                    "the host could change it; chmod o-w it", "Insecure")
             if st.st_size > self.max_bytes:
                 raise ManifestError(path.name, f"{st.st_size} bytes, over the limit of "
                                     f"{self.max_bytes} bytes", "TooLarge")
@@ -324,6 +436,15 @@ class FileSource:
         self._owner = owner
         self._published = {pod_uid(p): p for p in pods}
         self.merge.set(Source.FILE, pods)
+
+
+def _kind(mode: int) -> str:
+    for test, kind in ((stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"),
+                       (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"),
+                       (stat.S_ISDIR, "directory")):
+        if test(mode):
+            return kind
+    return "special file"
 
 
 def _oserror(e: OSError) -> str:

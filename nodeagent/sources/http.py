@@ -8,6 +8,12 @@ body is one Pod, a PodList/List of Pods, or several YAML documents of Pods.
 A failed request or a bad body (any bad pod in it) changes nothing: the last good set
 keeps running, the problem is reported once (log, metric, Node Event) until it changes.
 The source is ready after its first good body.
+
+Limits: a body over `max_bytes` (16 MiB) is refused from its Content-Length before it
+is read, and without one after reading at most `max_bytes` + 1 bytes, so a huge or
+endless body never sits in memory; each request gives up after `timeout` seconds
+without progress. A pod with a host namespace or a privileged container is refused
+(the whole body, like any bad pod) unless `allow_privileged`.
 """
 
 from __future__ import annotations
@@ -24,12 +30,22 @@ from nodeagent.api.clock import Clock
 from nodeagent.sources import metrics
 from nodeagent.sources.merge import Merge
 from nodeagent.sources.problems import Problems
-from nodeagent.sources.static import ManifestError, make_static_pod, parse_pod_list, static_uid
+from nodeagent.sources.static import (
+    ManifestError,
+    check_host_access,
+    make_static_pod,
+    parse_pod_list,
+    static_uid,
+)
 from nodeagent.sources.types import Pod, Source, pod_uid
 
 log = logging.getLogger("nodeagent.sources")
 
 MAX_BODY_BYTES = 16 << 20
+
+
+class _TooLarge(ValueError):
+    pass
 
 
 @dataclass
@@ -44,7 +60,7 @@ class HTTPSource:
     def __init__(self, url: str, node_name: str, merge: Merge, clock: Clock, *,
                  headers: Mapping[str, str] | None = None, problems: Problems | None = None,
                  check_frequency: float = 20.0, timeout: float = 10.0,
-                 max_bytes: int = MAX_BODY_BYTES) -> None:
+                 max_bytes: int = MAX_BODY_BYTES, allow_privileged: bool = False) -> None:
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"--manifest-url {url!r}: only http:// and https:// URLs")
         self.url = url
@@ -56,6 +72,7 @@ class HTTPSource:
         self.check_frequency = check_frequency
         self.timeout = timeout
         self.max_bytes = max_bytes
+        self.allow_privileged = allow_privileged
         self._etag: str | None = None
         self._last_modified: str | None = None
         self._digest: bytes | None = None
@@ -78,6 +95,9 @@ class HTTPSource:
     async def _poll(self) -> str:
         try:
             resp = await asyncio.to_thread(self._fetch)
+        except _TooLarge as e:
+            self._fail("TooLarge", str(e))
+            return "error"
         except (OSError, ValueError) as e:
             reason = getattr(e, "reason", None) or e
             self._fail("Unreachable", f"GET {self.url} failed: {reason}")
@@ -100,6 +120,9 @@ class HTTPSource:
             docs = parse_pod_list(resp.body, self.url)
             pods: dict[str, Pod] = {}
             for doc in docs:
+                if not self.allow_privileged:
+                    name = f"{doc['metadata']['namespace']}/{doc['metadata']['name']}"
+                    check_host_access(doc, f"{self.url} (pod {name})")
                 uid = static_uid(doc, Source.HTTP, self.node_name)
                 pods[uid] = self._pods.get(uid) or make_static_pod(
                     doc, Source.HTTP, self.node_name, self.clock.now())
@@ -128,6 +151,10 @@ class HTTPSource:
         req = urllib.request.Request(self.url, headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=self.timeout) as r:
+                length = r.headers.get("Content-Length")
+                if length is not None and length.isdigit() and int(length) > self.max_bytes:
+                    raise _TooLarge(f"GET {self.url}: Content-Length {length} is over the "
+                                    f"limit of {self.max_bytes} bytes; not read")
                 body = r.read(self.max_bytes + 1)
                 return _Response(r.status, body, r.headers.get("ETag"),
                                  r.headers.get("Last-Modified"))

@@ -16,6 +16,7 @@ import copy
 import datetime as dt
 import hashlib
 import json
+import math
 import re
 from typing import Any
 
@@ -31,6 +32,10 @@ from nodeagent.sources.types import (
 )
 
 MAX_MANIFEST_BYTES = 1 << 20  # 1 MiB per manifest file
+# After YAML aliases are expanded: a small file can stand for a huge or endless tree
+# ("billion laughs", an alias to itself), which is refused rather than expanded.
+MAX_DEPTH = 64
+MAX_NODES = 100_000
 
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -64,6 +69,11 @@ _Loader.yaml_implicit_resolvers = {
 }
 
 
+# What PyYAML's safe constructors raise besides YAMLError on bad input ("!!float x":
+# ValueError, "!!float" with nothing: IndexError; deep nesting: RecursionError).
+YAML_CRASHES = (ValueError, TypeError, IndexError, KeyError, OverflowError, RecursionError)
+
+
 def parse_documents(data: bytes, subject: str) -> list[Any]:
     """YAML or JSON (JSON is YAML) -> the non-empty documents it holds."""
     try:
@@ -84,6 +94,10 @@ def parse_documents(data: bytes, subject: str) -> list[Any]:
             where = f" at line {mark.line + 1}, column {mark.column + 1}"
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise ManifestError(subject, f"malformed YAML/JSON{where}: {problem}",
+                            "Malformed") from e
+    except YAML_CRASHES as e:
+        # PyYAML's constructors fail this way on some explicit tags ("!!float x")
+        raise ManifestError(subject, f"malformed YAML/JSON: {type(e).__name__}: {e}",
                             "Malformed") from e
     return docs
 
@@ -135,7 +149,7 @@ def check_pod(doc: Any, subject: str) -> dict[str, Any]:
         raise ManifestError(subject, f"not a Pod: kind is {kind!r}", "NotAPod")
     if api_version != "v1":
         raise ManifestError(subject, f"apiVersion is {api_version!r}, a Pod is 'v1'", "NotAPod")
-    pod = _drop_nulls(doc)
+    pod = _drop_nulls(doc, subject, [MAX_NODES])
     meta = pod.get("metadata")
     if not isinstance(meta, dict):
         raise ManifestError(subject, "missing required field metadata", "MissingField")
@@ -162,12 +176,43 @@ def check_pod(doc: Any, subject: str) -> dict[str, Any]:
     if not isinstance(containers, list) or not containers:
         raise ManifestError(subject, "missing required field spec.containers "
                             "(a non-empty list)", "MissingField")
+    _check_types(spec, _SPEC_TYPES, "spec", subject)
+    if "ephemeralContainers" in spec:
+        raise ManifestError(subject, "spec.ephemeralContainers: a static pod cannot have "
+                            "ephemeral containers", "InvalidField")
+    for i, vol in enumerate(spec.get("volumes") or []):
+        if not isinstance(vol, dict) or not isinstance(vol.get("name"), str) \
+                or not _DNS_LABEL.match(vol["name"]):
+            raise ManifestError(subject, f"spec.volumes[{i}] needs a name that is a DNS-1123 "
+                                "label", "InvalidField")
+        for kind, body in vol.items():
+            if kind != "name" and not isinstance(body, dict):
+                raise ManifestError(subject, f"spec.volumes[{i}].{kind} must be a mapping",
+                                    "InvalidField")
+        sources = vol.get("projected", {}).get("sources", [])
+        if not (isinstance(sources, list) and all(isinstance(x, dict) for x in sources)):
+            raise ManifestError(subject, f"spec.volumes[{i}].projected.sources must be a "
+                                "list of mappings", "InvalidField")
     names: set[str] = set()
     for group in ("initContainers", "containers"):
         for i, c in enumerate(spec.get(group) or []):
             path = f"spec.{group}[{i}]"
             if not isinstance(c, dict):
                 raise ManifestError(subject, f"{path} is not a mapping", "InvalidField")
+            _check_types(c, _CONTAINER_TYPES, path, subject)
+            for j, env in enumerate(c.get("env") or []):
+                if not isinstance(env, dict) or not isinstance(env.get("name"), str) \
+                        or not env["name"] or not isinstance(env.get("value", ""), str) \
+                        or not isinstance(env.get("valueFrom", {}), dict):
+                    raise ManifestError(subject, f"{path}.env[{j}] needs a name, and a string "
+                                        "value or a valueFrom mapping", "InvalidField")
+            for j, port in enumerate(c.get("ports") or []):
+                for key, low in (("containerPort", 1), ("hostPort", 0)):
+                    v = port.get(key, low if key == "hostPort" else None)
+                    if not isinstance(v, int) or isinstance(v, bool) or not low <= v <= 65535:
+                        raise ManifestError(subject, f"{path}.ports[{j}].{key} must be a "
+                                            f"port number ({low}-65535), got {v!r}",
+                                            "InvalidField")
             cname = c.get("name")
             if not cname:
                 raise ManifestError(subject, f"missing required field {path}.name",
@@ -188,14 +233,114 @@ def check_pod(doc: Any, subject: str) -> dict[str, Any]:
     return pod
 
 
-def _drop_nulls(value: Any) -> Any:
+_LIST, _MAP, _STR, _BOOL, _INT = list, dict, str, bool, int
+# The types of the fields the agent itself reads (the runtime, the pod workers, the
+# checks above): what the API server's validation guarantees for pods from the API.
+_SPEC_TYPES: dict[str, Any] = {
+    "containers": _LIST, "initContainers": _LIST, "volumes": _LIST, "readinessGates": _LIST,
+    "tolerations": _LIST, "imagePullSecrets": _LIST, "hostNetwork": _BOOL,
+    "hostPID": _BOOL, "hostIPC": _BOOL, "hostname": _STR, "subdomain": _STR,
+    "serviceAccountName": _STR, "serviceAccount": _STR, "nodeName": _STR,
+    "nodeSelector": _MAP, "securityContext": _MAP, "dnsConfig": _MAP,
+    "terminationGracePeriodSeconds": _INT, "activeDeadlineSeconds": _INT,
+    "restartPolicy": ("Always", "OnFailure", "Never"),
+    "dnsPolicy": ("ClusterFirst", "ClusterFirstWithHostNet", "Default", "None"),
+}
+_CONTAINER_TYPES: dict[str, Any] = {
+    "command": [_STR], "args": [_STR], "env": _LIST, "envFrom": [_MAP], "ports": [_MAP],
+    "volumeMounts": [_MAP], "workingDir": _STR, "resources": _MAP, "securityContext": _MAP,
+    "livenessProbe": _MAP, "readinessProbe": _MAP, "startupProbe": _MAP, "lifecycle": _MAP,
+    "imagePullPolicy": ("Always", "IfNotPresent", "Never"), "stdin": _BOOL, "tty": _BOOL,
+    "restartPolicy": ("Always",),
+}
+
+
+def _check_types(obj: dict[str, Any], types: dict[str, Any], path: str, subject: str) -> None:
+    for key, want in types.items():
+        if key not in obj:
+            continue
+        v = obj[key]
+        if isinstance(want, tuple):
+            ok, what = v in want, f"one of {', '.join(want)}"
+        elif isinstance(want, list):
+            ok = isinstance(v, list) and all(isinstance(x, want[0]) for x in v)
+            what = f"a list of {_TYPE_NAMES[want[0]]}"
+        else:
+            ok = isinstance(v, want) and (want is bool or not isinstance(v, bool))
+            what = _TYPE_NAMES[want]
+            if ok and want is int and v < 0:
+                ok, what = False, "a number, not negative"
+        if not ok:
+            raise ManifestError(subject, f"{path}.{key} must be {what}, got {v!r:.60}",
+                                "InvalidField")
+    sc = obj.get("securityContext") or {}
+    if "privileged" in sc and not isinstance(sc["privileged"], bool):
+        raise ManifestError(subject, f"{path}.securityContext.privileged must be true or "
+                            f"false, got {sc['privileged']!r:.60}", "InvalidField")
+
+
+_TYPE_NAMES = {list: "a list", dict: "a mapping", str: "a string", bool: "true or false",
+               int: "a whole number"}
+
+
+def _drop_nulls(value: Any, subject: str, budget: list[int], depth: int = 0) -> Any:
     """A deep copy without null mapping values (`labels:` with nothing after it is
-    the same as no labels)."""
+    the same as no labels), refusing trees deeper than MAX_DEPTH or with more than
+    MAX_NODES values (`budget` counts down), and anything that is not JSON data."""
+    budget[0] -= 1
+    if budget[0] < 0:
+        raise ManifestError(subject, f"more than {MAX_NODES} values (YAML aliases "
+                            "expanded)", "TooLarge")
+    if depth > MAX_DEPTH:
+        raise ManifestError(subject, f"nested more than {MAX_DEPTH} levels deep "
+                            "(or a YAML alias that refers to itself)", "TooLarge")
     if isinstance(value, dict):
-        return {k: _drop_nulls(v) for k, v in value.items() if v is not None}
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise ManifestError(subject, f"key {k!r} is not a string", "InvalidField")
+            if v is not None:
+                out[k] = _drop_nulls(v, subject, budget, depth + 1)
+        return out
     if isinstance(value, list):
-        return [_drop_nulls(v) for v in value]
-    return value
+        return [_drop_nulls(v, subject, budget, depth + 1) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ManifestError(subject, f"{value!r} is not a JSON number", "InvalidField")
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    raise ManifestError(subject, f"a {type(value).__name__} value ({value!r:.40}) is not "
+                        "JSON data", "InvalidField")
+
+
+ALLOW_PRIVILEGED_HINT = ("set allowPrivileged: true in the agent's --config (or "
+                         "--allow-privileged) to allow privileged and host-namespace "
+                         "static pods")
+
+
+def host_access(pod: dict[str, Any]) -> str | None:
+    """The first field that gives a pod the host: a host namespace or a privileged
+    container (with allowPrivilegeEscalation and added capabilities these are what
+    PodSecurity's baseline level forbids; the agent refuses the two that hand over the
+    node outright). None if there is none. Any value but false or absent counts: the
+    runtime reads these as truthy ("false" as a string would be true there)."""
+    spec = pod.get("spec") or {}
+    for field in ("hostNetwork", "hostPID", "hostIPC"):
+        if spec.get(field) not in (None, False):
+            return f"spec.{field}"
+    for group in ("initContainers", "containers", "ephemeralContainers"):
+        for i, c in enumerate(spec.get(group) or []):
+            sc = c.get("securityContext") if isinstance(c, dict) else None
+            if isinstance(sc, dict) and sc.get("privileged") not in (None, False):
+                return f"spec.{group}[{i}].securityContext.privileged"
+    return None
+
+
+def check_host_access(pod: dict[str, Any], subject: str) -> None:
+    """Refuse a static pod that would get the host (see host_access)."""
+    field = host_access(pod)
+    if field is not None:
+        raise ManifestError(subject, f"{field} is set: privileged and host-namespace "
+                            f"static pods are refused ({ALLOW_PRIVILEGED_HINT})", "Forbidden")
 
 
 def canonical(doc: Any) -> bytes:
