@@ -132,6 +132,29 @@ def test_mirror_problems_name_the_reference(spec_patch: dict, expect: str) -> No
     (b"apiVersion: v1\nkind: Pod\nmetadata: {name: a, labels: {x: 1}}\n"
      b"spec: {containers: [{name: c, image: i}]}\n", "InvalidField", "metadata.labels"),
     (YAML + b"---\n" + YAML, "Invalid", "2 documents"),
+    (b"!!float x\n", "Malformed", "ValueError"),
+    (b"apiVersion: v1\nkind: Pod\nmetadata: {name: a}\n"
+     b"spec: {containers: [{name: c, image: i}], initContainers: true}\n",
+     "InvalidField", "spec.initContainers must be a list, got True"),
+    (b"apiVersion: v1\nkind: Pod\nmetadata: {name: a}\n"
+     b"spec: {containers: [{name: c, image: i, command: [sleep, 1]}]}\n",
+     "InvalidField", "spec.containers[0].command must be a list of strings, got ['sleep', 1]"),
+    (b"apiVersion: v1\nkind: Pod\nmetadata: {name: a}\n"
+     b"spec: {containers: [{name: c, image: i, ports: [{containerPort: 70000}]}]}\n",
+     "InvalidField", "spec.containers[0].ports[0].containerPort must be a port number"),
+    (b"apiVersion: v1\nkind: Pod\nmetadata: {name: a}\n"
+     b"spec: {containers: [{name: c, image: i}], hostNetwork: 'yes'}\n",
+     "InvalidField", "spec.hostNetwork must be true or false"),
+    (b"apiVersion: v1\nkind: Pod\nmetadata: {name: a}\n"
+     b"spec: {containers: [{name: c, image: i}], restartPolicy: Sometimes}\n",
+     "InvalidField", "spec.restartPolicy must be one of Always, OnFailure, Never"),
+    (b"apiVersion: v1\nkind: Pod\nmetadata: {name: a}\n"
+     b"spec: {containers: [{name: c, image: i}], volumes: [{name: v, secret: x}]}\n",
+     "InvalidField", "spec.volumes[0].secret must be a mapping"),
+    (b"apiVersion: v1\nkind: Pod\nmetadata: {name: a, x: .nan}\n"
+     b"spec: {containers: [{name: c, image: i}]}\n", "InvalidField", "not a JSON number"),
+    (b"apiVersion: v1\nkind: Pod\nmetadata: {name: a, x: !!binary aGk=}\n"
+     b"spec: {containers: [{name: c, image: i}]}\n", "InvalidField", "not JSON data"),
 ])
 def test_bad_manifests_name_file_and_problem(data: bytes, reason: str, words: str) -> None:
     with pytest.raises(ManifestError) as info:

@@ -264,7 +264,7 @@ def _check_types(obj: dict[str, Any], types: dict[str, Any], path: str, subject:
             ok, what = v in want, f"one of {', '.join(want)}"
         elif isinstance(want, list):
             ok = isinstance(v, list) and all(isinstance(x, want[0]) for x in v)
-            what = f"a list of {_TYPE_NAMES[want[0]]}"
+            what = f"a list of {'strings' if want[0] is str else 'mappings'}"
         else:
             ok = isinstance(v, want) and (want is bool or not isinstance(v, bool))
             what = _TYPE_NAMES[want]
