@@ -19,6 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from nodeoperator.resolve import resolve
+from nodeoperator.selector import describe
 from nodeoperator.state import parse_policy
 
 from nodeagent.api.policy import (
@@ -191,8 +192,21 @@ def matches(sel: Mapping[str, Any], node_labels: Mapping[str, str]) -> bool:
     return ok
 
 
-policy_sets = st.lists(st.tuples(st.sampled_from("abcdefgh"), specs), max_size=7,
-                       unique_by=lambda t: t[0])
+good_expression = st.one_of(
+    st.fixed_dictionaries({"key": st.sampled_from(LABEL_KEYS),
+                           "operator": st.sampled_from(["In", "NotIn"]),
+                           "values": st.lists(st.sampled_from(LABEL_VALUES), min_size=1,
+                                              max_size=3)}),
+    st.fixed_dictionaries({"key": st.sampled_from(LABEL_KEYS),
+                           "operator": st.sampled_from(["Exists", "DoesNotExist"])}))
+# Mostly valid policies with few priorities, so that ties are common.
+valid_specs = st.fixed_dictionaries(
+    {"priority": st.integers(min_value=0, max_value=2)},
+    optional={"nodeSelector": st.fixed_dictionaries({}, optional={
+        "matchLabels": labels, "matchExpressions": st.lists(good_expression, max_size=2)})})
+policy_sets = st.lists(st.tuples(st.sampled_from("abcdefgh"),
+                                 st.one_of(valid_specs, valid_specs, valid_specs, specs)),
+                       max_size=7, unique_by=lambda t: t[0])
 node_sets = st.dictionaries(st.sampled_from([f"n{i}" for i in range(8)]), labels, max_size=8)
 
 
@@ -206,6 +220,8 @@ def test_resolve_is_deterministic_and_follows_priority(
         assert (p.spec is None) == (p.error is not None)
         if p.error is not None:
             assert p.error.startswith("spec"), p.error  # names the field, not a TypeError
+        else:
+            assert p.spec is not None and isinstance(describe(p.spec.nodeSelector), str)
     result = resolve(policies, nodes)
     assert set(result.effective) == set(nodes)
     valid = [p for p in policies if p.spec is not None]
