@@ -9,11 +9,14 @@ set to Unknown, the partition guard tripped or lifted), never per period.
 The same node, reason and message within `window` seconds is not a new Event: the
 one already written gets its count raised and lastTimestamp moved (a PATCH), as a
 flapping node's would with client-go's correlator. A token bucket per node caps
-what one node can cost the API server.
+what one node can cost the API server. Events are posted in the background, a few at a
+time (`emit`), so a mass outage's Events never delay the taint writes or the next
+monitor period; past `max_pending` waiting, more are dropped and counted.
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import dataclasses
 import logging
@@ -59,8 +62,11 @@ class _Written:
 class NodeEvents:
     def __init__(self, sink: EventSink, clock: Clock, *, instance: str = "",
                  window: float = 600.0, burst: int = 10, refill_every: float = 30.0,
-                 remember: int = 4096) -> None:
+                 remember: int = 4096, concurrency: int = 4, max_pending: int = 2000) -> None:
         self.sink, self.clock, self.instance = sink, clock, instance
+        self._slots = asyncio.Semaphore(concurrency)
+        self.max_pending = max_pending
+        self._tasks: set[asyncio.Task[None]] = set()
         self.window, self.burst, self.refill_every = window, burst, refill_every
         self.remember = remember
         self._written: collections.OrderedDict[tuple[str, str, str, str], _Written] = \
@@ -78,6 +84,25 @@ class NodeEvents:
             oldest = min(self._tokens, key=lambda n: self._tokens[n][1])
             del self._tokens[oldest]
         return ok
+
+    def emit(self, ev: NodeEvent) -> None:
+        """Post in the background (from the event loop)."""
+        if len(self._tasks) >= self.max_pending:
+            self.dropped += 1
+            EVENTS.labels(ev.reason, "dropped").inc()
+            return
+        task = asyncio.get_running_loop().create_task(self._post_later(ev))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _post_later(self, ev: NodeEvent) -> None:
+        async with self._slots:
+            await self.post(ev)
+
+    async def drain(self) -> None:
+        """Wait for the Events emitted so far (tests; shutdown)."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
     async def post(self, ev: NodeEvent) -> None:
         """Write the Event, or raise the count of the same one written recently. Never

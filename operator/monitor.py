@@ -171,9 +171,10 @@ class Monitor:
     async def tick(self) -> Plan:
         started = self.clock.monotonic()
         plan = self.plan()
+        for ev in plan.events:
+            self._post(ev)
         await asyncio.gather(*(self._apply_node(a) for a in plan.nodes),
-                             *(self._apply_policy(n, s) for n, s in plan.policies.items()),
-                             *(self._post(e) for e in plan.events))
+                             *(self._apply_policy(n, s) for n, s in plan.policies.items()))
         TICK.observe(max(0.0, self.clock.monotonic() - started))
         return plan
 
@@ -445,12 +446,13 @@ class Monitor:
                 # second look.
                 if len(seen) > 1:
                     self._written["node/" + a.name] = set(seen[:-1])
-        for ev in posts:  # outside the write slots: Events never hold up a write
-            await self._post(ev)
+        for ev in posts:
+            self._post(ev)
 
-    async def _post(self, ev: NodeEvent) -> None:
+    def _post(self, ev: NodeEvent) -> None:
+        """In the background: Events never hold up a write or the next period."""
         if self.events is not None and self.is_leader():
-            await self.events.post(ev)
+            self.events.emit(ev)
 
     async def _apply_policy(self, name: str, status: dict[str, Any]) -> None:
         base = self.store.policies[name].rv

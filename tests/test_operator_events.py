@@ -59,6 +59,16 @@ class EventApi(FakeApi):
         return [r for _, r, _, _ in self.about(node)]
 
 
+class Draining(Monitor):
+    """Waits for the Events a period emitted (they are posted in the background)."""
+
+    async def tick(self) -> Any:
+        plan = await super().tick()
+        assert self.events is not None
+        await self.events.drain()
+        return plan
+
+
 Env = tuple[FakeClock, Store, EventApi, Monitor]
 
 
@@ -68,7 +78,7 @@ def run(test: Any, **events: Any) -> None:
         store = Store(clock)
         api = EventApi(store, clock)
         rec = NodeEvents(api, clock, instance="op-a", **events)
-        await test((clock, store, api, Monitor(store, clock, api, period=2, events=rec)))
+        await test((clock, store, api, Draining(store, clock, api, period=2, events=rec)))
     asyncio.run(main())
 
 
@@ -236,15 +246,30 @@ def test_the_standby_and_a_failed_write_post_nothing() -> None:
         store = Store(clock)
         api = EventApi(store, clock)
         rec = NodeEvents(api, clock)
-        standby = Monitor(store, clock, api, period=2, is_leader=lambda: False, events=rec)
+        standby = Draining(store, clock, api, period=2, is_leader=lambda: False, events=rec)
         api.add_policy("p", spec(grace=15))
         api.add_node("n1")
         await clock.advance(20)
         await standby.tick()
         assert api.events == {} and api.writes == []
 
-        leader = Monitor(store, clock, api, period=2, events=rec)
+        leader = Draining(store, clock, api, period=2, events=rec)
         api.nodes["n1"]["metadata"]["resourceVersion"] = "stale"  # every write: 409
         await leader.tick()
         assert api.events == {}
+    asyncio.run(t())
+
+
+def test_emit_posts_in_the_background_and_drops_past_max_pending() -> None:
+    async def t() -> None:
+        clock = FakeClock()
+        api = EventApi(Store(clock), clock)
+        rec = NodeEvents(api, clock, max_pending=3, burst=100)
+        for i in range(5):
+            rec.emit(NodeEvent(f"n{i}", "u", "Normal", "TaintAdded", "Added taint x: y."))
+        assert api.events == {}  # nothing posted yet: emit does not wait
+        await rec.drain()
+        assert sorted(e["involvedObject"]["name"] for e in api.events.values()) == [
+            "n0", "n1", "n2"]
+        assert rec.dropped == 2
     asyncio.run(t())
