@@ -125,12 +125,15 @@ def range_cases(path: str, schema: dict[str, Any], rule: dict[str, Any]
         low, high = (float(x) for x in parts)
     except ValueError:
         return None
-    _, section, field = path.split(".")
+    *sections, field = path.split(".")[1:]  # under spec: [section,] field
+    if len(sections) > 1 or "[" in path:
+        return None
+    section = sections[0] if sections else ""
     whole = schema["type"] == "integer"
     out = []
     for value, ok in ((low - 1, False), (low, True), (high, True), (high + 1, False)):
         v: float = int(value) if whole else value
-        spec: dict[str, Any] = {section: {field: v}}
+        spec: dict[str, Any] = {section: {field: v}} if section else {field: v}
         if section == "heartbeat":
             spec["failure"] = {"gracePeriodSeconds": 86400}
             spec["heartbeat"].update({
