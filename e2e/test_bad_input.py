@@ -489,7 +489,8 @@ def test_bad_manifest_url(agent: Agent, mode: str) -> None:
     peak0 = peak_rss(agent.proc.pid)
     srv.mode = mode
     try:
-        ev = agent.event(f"StaticPod{reason}", srv.url, *words)
+        ev = agent.event(f"StaticPod{reason}", srv.url, *words,
+                         "keeping the last good set (1 pods)")
         print(f"\n[{mode}] {ev.reason}: {ev.message[:300]}")
         agent.unaffected()  # the URL's last good set (url-keeper) keeps running
     finally:

@@ -174,7 +174,7 @@ def test_errors_keep_the_last_good_set(server: Server) -> None:
         server.status = 500
         assert await src.poll() == "error"
         assert sink.events[-1] == ("StaticPodHTTPError", f"http source: GET {server.url}: "
-                                   "HTTP 500")
+                                   "HTTP 500; keeping the last good set (1 pods)")
         assert await src.poll() == "error"  # the same problem is reported once
         assert len(sink.events) == 4
         assert ops(merge) == [] and merge.pods() == good
@@ -234,13 +234,14 @@ def test_too_large_bodies_are_not_read(server: Server) -> None:
         assert await src.poll() == "error"
         assert sink.events[-1] == ("StaticPodTooLarge", f"http source: GET {server.url}: "
                                    f"Content-Length {8 << 20} is over the limit of 4096 "
-                                   "bytes; not read")
+                                   "bytes; not read; keeping the last good set (1 pods)")
         assert server.sent < 8 << 20  # the client hung up before the body was sent
         server.send_length = False  # no length: read up to the limit, then refused
         server.etag = '"big2"'
         assert await src.poll() == "error"
         assert sink.events[-1] == ("StaticPodTooLarge", f"http source: GET {server.url}: "
-                                   "body over the limit of 4096 bytes")
+                                   "body over the limit of 4096 bytes; keeping the last "
+                                   "good set (1 pods)")
         assert merge.pods() == good and ops(merge) == []
     aio(main())
 

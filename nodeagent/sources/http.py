@@ -127,8 +127,7 @@ class HTTPSource:
                 pods[uid] = self._pods.get(uid) or make_static_pod(
                     doc, Source.HTTP, self.node_name, self.clock.now())
         except ManifestError as e:
-            kept = f"; keeping the last good set ({len(self._pods)} pods)" if self._pods else ""
-            self._fail(e.reason, f"{e}{kept}")
+            self._fail(e.reason, str(e))
             return "error"
         if self._problem is not None:
             log.info("http source: %s is good again", self.url)
@@ -138,6 +137,8 @@ class HTTPSource:
         return "changed"
 
     def _fail(self, reason: str, message: str) -> None:
+        if self._pods:
+            message += f"; keeping the last good set ({len(self._pods)} pods)"
         if message != self._problem:
             self._problem = message
             self.problems.report(Source.HTTP, reason, message)
