@@ -314,6 +314,8 @@ class FileSource:
         except ManifestError as e:
             self._fail(name, e.problem, e.reason)
             return
+        except FileNotFoundError:
+            return  # replaced while we looked (a ConfigMap swap): its own events follow
         except OSError as e:
             self._fail(name, _oserror(e), "Unreadable")
             return
