@@ -88,8 +88,14 @@ class LeaseRenewer:
     async def renew(self) -> float:
         """Renew (or create) the Lease; returns when the next renewal is due."""
         due = self._due if self._due is not None else self.clock.monotonic()
-        deadline = self.deadline()
         min_attempt = min(1.0, self.heartbeat.leaseDurationSeconds / 10)
+        deadline = self.deadline()
+        if deadline - self.clock.monotonic() < min_attempt:
+            # The lease has lapsed (an outage longer than it) or has no time left for an
+            # attempt: nothing to land before any more, and a late renewal still ends
+            # the lapse. Give this round one full request timeout; a deadline in the
+            # past would leave every attempt a timeout no server can answer within.
+            deadline = self.clock.monotonic() + self.REQUEST_TIMEOUT
 
         def stop(rs: RetryCallState) -> bool:
             # no attempt may start too late to land before the lease expires
