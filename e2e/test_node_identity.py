@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import os
 import signal
 import socket
@@ -37,7 +38,9 @@ from nodeagent.api.client import new_api_client
 AGENT = Path(sys.executable).parent / "nodepulse-agent"
 LEASES = "kube-node-lease"
 MIRROR = "kubernetes.io/config.mirror"
+AUDIENCE = "nodepulse-e2e"
 RUN = uuid.uuid4().hex[:5]
+AGENT_NUMBERS = itertools.count()  # each agent its own node name (and log file)
 
 
 def wait_for(what: str, check: Callable[[], Any], timeout: float = 30) -> Any:
@@ -93,22 +96,28 @@ def lease_body(name: str) -> dict[str, Any]:
 
 
 def pod_body(name: str, node: str, secret: str | None = None,
-             configmap: str | None = None) -> dict[str, Any]:
+             configmap: str | None = None, account: str | None = None) -> dict[str, Any]:
     volumes = []
     if secret:
         volumes.append({"name": "s", "secret": {"secretName": secret}})
     if configmap:
         volumes.append({"name": "c", "configMap": {"name": configmap}})
-    return {"metadata": {"name": name},
-            "spec": {"nodeName": node, "automountServiceAccountToken": False,
-                     "containers": [{"name": "c", "image": "nodepulse.test/pause:1"}],
-                     "volumes": volumes}}
+    spec = {"nodeName": node, "automountServiceAccountToken": False,
+            "containers": [{"name": "c", "image": "nodepulse.test/pause:1"}],
+            "volumes": volumes}
+    if account:
+        spec["serviceAccountName"] = account
+        # what the kubelet requests a token for, and all a node may request one for
+        volumes.append({"name": "t", "projected": {"sources": [{"serviceAccountToken": {
+            "audience": AUDIENCE, "expirationSeconds": 600, "path": "token"}}]}})
+    return {"metadata": {"name": name}, "spec": spec}
 
 
 @pytest.fixture(scope="module")
 def world(cluster: Cluster) -> Iterator[World]:
     """Nodes a and b (each registered with its own credentials, with its Lease), a
-    namespace with Secrets and ConfigMaps for each, and a pod on each using its own."""
+    namespace with a Secret, a ConfigMap and a ServiceAccount for each, and a pod on
+    each using its own."""
     admin = cluster.api_client()
     core = client.CoreV1Api(admin)
     a, b = (Node(f"ident-{RUN}-{x}", new_api_client(cluster.node_kubeconfig(f"ident-{RUN}-{x}")))
@@ -126,8 +135,9 @@ def world(cluster: Cluster) -> Iterator[World]:
                                                "stringData": {"k": n.name}})
             core.create_namespaced_config_map(ns, {"metadata": {"name": f"cm-{n.name}"},
                                                    "data": {"k": n.name}})
-            core.create_namespaced_pod(ns, pod_body(f"pod-{n.name}", n.name,
-                                                    f"secret-{n.name}", f"cm-{n.name}"))
+            core.create_namespaced_service_account(ns, {"metadata": {"name": f"sa-{n.name}"}})
+            core.create_namespaced_pod(ns, pod_body(f"pod-{n.name}", n.name, f"secret-{n.name}",
+                                                    f"cm-{n.name}", f"sa-{n.name}"))
         core.create_namespaced_secret(ns, {"metadata": {"name": "unused"},
                                            "stringData": {"k": "nobody's"}})
         yield World(admin, a, b, ns)
@@ -230,17 +240,23 @@ def test_a_node_cannot_touch_pods_bound_to_another_node(world: World) -> None:
     assert b.core.patch_namespaced_pod_status(pod_b, ns, mine).status.phase == "Running"
 
 
-# ---- Secrets and ConfigMaps follow the pods bound to the node
+# ---- Secrets, ConfigMaps and ServiceAccount tokens follow the pods bound to the node
+def allowed(call: Callable[[], Any]) -> Any:
+    """call's result, or None while it is refused (403): the Node authorizer's graph
+    follows pods through a watch, so a new pod's objects become readable a moment later."""
+    try:
+        return call()
+    except client.ApiException as e:
+        if e.status != 403:
+            raise
+        return None
+
+
 def test_a_node_reads_only_secrets_of_its_own_pods(world: World) -> None:
     a, b, ns = world.a, world.b, world.ns
-    # the authorizer's graph follows pods through a watch: give it a moment
+
     def reads(name: str) -> Any:
-        try:
-            return a.core.read_namespaced_secret(name, ns)
-        except client.ApiException as e:
-            if e.status != 403:
-                raise
-            return None
+        return allowed(functools.partial(a.core.read_namespaced_secret, name, ns))
     mine = wait_for("node a may read its pod's Secret", lambda: reads(f"secret-{a.name}"))
     assert mine.data["k"]
     assert a.core.read_namespaced_config_map(f"cm-{a.name}", ns).data == {"k": a.name}
@@ -248,10 +264,42 @@ def test_a_node_reads_only_secrets_of_its_own_pods(world: World) -> None:
     refused(lambda: a.core.read_namespaced_config_map(f"cm-{b.name}", ns))
     refused(lambda: a.core.read_namespaced_secret("unused", ns))
     refused(lambda: a.core.list_namespaced_config_map(ns))
-    # the access goes with the pod: once it is gone, so is the Secret
-    world.core.delete_namespaced_pod(f"pod-{a.name}", ns, grace_period_seconds=0)
-    wait_for("node a loses its former pod's Secret",
-             lambda: reads(f"secret-{a.name}") is None)
+    # the access comes and goes with the pod
+    world.core.create_namespaced_secret(ns, {"metadata": {"name": "passing"},
+                                             "stringData": {"k": "v"}})
+    refused(lambda: a.core.read_namespaced_secret("passing", ns))
+    world.core.create_namespaced_pod(ns, pod_body("passing", a.name, "passing"))
+    wait_for("node a may read the new pod's Secret", lambda: reads("passing"))
+    world.core.delete_namespaced_pod("passing", ns, grace_period_seconds=0)
+    wait_for("node a loses its former pod's Secret", lambda: reads("passing") is None)
+
+
+def token_request(pod: Any | None, audience: str = AUDIENCE) -> dict[str, Any]:
+    spec: dict[str, Any] = {"audiences": [audience], "expirationSeconds": 600}
+    if pod is not None:
+        spec["boundObjectRef"] = {"apiVersion": "v1", "kind": "Pod",
+                                  "name": pod.metadata.name, "uid": pod.metadata.uid}
+    return {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": spec}
+
+
+def test_a_node_gets_tokens_only_for_its_own_pods(world: World) -> None:
+    a, b, ns = world.a, world.b, world.ns
+    pod_a = world.core.read_namespaced_pod(f"pod-{a.name}", ns)
+    pod_b = world.core.read_namespaced_pod(f"pod-{b.name}", ns)
+    token = wait_for("a token for a's pod", lambda: allowed(functools.partial(
+        a.core.create_namespaced_service_account_token, f"sa-{a.name}", ns,
+        token_request(pod_a))))
+    assert token.status.token
+    # another node's pod's account; its own account bound to another node's pod;
+    # unbound; for an audience its pod does not use
+    refused(lambda: a.core.create_namespaced_service_account_token(
+        f"sa-{b.name}", ns, token_request(pod_b)))
+    refused(lambda: a.core.create_namespaced_service_account_token(
+        f"sa-{a.name}", ns, token_request(pod_b)))
+    refused(lambda: a.core.create_namespaced_service_account_token(
+        f"sa-{a.name}", ns, token_request(None)))
+    refused(lambda: a.core.create_namespaced_service_account_token(
+        f"sa-{a.name}", ns, token_request(pod_a, "https://elsewhere.example")))
 
 
 # ---- mirror pods (the API's copy of a static pod)
@@ -393,7 +441,7 @@ def agents(cluster: Cluster, tmp_path: Path) -> Iterator[Callable[..., Agent]]:
     started: list[Agent] = []
 
     def start(*flags: str) -> Agent:
-        agent = Agent(cluster, tmp_path, f"ident-{RUN}-agent-{len(started)}", *flags)
+        agent = Agent(cluster, tmp_path, f"ident-{RUN}-agent-{next(AGENT_NUMBERS)}", *flags)
         started.append(agent)
         return agent
     yield start
