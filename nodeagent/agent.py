@@ -206,10 +206,9 @@ class Agent:
             log.warning("config file changed but was refused; keeping the last good one: %s", e)
             return
         live = ("eviction_hard", "host_overrides", "system_reserved", "max_pods")
-        changed = [f for f in ("heartbeat", "heartbeat_mode", "node_name", "root_dir",
-                               "proc_path", "node_ips", "healthz_bind_address",
-                               "virtual_node_names", "virtual_node_taints")
-                   if getattr(cfg, f) != getattr(self.cfg, f)]
+        # Every other setting is read once at start.
+        changed = [f.name for f in dataclasses.fields(cfg)
+                   if f.name not in live and getattr(cfg, f.name) != getattr(self.cfg, f.name)]
         if changed:
             log.warning("config file: %s only take effect on restart", ", ".join(changed))
         self.cfg = dataclasses.replace(self.cfg, **{f: getattr(cfg, f) for f in live})

@@ -114,7 +114,8 @@ class Pods:
             node_names=cfg.node_names, pod_manifest_path=cfg.pod_manifest_path,
             file_check_frequency=cfg.file_check_frequency, manifest_url=cfg.manifest_url,
             manifest_url_headers=dict(cfg.manifest_url_headers),
-            http_check_frequency=cfg.http_check_frequency),
+            http_check_frequency=cfg.http_check_frequency,
+            allow_privileged=cfg.allow_privileged),
             clock, events=NodeEvents(api, cfg.node_name, clock))
         logs = Path(cfg.root_dir) / "logs" / "pods"
         return cls(runtime=runtime, clock=clock, node_name=cfg.node_name,

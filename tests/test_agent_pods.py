@@ -16,11 +16,15 @@ from prometheus_client import CollectorRegistry
 
 from nodeagent import config
 from nodeagent.agent import Agent
+from nodeagent.api.client import new_api_client
 from nodeagent.api.clock import FakeClock, settle
 from nodeagent.node.fakekube import FakeKube, InlineExecutor
 from nodeagent.pods import Pods, build_runtime, host_ip
 from nodeagent.runtime import RelistResult, RuntimeVersion, Unavailable
 from nodeagent.runtime.fake import FakeRuntime
+from nodeagent.sources.bundle import PodSources
+from nodeagent.sources.file import FileSource
+from nodeagent.sources.http import HTTPSource
 from nodeagent.sources.types import Op, PodUpdate, Source, SourcesReady
 from nodeagent.syncloop import SyncLoopConfig
 from tests.test_node_host import fake_proc
@@ -186,6 +190,31 @@ def test_config_flags_for_pods(tmp_path: Path) -> None:
     assert cfg.register_with_taints == ({"key": "k", "effect": "NoSchedule"},)
     assert cfg.manifest_url_headers == {"X-A": "one,two"}
     assert host_ip(load(tmp_path, "--node-ip", "192.0.2.7"), None) == "192.0.2.7"  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("allow", [False, True])
+def test_allow_privileged_reaches_the_static_sources(tmp_path: Path, allow: bool) -> None:
+    cfg = load(tmp_path, "--pod-manifest-path", str(tmp_path), "--manifest-url",
+               "http://127.0.0.1:1/p.yaml", *(["--allow-privileged"] if allow else []))
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        "apiVersion: v1\nkind: Config\ncurrent-context: c\n"
+        "clusters: [{name: c, cluster: {server: 'http://127.0.0.1:9'}}]\n"
+        "users: [{name: u, user: {token: t}}]\n"
+        "contexts: [{name: c, context: {cluster: c, user: u}}]\n")
+    api = new_api_client(str(kubeconfig), component="test")
+
+    async def main() -> None:
+        pods = Pods.from_config(cfg, api, FakeClock(), registry=CollectorRegistry(),
+                                runtime=FakeRuntime(FakeClock()))
+        sources = getattr(pods.run_sources, "__self__", None)
+        assert isinstance(sources, PodSources)
+        static = [p for p in sources.parts if isinstance(p, FileSource | HTTPSource)]
+        assert len(static) == 2 and all(p.allow_privileged is allow for p in static)
+    try:
+        asyncio.run(main())
+    finally:
+        api.close()
 
 
 @pytest.mark.parametrize("argv, message", [

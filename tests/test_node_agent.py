@@ -59,7 +59,7 @@ def test_runs_reports_health_and_stops(tmp_path):
     asyncio.run(main())
 
 
-def test_condition_follows_config_file_threshold_change(tmp_path):
+def test_condition_follows_config_file_threshold_change(tmp_path, caplog):
     async def main():
         path = tmp_path / "agent.yaml"
         path.write_text("evictionHard: {nodefs.available: '0%'}\n")
@@ -79,6 +79,12 @@ def test_condition_follows_config_file_threshold_change(tmp_path):
         os.utime(path, (2, 2))
         await clock.advance(10)
         assert agent.cfg.eviction_hard[0].percent == 100
+        # settings read once at start are kept, and the log says a restart applies them
+        path.write_text("evictionHard: {nodefs.available: '100%'}\nallowPrivileged: true\n")
+        os.utime(path, (3, 3))
+        await clock.advance(10)
+        assert not agent.cfg.allow_privileged
+        assert "allow_privileged only take effect on restart" in caplog.text
         stop.set()
         await task
     asyncio.run(main())
