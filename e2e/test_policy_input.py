@@ -364,14 +364,15 @@ def operators(cluster: Cluster) -> Iterator[Callable[[str], Operator]]:
         op.stop()
 
 
-def policy(api: client.ApiClient, name: str, priority: int, selector: dict[str, Any]) -> str:
+def policy(api: client.ApiClient, name: str, priority: int, selector: dict[str, Any],
+           lease: int = 20, grace: int = 3600) -> str:
     full = f"pi-{RUN}-{name}"
     client.CustomObjectsApi(api).create_cluster_custom_object(GROUP, VERSION, PLURAL, {
         "apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "metadata": {"name": full},
-        # a long grace: these Nodes have no agent, and must not go stale meanwhile
+        # a long grace by default: these Nodes have no agent
         "spec": {"priority": priority, "nodeSelector": selector,
-                 "heartbeat": {"leaseDurationSeconds": 20},
-                 "failure": {"gracePeriodSeconds": 3600}}})
+                 "heartbeat": {"leaseDurationSeconds": lease},
+                 "failure": {"gracePeriodSeconds": grace}}})
     return full
 
 
@@ -384,9 +385,7 @@ def conflict(api: client.ApiClient, name: str, status: str | None = None) -> dic
 
 
 def governed_by(api: client.ApiClient, node: str) -> str | None:
-    ann = (client.CoreV1Api(api).read_node(node).metadata.annotations or {}).get(
-        HEARTBEAT_ANNOTATION)
-    return json.loads(ann)["policy"] if ann else None
+    return policy_of(client.CoreV1Api(api).read_node(node))
 
 
 @dataclasses.dataclass
@@ -447,18 +446,17 @@ def test_equal_priorities_conflict_only_where_they_are_on_top(
         t.nodes["x"]: t.tie_b, t.nodes["y"]: t.top, t.nodes["z"]: t.tie_b}
 
 
-class PolicyWitness(threading.Thread):
-    """Every value of the nodes' heartbeat annotation, from a watch: a value the
+class NodeWitness(threading.Thread):
+    """Every value of view(node) for the selected nodes, from a watch: a value the
     operator writes and takes back within a second is seen here too."""
 
-    def __init__(self, api: client.ApiClient, selector: str) -> None:
-        super().__init__(daemon=True, name="policy-witness")
+    def __init__(self, api: client.ApiClient, selector: str, view: Callable[[Any], Any]) -> None:
+        super().__init__(daemon=True, name="node-witness")
         self.core = client.CoreV1Api(api)
-        self.selector = selector
+        self.selector, self.view = selector, view
         listed = self.core.list_node(label_selector=selector)
         self.rv = listed.metadata.resource_version
-        self.seen: dict[str, list[str | None]] = {
-            n.metadata.name: [_policy_of(n.metadata.annotations)] for n in listed.items}
+        self.seen: dict[str, list[Any]] = {n.metadata.name: [view(n)] for n in listed.items}
         self.watch = watch.Watch()
         self.stopping = threading.Event()
         self.resumed: list[str] = []  # why the watch had to be resumed
@@ -473,7 +471,7 @@ class PolicyWitness(threading.Thread):
                     meta = ev["object"].metadata
                     self.rv = meta.resource_version
                     values = self.seen.setdefault(meta.name, [])
-                    value = _policy_of(meta.annotations)
+                    value = self.view(ev["object"])
                     if not values or values[-1] != value:
                         values.append(value)
                     if self.stopping.is_set():
@@ -490,9 +488,15 @@ class PolicyWitness(threading.Thread):
         assert not self.is_alive(), "the witness did not stop"
 
 
-def _policy_of(annotations: dict[str, str] | None) -> str | None:
-    ann = (annotations or {}).get(HEARTBEAT_ANNOTATION)
+def policy_of(node: Any) -> str | None:
+    ann = (node.metadata.annotations or {}).get(HEARTBEAT_ANNOTATION)
     return json.loads(ann)["policy"] if ann else None
+
+
+def unreachable(node: Any) -> tuple[str, ...]:
+    """The effects of the node's unreachable taints."""
+    return tuple(sorted(t.effect for t in node.spec.taints or []
+                        if t.key == "node.kubernetes.io/unreachable"))
 
 
 def test_a_new_operator_keeps_every_nodes_policy(
@@ -507,7 +511,7 @@ def test_a_new_operator_keeps_every_nodes_policy(
     wait_for("the policies' statuses", lambda: all(
         (stored(kube, p) or {}).get("status", {}).get("nodes") == 1 for p in policies))
     statuses = {p: (stored(kube, p) or {})["status"] for p in policies}
-    witness = PolicyWitness(kube, t.selector)
+    witness = NodeWitness(kube, t.selector, policy_of)
     witness.start()
     first.stop()
     second = operators("second")
@@ -520,3 +524,28 @@ def test_a_new_operator_keeps_every_nodes_policy(
     assert {p: (stored(kube, p) or {})["status"] for p in policies} == statuses
     assert samples(second.metrics(), "nodepulse_operator_writes_total") == 0, \
         [line for line in second.metrics().splitlines() if "writes_total{" in line]
+
+
+def test_a_new_operator_keeps_a_silent_nodes_taints(
+        kube: client.ApiClient, operators: Callable[[str], Operator]) -> None:
+    """A node marked unreachable stays so until its Lease is renewed: a new leader,
+    which gives every node a full grace period before a verdict of its own, must not
+    take the taints off a node that is still silent meanwhile."""
+    first = operators("first-taint")
+    pool = f"{RUN}-silent"
+    node = f"pi-{RUN}-silent"
+    client.CoreV1Api(kube).create_node({"metadata": {"name": node,
+                                                     "labels": {"pi-e2e/pool": pool}}})
+    policy(kube, "silent", 0, {"matchLabels": {"pi-e2e/pool": pool}}, lease=5, grace=5)
+    wait_for("the silent node tainted", lambda: unreachable(
+        client.CoreV1Api(kube).read_node(node)) == ("NoExecute", "NoSchedule"), 60)
+    witness = NodeWitness(kube, f"pi-e2e/pool={pool}", unreachable)
+    witness.start()
+    first.stop()
+    second = operators("second-taint")
+    ticks = samples(second.metrics(), "nodepulse_operator_monitor_tick_seconds_count")
+    wait_for("three monitor periods of the second operator", lambda: samples(
+        second.metrics(), "nodepulse_operator_monitor_tick_seconds_count") >= ticks + 3)
+    witness.stop(node)
+    assert witness.seen == {node: [("NoExecute", "NoSchedule")]}, \
+        f"the silent node's taints changed while the operator restarted ({witness.resumed})"
