@@ -87,8 +87,7 @@ def settings() -> kopf.OperatorSettings:
     s = kopf.OperatorSettings()
     s.posting.enabled = False  # the standby must not write, not even Events
     s.watching.server_timeout = 300
-    s.batching.batch_window = 0.05
-    s.batching.idle_timeout = 60  # Leases renew every few seconds: keep their workers
+    s.queueing.idle_timeout = 60  # keep the per-object workers of busy Nodes
     return s
 
 

@@ -60,3 +60,28 @@ def test_connection_info_with_token(tmp_path: Path) -> None:
     info = connection_info(str(kubeconfig(tmp_path, {"token": "s3cret"})), None)
     assert info.scheme == "Bearer" and info.token == "s3cret"
     assert info.certificate_path is None
+
+
+def test_kopf_runs_clusterwide_and_standalone(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """clusterwide: kopf never lists Namespaces (the chart grants none); standalone: no
+    kopf peering objects (the chart ships no peering CRDs; the Lease election is the
+    HA). kopf.operator is replaced, so nothing is contacted."""
+    import asyncio
+
+    import kopf
+    from nodeoperator import app
+
+    seen: dict[str, object] = {}
+
+    async def fake_operator(**kwargs: object) -> None:
+        seen.update(kwargs)
+
+    monkeypatch.setattr(kopf, "operator", fake_operator)
+    path = kubeconfig(tmp_path, {"token": "t"})
+    asyncio.run(app.run(app.Options(kubeconfig=str(path))))
+    assert seen["clusterwide"] is True and seen["standalone"] is True
+    assert not seen.get("namespaces")
+    settings = seen["settings"]
+    assert isinstance(settings, kopf.OperatorSettings)
+    assert settings.posting.enabled is False  # kopf's own Events off: ours are the monitor's
