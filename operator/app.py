@@ -100,10 +100,11 @@ async def run(opts: Options, clock: Clock | None = None) -> None:
                             clock, opts.identity, duration=opts.lease_duration,
                             renew_deadline=opts.renew_deadline, retry=opts.retry_period)
     writer = KubeWriter(api, workers=opts.writers)
+    events = NodeEvents(writer, clock, instance=opts.identity)
     monitor = Monitor(store, clock, writer, period=opts.monitor_period,
                       is_leader=lambda: elector.leading,
                       api_ok_since=lambda: elector.api_ok_since, parallel=opts.writers,
-                      events=NodeEvents(writer, clock, instance=opts.identity))
+                      events=events)
     leases = LeaseWatch(client.CoordinationV1Api(api), store, clock)
     ready = asyncio.Event()
     server = None
@@ -129,6 +130,10 @@ async def run(opts: Options, clock: Clock | None = None) -> None:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        try:  # the Events of the last writes, briefly
+            await asyncio.wait_for(events.drain(), 2)
+        except TimeoutError:
+            log.info("Events not posted at shutdown were dropped")
         await elector.release()
         writer.close()
         if server:
