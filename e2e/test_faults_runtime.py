@@ -3,8 +3,10 @@
 4. containerd restart: containerd is stopped by PID while the agent runs pods and
    started again on the same state and socket. The agent reports the runtime down
    (PLEG's nodepulse_pleg_runtime_up metric, the Node's Ready=False "container runtime
-   is down") and recovers; the containers that survived are adopted (same ids, same
-   processes, restartCount unchanged) and none is duplicated.
+   is down"; /healthz, a liveness check, stays ok) and recovers; the containers that
+   survived are adopted (same ids, same processes, restartCount unchanged) and none is
+   duplicated. A container that died during the outage is restarted once (exit 137
+   as its lastState), a pod created during the outage starts when containerd is back.
 5. Agent SIGKILL at seeded random points of a burst of 50 pod creates plus deletes
    (restarted each time), then a final kill and restart: afterwards the runtime holds
    exactly what the API asks for, and the API's statuses name those very containers.
@@ -467,7 +469,10 @@ def test_containerd_restart_runtime_down_then_survivors_adopted(
             assert workloads(env.name) == procs_before
             for p in env.pods():
                 assert running(p), p.status
-            # a pod that arrives while containerd is down waits for it
+            # a container that dies while containerd is down is restarted once it is
+            # back (its shim keeps the exit); a pod that arrives meanwhile waits for it
+            os.kill(procs_before["r2"][0], signal.SIGKILL)
+            eventually(lambda: not alive(procs_before["r2"][0]), "r2's workload to die", 10)
             env.create("r3")
         finally:
             env.ctd.start_daemon()  # same root, state and socket
@@ -489,22 +494,43 @@ def test_containerd_restart_runtime_down_then_survivors_adopted(
         r3 = eventually(lambda: all_running(env, ["r3"]),
                         "r3, created during the outage, Running", 60)[0]
         uids["r3"] = r3.metadata.uid
+        old_r2 = before["r2"][0][1]
+
+        def r2_restarted() -> client.V1ContainerStatus | None:
+            p = env.pod("r2")
+            cs = p.status.container_statuses[0] if p else None
+            return cs if cs and cs.restart_count == 1 and running(p) else None
+
+        r2 = eventually(r2_restarted, "r2's container, dead during the outage, restarted", 60)
+        assert r2.container_id != old_r2
+        assert r2.last_state.terminated.exit_code == 137  # SIGKILL, learnt after the restart
+        assert r2.last_state.terminated.container_id == old_r2
         after = {p.metadata.name: sorted((c.name, c.container_id, c.restart_count)
                                          for c in p.status.container_statuses)
                  for p in env.pods()}
+        survivors = ("r0", "r1")
+        assert {n: after[n] for n in survivors} == {n: before[n] for n in survivors}, \
+            "the survivors: the same containers in the API, not restarted"
         before["r3"] = after["r3"]
-        assert after == before, "the API must show the same containers, not restarted"
+        before["r2"] = after["r2"]
         assert all(running(p) for p in env.pods())
-        assert workloads(env.name) == {**procs_before, "r3": workloads(env.name)["r3"]}, \
-            "the same processes, none new but r3's"
-        assert len(workloads(env.name)["r3"]) == 1
+        procs = workloads(env.name)
+        assert {n: procs[n] for n in survivors} == {n: procs_before[n] for n in survivors}, \
+            "the survivors: the same processes"
+        assert sorted(procs) == ["r0", "r1", "r2", "r3"]
+        assert len(procs["r2"]) == len(procs["r3"]) == 1
         view = env.view()
         for n, uid in uids.items():
             mine = view.of(uid)
-            per_name = {c.name: [x for x in mine if x.name == c.name] for c in mine}
-            assert all(len(v) == 1 and v[0].state == "RUNNING" for v in per_name.values()), \
-                f"pod {n}: exactly one running container per name, got {mine}"
-            assert sorted((c.name, f"containerd://{c.id}", 0) for c in mine) == before[n]
+            run = [c for c in mine if c.state == "RUNNING"]
+            restarts = 1 if n == "r2" else 0
+            assert sorted((c.name, f"containerd://{c.id}", restarts) for c in run) \
+                == before[n], \
+                f"pod {n}: one running container per name, the API's; got {mine}"
+            rest = [c for c in mine if c.state != "RUNNING"]
+            # r2 keeps its dead attempt (the API's lastState); nothing else is left over
+            assert [(c.id, c.state) for c in rest] == ([(old_r2.partition("://")[2], "EXITED")]
+                                                       if n == "r2" else []), (n, rest)
             if n in sandboxes_before:
                 assert view.sandboxes[uid] == sandboxes_before[n], f"pod {n}: sandboxes"
             else:
