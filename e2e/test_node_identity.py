@@ -62,6 +62,22 @@ def refused(call: Callable[[], Any]) -> str:
     return str(e.value.body)
 
 
+def pod_write_refused(call: Callable[[], Any], world: World, pod: str) -> str:
+    """As refused(), for a write to an existing pod. NodeRestriction looks the pod up
+    in the API server's informer cache, which may not hold a pod created a moment ago:
+    it answers 404 then (and does nothing). Asked again until the cache has it."""
+    deadline = time.monotonic() + 30
+    while True:
+        with pytest.raises(client.ApiException) as e:
+            call()
+        if e.value.status != 404 or time.monotonic() > deadline:
+            break
+        assert world.core.read_namespaced_pod(pod, world.ns).metadata.deletion_timestamp is None
+        time.sleep(0.3)
+    assert e.value.status == 403, (e.value.status, e.value.body)
+    return str(e.value.body)
+
+
 @dataclasses.dataclass
 class Node:
     name: str
@@ -227,11 +243,12 @@ def test_a_node_cannot_touch_pods_bound_to_another_node(world: World) -> None:
     status = {"status": {"phase": "Failed", "message": f"spoofed by {a.name}"}}
     refused(lambda: a.core.patch_namespaced_pod_status(pod_b, ns, status))
     refused(lambda: a.core.replace_namespaced_pod_status(pod_b, ns, before))
-    refused(lambda: a.core.delete_namespaced_pod(pod_b, ns))
+    pod_write_refused(lambda: a.core.delete_namespaced_pod(pod_b, ns), world, pod_b)
     refused(lambda: a.core.patch_namespaced_pod(pod_b, ns, {"metadata": {"labels": {"x": "y"}}}))
     eviction = {"apiVersion": "policy/v1", "kind": "Eviction",
                 "metadata": {"name": pod_b, "namespace": ns}}
-    refused(lambda: a.core.create_namespaced_pod_eviction(pod_b, ns, eviction))
+    pod_write_refused(lambda: a.core.create_namespaced_pod_eviction(pod_b, ns, eviction),
+                      world, pod_b)
     after = world.core.read_namespaced_pod(pod_b, ns)
     assert after.metadata.resource_version == before.metadata.resource_version
     assert after.metadata.deletion_timestamp is None
@@ -345,7 +362,8 @@ def test_a_node_creates_its_own_mirror_pod(world: World) -> None:
     assert created.spec.node_name == a.name
     assert created.metadata.annotations[MIRROR] == "e2e"
     # ...and b cannot delete it
-    refused(lambda: world.b.core.delete_namespaced_pod("mirror-own", world.ns))
+    pod_write_refused(lambda: world.b.core.delete_namespaced_pod("mirror-own", world.ns),
+                      world, "mirror-own")
     a.core.delete_namespaced_pod("mirror-own", world.ns, grace_period_seconds=0)
 
 
