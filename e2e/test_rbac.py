@@ -134,19 +134,30 @@ def identities(cluster: Cluster, release: Release,
                                         d / "operator.kubeconfig"),
            "agent": token_kubeconfig(cluster, release.namespace, release.agent_sa,
                                      d / "agent.kubeconfig")}
-    _wait_for_admission_policies(ids["agent"])
+    _wait_for_admission_policies(ids["agent"], ids["operator"])
     return ids
 
 
-def _wait_for_admission_policies(agent_kubeconfig: Path, timeout: float = 60) -> None:
+def _wait_for_admission_policies(agent_kubeconfig: Path, operator_kubeconfig: Path,
+                                 timeout: float = 60) -> None:
     """The API server enforces a new ValidatingAdmissionPolicy only once its admission
-    plugin has synced it; until then the agent's fence has RBAC only. A dry-run create
-    under a foreign name goes through admission and writes nothing."""
-    core = client.CoreV1Api(new_api_client(agent_kubeconfig, component="e2e-agent-sa"))
+    plugin has synced it; until then the fences have RBAC only. A dry-run create (a Node
+    under a foreign name by the agent, an Event about a Pod by the operator) goes
+    through admission and writes nothing."""
+    agent = client.CoreV1Api(new_api_client(agent_kubeconfig, component="e2e-agent-sa"))
+    operator = client.CoreV1Api(new_api_client(operator_kubeconfig, component="e2e-op-sa"))
     deadline = time.monotonic() + timeout
+    for probe in (lambda: agent.create_node(_node(f"e2e-probe-{uuid.uuid4().hex[:6]}"),
+                                            dry_run="All"),
+                  lambda: operator.create_namespaced_event(
+                      "default", _event("probe", kind="Pod"), dry_run="All")):
+        _refused_eventually(probe, deadline, timeout)
+
+
+def _refused_eventually(probe: Callable[[], Any], deadline: float, timeout: float) -> None:
     while True:
         try:
-            core.create_node(_node(f"e2e-probe-{uuid.uuid4().hex[:6]}"), dry_run="All")
+            probe()
         except client.ApiException as e:
             if e.status == 403:
                 return
@@ -386,13 +397,17 @@ def _pod(cluster: Cluster, namespace: str, node: str) -> str:
     return name
 
 
-def _event(node: str, namespace: str = "default") -> dict[str, Any]:
+def _event(node: str, namespace: str = "default", *, kind: str = "Node",
+           source: str | None = None) -> dict[str, Any]:
     now = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    return {"apiVersion": "v1", "kind": "Event",
+    body = {"apiVersion": "v1", "kind": "Event",
             "metadata": {"name": f"{node}.{uuid.uuid4().hex[:8]}", "namespace": namespace},
-            "involvedObject": {"apiVersion": "v1", "kind": "Node", "name": node},
+            "involvedObject": {"apiVersion": "v1", "kind": kind, "name": node},
             "reason": "E2E", "message": "made up", "type": "Warning",
             "firstTimestamp": now, "lastTimestamp": now, "count": 1}
+    if source:
+        body["source"] = {"component": source}
+    return body
 
 
 def test_operator_identity_cannot_read_secrets_or_make_nodes(
@@ -421,15 +436,35 @@ def test_operator_identity_cannot_read_secrets_or_make_nodes(
     # kopf runs clusterwide: the operator needs no Namespaces, and gets none
     status, body = _status(lambda: core.list_namespace())
     assert status == 403 and 'cannot list resource "namespaces"' in body
-    # Events: about Nodes, in "default"; nowhere else, and none deleted
+    # Events: its own about Nodes, in "default"; nowhere else, none deleted, and no
+    # other component's Event written or rewritten (RBAC, then the admission policy)
+    op = "nodepulse-operator"
     status, body = _status(lambda: core.create_namespaced_event(
-        release.namespace, _event(foreign_node, release.namespace)))
+        release.namespace, _event(foreign_node, release.namespace, source=op)))
     assert status == 403 and 'cannot create resource "events"' in body
-    made = core.create_namespaced_event("default", _event(foreign_node))
+    fence = "the nodepulse operator may only write its own Events about Nodes"
+    status, body = _status(lambda: core.create_namespaced_event(
+        "default", _event("some-pod", kind="Pod", source=op)))
+    assert status == 403 and fence in body and "create events refused" in body
+    status, body = _status(lambda: core.create_namespaced_event(
+        "default", _event(foreign_node, source="kubelet")))
+    assert status == 403 and fence in body
+    admin_core = client.CoreV1Api(cluster.api_client())
+    theirs = admin_core.create_namespaced_event("default", _event(foreign_node,
+                                                                  source="kubelet"))
+    status, body = _status(lambda: core.patch_namespaced_event(
+        theirs.metadata.name, "default", {"count": 7, "source": {"component": op}}))
+    assert status == 403 and fence in body and "update events refused" in body
+    assert admin_core.read_namespaced_event(theirs.metadata.name, "default").count == 1
+    made = core.create_namespaced_event("default", _event(foreign_node, source=op))
+    assert core.patch_namespaced_event(made.metadata.name, "default", {"count": 2}).count == 2
+    status, _ = _status(lambda: core.patch_namespaced_event(
+        made.metadata.name, "default", {"involvedObject": {"name": "elsewhere"}}))
+    assert status == 403
     status, _ = _status(lambda: core.delete_namespaced_event(made.metadata.name, "default"))
     assert status == 403
-    client.CoreV1Api(cluster.api_client()).delete_namespaced_event(made.metadata.name,
-                                                                   "default")
+    for ev in (made, theirs):
+        admin_core.delete_namespaced_event(ev.metadata.name, "default")
 
 
 # ---- the programs themselves, under those identities
