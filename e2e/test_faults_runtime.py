@@ -730,6 +730,7 @@ class InProcessAgent:
         self.name = name
         self.root = root
         self.registry = CollectorRegistry()
+        self.api: client.ApiClient | None = None
         self.runtime: HangingRuntime | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
@@ -759,6 +760,7 @@ class InProcessAgent:
         cfg = self.cfg
         api = new_api_client(cfg.kubeconfig, component="agent", retries=0,
                              pool_size=cfg.lease_concurrency + cfg.status_concurrency + 2)
+        self.api = api
         try:
             clock = RealClock()
             hip = host_ip(cfg, host_probe(cfg))
@@ -879,3 +881,11 @@ def test_hung_pod_status_does_not_stall_pleg_or_other_pods(
 
         eventually(h_restarted, "h restarted once the runtime answers", 60)
         assert agent.error is None
+        # pod status writes reuse the API client's connections (an unread response
+        # would hold its connection until garbage collection: one TLS connection each)
+        assert agent.api is not None
+        pools = agent.api.rest_client.pool_manager.pools
+        opened = sum(pools[k].num_connections for k in list(pools.keys()))
+        writes = agent.sample("nodepulse_pod_status_writes_total", kind="patch", result="ok")
+        print(f"[fault 7] the agent's API client opened {opened} connections in all; "
+              f"{writes:.0f} pod status patches")

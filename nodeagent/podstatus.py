@@ -14,7 +14,7 @@ import contextlib
 import datetime as dt
 import logging
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -281,9 +281,9 @@ class ApiStatusWriter:
             # pod's status goes to its mirror pod, which has a uid of its own
             body["metadata"] = {"uid": meta["uid"]}
         await asyncio.to_thread(
-            self.core.patch_namespaced_pod_status, meta["name"], meta.get("namespace",
-                                                                          "default"),
-            body, _content_type="application/strategic-merge-patch+json",
+            _unused, self.core.patch_namespaced_pod_status, meta["name"],
+            meta.get("namespace", "default"), body,
+            _content_type="application/strategic-merge-patch+json",
             _preload_content=False, _request_timeout=self.request_timeout)
 
     async def delete_pod(self, pod: Pod) -> None:
@@ -291,9 +291,21 @@ class ApiStatusWriter:
         opts = k8s.V1DeleteOptions(grace_period_seconds=0,
                                    preconditions=k8s.V1Preconditions(uid=meta["uid"]))
         await asyncio.to_thread(
-            self.core.delete_namespaced_pod, meta["name"], meta.get("namespace", "default"),
-            grace_period_seconds=0, body=opts, _preload_content=False,
-            _request_timeout=self.request_timeout)
+            _unused, self.core.delete_namespaced_pod, meta["name"],
+            meta.get("namespace", "default"), grace_period_seconds=0, body=opts,
+            _preload_content=False, _request_timeout=self.request_timeout)
+
+
+def _unused(call: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+    """Make an API call whose answer is not needed (unparsed: `_preload_content=False`),
+    then read the body to its end and give the connection back to the pool. Left
+    unread, the response holds its connection until garbage collection closes it: every
+    write would open a new TLS connection, and the API server logs an aborted request."""
+    resp = call(*args, **kwargs)
+    try:
+        resp.drain_conn()
+    finally:
+        resp.release_conn()
 
 
 @dataclass

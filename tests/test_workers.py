@@ -210,15 +210,36 @@ async def test_failed_init_container_with_never_fails_the_pod() -> None:
     await a.loop.stop()
 
 
+class FakeResponse:
+    """What a call with _preload_content=False returns (urllib3's HTTPResponse)."""
+
+    def __init__(self) -> None:
+        self.drained = self.released = False
+
+    def drain_conn(self) -> None:
+        self.drained = True
+
+    def release_conn(self) -> None:
+        assert self.drained, "released with the body unread: the connection is not reusable"
+        self.released = True
+
+
 class FakeCore:
     def __init__(self) -> None:
         self.calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
+        self.responses: list[FakeResponse] = []
 
-    def patch_namespaced_pod_status(self, *args: Any, **kw: Any) -> None:
+    def _answer(self) -> FakeResponse:
+        self.responses.append(FakeResponse())
+        return self.responses[-1]
+
+    def patch_namespaced_pod_status(self, *args: Any, **kw: Any) -> FakeResponse:
         self.calls.append(("patch", args, kw))
+        return self._answer()
 
-    def delete_namespaced_pod(self, *args: Any, **kw: Any) -> None:
+    def delete_namespaced_pod(self, *args: Any, **kw: Any) -> FakeResponse:
         self.calls.append(("delete", args, kw))
+        return self._answer()
 
 
 @aio
@@ -240,6 +261,10 @@ async def test_api_writer_sends_strategic_patch_with_uid_precondition() -> None:
     kind, args, kw = core.calls[2]
     assert kind == "delete" and kw["grace_period_seconds"] == 0
     assert kw["body"].preconditions.uid == "u1"
+    # every unparsed answer is read to its end and its connection goes back to the pool
+    # (left unread, each write would cost a new TLS connection)
+    assert len(core.responses) == 3
+    assert all(r.drained and r.released for r in core.responses)
 
 
 def test_cache_entry_for_unknown_pod_is_empty() -> None:
