@@ -234,7 +234,11 @@ class Agent:
             label_selector="" if one else f"{AGENT_LABEL}={self.cfg.agent_id}")
         if self.cfg.healthz_bind_address:
             host, port = self.cfg.healthz_bind_address
-            self.health = HealthServer(host, port, self.registry)
+            try:
+                self.health = HealthServer(host, port, self.registry)
+            except OSError as e:
+                raise ConfigError(f"--healthz-bind-address: cannot listen on {host}:{port}: "
+                                  f"{e.strerror or e}") from e
             self.health.health_checks["heartbeat"] = self.healthz
             self.health.ready_checks["registered"] = self.readyz
             if self.pods:

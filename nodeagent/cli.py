@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         asyncio.run(_serve(cfg, flags))
-    except (ClientConfigError, ContainerRuntimeError) as e:
+    except (ClientConfigError, ContainerRuntimeError, config.ConfigError) as e:
         print(f"nodepulse-agent: error: {e}", file=sys.stderr)
         return 2
     return 0

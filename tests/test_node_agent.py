@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
+import urllib.request
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 from nodeagent import __version__, config
 from nodeagent.agent import Agent
 from nodeagent.api.clock import FakeClock, settle
+from nodeagent.api.serve import HealthServer
 from nodeagent.node.controller import NodeSpec
 from nodeagent.node.fakekube import FakeKube, InlineExecutor
 from tests.test_node_host import fake_proc
@@ -108,3 +112,20 @@ def test_many_nodes_share_one_watch_and_two_schedulers(tmp_path):
         stop.set()
         await task
     asyncio.run(main())
+
+
+def test_health_server_on_ipv6_loopback_and_a_taken_port(tmp_path):
+    server = HealthServer("::1", 0, CollectorRegistry())
+    server.start()
+    try:
+        with urllib.request.urlopen(f"http://[::1]:{server.port}/healthz", timeout=5) as r:
+            assert r.read() == b"ok\n"
+        # the port is taken: a clear error naming the flag, before anything is written
+        agent, _, kube = make_agent(tmp_path, [])
+        agent.cfg = dataclasses.replace(agent.cfg, healthz_bind_address=("::1", server.port))
+        with pytest.raises(config.ConfigError,
+                           match=rf"--healthz-bind-address: cannot listen on ::1:{server.port}"):
+            asyncio.run(agent.run(asyncio.Event()))
+        assert not kube.calls
+    finally:
+        server.stop()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -52,7 +53,11 @@ class HealthServer:
             def log_message(self, format: str, *args: object) -> None:
                 pass  # scrapes every few seconds would drown the real log
 
-        self._server = ThreadingHTTPServer((host, port), Handler)
+        server_class = ThreadingHTTPServer
+        if ":" in host:  # an IPv6 literal: http.server binds IPv4 unless told otherwise
+            server_class = type("ThreadingHTTPServer6", (ThreadingHTTPServer,),
+                                {"address_family": socket.AF_INET6})
+        self._server = server_class((host, port), Handler)
         self._server.daemon_threads = True
         self._thread: threading.Thread | None = None
 
