@@ -13,6 +13,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, 
 HealthCheck = Callable[[], str | None]
 
 
+class _ThreadingHTTPServer6(ThreadingHTTPServer):
+    address_family = socket.AF_INET6
+
+
 class HealthServer:
     """Serves /metrics, /healthz (every check passes) and /readyz (same, plus readiness)."""
 
@@ -53,10 +57,8 @@ class HealthServer:
             def log_message(self, format: str, *args: object) -> None:
                 pass  # scrapes every few seconds would drown the real log
 
-        server_class = ThreadingHTTPServer
-        if ":" in host:  # an IPv6 literal: http.server binds IPv4 unless told otherwise
-            server_class = type("ThreadingHTTPServer6", (ThreadingHTTPServer,),
-                                {"address_family": socket.AF_INET6})
+        # an IPv6 literal needs its own address family: http.server binds IPv4
+        server_class = _ThreadingHTTPServer6 if ":" in host else ThreadingHTTPServer
         self._server = server_class((host, port), Handler)
         self._server.daemon_threads = True
         self._thread: threading.Thread | None = None
