@@ -685,6 +685,45 @@ def test_agent_sigkill_during_burst_converges(
               f"interrupted by a kill and redone: {sorted(restarts)}")
 
 
+def test_agent_sigterm_while_starting_interrupts_nothing(
+        cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The graceful counterpart of fault 5 (an agent upgrade or restart): SIGTERM while
+    containerd starts a batch of containers. The agent lets the runtime calls in flight
+    finish before it exits, so no start is cancelled half-way (which containerd turns
+    into a StartError and the next agent into a restart)."""
+    with node_env(cluster, "containerd", "term", tmp_path_factory.mktemp("term")) as env:
+        agent = start_agent(cluster, env, "--log-level=debug")
+        names = [f"t{i:02d}" for i in range(20)]
+        for n in names:
+            env.create(n)
+
+        def some_running() -> bool:
+            k = sum(1 for p in env.pods() if running(p))
+            return 2 <= k < len(names)
+
+        eventually(some_running, "the first pods Running, the others still starting", 60,
+                   every=0.05)
+        assert agent.proc is not None
+        agent.proc.send_signal(signal.SIGTERM)
+        assert agent.proc.wait(60) == 0
+        log = (env.root / "agent.log").read_text()
+        waited = [line for line in log.splitlines() if "runtime call(s) in flight" in line]
+        print(f"\n[sigterm] running when stopped: "
+              f"{sum(1 for p in env.pods() if running(p))}/{len(names)}; {waited}")
+        assert waited, "no runtime call was in flight at the SIGTERM: nothing was tried"
+        agent.start()
+        try:
+            eventually(lambda: converged(env, set(names), set()) is None,
+                       "the runtime to match the API", 120, every=0.5)
+        except AssertionError:
+            print(f"still differs: {converged(env, set(names), set())}\n{env.describe()}")
+            raise
+        restarted = {p.metadata.name: p.status.container_statuses[0].last_state.terminated
+                     for p in env.pods() if p.status.container_statuses[0].restart_count}
+        assert restarted == {}, f"starts interrupted by a graceful stop: {restarted}"
+        assert not [c for c in env.view().containers if c.state != "RUNNING"]
+
+
 # --- fault 7: one pod's status call hangs -------------------------------------------
 
 class HangingRuntime(ProcessRuntime):

@@ -117,6 +117,14 @@ class CrashBackoff:
             del self._e[k]
 
 
+def _forget_call(inflight: set[asyncio.Future[Any]]) -> Callable[[asyncio.Future[Any]], None]:
+    def done(call: asyncio.Future[Any]) -> None:
+        inflight.discard(call)
+        if not call.cancelled():
+            call.exception()  # retrieved: a caller that was cancelled never will
+    return done
+
+
 # --- what one sync does -------------------------------------------------------------
 
 @dataclass
@@ -151,11 +159,43 @@ class PodSyncer:
         self.call_timeout = call_timeout
         self.log_root = log_root
         self.backoff = backoff or CrashBackoff(clock)
+        self._inflight: set[asyncio.Future[Any]] = set()  # runtime calls under way
 
     async def _rt(self, aw: Awaitable[T], what: str, extra: float = 0.0) -> T:
-        return await clock_timeout(self.clock, aw, self.call_timeout + extra,
-                                   f"runtime {what}: no answer within "
-                                   f"{self.call_timeout + extra:.0f}s")
+        """One runtime call, bounded by the call timeout. Cancelling the caller (the
+        agent stopping) does not cancel the call itself: a CRI StartContainer whose
+        client goes away is aborted by containerd half-way, as a StartError, and the
+        next agent has to restart that container. `drain` lets calls in flight end."""
+        call = asyncio.ensure_future(aw)
+        self._inflight.add(call)
+        call.add_done_callback(_forget_call(self._inflight))
+        secs = self.call_timeout + extra
+        try:
+            return await clock_timeout(self.clock, asyncio.shield(call), secs,
+                                       f"runtime {what}: no answer within {secs:.0f}s")
+        except TimeoutError:
+            call.cancel()  # timed out: the call itself is abandoned
+            raise
+
+    async def drain(self, timeout: float) -> int:
+        """Wait up to `timeout` s for the runtime calls in flight, then cancel the rest.
+        Returns how many had to be cancelled."""
+        pending = {c for c in self._inflight if not c.done()}
+        if not pending:
+            return 0
+        log.info("waiting up to %.0fs for %d runtime call(s) in flight", timeout,
+                 len(pending))
+        with contextlib.suppress(TimeoutError):
+            await clock_timeout(self.clock, asyncio.wait(pending), timeout,
+                                "runtime calls in flight")
+        left = [c for c in pending if not c.done()]
+        for c in left:
+            c.cancel()
+        if left:
+            log.warning("%d runtime call(s) still running after %.0fs; cancelled",
+                        len(left), timeout)
+            await asyncio.gather(*left, return_exceptions=True)
+        return len(left)
 
     def _publish(self, pod: Pod, rs: PodRuntimeStatus, waiting: Mapping[str, Waiting],
                  terminal: bool = False) -> dict[str, Any]:
@@ -482,7 +522,9 @@ def _worker_metrics(registry: CollectorRegistry) -> _WorkerMetrics:
 class PodWorkers:
     def __init__(self, syncer: PodSyncer, cache: PodCache, clock: Clock, *,
                  node: str = "", sync_frequency: float = 60.0, error_initial: float = 1.0,
-                 error_max: float = 60.0, registry: CollectorRegistry = REGISTRY) -> None:
+                 error_max: float = 60.0, drain_timeout: float = 15.0,
+                 registry: CollectorRegistry = REGISTRY) -> None:
+        """`drain_timeout`: on stop, how long runtime calls in flight may still run."""
         self.syncer = syncer
         self.cache = cache
         self.clock = clock
@@ -490,6 +532,7 @@ class PodWorkers:
         self.sync_frequency = sync_frequency
         self.error_initial = error_initial
         self.error_max = error_max
+        self.drain_timeout = drain_timeout
         self._w: dict[str, _Worker] = {}
         # uid -> when its worker finished cleaning up; a relist older than that still
         # shows the pod, which housekeeping must not take for an orphan
@@ -555,12 +598,15 @@ class PodWorkers:
         return uids
 
     async def stop(self) -> None:
+        """Stop the workers; runtime calls they had under way may end (see drain), so
+        the runtime is never left with a change cut off half-way."""
         tasks = [w.task for w in self._w.values() if w.task and not w.task.done()]
         for t in tasks:
             t.cancel()
         for t in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
+        await self.syncer.drain(self.drain_timeout)
 
     # --- the worker loop ------------------------------------------------------------
 

@@ -1,20 +1,23 @@
-"""Runtime faults seen by PLEG and the node's readiness (fake runtime, FakeClock):
-a runtime whose relists fail (containerd stopped) is reported down within a few relist
-periods, on the Node's Ready condition and in /metrics, and clears as soon as relists
-work again; a single failed relist is not an outage."""
+"""Runtime faults (fake runtime, FakeClock): a runtime whose relists fail (containerd
+stopped) is reported down within a few relist periods, on the Node's Ready condition and
+in /metrics, and clears as soon as relists work again (a single failed relist is not an
+outage); an agent that stops lets the runtime calls in flight finish, within a bound."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
 from nodeagent.api.clock import FakeClock, settle
 from nodeagent.pleg import Pleg
-from nodeagent.runtime import RelistResult, Unavailable
+from nodeagent.runtime import ContainerState, RelistResult, Unavailable
 from nodeagent.runtime.fake import FakeRuntime
+from nodeagent.sources.types import Op
 from tests.test_agent_pods import Rig
 from tests.test_runtime_fake import aio
+from tests.test_syncloop import mkpod, started
 
 
 class Switch:
@@ -112,3 +115,54 @@ async def test_runtime_reading_is_retried_every_second_while_down(tmp_path: Path
     await rig.clock.advance(9)
     assert rig.ready_condition()["status"] == "True"
     await rig.finish()
+
+
+class GatedRuntime(FakeRuntime):
+    """start_container waits for `gate` (a runtime slow to start a container)."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        super().__init__(clock)
+        self.gate = asyncio.Event()
+        self.starting = 0
+
+    async def start_container(self, container_id: str) -> None:
+        self.starting += 1
+        await self.gate.wait()
+        await super().start_container(container_id)
+
+
+@aio
+async def test_stopping_lets_a_runtime_call_in_flight_finish() -> None:
+    """The agent stops (SIGTERM) while the runtime starts a container: the start is not
+    cut off half-way (containerd would abort it as a StartError, and the next agent
+    would have to restart the container); stop returns once it is done."""
+    clock = FakeClock()
+    rt = GatedRuntime(clock)
+    a = await started(clock, rt)
+    a.send(Op.ADD, mkpod("web", "u1"))
+    await a.run_for(2)
+    assert rt.starting == 1 and rt.running("u1") == []
+    stop = asyncio.create_task(a.loop.stop())
+    await settle()
+    assert not stop.done()  # waiting for the start in flight
+    rt.gate.set()
+    await settle()
+    assert stop.done()
+    assert [c.state for c in rt.find("u1", "c0")] == [ContainerState.RUNNING]
+
+
+@aio
+async def test_stopping_gives_up_on_a_hung_runtime_call() -> None:
+    clock = FakeClock()
+    rt = GatedRuntime(clock)
+    a = await started(clock, rt)
+    a.loop.workers.drain_timeout = 15
+    a.send(Op.ADD, mkpod("web", "u1"))
+    await a.run_for(2)
+    stop = asyncio.create_task(a.loop.stop())
+    await settle()
+    await clock.advance(14)
+    assert not stop.done()
+    await clock.advance(1)
+    assert stop.done() and stop.exception() is None  # the hung start was cancelled
+    assert [c.state for c in rt.find("u1", "c0")] == [ContainerState.CREATED]

@@ -77,6 +77,9 @@ class SlowSyncer:
     def sync_terminated(self, pod: dict, entry: CacheEntry) -> None:
         pass
 
+    async def drain(self, timeout: float) -> int:
+        return 0
+
     async def cleanup_pod(self, uid: str) -> None:
         pass
 
