@@ -10,7 +10,8 @@
 5. Agent SIGKILL at seeded random points of a burst of 50 pod creates plus deletes
    (restarted each time), then a final kill and restart: afterwards the runtime holds
    exactly what the API asks for, and the API's statuses name those very containers.
-   Once with the process runtime, once with containerd (hostNetwork pods).
+   Once with the process runtime, once with containerd (hostNetwork pods). Its graceful
+   counterpart: SIGTERM while containerd starts 20 containers restarts none of them.
 6. (7 in the issue) Slow runtime: the agent runs in this process (its asyncio entry
    point, the same Agent and Pods the CLI builds) on a process runtime whose
    pod_status call hangs for one pod; PLEG stays healthy, other pods are created,
