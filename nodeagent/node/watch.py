@@ -37,6 +37,7 @@ class NodeWatch:
         self.timeout_seconds = timeout_seconds
         self.resource_version: str | None = None
         self.lists = 0
+        self.delivered = 0  # events the current (or last) watch stream delivered
         self._stream: WatchStream | None = None
         self._stopping = False
 
@@ -44,6 +45,7 @@ class NodeWatch:
         loop = asyncio.get_running_loop()
         failures = 0
         while not self._stopping:
+            self.delivered = 0
             try:
                 fresh = self.resource_version is None
                 if fresh:
@@ -60,6 +62,8 @@ class NodeWatch:
             except Exception as e:
                 if self._stopping:
                     break
+                if self.delivered:
+                    failures = 0  # the watch worked before it broke: a new backoff
                 failures += 1
                 delay = min(8.0, 0.5 * 2 ** min(failures, 4))
                 log.warning("node watch: %s; again in %.1fs", _brief(e), delay)
@@ -99,6 +103,7 @@ class NodeWatch:
                     raise ApiException(status=obj.get("code") or 500,
                                        reason=obj.get("message") or obj.get("reason"))
                 seen += 1
+                self.delivered = seen
                 rv = str((obj.get("metadata") or {}).get("resourceVersion") or rv)
                 if kind != "BOOKMARK":
                     loop.call_soon_threadsafe(self.handler, str(kind), obj)

@@ -85,6 +85,9 @@ class APISource:
         self.events = 0
         self.watches = 0
         self.connected = asyncio.Event()  # a watch stream is open
+        # the current watch: when its stream opened, and whether anything came on it
+        self._opened_at: float | None = None
+        self._delivered = False
         self._resp: urllib3.BaseHTTPResponse | None = None
         self._resp_lock = threading.Lock()
         self._stop = threading.Event()  # per watch: the reader must stop
@@ -93,6 +96,7 @@ class APISource:
         delay = 0.0
         relist_reason = "initial"
         while True:
+            self._opened_at, self._delivered = None, False
             try:
                 if self.resource_version is None:
                     if relist_reason == "gone" and self.streaming_relist:
@@ -120,6 +124,8 @@ class APISource:
                     log.info("api source: streaming relist refused (%s); using LIST", e)
                     self.streaming_relist = False
                     continue
+                if self._worked():
+                    delay = 0.0  # a watch that worked broke: a new backoff, not the old one
                 retry_after = _retry_after(e)
                 delay = retry_after or min(self.backoff_max,
                                            max(self.backoff_initial, delay * 2))
@@ -128,6 +134,14 @@ class APISource:
                 await self.clock.sleep(delay)
                 if self.resource_version is not None:
                     self._resumed("error")
+
+    def _worked(self) -> bool:
+        """The watch that just failed had opened and then worked: something came on it,
+        or it stayed open for a full backoff ceiling. A server that accepts and at once
+        drops every watch does neither, and keeps its growing backoff."""
+        if self._opened_at is None:
+            return False
+        return self._delivered or self.clock.monotonic() - self._opened_at >= self.backoff_max
 
     def _resumed(self, reason: str) -> None:
         self.resumes += 1
@@ -197,6 +211,9 @@ class APISource:
                 if isinstance(item, BaseException):
                     raise item
                 self.connected.set()
+                if self._opened_at is None:
+                    self._opened_at = self.clock.monotonic()
+                self._delivered = self._delivered or bool(item)
                 for event in item:
                     initial = self._handle(event, initial)
         finally:

@@ -1,0 +1,145 @@
+"""The API source's (and the node watch's) backoff after an outage (found by the network-cut e2e fault: after
+one outage had grown the backoff to its 30 s ceiling, every later break of a healthy
+watch waited 30 s before reconnecting, because only a cleanly ended stream reset it).
+
+The in-test API server of tests/test_sources_api.py sits behind a loopback TCP proxy
+that can drop the connection mid-stream, as a network cut does; the source's backoff
+sleeps are on a FakeClock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from e2e.tcpproxy import TcpProxy
+from nodeagent.api.client import new_api_client
+from nodeagent.api.clock import FakeClock, settle
+from nodeagent.node.fakekube import FakeKube, InlineExecutor
+from nodeagent.node.kube import Obj
+from nodeagent.node.scheduler import Blocking
+from nodeagent.node.watch import NodeWatch
+from nodeagent.sources.api import APISource
+from nodeagent.sources.types import Op
+from tests.test_merge import until
+from tests.test_sources_api import FakeAPIServer, Harness, kubeconfig, mkpod, serving
+
+
+@pytest.fixture
+def server() -> Iterator[FakeAPIServer]:
+    yield from serving()
+
+
+def run_via(proxy: TcpProxy, server: FakeAPIServer, tmp_path: Path,
+            body: Callable[[Harness], Awaitable[None]]) -> None:
+    """tests/test_sources_api.run, with the source talking to the server through
+    `proxy`."""
+    async def main() -> None:
+        h = Harness(server, tmp_path, ["n1"])
+        h.api.close()
+        h.api = new_api_client(kubeconfig(tmp_path, f"http://127.0.0.1:{proxy.port}"))
+        h.src = APISource(h.api, ["n1"], h.merge, h.clock)
+        task = asyncio.create_task(h.src.run())
+        try:
+            await body(h)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            h.api.close()
+    asyncio.run(main())
+
+
+def test_backoff_starts_over_after_a_watch_that_worked(server: FakeAPIServer,
+                                                       tmp_path: Path) -> None:
+    target = int(server.url.rsplit(":", 1)[1])
+    with TcpProxy("127.0.0.1", target) as proxy:
+        server.down = True  # a long outage first: the backoff grows to its ceiling
+
+        async def body(h: Harness) -> None:
+            for _ in range(9):  # 0.5, 1, 2, 4, 8, 16, 30, 30, ...
+                await until(lambda: h.clock.sleepers == 1)
+                await h.clock.advance(30.0)
+            await until(lambda: h.clock.sleepers == 1)  # failed again: waiting 30 s
+            server.down = False
+            await h.clock.advance(30.0)
+            await h.watching(1)
+            server.create(mkpod("a"))
+            assert await h.next() == (Op.ADD, ["a"])  # the watch works
+            watches = server.verbs()[1]
+            proxy.cut()     # the connection drops mid-stream: no clean end
+            proxy.resume()
+            await until(lambda: h.clock.sleepers == 1 and not h.src.connected.is_set())
+            await h.clock.advance(1.0)  # the first step of a new backoff, not 30 s
+            await until(lambda: server.verbs()[1] > watches)
+            server.create(mkpod("b"))
+            assert await h.next() == (Op.ADD, ["b"])
+            assert h.src.relists == 0  # resumed from its resourceVersion
+
+        run_via(proxy, server, tmp_path, body)
+
+
+# ---- the node watch has the same rule (its ceiling is 8 s)
+class BreakingStreams(FakeKube):
+    """watch_nodes fails while `down`; otherwise its stream delivers the Node's events
+    and then breaks mid-stream (a dropped connection), not a clean end."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        super().__init__(now=clock.monotonic)
+        self.down = True
+
+    def watch_nodes(self, resource_version: str, field_selector: str = "",
+                    label_selector: str = "", timeout_seconds: int = 300) -> Any:
+        if self.down:
+            self.calls.append((self._now(), "watch_nodes", resource_version, None))
+            raise ConnectionError("connection refused")
+        events = list(super().watch_nodes(resource_version, field_selector,
+                                          label_selector, timeout_seconds))
+
+        def stream() -> Iterator[Obj]:
+            yield from events
+            raise ConnectionError("Response ended prematurely")
+        return _Closable(stream())
+
+
+class _Closable:
+    def __init__(self, it: Iterator[Obj]) -> None:
+        self.it = it
+
+    def __iter__(self) -> Iterator[Obj]:
+        return self.it
+
+    def close(self) -> None:
+        pass
+
+
+def test_node_watch_backoff_starts_over_after_a_watch_that_worked() -> None:
+    async def main() -> None:
+        clock = FakeClock()
+        kube = BreakingStreams(clock)
+        kube.put_node({"metadata": {"name": "n1"}})
+        seen: list[str] = []
+        watch = NodeWatch(kube, clock, Blocking(InlineExecutor()),
+                          lambda kind, obj: seen.append(kind),
+                          field_selector="metadata.name=n1")
+        task = asyncio.create_task(watch.run())
+        await settle()
+        for _ in range(6):  # refused: 1, 2, 4, 8, 8, 8 s
+            await clock.advance(8.0)
+            await settle()
+        kube.down = False
+        kube.annotate("n1", "x", "1")  # an event for the watch to deliver
+        await clock.advance(8.0)
+        await settle()
+        assert "MODIFIED" in seen  # the watch worked, then broke
+        calls = kube.count("watch_nodes")
+        await clock.advance(1.0)  # the first step of a new backoff, not 8 s
+        await settle()
+        assert kube.count("watch_nodes") > calls
+        watch.stop()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    asyncio.run(main())
