@@ -504,6 +504,17 @@ def restore(cluster: Cluster, agents: list[NodeAgent]) -> Iterator[None]:
     cluster.ensure_running()
 
 
+def pod_watch_live(core: client.CoreV1Api, ns: str, agents: list[NodeAgent], pod: str,
+                   what: str, timeout: float = 15.0) -> None:
+    """Each agent's pod watch delivers again: a label put on its pod `<pod>-<node>` now
+    arrives as an UPDATE within `timeout` (a watch left in a long backoff would not)."""
+    before = {a.name: a.counters()["update"] for a in agents}
+    for a in agents:
+        core.patch_namespaced_pod(f"{pod}-{a.name}", ns,
+                                  {"metadata": {"labels": {"poke": str(time.time_ns())}}})
+    each(agents, lambda a: a.counters()["update"] > before[a.name], what, timeout)
+
+
 def lease_renew_time(coord: client.CoordinationV1Api, name: str) -> float:
     lease = coord.read_namespaced_lease(name, "kube-node-lease")
     return float(lease.spec.renew_time.timestamp())
@@ -631,6 +642,7 @@ def test_apiserver_down_20s(cluster: Cluster, core: client.CoreV1Api, ns: str,
         eventually(mirror_gone, f"the mirror of the static pod removed during the outage "
                    f"on {a.name} deleted", 90)
     wait_converged(core, agents, "API pod statuses to equal the runtimes' records")
+    pod_watch_live(core, ns, agents, "keep", "the pod watch delivering after the restart")
     print(f"API == runtimes {time.time() - t_up:.1f}s after the API server was back")
 
     # no running pod was restarted, and each agent stayed healthy
@@ -870,6 +882,7 @@ def test_network_cut_past_grace(cluster: Cluster, core: client.CoreV1Api, ns: st
             return all(not unreachable_effects(core, a.name)
                        and ready_status(core, a.name) == "True" for a in agents)
         eventually(healed, "taints removed and Ready=True after the cut", 60)
+        pod_watch_live(core, ns, agents, "cut", "the pod watch delivering after the cut")
         wait_converged(core, agents, "API and runtimes to agree after the cut")
         for a in agents:
             for w in witnesses[a.name]:
