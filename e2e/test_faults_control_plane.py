@@ -540,8 +540,12 @@ def test_tcpproxy_cut_and_resume() -> None:
                 c, _ = server.accept()
             except TimeoutError:
                 continue
-            threading.Thread(target=lambda c=c: [c.sendall(d) for d in iter(
-                lambda: c.recv(1024), b"")], daemon=True).start()
+            threading.Thread(target=reply, args=(c,), daemon=True).start()
+
+    def reply(c: socket.socket) -> None:
+        with contextlib.suppress(OSError), c:
+            while data := c.recv(1024):
+                c.sendall(data)
 
     t = threading.Thread(target=echo, daemon=True)
     t.start()
