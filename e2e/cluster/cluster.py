@@ -408,7 +408,9 @@ class LocalCluster(Cluster):
         binary = self._args[name][0]
         if _process_runs(pid, binary):
             os.kill(pid, signal.SIGTERM)
-            if not _wait_gone(pid, binary, 15):
+            # kube-apiserver stops listening at once but then lingers for up to a minute
+            # (it keeps no state of its own); etcd and the controllers get a real grace
+            if not _wait_gone(pid, binary, 3 if name == "kube-apiserver" else 15):
                 os.kill(pid, signal.SIGKILL)
                 _wait_gone(pid, binary, 5)
         with contextlib.suppress(ChildProcessError):
