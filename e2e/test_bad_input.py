@@ -21,7 +21,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -39,6 +38,7 @@ from kubernetes.client.exceptions import ApiException
 
 from e2e.cluster import Cluster
 from e2e.promtext import samples
+from e2e.util import eventually, free_port
 
 AGENT = Path(sys.executable).parent / "nodepulse-agent"
 TAINT_KEY = "nodepulse.dev/e2e-bad-input"
@@ -47,24 +47,6 @@ BODY_LIMIT = 16 << 20   # nodeagent.sources.http.MAX_BODY_BYTES
 FILE_LIMIT = 1 << 20    # nodeagent.sources.static.MAX_MANIFEST_BYTES
 HUGE = 50 << 20
 T = TypeVar("T")
-
-
-def eventually(pred: Callable[[], T | None], what: str, timeout: float = WAIT,
-               every: float = 0.2) -> T:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = pred()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(every)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def pod_manifest(name: str, image: str = "busybox:1", **spec: Any) -> dict[str, Any]:

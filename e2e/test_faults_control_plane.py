@@ -55,11 +55,12 @@ import yaml
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
+from e2e import util
 from e2e.cluster import Cluster
-from e2e.cluster.cluster import free_port
 from e2e.cluster.images import BUSYBOX_IMAGE
 from e2e.promtext import samples
 from e2e.tcpproxy import TcpProxy
+from e2e.util import alive, free_port, marked
 from nodeagent.api.policy import GROUP, HEARTBEAT_ANNOTATION, PLURAL, VERSION
 from nodeagent.runtime.base import ANNOTATION_RESTART_COUNT, LABEL_POD_UID
 from nodeagent.runtime.cri.gen import api_pb2 as pb
@@ -88,19 +89,9 @@ T = TypeVar("T")
 # ---- small helpers
 def eventually(pred: Callable[[], T | None], what: str, timeout: float = 60.0,
                every: float = 0.25) -> T:
-    deadline = time.monotonic() + timeout
-    last: BaseException | None = None
-    while True:
-        try:
-            got = pred()
-            if got:
-                return got
-        except (ApiException, OSError) as e:  # the control plane may be coming back
-            last = e
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}"
-                                 + (f" (last error: {last})" if last else ""))
-        time.sleep(every)
+    """util.eventually, with API and connection errors counting as "not yet": the
+    control plane may be coming back."""
+    return util.eventually(pred, what, timeout, every, tolerate=(ApiException, OSError))
 
 
 def each(agents: list[NodeAgent], pred: Callable[[NodeAgent], T | None], what: str,
@@ -108,26 +99,6 @@ def each(agents: list[NodeAgent], pred: Callable[[NodeAgent], T | None], what: s
     """`eventually` for every agent in turn; what each one's predicate returned."""
     return {a.name: eventually(functools.partial(pred, a), f"{what} ({a.name})", timeout)
             for a in agents}
-
-
-def alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def marked(value: str) -> list[int]:
-    """Live processes whose environment has NP_E2E=<value> (every container here
-    carries it): the sweep that proves nothing is left."""
-    needle = f"NP_E2E={value}".encode()
-    out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            with contextlib.suppress(OSError):
-                if needle in (d / "environ").read_bytes().split(b"\0") and alive(int(d.name)):
-                    out.append(int(d.name))
-    return out
 
 
 def now_rfc3339() -> str:

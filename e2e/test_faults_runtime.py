@@ -55,6 +55,7 @@ from prometheus_client import CollectorRegistry
 from e2e.cluster import Cluster
 from e2e.cluster.images import BUSYBOX_IMAGE
 from e2e.promtext import samples
+from e2e.util import alive, environ, eventually, free_port, marked
 from nodeagent.runtime import PodRuntimeStatus
 from nodeagent.runtime.cri.gen import api_pb2 as pb
 from nodeagent.runtime.cri.gen import api_pb2_grpc as pb_grpc
@@ -71,49 +72,6 @@ T = TypeVar("T")
 
 # --- small helpers ------------------------------------------------------------------
 
-def eventually(pred: Callable[[], T | None], what: str, timeout: float = 60.0,
-               every: float = 0.2) -> T:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = pred()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(every)
-
-
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def _environ(pid: int) -> dict[bytes, bytes]:
-    try:
-        raw = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return {}
-    return dict(kv.split(b"=", 1) for kv in raw.split(b"\0") if b"=" in kv)
-
-
-def marked(node: str) -> list[int]:
-    """Live processes carrying NP_E2E=<node> (every container these tests start)."""
-    out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit() and _environ(int(d.name)).get(b"NP_E2E") == node.encode() \
-                and alive(int(d.name)):
-            out.append(int(d.name))
-    return out
-
 
 def workloads(node: str) -> dict[str, list[int]]:
     """Pod name -> PIDs of the live workload shells (one per running container) of the
@@ -124,7 +82,7 @@ def workloads(node: str) -> dict[str, list[int]]:
         with contextlib.suppress(OSError):
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[:-1]
             if argv == want:
-                name = _environ(pid).get(b"POD_NAME", b"?").decode()
+                name = environ(pid).get(b"POD_NAME", b"?").decode()
                 out.setdefault(name, []).append(pid)
     return {k: sorted(v) for k, v in out.items()}
 

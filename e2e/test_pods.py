@@ -29,12 +29,11 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -46,6 +45,7 @@ from kubernetes.client.exceptions import ApiException
 from e2e.cluster import Cluster
 from e2e.cluster.images import BUSYBOX_IMAGE
 from e2e.promtext import samples
+from e2e.util import alive, eventually, free_port, marked
 from nodeagent.runtime.cri.gen import api_pb2 as pb
 from nodeagent.runtime.cri.gen import api_pb2_grpc as pb_grpc
 
@@ -55,44 +55,6 @@ GRACE = 10
 # exits at once on SIGTERM (a shell PID 1 ignores signals it does not trap)
 WORKLOAD = ["sh", "-c", "trap 'exit 0' TERM; while true; do sleep 1; done"]
 T = TypeVar("T")
-
-
-def eventually(pred: Callable[[], T | None], what: str, timeout: float = 60.0,
-               every: float = 0.2) -> T:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = pred()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(every)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def marked(value: str) -> list[int]:
-    """PIDs of live processes whose environment has NP_E2E=<value> (every container
-    these tests start carries it): the sweep that proves nothing is left."""
-    needle = f"NP_E2E={value}".encode()
-    out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            with contextlib.suppress(OSError):
-                if needle in (d / "environ").read_bytes().split(b"\0") and alive(int(d.name)):
-                    out.append(int(d.name))
-    return out
 
 
 @dataclass
