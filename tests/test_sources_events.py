@@ -58,3 +58,19 @@ def test_an_event_failure_is_not_fatal(tmp_path: Path) -> None:
         assert ev.written == 0
         api.close()
     aio(main())
+
+
+def test_an_event_not_written_is_posted_at_the_next_report(server: FakeAPIServer,
+                                                            tmp_path: Path) -> None:
+    async def main() -> None:
+        api = new_api_client(kubeconfig(tmp_path, server.url))
+        ev = NodeEvents(api, "n1", FakeClock(), repeat_after=600.0)
+        ev.warning("StaticPodMalformed", "file source: /m/a.yaml: malformed")
+        await asyncio.wait_for(ev.drain(), 5)
+        assert ev.written == 0  # the Node is not registered yet: 404
+        server.nodes["n1"] = "node-uid-1"
+        ev.warning("StaticPodMalformed", "file source: /m/a.yaml: malformed")
+        await asyncio.wait_for(ev.drain(), 5)
+        assert ev.written == 1
+        api.close()
+    aio(main())

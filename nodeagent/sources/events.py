@@ -41,7 +41,7 @@ class NodeEvents:
         if last is not None and now - last < self.repeat_after:
             return
         self._last[key] = now
-        task = asyncio.get_running_loop().create_task(self._post(reason, message))
+        task = asyncio.get_running_loop().create_task(self._post(reason, message, now))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -50,7 +50,7 @@ class NodeEvents:
         while self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
-    async def _post(self, reason: str, message: str) -> None:
+    async def _post(self, reason: str, message: str, asked: float) -> None:
         try:
             if self._node_uid is None:
                 node = await asyncio.to_thread(request_json, self.api, "GET",
@@ -73,3 +73,6 @@ class NodeEvents:
             self.written += 1
         except Exception as e:  # an Event is best effort; the log line already exists
             log.info("could not write Event %s on node %s: %s", reason, self.node_name, e)
+            # not written (e.g. the Node is not registered yet): the next report posts it
+            if self._last.get((reason, message)) == asked:
+                del self._last[(reason, message)]
