@@ -23,6 +23,7 @@ from nodeoperator.events import NodeEvents
 from nodeoperator.kube import KubeWriter
 from nodeoperator.monitor import Monitor
 from nodeoperator.state import Store
+from nodeoperator.sync import InitialSync
 from nodeoperator.watch import LeaseWatch
 
 from nodeagent.api.client import load_configuration, new_api_client
@@ -101,24 +102,28 @@ async def run(opts: Options, clock: Clock | None = None) -> None:
                             renew_deadline=opts.renew_deadline, retry=opts.retry_period)
     writer = KubeWriter(api, workers=opts.writers)
     events = NodeEvents(writer, clock, instance=opts.identity)
+    leases = LeaseWatch(client.CoordinationV1Api(api), store, clock)
+    # The monitor's first period waits for complete views: kopf's first lists of Nodes
+    # and policies (sync.py) and the first Lease list.
+    synced = InitialSync(client.CoreV1Api(api), client.CustomObjectsApi(api), store, clock)
     monitor = Monitor(store, clock, writer, period=opts.monitor_period,
                       is_leader=lambda: elector.leading,
                       api_ok_since=lambda: elector.api_ok_since, parallel=opts.writers,
-                      events=events)
-    leases = LeaseWatch(client.CoordinationV1Api(api), store, clock)
+                      events=events, synced=(synced.done, leases.listed))
     ready = asyncio.Event()
     server = None
     if opts.metrics_port is not None:
         server = HealthServer(opts.metrics_host, opts.metrics_port)
         server.ready_checks["watching"] = (
-            lambda: None if ready.is_set() and leases.listed.is_set()
-            else "the watches have not started yet")
+            lambda: None if ready.is_set() and leases.listed.is_set() and synced.done.is_set()
+            else "the watches have not listed every Node, policy and Lease yet")
         server.start()
         log.info("metrics and health on http://%s:%d", opts.metrics_host, server.port)
     log.info("starting as %s (leader Lease %s/%s)", opts.identity, opts.election_namespace,
              opts.election_name)
     tasks = [asyncio.create_task(elector.run(), name="election"),
              asyncio.create_task(leases.run(), name="lease-watch"),
+             asyncio.create_task(synced.run(), name="initial-sync"),
              asyncio.create_task(monitor.run(), name="monitor")]
     try:
         # kopf watches only cluster-scoped resources (Nodes, policies): clusterwide, so

@@ -14,7 +14,7 @@ import asyncio
 import dataclasses
 import logging
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from nodeoperator import selector, taints
@@ -123,8 +123,12 @@ class Monitor:
     def __init__(self, store: Store, clock: Clock, writer: Writer, *,
                  period: float = 2.0, is_leader: Callable[[], bool] = lambda: True,
                  api_ok_since: Callable[[], float | None] = lambda: -math.inf,
-                 parallel: int = 16, events: NodeEvents | None = None) -> None:
+                 parallel: int = 16, events: NodeEvents | None = None,
+                 synced: Sequence[asyncio.Event] = ()) -> None:
+        """`synced`: set once each watch's first list is in the Store; no period runs
+        before (a partial view would write defaults over policies, and back)."""
         self.store, self.clock, self.writer = store, clock, writer
+        self.synced = tuple(synced)
         self.events = events
         self.period = period
         self.is_leader = is_leader
@@ -140,6 +144,8 @@ class Monitor:
 
     # ---- the loop
     async def run(self) -> None:
+        for ev in self.synced:
+            await ev.wait()
         while True:
             await self._wait()
             leading = self.is_leader()
@@ -197,19 +203,37 @@ class Monitor:
             floor = now
         stale: dict[str, float] = {}  # node -> seconds past grace expiry
         for name, node in store.nodes.items():
-            group = groups[res.effective[name] or DEFAULT_GROUP]
+            pname = res.effective[name]
+            group = groups[pname or DEFAULT_GROUP]
             group.matched += 1
             lease = store.leases.get(name)
             # The agent's own status post counts as renewal does (our Unknown write
             # keeps its lastHeartbeatTime, so it does not): a node that posts Ready
             # before its Lease renewal reaches us is not marked Unknown over it.
             heard = max(lease.observed, node.status_heard) if lease else node.status_heard
+            silent = now - heard
+            heard_since = node.posted or (lease is not None and lease.renewed)
+            if not heard_since and lease is not None and lease.age is not None:
+                # Not heard from since we first saw it: until then, our own clock only
+                # says how long *we* have watched. Once we have watched for a whole
+                # lease duration without a renewal (a live agent renews within it,
+                # whatever its clock says), the renewTime tells how long before that it
+                # went quiet. A node clock behind ours makes that look longer, so it
+                # can bring a dead node's verdict forward, never a live one's.
+                spec = policies[pname].spec if pname else None
+                duration = (spec.heartbeat if spec else Heartbeat()).leaseDurationSeconds
+                if silent >= duration:
+                    silent += max(0.0, lease.age)
             grace = group.failure.gracePeriodSeconds
-            over = now - heard - grace
+            over = silent - grace
+            marked = _has_taint(node, "NoSchedule")
             # The floor only holds back *new* verdicts: a node already marked
-            # unreachable stays so until it renews, outage or not.
-            if over > 0 and (now - floor > grace or _has_taint(node, "NoSchedule")):
-                stale[name] = over
+            # unreachable stays so until it renews, outage or not. So does one our
+            # predecessor marked (tainted, Ready=Unknown) before we first saw it, until
+            # we hear from it: a new process must not lift a verdict it cannot judge.
+            verdict = marked and (node.conditions.get("Ready") or {}).get("status") == "Unknown"
+            if (over > 0 and (now - floor > grace or marked)) or (verdict and not heard_since):
+                stale[name] = max(over, 0.0)
                 group.stale += 1
         store.stale = set(stale)
         STALE.set(len(stale))

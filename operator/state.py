@@ -4,14 +4,18 @@ handlers and read by the one monitor loop.
 Only what the monitor needs is kept per object, so thousands of nodes stay cheap.
 Lease freshness is judged by when *this process* saw a Lease's renewTime change (on
 its monotonic clock), not by the timestamp itself: a node whose clock is off cannot
-make itself look fresh or stale, and a restarted operator gives every node a full
-grace period before it acts (the controller manager does the same).
+make itself look fresh or stale. What a new process cannot have seen is kept apart:
+whether a node has been heard from since it first saw it (`LeaseInfo.renewed`,
+`NodeInfo.posted`), and how old a Lease's renewTime looked then (`LeaseInfo.age`), so
+the monitor can keep a node already marked unreachable so, and use the timestamp only
+where a node's clock cannot hurt (see monitor.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import datetime as dt
 from collections.abc import Mapping
 from typing import Any
 
@@ -43,6 +47,8 @@ class NodeInfo:
     # change, or first saw the Node. A status post is a sign of life as a renewal is.
     status_heard: float = 0.0
     uid: str = ""  # for Events about the node
+    # the Ready lastHeartbeatTime changed since this process first saw the Node
+    posted: bool = False
 
 
 @dataclasses.dataclass
@@ -50,6 +56,11 @@ class LeaseInfo:
     name: str
     renew_time: str | None
     observed: float  # monotonic time this process saw renew_time change
+    # renew_time changed since this process first saw the Lease, or the Lease was
+    # created while we watched: the agent has been heard from by this process
+    renewed: bool = False
+    # at first sight: our wall clock minus renew_time, seconds (None: unknown)
+    age: float | None = None
 
 
 @dataclasses.dataclass
@@ -87,6 +98,7 @@ class Store:
         self.policies: dict[str, PolicyInfo] = {}
         self.stale: set[str] = set()  # maintained by the monitor: nodes it judged stale
         self.changed = asyncio.Event()  # wakes the monitor before its next period
+        self.leases_listed = False  # a first full list of the Leases is in
 
     def node_event(self, kind: str | None, body: Mapping[str, Any]) -> None:
         meta = body.get("metadata") or {}
@@ -112,10 +124,12 @@ class Store:
         beat = (conditions.get("Ready") or {}).get("lastHeartbeatTime")
         if old is None or beat != (old.conditions.get("Ready") or {}).get("lastHeartbeatTime"):
             info.status_heard = self.clock.monotonic()
+            info.posted = old is not None
             if old is not None and name in self.stale:
                 self.changed.set()  # a silent node posted: let it be judged at once
         else:
             info.status_heard = old.status_heard
+            info.posted = old.posted
         self.nodes[name] = info
         # Labels decide the policy, conditions the NoSchedule taints (a Ready node
         # waits for no period to lose admission's not-ready); anything else is looked
@@ -137,8 +151,15 @@ class Store:
         old = self.leases.get(name)
         if old is not None and old.renew_time == renew:
             return  # a relist or an unrelated field: not a renewal
-        self.leases[name] = LeaseInfo(name=name, renew_time=renew,
-                                      observed=self.clock.monotonic())
+        info = LeaseInfo(name=name, renew_time=renew, observed=self.clock.monotonic(),
+                         renewed=old is not None or self.leases_listed)
+        if old is None:
+            seen = _parse_time(renew)
+            if seen is not None:
+                info.age = (self.clock.now() - seen).total_seconds()
+        else:
+            info.age = old.age
+        self.leases[name] = info
         if name in self.stale:
             self.changed.set()  # a silent node is back: untaint it promptly
 
@@ -146,6 +167,7 @@ class Store:
         """After a full list: forget Leases deleted while we were not watching."""
         for gone in set(self.leases) - names:
             del self.leases[gone]
+        self.leases_listed = True
 
     def policy_event(self, kind: str | None, body: Mapping[str, Any]) -> None:
         name = (body.get("metadata") or {}).get("name")
@@ -156,3 +178,14 @@ class Store:
         else:
             self.policies[name] = parse_policy(body)
         self.changed.set()
+
+
+def _parse_time(value: Any) -> dt.datetime | None:
+    """A Lease's renewTime (MicroTime, RFC 3339); None if absent or unreadable."""
+    if not isinstance(value, str) or not value:
+        return None
+    try:
+        t = dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return t if t.tzinfo else t.replace(tzinfo=dt.UTC)

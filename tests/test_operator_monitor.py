@@ -132,6 +132,7 @@ def run(test: Callable[[Env], Coroutine[Any, Any, None]]) -> None:
     async def main() -> None:
         clock = FakeClock()
         store = Store(clock)
+        store.lease_sync(set())  # the Lease watch's first list, empty: Leases come later
         api = FakeApi(store, clock)
         await test((clock, store, api, Monitor(store, clock, api, period=2)))
     asyncio.run(main())

@@ -1,0 +1,118 @@
+"""Knowing when kopf's first lists of Nodes and policies are in the Store.
+
+kopf delivers a list through per-object workers and says nothing when it is done, so a
+new operator (restart, rolling update, failover) that acted at once would act on a
+partial view: a node whose policy has not arrived yet gets the defaults written, then
+the policy again; a policy's status is rewritten with half its nodes. So before the
+monitor's first period (and before /readyz), the names are listed once, page by page,
+and the Store must hold every one of them. kopf stays the only feeder of the Store (its
+stream is consistent in itself; a second feeder could put back an older version).
+A name that does not arrive is looked up on its own: deleted meanwhile (404), it is
+not waited for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from nodeoperator.state import Store
+
+from nodeagent.api.client import status_of
+from nodeagent.api.clock import Clock
+from nodeagent.api.policy import GROUP, PLURAL, VERSION
+
+log = logging.getLogger("nodeoperator.sync")
+
+
+class InitialSync:
+    def __init__(self, core: Any, custom: Any, store: Store, clock: Clock, *,
+                 page: int = 500, poll: float = 0.2, recheck: float = 5.0,
+                 backoff: float = 1.0) -> None:
+        """`core`, `custom`: a kubernetes CoreV1Api and CustomObjectsApi (or fakes with
+        list_node/read_node and list_/get_cluster_custom_object)."""
+        self.core, self.custom, self.store, self.clock = core, custom, store, clock
+        self.page, self.poll, self.recheck, self.backoff = page, poll, recheck, backoff
+        self.done = asyncio.Event()
+        self.pending: dict[str, set[str]] = {}  # kind -> names not in the Store yet
+
+    async def run(self) -> None:
+        delay = self.backoff
+        while True:
+            try:
+                nodes = await asyncio.to_thread(self._names, self._list_nodes)
+                policies = await asyncio.to_thread(self._names, self._list_policies)
+                break
+            except Exception as e:  # the API server is away: try again, then slower
+                log.warning("listing Nodes and policies: %s; retrying in %.0f s", e, delay)
+                await self.clock.sleep(delay)
+                delay = min(delay * 2, 30.0)
+        self.pending = {"node": nodes, "policy": policies}
+        waited = 0.0
+        while True:
+            self._arrived()
+            if not any(self.pending.values()):
+                break
+            if waited >= self.recheck:
+                waited = 0.0
+                await self._drop_deleted()
+                continue
+            await self.clock.sleep(self.poll)
+            waited += self.poll
+        log.info("the views of %d Nodes and %d policies are complete", len(nodes),
+                 len(policies))
+        self.done.set()
+
+    def _arrived(self) -> None:
+        for kind, have in (("node", self.store.nodes), ("policy", self.store.policies)):
+            self.pending[kind] = {n for n in self.pending[kind] if n not in have}
+
+    async def _drop_deleted(self) -> None:
+        """Names still missing: those deleted since the list are not waited for."""
+        for kind, get in (("node", self._get_node), ("policy", self._get_policy)):
+            for name in sorted(self.pending[kind]):
+                try:
+                    await asyncio.to_thread(get, name)
+                except Exception as e:
+                    if status_of(e) == 404:
+                        self.pending[kind].discard(name)
+                    else:
+                        log.info("looking up %s %s: %s", kind, name, e)
+        log.info("waiting for the watches to deliver %s",
+                 ", ".join(f"{len(v)} {k}(s)" for k, v in self.pending.items() if v) or "-")
+
+    def _names(self, fetch: Callable[[str | None], dict[str, Any]]) -> set[str]:
+        names: set[str] = set()
+        token: str | None = None
+        while True:
+            body = fetch(token)
+            names.update(obj["metadata"]["name"] for obj in body.get("items") or [])
+            token = (body.get("metadata") or {}).get("continue")
+            if not token:
+                return names
+
+    def _list_nodes(self, token: str | None) -> dict[str, Any]:
+        resp = self.core.list_node(limit=self.page, _continue=token, _preload_content=False,
+                                   _request_timeout=(5, 60))
+        return dict(json.loads(resp.data))
+
+    def _list_policies(self, token: str | None) -> dict[str, Any]:
+        try:
+            resp = self.custom.list_cluster_custom_object(
+                GROUP, VERSION, PLURAL, limit=self.page, _continue=token,
+                _preload_content=False, _request_timeout=(5, 60))
+        except Exception as e:
+            if status_of(e) == 404:  # no CRD (yet): no policies to wait for
+                return {}
+            raise
+        return dict(json.loads(resp.data))
+
+    def _get_node(self, name: str) -> None:
+        self.core.read_node(name, _preload_content=False, _request_timeout=5)
+
+    def _get_policy(self, name: str) -> None:
+        self.custom.get_cluster_custom_object(GROUP, VERSION, PLURAL, name,
+                                              _preload_content=False, _request_timeout=5)
