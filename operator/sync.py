@@ -8,7 +8,8 @@ monitor's first period (and before /readyz), the names are listed once, page by 
 and the Store must hold every one of them. kopf stays the only feeder of the Store (its
 stream is consistent in itself; a second feeder could put back an older version).
 A name that does not arrive is looked up on its own: deleted meanwhile (404), it is
-not waited for.
+not waited for (looked up only while kopf makes no progress, a few at a time, so a
+slow first delivery at thousands of Nodes costs no GETs).
 """
 
 from __future__ import annotations
@@ -31,11 +32,12 @@ log = logging.getLogger("nodeoperator.sync")
 class InitialSync:
     def __init__(self, core: Any, custom: Any, store: Store, clock: Clock, *,
                  page: int = 500, poll: float = 0.2, recheck: float = 5.0,
-                 backoff: float = 1.0) -> None:
+                 backoff: float = 1.0, lookups: int = 20) -> None:
         """`core`, `custom`: a kubernetes CoreV1Api and CustomObjectsApi (or fakes with
         list_node/read_node and list_/get_cluster_custom_object)."""
         self.core, self.custom, self.store, self.clock = core, custom, store, clock
         self.page, self.poll, self.recheck, self.backoff = page, poll, recheck, backoff
+        self.lookups = lookups  # at most this many GETs per kind per recheck
         self.done = asyncio.Event()
         self.pending: dict[str, set[str]] = {}  # kind -> names not in the Store yet
 
@@ -51,15 +53,18 @@ class InitialSync:
                 await self.clock.sleep(delay)
                 delay = min(delay * 2, 30.0)
         self.pending = {"node": nodes, "policy": policies}
-        waited = 0.0
+        waited, before = 0.0, len(nodes) + len(policies)
         while True:
             self._arrived()
-            if not any(self.pending.values()):
+            left = sum(len(v) for v in self.pending.values())
+            if not left:
                 break
             if waited >= self.recheck:
                 waited = 0.0
-                await self._drop_deleted()
-                continue
+                if left == before:  # kopf made no progress: look the stragglers up
+                    await self._drop_deleted()
+                    continue
+                before = left
             await self.clock.sleep(self.poll)
             waited += self.poll
         log.info("the views of %d Nodes and %d policies are complete", len(nodes),
@@ -73,7 +78,7 @@ class InitialSync:
     async def _drop_deleted(self) -> None:
         """Names still missing: those deleted since the list are not waited for."""
         for kind, get in (("node", self._get_node), ("policy", self._get_policy)):
-            for name in sorted(self.pending[kind]):
+            for name in sorted(self.pending[kind])[:self.lookups]:
                 try:
                     await asyncio.to_thread(get, name)
                 except Exception as e:

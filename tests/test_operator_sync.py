@@ -121,17 +121,19 @@ def test_sync_waits_for_every_listed_name_and_not_for_deleted_ones() -> None:
         assert sync.done.is_set()
         await task
 
-        # A node deleted between our list and kopf's never arrives: after `recheck`
-        # it is looked up, found gone, and not waited for; one that exists is.
+        # A node deleted between our list and kopf's never arrives: once kopf makes
+        # no progress for `recheck`, it is looked up, found gone, and not waited for;
+        # one that exists is.
         store2 = Store(clock)
         sync2 = InitialSync(lists, lists, store2, clock, page=2, poll=0.5, recheck=5)
         task2 = asyncio.create_task(sync2.run())
         await until(lambda: bool(sync2.pending), "the lists")
         del api.nodes["n3"]
         kopf_delivers(store2, api, policies=False)
-        await clock.advance(4.5)
+        await clock.advance(5)
         assert not sync2.done.is_set()
-        await clock.advance(0.5)  # recheck: n3 is gone (404), p exists
+        assert not [c for c in lists.calls if c[0] in ("read_node", "get_policy")]  # progress
+        await clock.advance(5)  # no progress since: n3 is gone (404), p exists
         await until(lambda: ("get_policy", "p") in lists.calls, "the lookups")
         await settle()
         assert ("read_node", "n3") in lists.calls
