@@ -7,9 +7,10 @@ the policy again; a policy's status is rewritten with half its nodes. So before 
 monitor's first period (and before /readyz), the names are listed once, page by page,
 and the Store must hold every one of them. kopf stays the only feeder of the Store (its
 stream is consistent in itself; a second feeder could put back an older version).
-A name that does not arrive is looked up on its own: deleted meanwhile (404), it is
-not waited for (looked up only while kopf makes no progress, a few at a time, so a
-slow first delivery at thousands of Nodes costs no GETs).
+A name that does not arrive is looked up on its own (a LIST by metadata.name: the
+operator's RBAC grants list, not get): deleted meanwhile, it is not waited for (looked
+up only while kopf makes no progress, a few at a time, so a slow first delivery at
+thousands of Nodes costs no lookups).
 """
 
 from __future__ import annotations
@@ -77,15 +78,15 @@ class InitialSync:
 
     async def _drop_deleted(self) -> None:
         """Names still missing: those deleted since the list are not waited for."""
-        for kind, get in (("node", self._get_node), ("policy", self._get_policy)):
+        for kind, fetch in (("node", self._list_nodes), ("policy", self._list_policies)):
             for name in sorted(self.pending[kind])[:self.lookups]:
                 try:
-                    await asyncio.to_thread(get, name)
+                    found = await asyncio.to_thread(fetch, None, f"metadata.name={name}")
                 except Exception as e:
-                    if status_of(e) == 404:
-                        self.pending[kind].discard(name)
-                    else:
-                        log.info("looking up %s %s: %s", kind, name, e)
+                    log.info("looking up %s %s: %s", kind, name, e)
+                    continue
+                if not found.get("items"):
+                    self.pending[kind].discard(name)
         log.info("waiting for the watches to deliver %s",
                  ", ".join(f"{len(v)} {k}(s)" for k, v in self.pending.items() if v) or "-")
 
@@ -99,25 +100,20 @@ class InitialSync:
             if not token:
                 return names
 
-    def _list_nodes(self, token: str | None) -> dict[str, Any]:
-        resp = self.core.list_node(limit=self.page, _continue=token, _preload_content=False,
+    def _list_nodes(self, token: str | None, field_selector: str = "") -> dict[str, Any]:
+        resp = self.core.list_node(limit=self.page, _continue=token,
+                                   field_selector=field_selector, _preload_content=False,
                                    _request_timeout=(5, 60))
         return dict(json.loads(resp.data))
 
-    def _list_policies(self, token: str | None) -> dict[str, Any]:
+    def _list_policies(self, token: str | None, field_selector: str = "") -> dict[str, Any]:
         try:
             resp = self.custom.list_cluster_custom_object(
                 GROUP, VERSION, PLURAL, limit=self.page, _continue=token,
-                _preload_content=False, _request_timeout=(5, 60))
+                field_selector=field_selector, _preload_content=False,
+                _request_timeout=(5, 60))
         except Exception as e:
             if status_of(e) == 404:  # no CRD (yet): no policies to wait for
                 return {}
             raise
         return dict(json.loads(resp.data))
-
-    def _get_node(self, name: str) -> None:
-        self.core.read_node(name, _preload_content=False, _request_timeout=5)
-
-    def _get_policy(self, name: str) -> None:
-        self.custom.get_cluster_custom_object(GROUP, VERSION, PLURAL, name,
-                                              _preload_content=False, _request_timeout=5)

@@ -36,8 +36,8 @@ class Resp:
 
 
 class ListApi:
-    """list_node/read_node and the custom-object calls over a FakeApi's objects, in
-    pages; `fail` makes the next calls raise; `calls` records every call."""
+    """list_node and list_cluster_custom_object over a FakeApi's objects, in pages or
+    by metadata.name; `fail` makes the next full lists raise; `calls` records every call."""
 
     def __init__(self, api: FakeApi, page: int = 1) -> None:
         self.api, self.page = api, page
@@ -55,31 +55,32 @@ class ListApi:
             body["metadata"]["continue"] = str(start + limit)
         return Resp(body)
 
-    def list_node(self, *, limit: int, _continue: str | None, **kw: Any) -> Resp:
+    def _lookup(self, objs: dict[str, dict[str, Any]], field_selector: str) -> Resp:
+        """A LIST by metadata.name: the one object, or none."""
+        name = field_selector.removeprefix("metadata.name=")
+        return Resp({"items": [copy.deepcopy(objs[name])] if name in objs else [],
+                     "metadata": {"resourceVersion": str(self.api.rv)}})
+
+    def list_node(self, *, limit: int, _continue: str | None, field_selector: str = "",
+                  **kw: Any) -> Resp:
+        if field_selector:
+            self.calls.append(("lookup_node", field_selector.removeprefix("metadata.name=")))
+            return self._lookup(self.api.nodes, field_selector)
         self.calls.append(("list_node", _continue))
         if self.fail:
             raise self.fail.pop(0)
         return self._page(self.api.nodes, min(limit, self.page), _continue)
 
     def list_cluster_custom_object(self, group: str, version: str, plural: str, *,
-                                   limit: int, _continue: str | None, **kw: Any) -> Resp:
-        self.calls.append(("list_policies", _continue))
+                                   limit: int, _continue: str | None, field_selector: str = "",
+                                   **kw: Any) -> Resp:
         if self.no_crd:
             raise ApiException(status=404, reason="Not Found")
+        if field_selector:
+            self.calls.append(("lookup_policy", field_selector.removeprefix("metadata.name=")))
+            return self._lookup(self.api.policies, field_selector)
+        self.calls.append(("list_policies", _continue))
         return self._page(self.api.policies, min(limit, self.page), _continue)
-
-    def read_node(self, name: str, **kw: Any) -> Resp:
-        self.calls.append(("read_node", name))
-        if name not in self.api.nodes:
-            raise ApiException(status=404, reason="Not Found")
-        return Resp(self.api.nodes[name])
-
-    def get_cluster_custom_object(self, group: str, version: str, plural: str, name: str,
-                                  **kw: Any) -> Resp:
-        self.calls.append(("get_policy", name))
-        if name not in self.api.policies:
-            raise ApiException(status=404, reason="Not Found")
-        return Resp(self.api.policies[name])
 
 
 def kopf_delivers(store: Store, api: FakeApi, nodes: bool = True, policies: bool = True) -> None:
@@ -132,11 +133,11 @@ def test_sync_waits_for_every_listed_name_and_not_for_deleted_ones() -> None:
         kopf_delivers(store2, api, policies=False)
         await clock.advance(5)
         assert not sync2.done.is_set()
-        assert not [c for c in lists.calls if c[0] in ("read_node", "get_policy")]  # progress
+        assert not [c for c in lists.calls if c[0] in ("lookup_node", "lookup_policy")]  # progress
         await clock.advance(5)  # no progress since: n3 is gone (404), p exists
-        await until(lambda: ("get_policy", "p") in lists.calls, "the lookups")
+        await until(lambda: ("lookup_policy", "p") in lists.calls, "the lookups")
         await settle()
-        assert ("read_node", "n3") in lists.calls
+        assert ("lookup_node", "n3") in lists.calls
         assert sync2.pending == {"node": set(), "policy": {"p"}}
         assert not sync2.done.is_set()
         kopf_delivers(store2, api)
