@@ -537,8 +537,16 @@ def test_a_new_operator_keeps_a_silent_nodes_taints(
     client.CoreV1Api(kube).create_node({"metadata": {"name": node,
                                                      "labels": {"pi-e2e/pool": pool}}})
     policy(kube, "silent", 0, {"matchLabels": {"pi-e2e/pool": pool}}, lease=5, grace=5)
-    wait_for("the silent node tainted", lambda: unreachable(
-        client.CoreV1Api(kube).read_node(node)) == ("NoExecute", "NoSchedule"), 60)
+    try:
+        wait_for("the silent node tainted", lambda: unreachable(
+            client.CoreV1Api(kube).read_node(node)) == ("NoExecute", "NoSchedule"), 60)
+    except AssertionError as e:  # say what the operator made of the node
+        n = client.CoreV1Api(kube).read_node(node)
+        writes = [line for line in first.metrics().splitlines()
+                  if line.startswith(("nodepulse_operator_writes_total{",
+                                      "nodepulse_operator_stale"))]
+        raise AssertionError(f"{e}: policy {policy_of(n)!r}, taints {n.spec.taints}, "
+                             f"conditions {n.status.conditions}, operator {writes}") from None
     witness = NodeWitness(kube, f"pi-e2e/pool={pool}", unreachable)
     witness.start()
     first.stop()
