@@ -303,19 +303,24 @@ def test_priority_range(cluster: Cluster, kube: client.ApiClient) -> None:
 def test_a_refused_update_keeps_the_stored_policy(cluster: Cluster,
                                                   kube: client.ApiClient) -> None:
     name = f"pi-{RUN}-kept"
-    good = {"priority": 3, "heartbeat": {"leaseDurationSeconds": 20},
-            "failure": {"gracePeriodSeconds": 30}}
+    # a selector that matches no node: an empty one would govern every node of the
+    # session's cluster, the other modules' too
+    good = {"priority": 3, "nodeSelector": {"matchLabels": {"pi-e2e/none": RUN}},
+            "heartbeat": {"leaseDurationSeconds": 20}, "failure": {"gracePeriodSeconds": 30}}
     assert kubectl(cluster, "apply", "-f", "-", stdin=manifest(name, good)).returncode == 0
-    before = stored(kube, name)
-    assert before is not None
-    bad = {**good, "heartbeat": {"leaseDurationSeconds": 20, "renewIntervalSeconds": 25}}
-    out = kubectl(cluster, "apply", "-f", "-", stdin=manifest(name, bad))
-    assert out.returncode != 0
-    assert "spec.heartbeat.renewIntervalSeconds must be less than" in out.stderr
-    after = stored(kube, name)
-    assert after is not None
-    assert after["spec"] == before["spec"]
-    assert after["metadata"]["generation"] == before["metadata"]["generation"]
+    try:
+        before = stored(kube, name)
+        assert before is not None
+        bad = {**good, "heartbeat": {"leaseDurationSeconds": 20, "renewIntervalSeconds": 25}}
+        out = kubectl(cluster, "apply", "-f", "-", stdin=manifest(name, bad))
+        assert out.returncode != 0
+        assert "spec.heartbeat.renewIntervalSeconds must be less than" in out.stderr
+        after = stored(kube, name)
+        assert after is not None
+        assert after["spec"] == before["spec"]
+        assert after["metadata"]["generation"] == before["metadata"]["generation"]
+    finally:
+        client.CustomObjectsApi(kube).delete_cluster_custom_object(GROUP, VERSION, PLURAL, name)
 
 
 # ---- conflicting priorities, with the real operator
@@ -536,7 +541,7 @@ def test_a_new_operator_keeps_a_silent_nodes_taints(
     node = f"pi-{RUN}-silent"
     client.CoreV1Api(kube).create_node({"metadata": {"name": node,
                                                      "labels": {"pi-e2e/pool": pool}}})
-    policy(kube, "silent", 0, {"matchLabels": {"pi-e2e/pool": pool}}, lease=5, grace=5)
+    policy(kube, "silent", 50, {"matchLabels": {"pi-e2e/pool": pool}}, lease=5, grace=5)
     try:
         wait_for("the silent node tainted", lambda: unreachable(
             client.CoreV1Api(kube).read_node(node)) == ("NoExecute", "NoSchedule"), 60)
