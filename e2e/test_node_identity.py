@@ -16,7 +16,6 @@ import dataclasses
 import functools
 import itertools
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -33,6 +32,7 @@ from kubernetes import client
 
 from e2e.cluster import Cluster
 from e2e.cluster.cluster import free_port
+from e2e.util import stop_process
 from nodeagent.api.client import new_api_client
 
 AGENT = Path(sys.executable).parent / "nodepulse-agent"
@@ -445,13 +445,7 @@ class Agent:
         return listening(self.proc.pid)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        stop_process(self.proc)
 
 
 @pytest.fixture

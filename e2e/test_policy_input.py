@@ -14,8 +14,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import os
-import signal
 import subprocess
 import sys
 import threading
@@ -35,6 +33,7 @@ from urllib3.exceptions import ProtocolError
 from e2e.cluster import Cluster
 from e2e.cluster.cluster import free_port
 from e2e.promtext import samples
+from e2e.util import stop_process
 from nodeagent.api.policy import GROUP, HEARTBEAT_ANNOTATION, KIND, PLURAL, VERSION
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -346,13 +345,7 @@ class Operator:
             return False
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        stop_process(self.proc)
 
 
 @pytest.fixture

@@ -4,6 +4,7 @@ processes a test started (every container the tests run carries NP_E2E=<marker>)
 from __future__ import annotations
 
 import contextlib
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -11,7 +12,7 @@ from typing import TypeVar
 
 from e2e.cluster.cluster import free_port
 
-__all__ = ["alive", "environ", "eventually", "free_port", "marked"]
+__all__ = ["alive", "environ", "eventually", "free_port", "marked", "stop_process"]
 
 T = TypeVar("T")
 
@@ -62,3 +63,14 @@ def marked(value: str) -> list[int]:
                 if environ(int(d.name)).get(b"NP_E2E") == value.encode() and alive(int(d.name)):
                     out.append(int(d.name))
     return out
+
+
+def stop_process(proc: subprocess.Popen[bytes], timeout: float = 20) -> None:
+    """SIGTERM a process a test started, SIGKILL it if it has not exited in `timeout`."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -30,6 +30,7 @@ from nodeagent.syncloop import SyncLoopConfig
 from tests.test_node_host import fake_proc
 from tests.test_podstatus import FakeWriter
 from tests.test_runtime_fake import aio
+from tests.test_sources_api import kubeconfig
 
 
 def load(tmp_path: Path, *argv: str) -> config.AgentConfig:
@@ -196,13 +197,7 @@ def test_config_flags_for_pods(tmp_path: Path) -> None:
 def test_allow_privileged_reaches_the_static_sources(tmp_path: Path, allow: bool) -> None:
     cfg = load(tmp_path, "--pod-manifest-path", str(tmp_path), "--manifest-url",
                "http://127.0.0.1:1/p.yaml", *(["--allow-privileged"] if allow else []))
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(
-        "apiVersion: v1\nkind: Config\ncurrent-context: c\n"
-        "clusters: [{name: c, cluster: {server: 'http://127.0.0.1:9'}}]\n"
-        "users: [{name: u, user: {token: t}}]\n"
-        "contexts: [{name: c, context: {cluster: c, user: u}}]\n")
-    api = new_api_client(str(kubeconfig), component="test")
+    api = new_api_client(str(kubeconfig(tmp_path, "http://127.0.0.1:9")), component="test")
 
     async def main() -> None:
         pods = Pods.from_config(cfg, api, FakeClock(), registry=CollectorRegistry(),

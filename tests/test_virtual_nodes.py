@@ -33,6 +33,7 @@ from nodeagent.syncloop import NodeLoops
 from tests.test_node_host import fake_proc
 from tests.test_podstatus import FakeWriter
 from tests.test_runtime_fake import aio
+from tests.test_sources_api import kubeconfig
 
 VIRTUAL_TAINT = {"key": "nodepulse.dev/virtual", "value": "true", "effect": "NoSchedule"}
 
@@ -296,13 +297,7 @@ async def test_orphans_unknown_to_every_node_are_removed() -> None:
 def test_one_pod_watch_for_all_nodes_and_the_runtime(tmp_path: Path) -> None:
     cfg = load(tmp_path, "--virtual-nodes", "4", "--node-name-prefix", "vn")
     assert isinstance(build_runtime(cfg), FakeRuntime)  # auto: fake for virtual nodes
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(
-        "apiVersion: v1\nkind: Config\ncurrent-context: c\n"
-        "clusters: [{name: c, cluster: {server: 'http://127.0.0.1:9'}}]\n"
-        "users: [{name: u, user: {token: t}}]\n"
-        "contexts: [{name: c, context: {cluster: c, user: u}}]\n")
-    api = new_api_client(str(kubeconfig), component="test")
+    api = new_api_client(str(kubeconfig(tmp_path, "http://127.0.0.1:9")), component="test")
 
     async def main() -> None:
         pods = Pods.from_config(cfg, api, FakeClock(), registry=CollectorRegistry())
