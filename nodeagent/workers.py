@@ -177,6 +177,9 @@ class PodSyncer:
             call.cancel()  # timed out: the call itself is abandoned
             raise
 
+    def in_flight(self) -> int:
+        return sum(1 for c in self._inflight if not c.done())
+
     async def drain(self, timeout: float) -> int:
         """Wait up to `timeout` s for the runtime calls in flight, then cancel the rest.
         Returns how many had to be cancelled."""
@@ -499,6 +502,7 @@ class _WorkerMetrics:
     syncs: Counter
     duration: Histogram
     workers: Gauge
+    calls: Gauge
 
 
 # per registry object (not id(): ids of dead registries are reused)
@@ -515,7 +519,10 @@ def _worker_metrics(registry: CollectorRegistry) -> _WorkerMetrics:
             duration=Histogram("nodepulse_pod_worker_sync_duration_seconds",
                                "Time one pod sync took.", ["node"], registry=registry),
             workers=Gauge("nodepulse_pod_workers", "Pod workers by lifecycle phase.",
-                          ["node", "phase"], registry=registry))
+                          ["node", "phase"], registry=registry),
+            calls=Gauge("nodepulse_runtime_calls_in_flight",
+                        "Runtime calls the pod workers have under way (what a stop waits "
+                        "for).", ["node"], registry=registry))
     return m
 
 
@@ -541,6 +548,7 @@ class PodWorkers:
         for ph in Phase:
             self._m.workers.labels(node=node, phase=ph.value).set_function(
                 self._counter(ph))
+        self._m.calls.labels(node=node).set_function(lambda: float(syncer.in_flight()))
 
     def _counter(self, ph: Phase) -> Callable[[], float]:
         return lambda: float(sum(1 for w in self._w.values() if w.phase == ph))

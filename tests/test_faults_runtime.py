@@ -142,12 +142,18 @@ async def test_stopping_lets_a_runtime_call_in_flight_finish() -> None:
     a.send(Op.ADD, mkpod("web", "u1"))
     await a.run_for(2)
     assert rt.starting == 1 and rt.running("u1") == []
+
+    def in_flight() -> float | None:
+        return a.registry.get_sample_value("nodepulse_runtime_calls_in_flight",
+                                           {"node": "n1"})
+
+    assert in_flight() == 1
     stop = asyncio.create_task(a.loop.stop())
     await settle()
     assert not stop.done()  # waiting for the start in flight
     rt.gate.set()
     await settle()
-    assert stop.done()
+    assert stop.done() and in_flight() == 0
     assert [c.state for c in rt.find("u1", "c0")] == [ContainerState.RUNNING]
 
 

@@ -36,9 +36,10 @@ class Agent:
         if ready:
             self.ready.mark(Source.API)
         self.writer = FakeWriter()
+        self.registry = CollectorRegistry()
         self.loop = SyncLoop(runtime=rt, clock=clock, node_name="n1", updates=self.updates,
                              sources_ready=self.ready, status_writer=self.writer,
-                             host_ip="192.0.2.10", registry=CollectorRegistry())
+                             host_ip="192.0.2.10", registry=self.registry)
 
     def send(self, op: Op, *pods: dict) -> None:
         self.updates.put_nowait(PodUpdate(op, tuple(pods), Source.API))
