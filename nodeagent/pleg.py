@@ -20,13 +20,12 @@ import enum
 import logging
 import math
 import weakref
-from collections.abc import Awaitable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TypeVar
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
-from nodeagent.api.clock import Clock
+from nodeagent.api.clock import Clock, clock_timeout
 from nodeagent.runtime.base import (
     ContainerState,
     PodRuntimeStatus,
@@ -36,29 +35,6 @@ from nodeagent.runtime.base import (
 )
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
-
-
-async def clock_timeout(clock: Clock, aw: Awaitable[T], seconds: float, what: str) -> T:
-    """Await `aw` for at most `seconds` on `clock` (asyncio.wait_for measures real time,
-    which a FakeClock cannot move). Raises TimeoutError(what) and cancels `aw`."""
-    task = asyncio.ensure_future(aw)
-    timer = asyncio.ensure_future(clock.sleep(seconds))
-    try:
-        await asyncio.wait({task, timer}, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        timer.cancel()
-        task.cancel()
-        raise
-    timer.cancel()
-    if not task.done():
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        raise TimeoutError(what)
-    return task.result()
-
 
 class EventType(enum.StrEnum):
     CONTAINER_STARTED = "ContainerStarted"

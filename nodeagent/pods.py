@@ -118,11 +118,13 @@ class Pods:
             allow_privileged=cfg.allow_privileged),
             clock, events=NodeEvents(api, cfg.node_name, clock))
         logs = Path(cfg.root_dir) / "logs" / "pods"
-        return cls(runtime=runtime, clock=clock, node_name=cfg.node_name,
+        pods = cls(runtime=runtime, clock=clock, node_name=cfg.node_name,
                    updates=sources.updates, sources_ready=sources.ready,
                    run_sources=sources.run, api_client=api, host_ip=host_ip,
                    config=SyncLoopConfig(log_root=str(logs.resolve())), registry=registry,
                    node_names=cfg.node_names, label=cfg.agent_id)
+        sources.on_api_reconnect.append(pods.loop.retry_writes_now)
+        return pods
 
     # -- what the node status and health server read (any thread) --
     def images(self) -> list[dict[str, Any]]:

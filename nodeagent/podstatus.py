@@ -22,7 +22,7 @@ from kubernetes import client as k8s
 from prometheus_client import REGISTRY, CollectorRegistry, Counter
 
 from nodeagent.api.client import is_retriable, status_of
-from nodeagent.api.clock import Clock
+from nodeagent.api.clock import Clock, clock_timeout
 from nodeagent.runtime.base import Container, ContainerState, PodRuntimeStatus
 from nodeagent.sources.types import is_static
 
@@ -343,6 +343,7 @@ class StatusManager:
         self.retry_max = retry_max
         self._pods: dict[str, _Entry] = {}
         self._writes = _writes_counter(registry)
+        self._wake = asyncio.Event()  # set (then replaced) by retry_now
 
     def status(self, uid: str) -> Status | None:
         """The latest status computed for a pod (the `previous` for the next one)."""
@@ -388,6 +389,12 @@ class StatusManager:
         e = self._pods.pop(uid, None)
         if e and e.task:
             e.task.cancel()
+
+    def retry_now(self) -> None:
+        """The API server answers again (the pod watch reconnected): writes waiting out
+        a backoff go now, from the initial delay, rather than up to retry_max later."""
+        self._wake.set()
+        self._wake = asyncio.Event()
 
     def dirty(self, uid: str) -> bool:
         e = self._pods.get(uid)
@@ -448,5 +455,8 @@ class StatusManager:
                     log.warning("pod %s: status %s failed (%s), retry in %.0fs%s", uid,
                                 kind, exc, delay,
                                 "" if is_retriable(exc) else " (not retriable?)")
-            await self.clock.sleep(delay)
-            delay = min(delay * 2, self.retry_max)
+            try:
+                await clock_timeout(self.clock, self._wake.wait(), delay, "retry")
+                delay = self.retry_initial  # retry_now: the API server is back
+            except TimeoutError:
+                delay = min(delay * 2, self.retry_max)

@@ -121,6 +121,10 @@ class SyncLoop:
         self._task = asyncio.create_task(self.run(), name=f"syncloop-{self.node_name}")
         return self._task
 
+    def retry_writes_now(self) -> None:
+        """The API server answers again: pod status writes in backoff go now."""
+        self.status.retry_now()
+
     async def stop(self) -> None:
         """Stop the loops. Pods keep running in the runtime (a new agent adopts them)."""
         if self._task is not None:
@@ -314,6 +318,10 @@ class NodeLoops:
 
     def health(self) -> str | None:
         return self.pleg.health()
+
+    def retry_writes_now(self) -> None:
+        for loop in self.loops.values():
+            loop.retry_writes_now()
 
     def start(self) -> asyncio.Task[None]:
         self._task = asyncio.create_task(self.run(), name="syncloops")

@@ -26,8 +26,8 @@ from typing import Any, TypeVar
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
-from nodeagent.api.clock import Clock
-from nodeagent.pleg import CacheEntry, PodCache, clock_timeout
+from nodeagent.api.clock import Clock, clock_timeout
+from nodeagent.pleg import CacheEntry, PodCache
 from nodeagent.podstatus import StatusManager, Waiting, compute_pod_status
 from nodeagent.runtime.base import (
     Container,

@@ -211,6 +211,33 @@ async def test_manager_patches_only_on_change_and_retries() -> None:
 
 
 @aio
+async def test_retry_now_ends_a_long_backoff() -> None:
+    """After an outage, statuses go as soon as the pod watch reconnects, not at the
+    end of a backoff that grew to a minute meanwhile."""
+    clock = FakeClock()
+    w = FakeWriter()
+    m = StatusManager(w, clock, registry=CollectorRegistry())
+    pod = mkpod()
+    w.fail = [ApiException(status=503)] * 7
+    m.set_status(pod, status(pod, rs()))
+    await settle()
+    await clock.advance(1 + 2 + 4 + 8 + 16 + 32)  # 6 more failed tries; next in 60 s
+    assert len(w.fail) == 0 and m.dirty("u1") and w.patches == []
+    await clock.advance(30)
+    assert w.patches == []
+    m.retry_now()
+    await settle()
+    assert len(w.patches) == 1 and not m.dirty("u1")
+    # a failure after it backs off from the start again
+    w.fail = [ApiException(status=503)]
+    m.set_status(pod, status(pod, rs(ctr("a", ContainerState.RUNNING))))
+    await settle()
+    assert len(w.patches) == 1
+    await clock.advance(1)
+    assert len(w.patches) == 2 and not m.dirty("u1")
+
+
+@aio
 async def test_manager_finishes_deletion_and_handles_gone_pods() -> None:
     clock = FakeClock()
     w = FakeWriter()

@@ -387,6 +387,8 @@ def test_dropped_connection_resumes_from_last_version(server: FakeAPIServer,
     server.create(mkpod("a"))
 
     async def body(h: Harness) -> None:
+        reconnects: list[int] = []
+        h.src.on_reconnect.append(lambda: reconnects.append(h.src.watches))
         assert await h.next() == (Op.ADD, ["a"])
         await h.watching(1)
         server.bump()
@@ -409,6 +411,9 @@ def test_dropped_connection_resumes_from_last_version(server: FakeAPIServer,
         assert server.verbs()[0] == 1  # still only the initial LIST
         assert h.src.lists == 1 and h.src.relists == 0 and h.src.resumes >= 2
         assert h.src.resource_version == created["metadata"]["resourceVersion"]
+        # the API server answers again: the hooks ran once, when the watch reopened
+        # (the first connect and the plain resume before the outage are no reconnect)
+        assert reconnects == [h.src.watches]
     run(server, tmp_path, body)
 
 

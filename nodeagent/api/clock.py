@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import heapq
 import itertools
 import time
-from typing import Protocol
+from collections.abc import Awaitable
+from typing import Protocol, TypeVar
+
+T = TypeVar("T")
 
 
 class Clock(Protocol):
@@ -74,3 +78,23 @@ async def settle(rounds: int = 20) -> None:
     """Let ready tasks run until they block again (bounded, no real time passes)."""
     for _ in range(rounds):
         await asyncio.sleep(0)
+
+
+async def clock_timeout(clock: Clock, aw: Awaitable[T], seconds: float, what: str) -> T:
+    """Await `aw` for at most `seconds` on `clock` (asyncio.wait_for measures real time,
+    which a FakeClock cannot move). Raises TimeoutError(what) and cancels `aw`."""
+    task = asyncio.ensure_future(aw)
+    timer = asyncio.ensure_future(clock.sleep(seconds))
+    try:
+        await asyncio.wait({task, timer}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        timer.cancel()
+        task.cancel()
+        raise
+    timer.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        raise TimeoutError(what)
+    return task.result()

@@ -30,7 +30,7 @@ import json
 import logging
 import random
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import urllib3
@@ -85,6 +85,10 @@ class APISource:
         self.events = 0
         self.watches = 0
         self.connected = asyncio.Event()  # a watch stream is open
+        # called when the API server answers again after a failed list or watch (the
+        # mirror manager and the pod status writes then retry at once)
+        self.on_reconnect: list[Callable[[], None]] = []
+        self._failing = False
         # the current watch: when its stream opened, and whether anything came on it
         self._opened_at: float | None = None
         self._delivered = False
@@ -129,6 +133,7 @@ class APISource:
                 retry_after = _retry_after(e)
                 delay = retry_after or min(self.backoff_max,
                                            max(self.backoff_initial, delay * 2))
+                self._failing = True
                 level = logging.INFO if is_retriable(e) else logging.WARNING
                 log.log(level, "api source: %s; retrying in %.1fs", _describe(e), delay)
                 await self.clock.sleep(delay)
@@ -179,6 +184,13 @@ class APISource:
         metrics.API_LISTS.labels(reason, "list").inc()
         self.merge.set(Source.API, pods)
         self.resource_version = page["metadata"]["resourceVersion"]
+        self._answered()
+
+    def _answered(self) -> None:
+        if self._failing:
+            self._failing = False
+            for hook in self.on_reconnect:
+                hook()
 
     # -- watch --------------------------------------------------------------------------
 
@@ -213,6 +225,7 @@ class APISource:
                 self.connected.set()
                 if self._opened_at is None:
                     self._opened_at = self.clock.monotonic()
+                    self._answered()
                 self._delivered = self._delivered or bool(item)
                 for event in item:
                     initial = self._handle(event, initial)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import Callable
 
 from kubernetes import client
 
@@ -55,9 +56,13 @@ class PodSources:
                                       (Source.HTTP, bool(cfg.manifest_url))) if on}
         self.merge = Merge(configured, Problems(events))
         self.parts: list[APISource | FileSource | HTTPSource | MirrorManager] = []
+        # called when the API server answers again after an outage (see APISource)
+        self.on_api_reconnect: list[Callable[[], None]] = []
         node = cfg.node_names[0]
         if cfg.watch_api and api is not None:
-            self.parts.append(APISource(api, cfg.node_names, self.merge, clock))
+            source = APISource(api, cfg.node_names, self.merge, clock)
+            source.on_reconnect = self.on_api_reconnect
+            self.parts.append(source)
         if cfg.pod_manifest_path:
             self.parts.append(FileSource(cfg.pod_manifest_path, node, self.merge, clock,
                                          check_frequency=cfg.file_check_frequency,
@@ -68,7 +73,9 @@ class PodSources:
                                          check_frequency=cfg.http_check_frequency,
                                          allow_privileged=cfg.allow_privileged))
         if static and cfg.watch_api and api is not None:
-            self.parts.append(MirrorManager(api, node, self.merge, clock))
+            mirrors = MirrorManager(api, node, self.merge, clock)
+            self.on_api_reconnect.append(mirrors.resync_now)
+            self.parts.append(mirrors)
 
     @property
     def updates(self) -> asyncio.Queue[PodUpdate]:
