@@ -65,7 +65,8 @@ def write_atomic(path: Path, text: str) -> None:
 class URLServer:
     """The manifest URL. `mode`: good, 500, html, binary, huge (50 MB with a
     Content-Length), huge-nolength (50 MB, the end is the connection's close), hang
-    (no answer until `release` is set)."""
+    (no answer until `release` is set), drip (a byte every 0.5 s of a 1 MB body, until
+    `release` is set)."""
 
     def __init__(self) -> None:
         self.mode = "good"
@@ -79,6 +80,18 @@ class URLServer:
                 mode = owner.mode
                 if mode == "hang":
                     owner.release.wait(60)
+                    return
+                if mode == "drip":
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(1 << 20))
+                    self.end_headers()
+                    try:
+                        while not owner.release.wait(0.5):
+                            self.wfile.write(b"#")
+                            self.wfile.flush()
+                            owner.sent += 1
+                    except OSError:
+                        pass  # the agent hung up: what it was meant to do
                     return
                 if mode == "500":
                     self.send_response(500)
@@ -454,6 +467,7 @@ BAD_URL: dict[str, tuple[str, list[str]]] = {
     "huge": ("TooLarge", [f"Content-Length {HUGE} is over the limit of {BODY_LIMIT} bytes"]),
     "huge-nolength": ("TooLarge", [f"body over the limit of {BODY_LIMIT} bytes"]),
     "hang": ("Unreachable", ["timed out"]),
+    "drip": ("Unreachable", ["the body was not complete within 10s"]),
 }
 
 
@@ -566,7 +580,7 @@ def test_host_network_static_pod_when_allowed(cluster: Cluster, tmp_path: Path) 
     from nodeagent.sources.merge import Merge
     from nodeagent.sources.mirror import MirrorManager
     from nodeagent.sources.problems import Problems
-    from nodeagent.sources.rest import request_json
+    from nodeagent.api.rest import request_json
     from nodeagent.sources.types import Source
 
     node = f"allow-{uuid.uuid4().hex[:6]}"

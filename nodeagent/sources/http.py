@@ -11,16 +11,20 @@ The source is ready after its first good body.
 
 Limits: a body over `max_bytes` (16 MiB) is refused from its Content-Length before it
 is read, and without one after reading at most `max_bytes` + 1 bytes, so a huge or
-endless body never sits in memory; each request gives up after `timeout` seconds
-without progress. A pod with a host namespace or a privileged container is refused
-(the whole body, like any bad pod) unless `allow_privileged`.
+endless body never sits in memory; a request gives up after `timeout` seconds
+without progress, and a body not complete `timeout` seconds after the request is
+abandoned (checked between reads, so at most twice `timeout` in all). A pod with a
+host namespace or a privileged container is refused (the whole body, like any bad pod)
+unless `allow_privileged`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import http.client
 import logging
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Mapping
@@ -156,12 +160,29 @@ class HTTPSource:
                 if length is not None and length.isdigit() and int(length) > self.max_bytes:
                     raise _TooLarge(f"GET {self.url}: Content-Length {length} is over the "
                                     f"limit of {self.max_bytes} bytes; not read")
-                body = r.read(self.max_bytes + 1)
+                body = self._read_body(r)
                 return _Response(r.status, body, r.headers.get("ETag"),
                                  r.headers.get("Last-Modified"))
         except urllib.error.HTTPError as e:
             e.close()
             return _Response(e.code, b"", None, None)
+
+    def _read_body(self, r: http.client.HTTPResponse) -> bytes:
+        """At most max_bytes + 1 bytes, all within `timeout` s of the request: a body
+        trickling in a byte at a time never holds the source (nor its thread)."""
+        deadline = time.monotonic() + self.timeout
+        chunks: list[bytes] = []
+        size = 0
+        while size <= self.max_bytes:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the body was not complete within {self.timeout:.0f}s "
+                                   f"({size} bytes came)")
+            chunk = r.read1(min(65536, self.max_bytes + 1 - size))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        return b"".join(chunks)
 
     def current(self) -> list[Pod]:
         """The last good set (what the merge has from this source)."""
