@@ -149,7 +149,7 @@ async def bench_api(pods: int) -> None:
     try:
         from e2e.cluster import LocalCluster
         from nodeagent.api.client import new_api_client
-        from nodeagent.sources.rest import request, request_json
+        from nodeagent.api.rest import request, request_json
         cluster = LocalCluster()
         cluster.up(log=lambda m: print(f"  {m}"))
     except Exception as e:  # noqa: BLE001

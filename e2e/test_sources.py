@@ -38,7 +38,7 @@ from nodeagent.sources.file import FileSource
 from nodeagent.sources.merge import Merge
 from nodeagent.sources.mirror import MirrorManager
 from nodeagent.sources.problems import Problems
-from nodeagent.sources.rest import request, request_json
+from nodeagent.api.rest import request, request_json
 from nodeagent.sources.static import check_pod, make_static_pod, mirror_pod, mirror_problem
 from nodeagent.sources.types import ANN_CONFIG_HASH, ANN_CONFIG_MIRROR, Op, PodUpdate, Source
 

@@ -1,8 +1,7 @@
-"""The few API calls the node needs, as plain JSON in and out.
+"""The few API calls the node needs, as plain JSON in and out (nodeagent.api.rest).
 
-Blocking (call from a thread). Responses are parsed as plain dicts: cheaper than the
-client's models when one process speaks for many nodes, and the bodies we send are
-exactly what we built. FakeKube (fakekube.py) implements the same protocol in memory.
+Blocking (call from a thread). FakeKube (fakekube.py) implements the same protocol in
+memory.
 """
 
 from __future__ import annotations
@@ -12,10 +11,14 @@ import json
 from collections.abc import Iterator
 from typing import Any, Protocol
 
+import urllib3
 from kubernetes import client
 
+from nodeagent.api.rest import SMP, json_lines, request, request_json
+
 LEASE_NAMESPACE = "kube-node-lease"
-SMP = "application/strategic-merge-patch+json"
+NODES = "/api/v1/nodes"
+LEASES = f"/apis/coordination.k8s.io/v1/namespaces/{LEASE_NAMESPACE}/leases"
 Obj = dict[str, Any]
 
 
@@ -45,77 +48,61 @@ def body_size(body: Obj) -> int:
 
 class RealKube:
     def __init__(self, api: client.ApiClient) -> None:
-        self.core = client.CoreV1Api(api)
-        self.coord = client.CoordinationV1Api(api)
+        self.api = api
 
-    @staticmethod
-    def _json(resp: Any) -> Obj:
-        data: Obj = json.loads(resp.data)
+    def _call(self, method: str, path: str, timeout: float | None, body: Obj | None = None,
+              query: dict[str, Any] | None = None, content_type: str = "application/json"
+              ) -> Obj:
+        data: Obj = request_json(self.api, method, path, query=query, body=body,
+                                 timeout=timeout, content_type=content_type)
         return data
 
     def get_node(self, name: str, timeout: float | None = None) -> Obj:
-        return self._json(self.core.read_node(name, _preload_content=False,
-                                              _request_timeout=timeout))
+        return self._call("GET", f"{NODES}/{name}", timeout)
 
     def create_node(self, body: Obj, timeout: float | None = None) -> Obj:
-        return self._json(self.core.create_node(body, _preload_content=False,
-                                                _request_timeout=timeout))
+        return self._call("POST", NODES, timeout, body)
 
     def patch_node(self, name: str, body: Obj, timeout: float | None = None) -> Obj:
-        return self._json(self.core.patch_node(name, body, _content_type=SMP,
-                                               _preload_content=False,
-                                               _request_timeout=timeout))
+        return self._call("PATCH", f"{NODES}/{name}", timeout, body, content_type=SMP)
 
     def patch_node_status(self, name: str, body: Obj, timeout: float | None = None) -> Obj:
-        return self._json(self.core.patch_node_status(name, body, _content_type=SMP,
-                                                      _preload_content=False,
-                                                      _request_timeout=timeout))
+        return self._call("PATCH", f"{NODES}/{name}/status", timeout, body, content_type=SMP)
 
     def get_lease(self, name: str, timeout: float | None = None) -> Obj:
-        return self._json(self.coord.read_namespaced_lease(
-            name, LEASE_NAMESPACE, _preload_content=False, _request_timeout=timeout))
+        return self._call("GET", f"{LEASES}/{name}", timeout)
 
     def create_lease(self, body: Obj, timeout: float | None = None) -> Obj:
-        return self._json(self.coord.create_namespaced_lease(
-            LEASE_NAMESPACE, body, _preload_content=False, _request_timeout=timeout))
+        return self._call("POST", LEASES, timeout, body)
 
     def update_lease(self, name: str, body: Obj, timeout: float | None = None) -> Obj:
-        return self._json(self.coord.replace_namespaced_lease(
-            name, LEASE_NAMESPACE, body, _preload_content=False, _request_timeout=timeout))
+        return self._call("PUT", f"{LEASES}/{name}", timeout, body)
 
     def list_nodes(self, field_selector: str = "", label_selector: str = "",
                    timeout: float | None = None) -> Obj:
-        return self._json(self.core.list_node(
-            field_selector=field_selector or None, label_selector=label_selector or None,
-            _preload_content=False, _request_timeout=timeout))
+        return self._call("GET", NODES, timeout, query={
+            "fieldSelector": field_selector or None, "labelSelector": label_selector or None})
 
     def watch_nodes(self, resource_version: str, field_selector: str = "",
                     label_selector: str = "", timeout_seconds: int = 300) -> WatchStream:
-        resp = self.core.list_node(
-            watch=True, resource_version=resource_version, allow_watch_bookmarks=True,
-            field_selector=field_selector or None, label_selector=label_selector or None,
-            timeout_seconds=timeout_seconds, _preload_content=False,
+        resp = request(self.api, "GET", NODES, query={
+            "watch": True, "resourceVersion": resource_version, "allowWatchBookmarks": True,
+            "fieldSelector": field_selector or None, "labelSelector": label_selector or None,
+            "timeoutSeconds": timeout_seconds},
             # read timeout a little past the server's own end of the watch
-            _request_timeout=(10, timeout_seconds + 30))
+            timeout=(10, timeout_seconds + 30))
         return _Stream(resp)
 
 
 class _Stream:
-    """Watch events, one JSON object per line, from a streaming response."""
+    """Watch events from a streaming response."""
 
-    def __init__(self, resp: Any) -> None:
+    def __init__(self, resp: urllib3.BaseHTTPResponse) -> None:
         self._resp = resp
 
     def __iter__(self) -> Iterator[Obj]:
-        buf = b""
-        for chunk in self._resp.stream(65536, decode_content=True):
-            buf += chunk
-            while b"\n" in buf:
-                line, buf = buf.split(b"\n", 1)
-                if line.strip():
-                    yield json.loads(line)
-        if buf.strip():
-            yield json.loads(buf)
+        for objs in json_lines(self._resp.stream(65536, decode_content=True)):
+            yield from objs
 
     def close(self) -> None:
         # shutdown() wakes a reader blocked in another thread; either call may refuse

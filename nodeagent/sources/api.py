@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import random
 import threading
@@ -39,9 +38,9 @@ from kubernetes.client.exceptions import ApiException
 
 from nodeagent.api.client import is_retriable, status_of
 from nodeagent.api.clock import Clock
+from nodeagent.api.rest import json_lines, request, request_json
 from nodeagent.sources import metrics
 from nodeagent.sources.merge import Merge
-from nodeagent.sources.rest import request, request_json
 from nodeagent.sources.types import Pod, Source
 
 log = logging.getLogger("nodeagent.sources")
@@ -286,17 +285,8 @@ class APISource:
                     raise ConnectionResetError("the watch was closed while it was opened")
                 self._resp = resp
             put([])  # the stream is open
-            buf = b""
-            for chunk in resp.stream(65536):
-                buf += chunk
-                if b"\n" not in chunk:
-                    continue
-                *lines, buf = buf.split(b"\n")
-                events = [json.loads(line) for line in lines if line.strip()]
-                if events:
-                    put(events)
-            if buf.strip():
-                put([json.loads(buf)])
+            for events in json_lines(resp.stream(65536)):
+                put(events)
             put(None)
         except ApiException as e:
             put(Gone(e.reason or "410 Gone") if e.status == 410 else e)

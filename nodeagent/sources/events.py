@@ -15,7 +15,7 @@ import secrets
 from kubernetes import client
 
 from nodeagent.api.clock import Clock
-from nodeagent.sources.rest import request_json
+from nodeagent.api.rest import request_json
 from nodeagent.sources.static import rfc3339
 
 log = logging.getLogger("nodeagent.sources")

@@ -28,10 +28,10 @@ from kubernetes.client.exceptions import ApiException
 
 from nodeagent.api.client import is_retriable
 from nodeagent.api.clock import Clock
+from nodeagent.api.rest import request_json
 from nodeagent.sources import metrics
 from nodeagent.sources.merge import Merge
 from nodeagent.sources.problems import Problems
-from nodeagent.sources.rest import request_json
 from nodeagent.sources.static import mirror_pod, mirror_problem
 from nodeagent.sources.types import (
     ANN_CONFIG_HASH,
