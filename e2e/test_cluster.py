@@ -99,3 +99,30 @@ def test_node_identity_through_a_certificate_signing_request(
     admin = client.CoreV1Api(cluster.api_client())
     assert admin.read_node(name).metadata.name == name
     admin.delete_node(name)
+
+
+def test_a_port_taken_before_it_is_bound_starts_again_elsewhere(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """free_port's port can be taken (by another program's outgoing connection, say)
+    before kube-apiserver binds it: the control plane then starts on other ports."""
+    import socket
+
+    from e2e.cluster import cluster as cluster_mod
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = iter([cluster_mod.free_port(), cluster_mod.free_port(), taken.getsockname()[1]])
+    real = cluster_mod.free_port
+    monkeypatch.setattr(cluster_mod, "free_port", lambda: next(ports, None) or real())
+    lines: list[str] = []
+    (tmp_path / "c").mkdir()
+    local = cluster_mod.LocalCluster(tmp_path / "c")
+    try:
+        local.up(log=lines.append)
+        assert local.ports["kube-apiserver"] != taken.getsockname()[1]
+        assert any("address already in use" in line for line in lines), lines
+        core = client.CoreV1Api(local.api_client())
+        assert core.read_namespace("default").metadata.name == "default"
+    finally:
+        local.remove()
+        taken.close()

@@ -43,6 +43,10 @@ AUDIT_POLICY = {
               {"level": "None"}]}
 
 
+class PortTaken(RuntimeError):
+    """A process of the control plane could not bind its port."""
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -204,13 +208,21 @@ class LocalCluster(Cluster):
     def up(self, log=print) -> LocalCluster:
         bins = build.ensure(list(self.ORDER), log=log)
         started = time.monotonic()
-        self.ports = {"etcd": free_port(), "etcd-peer": free_port(),
-                      "kube-apiserver": free_port()}
-        try:
-            self._start_all(bins)
-        except BaseException:
-            self.down()  # leave nothing running behind a failed start
-            raise
+        for attempt in range(3):
+            self.ports = {"etcd": free_port(), "etcd-peer": free_port(),
+                          "kube-apiserver": free_port()}
+            try:
+                self._start_all(bins)
+                break
+            except BaseException as e:
+                self.down()  # leave nothing running behind a failed start
+                if not isinstance(e, PortTaken) or attempt == 2:
+                    raise
+                # a free port was taken (by another program's connection, say) before
+                # it was bound: start again on new ports, with a fresh etcd
+                log(f"{e.args[0].split(' exited')[0]}: address already in use; starting "
+                    "again on other ports")
+                shutil.rmtree(self.workdir / "etcd", ignore_errors=True)
         log(f"control plane up in {time.monotonic() - started:.1f} s: {self.server}")
         return self
 
@@ -424,8 +436,10 @@ class LocalCluster(Cluster):
         last = ""
         while time.monotonic() < deadline:
             if not _process_runs(self.pids[name], self._args[name][0]):
-                raise RuntimeError(f"{name} exited while starting; see "
-                                   f"{self.log_dir / (name + '.log')}:\n{self._tail(name)}")
+                tail = self._tail(name)
+                error = PortTaken if "address already in use" in tail else RuntimeError
+                raise error(f"{name} exited while starting; see "
+                            f"{self.log_dir / (name + '.log')}:\n{tail}")
             try:
                 with urllib.request.urlopen(url, timeout=5,
                                             context=ctx if url.startswith("https") else None) as r:
