@@ -40,6 +40,11 @@ DEFAULT_GROUP = ""  # nodes no policy matches
 # states do: one or two silent nodes say nothing about a partition, and without it
 # a one- or two-node pool could never have its pods evicted.
 GUARD_MIN_STALE = 3
+# A period runs this long after a node's grace runs out (the verdict needs strictly
+# more silence than the grace), and never sooner than MIN_EXPIRY_WAIT after the last:
+# nodes that fall silent together are judged in one period, not one each.
+EXPIRY_SLACK = 0.05
+MIN_EXPIRY_WAIT = 0.2
 
 WRITES = Counter("nodepulse_operator_writes_total", "API writes by the operator",
                  ["kind", "result"])
@@ -134,6 +139,8 @@ class Monitor:
         self.is_leader = is_leader
         self.api_ok_since = api_ok_since
         self.pacer = Pacer(clock, period)
+        self.next_stale: float | None = None  # from the last plan; see _timeout
+        self.periods = 0  # periods run (tests)
         self._sem = asyncio.Semaphore(parallel)
         # object key -> resourceVersions our last write went through; until the
         # index shows a newer one, a difference is only our write not seen yet.
@@ -165,7 +172,7 @@ class Monitor:
         if self.store.changed.is_set():
             self.store.changed.clear()
             return
-        sleeper = asyncio.ensure_future(self.clock.sleep(self.period))
+        sleeper = asyncio.ensure_future(self.clock.sleep(self._timeout()))
         waker = asyncio.ensure_future(self.store.changed.wait())
         try:
             await asyncio.wait({sleeper, waker}, return_when=asyncio.FIRST_COMPLETED)
@@ -174,8 +181,18 @@ class Monitor:
             waker.cancel()
         self.store.changed.clear()
 
+    def _timeout(self) -> float:
+        """The period, or less when a node's grace runs out sooner: then the period
+        runs just after (by EXPIRY_SLACK, which also gathers nodes expiring together),
+        so a taint does not wait up to a whole period."""
+        if self.next_stale is None or not self.was_leader:
+            return self.period
+        return min(self.period, max(self.next_stale - self.clock.monotonic() + EXPIRY_SLACK,
+                                    MIN_EXPIRY_WAIT))
+
     async def tick(self) -> Plan:
         started = self.clock.monotonic()
+        self.periods += 1
         plan = self.plan()
         for ev in plan.events:
             self._post(ev)
@@ -202,6 +219,7 @@ class Monitor:
         if floor is None:
             floor = now
         stale: dict[str, float] = {}  # node -> seconds past grace expiry
+        next_stale = math.inf  # the earliest moment another node may turn stale
         for name, node in store.nodes.items():
             pname = res.effective[name]
             group = groups[pname or DEFAULT_GROUP]
@@ -213,6 +231,8 @@ class Monitor:
             heard = max(lease.observed, node.status_heard) if lease else node.status_heard
             silent = now - heard
             heard_since = node.posted or (lease is not None and lease.renewed)
+            grace = group.failure.gracePeriodSeconds
+            due = heard + grace  # when it turns stale if nothing is heard meanwhile
             if not heard_since and lease is not None and lease.age is not None:
                 # Not heard from since we first saw it: until then, our own clock only
                 # says how long *we* have watched. Once we have watched for a whole
@@ -222,9 +242,10 @@ class Monitor:
                 # can bring a dead node's verdict forward, never a live one's.
                 spec = policies[pname].spec if pname else None
                 duration = (spec.heartbeat if spec else Heartbeat()).leaseDurationSeconds
+                age = max(0.0, lease.age)
                 if silent >= duration:
-                    silent += max(0.0, lease.age)
-            grace = group.failure.gracePeriodSeconds
+                    silent += age
+                due = heard + min(grace, max(duration, grace - age))
             over = silent - grace
             marked = _has_taint(node, "NoSchedule")
             # The floor only holds back *new* verdicts: a node already marked
@@ -235,7 +256,10 @@ class Monitor:
             if (over > 0 and (now - floor > grace or marked)) or (verdict and not heard_since):
                 stale[name] = max(over, 0.0)
                 group.stale += 1
+            else:
+                next_stale = min(next_stale, due if marked else max(due, floor + grace))
         store.stale = set(stale)
+        self.next_stale = next_stale if next_stale < math.inf else None
         STALE.set(len(stale))
 
         # Nodes whose last write the index does not show yet are left alone this time.

@@ -198,6 +198,35 @@ def test_stale_lease_gets_unknown_and_taints_then_renewal_removes_them() -> None
     run(t)
 
 
+def test_the_loop_runs_when_a_grace_runs_out_not_a_period_later() -> None:
+    """With a 2 s period, a node whose grace runs out at 15.7 s is judged at 15.75 s,
+    not at 16 s; nodes that renew wake nothing early."""
+    async def t(env: Env) -> None:
+        clock, store, api, _ = env
+        mon = Monitor(store, clock, api, period=2)
+        api.add_policy("p", spec(grace=15))
+        for n in ("n1", "n2"):
+            api.add_node(n)
+        task = asyncio.create_task(mon.run())
+        await clock.advance(0.7)
+        api.renew("n1")
+        api.renew("n2")
+        ticks = mon.periods
+        for _ in range(15):  # n2 keeps renewing; n1 falls silent
+            await clock.advance(1)
+            api.renew("n2")
+        assert mon.periods - ticks <= 8  # the period, no more (7 or 8 by phase)
+        assert mon.next_stale == pytest.approx(15.7)
+        await clock.advance(15.7 - clock.monotonic())
+        assert api.taints("n1") == set()
+        await clock.advance(0.05)
+        assert api.taints("n1") == {"NoSchedule", "NoExecute"} and api.taints("n2") == set()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    run(t)
+
+
 def test_two_pools_different_grace() -> None:
     async def t(env: Env) -> None:
         clock, store, api, mon = env

@@ -321,6 +321,7 @@ def test_a_long_silent_lease_is_judged_by_its_renew_time_not_a_full_grace() -> N
         mon = Monitor(store, clock, api, period=2)
         await mon.tick()
         assert api.taints("dead") == set()  # watched for less than a lease duration
+        assert mon.next_stale == 10  # when the loop runs next: a lease duration watched
         for _ in range(4):
             await clock.advance(2)
             await mon.tick()
