@@ -575,12 +575,12 @@ def test_host_network_static_pod_when_allowed(cluster: Cluster, tmp_path: Path) 
 
     from nodeagent.api.client import new_api_client
     from nodeagent.api.clock import RealClock
+    from nodeagent.api.rest import request_json
     from nodeagent.sources.api import APISource
     from nodeagent.sources.file import FileSource
     from nodeagent.sources.merge import Merge
     from nodeagent.sources.mirror import MirrorManager
     from nodeagent.sources.problems import Problems
-    from nodeagent.api.rest import request_json
     from nodeagent.sources.types import Source
 
     node = f"allow-{uuid.uuid4().hex[:6]}"

@@ -40,6 +40,7 @@ from kubernetes import client, watch
 
 from e2e.cluster import Cluster
 from e2e.promtext import samples
+from e2e.util import eventually
 from nodeagent.api.policy import HEARTBEAT_ANNOTATION, Heartbeat, encode_heartbeat_annotation
 
 AGENT = Path(__file__).resolve().parent.parent / ".venv" / "bin" / "nodepulse-agent"
@@ -145,16 +146,6 @@ def api_dict(obj: Any) -> dict[str, Any]:
     return data
 
 
-def wait_for(what: str, check: Callable[[], Any], timeout: float) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        result = check()
-        if result:
-            return result
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-
-
 def condition(node: dict[str, Any], ctype: str) -> str | None:
     for c in (node.get("status") or {}).get("conditions") or []:
         if c["type"] == ctype:
@@ -251,8 +242,9 @@ def efficient_heartbeats(cluster: Cluster, procs: list[AgentProcess], parts: Par
     def all_up() -> bool:
         return all(p.get("/readyz")[0] == 200 for p in procs) and all(
             _lease_exists(coord, n) for n in names)
-    wait_for(f"{len(names)} nodes registered with leases", lambda: all(
-        p.proc.poll() is None for p in procs) and _try(all_up), 60)
+    eventually(lambda: all(
+        p.proc.poll() is None for p in procs) and _try(all_up),
+        f"{len(names)} nodes registered with leases", 60)
     for n in names:
         node = api_dict(core.read_node(n))
         assert condition(node, "Ready") == "True", n
@@ -335,9 +327,9 @@ def efficient_heartbeats(cluster: Cluster, procs: list[AgentProcess], parts: Par
     # a deleted Lease comes back at the next renewal
     coord.delete_namespaced_lease(parts.default, "kube-node-lease")
     t_del = time.monotonic()
-    wait_for(f"{parts.default}'s Lease recreated", lambda: any(
+    eventually(lambda: any(
         kind == "ADDED" and key == f"kube-node-lease/{parts.default}" and t > t_del
-        for t, kind, key, _ in rec.leases), 15)
+        for t, kind, key, _ in rec.leases), f"{parts.default}'s Lease recreated", 15)
     lease = coord.read_namespaced_lease(parts.default, "kube-node-lease")
     assert lease.spec.holder_identity == parts.default
 
@@ -381,8 +373,8 @@ def test_survives_an_apiserver_restart(cluster: Cluster, agents: Callable[..., A
     with contextlib.suppress(client.ApiException):
         core.delete_node(name)
     a = agents(name)
-    wait_for("registered", lambda: _try(lambda: a.get("/readyz")[0] == 200)
-             and _lease_exists(coord, name), 60)
+    eventually(lambda: _try(lambda: a.get("/readyz")[0] == 200)
+               and _lease_exists(coord, name), "registered", 60)
     cluster.restart_apiserver()
     api = cluster.api_client()
     core, coord = client.CoreV1Api(api), client.CoordinationV1Api(api)
@@ -395,7 +387,7 @@ def test_survives_an_apiserver_restart(cluster: Cluster, agents: Callable[..., A
         seen.add(str(coord.read_namespaced_lease(name, "kube-node-lease").spec.renew_time))
         return len(seen) >= 5
     # watch back-off (at most 8 s) + one old interval (10 s) + four 2 s renewals
-    wait_for("renewals every 2 s after the restart", renewed_often, 35)
+    eventually(renewed_often, "renewals every 2 s after the restart", 35)
     assert a.get("/healthz")[0] == 200
     _, text = a.get("/metrics")
     assert samples(text, "nodepulse_heartbeat_policy_updates_total", result="applied") == 1

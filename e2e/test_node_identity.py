@@ -32,7 +32,7 @@ from kubernetes import client
 
 from e2e.cluster import Cluster
 from e2e.cluster.cluster import free_port
-from e2e.util import stop_process
+from e2e.util import eventually, stop_process
 from nodeagent.api.client import new_api_client
 
 AGENT = Path(sys.executable).parent / "nodepulse-agent"
@@ -41,17 +41,6 @@ MIRROR = "kubernetes.io/config.mirror"
 AUDIENCE = "nodepulse-e2e"
 RUN = uuid.uuid4().hex[:5]
 AGENT_NUMBERS = itertools.count()  # each agent its own node name (and log file)
-
-
-def wait_for(what: str, check: Callable[[], Any], timeout: float = 30) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-        time.sleep(0.3)
 
 
 def refused(call: Callable[[], Any]) -> str:
@@ -144,8 +133,8 @@ def world(cluster: Cluster) -> Iterator[World]:
             n.core.create_node({"metadata": {"name": n.name}})
             n.leases.create_namespaced_lease(LEASES, lease_body(n.name))
         core.create_namespace({"metadata": {"name": ns}})
-        wait_for("the namespace's default ServiceAccount",
-                 lambda: core.list_namespaced_service_account(ns).items, 60)
+        eventually(lambda: core.list_namespaced_service_account(ns).items,
+                   "the namespace's default ServiceAccount", 60)
         for n in (a, b):
             core.create_namespaced_secret(ns, {"metadata": {"name": f"secret-{n.name}"},
                                                "stringData": {"k": n.name}})
@@ -274,7 +263,7 @@ def test_a_node_reads_only_secrets_of_its_own_pods(world: World) -> None:
 
     def reads(name: str) -> Any:
         return allowed(functools.partial(a.core.read_namespaced_secret, name, ns))
-    mine = wait_for("node a may read its pod's Secret", lambda: reads(f"secret-{a.name}"))
+    mine = eventually(lambda: reads(f"secret-{a.name}"), "node a may read its pod's Secret")
     assert mine.data["k"]
     assert a.core.read_namespaced_config_map(f"cm-{a.name}", ns).data == {"k": a.name}
     refused(lambda: a.core.read_namespaced_secret(f"secret-{b.name}", ns))
@@ -286,9 +275,9 @@ def test_a_node_reads_only_secrets_of_its_own_pods(world: World) -> None:
                                              "stringData": {"k": "v"}})
     refused(lambda: a.core.read_namespaced_secret("passing", ns))
     world.core.create_namespaced_pod(ns, pod_body("passing", a.name, "passing"))
-    wait_for("node a may read the new pod's Secret", lambda: reads("passing"))
+    eventually(lambda: reads("passing"), "node a may read the new pod's Secret")
     world.core.delete_namespaced_pod("passing", ns, grace_period_seconds=0)
-    wait_for("node a loses its former pod's Secret", lambda: reads("passing") is None)
+    eventually(lambda: reads("passing") is None, "node a loses its former pod's Secret")
 
 
 def token_request(pod: Any | None, audience: str = AUDIENCE) -> dict[str, Any]:
@@ -303,9 +292,9 @@ def test_a_node_gets_tokens_only_for_its_own_pods(world: World) -> None:
     a, b, ns = world.a, world.b, world.ns
     pod_a = world.core.read_namespaced_pod(f"pod-{a.name}", ns)
     pod_b = world.core.read_namespaced_pod(f"pod-{b.name}", ns)
-    token = wait_for("a token for a's pod", lambda: allowed(functools.partial(
+    token = eventually(lambda: allowed(functools.partial(
         a.core.create_namespaced_service_account_token, f"sa-{a.name}", ns,
-        token_request(pod_a))))
+        token_request(pod_a))), "a token for a's pod")
     assert token.status.token
     # another node's pod's account; its own account bound to another node's pod;
     # unbound; for an audience its pod does not use
@@ -470,10 +459,10 @@ def agents(cluster: Cluster, tmp_path: Path) -> Iterator[Callable[..., Agent]]:
 def test_health_server_listens_on_loopback_only_by_default(
         agents: Callable[..., Agent]) -> None:
     """No --healthz-bind-address: 127.0.0.1:10248, as the kubelet's healthz."""
-    wait_for("port 10248 free (another agent with the default may be running)",
-             lambda: not any(port == 10248 for _, port in listening()), 60)
+    eventually(lambda: not any(port == 10248 for _, port in listening()),
+               "port 10248 free (another agent with the default may be running)", 60)
     agent = agents()
-    assert wait_for("the agent listening", agent.listening, 60) == {("127.0.0.1", 10248)}
+    assert eventually(agent.listening, "the agent listening", 60) == {("127.0.0.1", 10248)}
     assert get("127.0.0.1", 10248) == 200
     others = local_addresses() - {"127.0.0.1"}
     assert any(not ip.startswith("127.") for ip in others), others  # something to try
@@ -483,7 +472,7 @@ def test_health_server_listens_on_loopback_only_by_default(
 
 def test_health_server_port_only_stays_on_loopback(agents: Callable[..., Agent]) -> None:
     agent = agents("--healthz-bind-address", ":0")
-    [(host, port)] = wait_for("the agent listening", agent.listening, 60)
+    [(host, port)] = eventually(agent.listening, "the agent listening", 60)
     assert host == "127.0.0.1" and port > 0
     assert get(host, port, "/healthz") in (200, 500)  # served (500 until the first renewal)
     for ip in sorted(local_addresses() - {"127.0.0.1"}):
@@ -496,7 +485,7 @@ def test_health_server_listens_on_the_configured_address(
     port = free_port()
     agent = agents("--healthz-bind-address", f"[{host}]:{port}" if ":" in host
                    else f"{host}:{port}")
-    assert wait_for("the agent listening", agent.listening, 60) == {(host, port)}
+    assert eventually(agent.listening, "the agent listening", 60) == {(host, port)}
     assert get(host, port) == 200
     assert refuses("127.0.0.1", port)
 
@@ -504,7 +493,7 @@ def test_health_server_listens_on_the_configured_address(
 def test_health_server_can_be_turned_off(agents: Callable[..., Agent], cluster: Cluster) -> None:
     agent = agents("--healthz-bind-address", "")
     core = client.CoreV1Api(cluster.api_client())
-    wait_for("the agent registered its Node", lambda: _node_exists(core, agent.name), 60)
+    eventually(lambda: _node_exists(core, agent.name), "the agent registered its Node", 60)
     assert agent.listening() == set()
 
 

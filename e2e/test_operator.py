@@ -21,7 +21,7 @@ import threading
 import time
 import urllib.request
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,7 @@ from kubernetes import client, watch
 from e2e.cluster import Cluster
 from e2e.cluster.cluster import free_port
 from e2e.promtext import samples
+from e2e.util import eventually
 from nodeagent.api.client import new_api_client
 from nodeagent.api.policy import GROUP, HEARTBEAT_ANNOTATION, PLURAL, VERSION
 
@@ -42,18 +43,6 @@ AGENT = Path(sys.executable).parent / "nodepulse-agent"
 UNREACHABLE = "node.kubernetes.io/unreachable"
 RUN = uuid.uuid4().hex[:5]  # names of this run's objects
 ELECTION = f"nodepulse-operator-e2e-{RUN}"
-
-
-def wait_for(what: str, check: Callable[[], Any], timeout: float = 30,
-             every: float = 0.5) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-        time.sleep(every)
 
 
 # ---- the operator processes
@@ -157,8 +146,8 @@ class Renewer(threading.Thread):
 
     def start_renewing(self, nodes: list[str]) -> None:
         self.set(nodes, True)
-        wait_for(f"Leases of {', '.join(nodes)}", lambda: not self.errors and
-                 self.renewed >= set(nodes), 30)
+        eventually(lambda: not self.errors and
+                   self.renewed >= set(nodes), f"Leases of {', '.join(nodes)}", 30)
         assert not self.errors, self.errors
 
     def run(self) -> None:
@@ -253,9 +242,9 @@ def operators(cluster: Cluster, kube: client.ApiClient,
     ops = [Operator(cluster, f"op-{RUN}-a", operator_credentials),
            Operator(cluster, f"op-{RUN}-b", operator_credentials)]
     try:
-        wait_for("both operators ready", lambda: all(o.ready() for o in ops), 60)
-        wait_for("a leader", lambda: leader(kube, operator_credentials)
-                 in {o.identity for o in ops}, 30)
+        eventually(lambda: all(o.ready() for o in ops), "both operators ready", 60)
+        eventually(lambda: leader(kube, operator_credentials)
+                   in {o.identity for o in ops}, "a leader", 30)
         yield ops
     finally:
         for o in ops:
@@ -384,8 +373,9 @@ def test_kubectl_apply_of_a_bad_policy_prints_the_cel_message(
 
 
 def test_explain_and_printer_columns(cluster: Cluster, kube: client.ApiClient) -> None:
-    out = wait_for("kubectl explain", lambda: (r := kubectl(
-        cluster, "explain", "nsp.spec.failure.maxUnreachableFraction")).returncode == 0 and r)
+    out = eventually(lambda: r if (r := kubectl(
+        cluster, "explain", "nsp.spec.failure.maxUnreachableFraction")).returncode == 0 else None,
+        "kubectl explain")
     assert "Partition guard" in out.stdout
     header = kubectl(cluster, "get", "nsp").stdout.splitlines()
     if header:  # no policies yet prints nothing on stdout
@@ -401,19 +391,20 @@ def test_two_pools_grace_15_and_60(kube: client.ApiClient, operators: list[Opera
     pf = policy(kube, "fast", "fast", grace=15, lease=10)
     ps = policy(kube, "slow", "slow", grace=60, lease=40)
     running = agents.start(fast, "fast") + agents.start(slow, "slow")
-    wait_for("agents registered and policies written onto their nodes", lambda: all(
+    eventually(lambda: all(
         heartbeat_or_none(kube, n).get("policy") == (pf if n in fast else ps)
-        for n in fast + slow), 60)
+        for n in fast + slow), "agents registered and policies written onto their nodes", 60)
     assert heartbeat(kube, fast[0])["renewIntervalSeconds"] == 2  # 10 / 4, from policy.py
-    wait_for("the pools seen ready", lambda: all(
-        (get_policy(kube, p).get("status") or {}).get("readyNodes") == 2 for p in (pf, ps)))
+    eventually(lambda: all(
+        (get_policy(kube, p).get("status") or {}).get("readyNodes") == 2 for p in (pf, ps)),
+        "the pools seen ready")
     assert all(effects(kube, n) == set() for n in fast + slow)
 
     for a in running:  # both pools' agents stop
         a.kill()
     stopped = time.monotonic()
-    wait_for("the 15 s pool tainted", lambda: all(
-        effects(kube, n) == {"NoSchedule", "NoExecute"} for n in fast), 40)
+    eventually(lambda: all(
+        effects(kube, n) == {"NoSchedule", "NoExecute"} for n in fast), "the 15 s pool tainted", 40)
     # Not before its grace period (less one renew interval), and not the 60 s pool.
     assert time.monotonic() - stopped >= 13
     assert all(effects(kube, n) == set() for n in slow)
@@ -426,10 +417,10 @@ def test_two_pools_grace_15_and_60(kube: client.ApiClient, operators: list[Opera
 
     agents.start(fast, "fast")
     agents.start(slow, "slow")  # they come back
-    wait_for("taints removed after renewal", lambda: all(
-        effects(kube, n) == set() for n in fast), 40)
-    wait_for("the agents report Ready again", lambda: all(
-        ready_status(kube, n).status == "True" for n in fast), 40)
+    eventually(lambda: all(
+        effects(kube, n) == set() for n in fast), "taints removed after renewal", 40)
+    eventually(lambda: all(
+        ready_status(kube, n).status == "True" for n in fast), "the agents report Ready again", 40)
     assert all(effects(kube, n) == set() for n in slow)
 
 
@@ -441,11 +432,12 @@ def test_renew_interval_follows_the_policy(cluster: Cluster, kube: client.ApiCli
     nodes = names("rate", 3)
     p = policy(kube, "rate", "rate", grace=30, lease=20, heartbeat={"renewIntervalSeconds": 10})
     running = agents.start(nodes, "rate")
-    wait_for("policy on the nodes", lambda: all(
-        heartbeat_or_none(kube, n).get("renewIntervalSeconds") == 10 for n in nodes), 60)
-    wait_for("every agent renewing", lambda: all(
+    eventually(lambda: all(
+        heartbeat_or_none(kube, n).get("renewIntervalSeconds") == 10 for n in nodes),
+        "policy on the nodes", 60)
+    eventually(lambda: all(
         samples(a.metrics(), "nodepulse_lease_renewals_total", result="success") >= 1
-        for a in running), 30)
+        for a in running), "every agent renewing", 30)
 
     def lease_puts(seconds: float) -> float:
         before = samples(apiserver_metrics(kube), "apiserver_request_total",
@@ -457,8 +449,8 @@ def test_renew_interval_follows_the_policy(cluster: Cluster, kube: client.ApiCli
     slow_puts = lease_puts(20)  # 3 agents every 10 s: about 6 (+ the API server's own)
     client.CustomObjectsApi(kube).patch_cluster_custom_object(
         GROUP, VERSION, PLURAL, p, {"spec": {"heartbeat": {"renewIntervalSeconds": 1}}})
-    wait_for("new interval on the nodes", lambda: all(
-        heartbeat(kube, n)["renewIntervalSeconds"] == 1 for n in nodes))
+    eventually(lambda: all(
+        heartbeat(kube, n)["renewIntervalSeconds"] == 1 for n in nodes), "new interval on the nodes")
     time.sleep(3)  # the agents see their Node change and reschedule
     fast_puts = lease_puts(10)  # 3 agents every second: about 30
     print(f"\nlease PUTs: renew interval 10 s -> {slow_puts:.0f} in 20 s, "
@@ -474,14 +466,15 @@ def test_partition_guard_stops_noexecute(kube: client.ApiClient, operators: list
     p = policy(kube, "part", "part", grace=15, maxUnreachableFraction=0.5,
                noExecuteTaintsPerMinute=60)
     running = agents.start(nodes, "part")
-    wait_for("the pool seen ready", lambda: (get_policy(kube, p).get("status") or {}).get(
-        "readyNodes") == 4, 60)
+    eventually(lambda: (get_policy(kube, p).get("status") or {}).get(
+        "readyNodes") == 4, "the pool seen ready", 60)
     for a in running[:3]:
         a.kill()
-    wait_for("NoSchedule on the silent three", lambda: all(
-        "NoSchedule" in effects(kube, n) for n in nodes[:3]), 40)
-    guard = wait_for("PartitionGuard condition", lambda: (
-        c := condition(get_policy(kube, p), "PartitionGuard")).get("status") == "True" and c)
+    eventually(lambda: all(
+        "NoSchedule" in effects(kube, n) for n in nodes[:3]), "NoSchedule on the silent three", 40)
+    guard = eventually(lambda: (
+        c := condition(get_policy(kube, p), "PartitionGuard")).get("status") == "True" and c,
+        "PartitionGuard condition")
     assert guard["reason"] == "TooManyUnreachable" and "3 of 4" in guard["message"]
     # Leases go stale a renew interval apart, so the first silent node may have been
     # given its NoExecute before the third made the share 3/4; after that, no more.
@@ -493,9 +486,9 @@ def test_partition_guard_stops_noexecute(kube: client.ApiClient, operators: list
     status = get_policy(kube, p)["status"]
     assert (status["nodes"], status["readyNodes"], status["unreachableNodes"]) == (4, 1, 3)
     agents.start(nodes[:3], "part")
-    wait_for("guard lifted", lambda: condition(get_policy(kube, p), "PartitionGuard").get(
-        "status") == "False", 40)
-    wait_for("taints removed", lambda: all(effects(kube, n) == set() for n in nodes), 40)
+    eventually(lambda: condition(get_policy(kube, p), "PartitionGuard").get(
+        "status") == "False", "guard lifted", 40)
+    eventually(lambda: all(effects(kube, n) == set() for n in nodes), "taints removed", 40)
 
 
 def test_no_match_conflict_and_deletion(kube: client.ApiClient, operators: list[Operator],
@@ -503,33 +496,32 @@ def test_no_match_conflict_and_deletion(kube: client.ApiClient, operators: list[
     nodes = make_nodes(kube, "mix", 1)
     renewer.start_renewing(nodes)
     none = policy(kube, "none", None, grace=30)
-    ready = wait_for("no-match status", lambda: condition(get_policy(kube, none), "Ready"))
+    ready = eventually(lambda: condition(get_policy(kube, none), "Ready"), "no-match status")
     assert ready["status"] == "True" and ready["reason"] == "NoMatchingNodes"
     low = policy(kube, "low", "mix", grace=30, priority=1)
-    wait_for("low applies", lambda: heartbeat(kube, nodes[0]).get("policy") == low)
+    eventually(lambda: heartbeat(kube, nodes[0]).get("policy") == low, "low applies")
     b = policy(kube, "tie-b", "mix", grace=30, priority=5)
     a = policy(kube, "tie-a", "mix", grace=30, priority=5)
-    wait_for("tie goes to the first name", lambda: heartbeat(kube, nodes[0]).get("policy") == a)
+    eventually(lambda: heartbeat(kube, nodes[0]).get("policy") == a, "tie goes to the first name")
     def conflict(name: str) -> dict[str, Any] | None:
         c = condition(get_policy(kube, name), "Conflict")
         return c if c.get("status") == "True" else None
 
     for name in (a, b):
-        c = wait_for(f"Conflict on {name}", functools.partial(conflict, name))
+        c = eventually(functools.partial(conflict, name), f"Conflict on {name}")
         assert nodes[0] in c["message"] and a in c["message"] and b in c["message"]
     custom = client.CustomObjectsApi(kube)
     custom.delete_cluster_custom_object(GROUP, VERSION, PLURAL, a)
-    wait_for("next match after deletion", lambda: heartbeat(kube, nodes[0]).get("policy") == b)
-    wait_for("conflict cleared", lambda: condition(get_policy(kube, b), "Conflict").get(
-        "status") == "False")
+    eventually(lambda: heartbeat(kube, nodes[0]).get("policy") == b, "next match after deletion")
+    eventually(lambda: condition(get_policy(kube, b), "Conflict").get(
+        "status") == "False", "conflict cleared")
     custom.delete_cluster_custom_object(GROUP, VERSION, PLURAL, b)
-    wait_for("lower priority after deletion",
-             lambda: heartbeat(kube, nodes[0]).get("policy") == low)
+    eventually(lambda: heartbeat(kube, nodes[0]).get("policy") == low, "lower priority after deletion")
     custom.delete_cluster_custom_object(GROUP, VERSION, PLURAL, low)
-    wait_for("defaults when nothing matches", lambda: heartbeat(kube, nodes[0]) == {
+    eventually(lambda: heartbeat(kube, nodes[0]) == {
         "policy": "", "leaseDurationSeconds": 40, "renewIntervalSeconds": 10,
         "statusUpdateFrequencySeconds": 10, "statusReportFrequencySeconds": 300,
-        "maxImagesInStatus": 50})
+        "maxImagesInStatus": 50}, "defaults when nothing matches")
 
 
 def test_apiserver_restart(cluster: Cluster, kube: client.ApiClient,
@@ -541,8 +533,8 @@ def test_apiserver_restart(cluster: Cluster, kube: client.ApiClient,
     live, silent, dead = make_nodes(kube, "restart", 3)
     p = policy(kube, "restart", "restart", grace=15)
     renewer.start_renewing([live, silent])
-    wait_for("dead node tainted first", lambda: effects(kube, dead) == {
-        "NoSchedule", "NoExecute"}, 40)
+    eventually(lambda: effects(kube, dead) == {
+        "NoSchedule", "NoExecute"}, "dead node tainted first", 40)
     assert heartbeat(kube, live)["policy"] == p
     renewer.set([silent], False)
     cluster.restart_apiserver()
@@ -552,7 +544,7 @@ def test_apiserver_restart(cluster: Cluster, kube: client.ApiClient,
         if effects(kube, dead) != {"NoSchedule", "NoExecute"}:
             lost.append(dead)
         return effects(kube, silent) == {"NoSchedule", "NoExecute"}
-    wait_for("the node silent since the restart tainted", silent_tainted, 60)
+    eventually(silent_tainted, "the node silent since the restart tainted", 60)
     assert not lost, "the already unreachable node lost its taints across the outage"
     # Never marked: `live` had no Ready condition, and Unknown would have stayed.
     assert ready_status(kube, live) is None and effects(kube, live) == set()
@@ -629,20 +621,21 @@ def test_ha_failover(kube: client.ApiClient, operators: list[Operator],
     have moved the leadership, so the standby may have written earlier, as leader:
     only its writes as standby count.)"""
     by_id = {o.identity: o for o in operators}
-    active = by_id[wait_for("a leader", lambda: leader(kube, operator_credentials))]
+    active = by_id[eventually(lambda: leader(kube, operator_credentials), "a leader")]
     [standby] = [o for o in operators if o is not active]
-    wait_for("the standby knows it", lambda: samples(
-        standby.metrics(), "nodepulse_operator_leader") == 0)
+    eventually(lambda: samples(
+        standby.metrics(), "nodepulse_operator_leader") == 0, "the standby knows it")
     assert active.writes() > 0  # every scenario above was a leader's work
     standby_writes = standby.writes()
 
     silent, healthy1, healthy2, dead = make_nodes(kube, "ha", 4)
     p = policy(kube, "ha", "ha", grace=15, noExecuteTaintsPerMinute=60)
     renewer.start_renewing([silent, healthy1, healthy2])  # `dead` never renews
-    wait_for("leader applies the policy", lambda: all(
-        heartbeat(kube, n).get("policy") == p for n in (silent, healthy1, healthy2, dead)))
-    wait_for("the old leader taints the node that never renewed",
-             lambda: effects(kube, dead) == {"NoSchedule", "NoExecute"}, 40)
+    eventually(lambda: all(
+        heartbeat(kube, n).get("policy") == p for n in (silent, healthy1, healthy2, dead)),
+        "leader applies the policy")
+    eventually(lambda: effects(kube, dead) == {"NoSchedule", "NoExecute"},
+               "the old leader taints the node that never renewed", 40)
     assert all(effects(kube, n) == set() for n in (silent, healthy1, healthy2))
     assert standby.writes() == standby_writes  # none of it the standby's
     assert leader(kube, operator_credentials) == active.identity
@@ -656,13 +649,13 @@ def test_ha_failover(kube: client.ApiClient, operators: list[Operator],
         active.kill(signal.SIGKILL)
         renewer.set([silent], False)  # and the node falls silent during the failover
         killed = time.monotonic()
-        wait_for("standby takes the leader Lease",
-                 lambda: leader(kube, operator_credentials) == standby.identity, 60)
+        eventually(lambda: leader(kube, operator_credentials) == standby.identity,
+                   "standby takes the leader Lease", 60)
         took = time.monotonic() - killed
         assert took < 60
         assert samples(standby.metrics(), "nodepulse_operator_leader") == 1
-        wait_for("the new leader taints the silent node",
-                 lambda: effects(kube, silent) == {"NoSchedule", "NoExecute"}, 60)
+        eventually(lambda: effects(kube, silent) == {"NoSchedule", "NoExecute"},
+                   "the new leader taints the silent node", 60)
         time.sleep(6)  # a few more monitor periods: nothing may be written again
     finally:
         tw.stop()
@@ -690,8 +683,8 @@ def test_ha_failover(kube: client.ApiClient, operators: list[Operator],
     def reasons() -> list[str]:
         return sorted(e.reason for e in node_events(kube, silent)
                       if e.reporting_component == "nodepulse-operator")
-    got = wait_for("the new leader's Events on the silent node", lambda: (
-        r := reasons()) and "EvictionStarted" in r and r, 20)
+    got = eventually(lambda: r if "EvictionStarted" in (r := reasons()) else None,
+                     "the new leader's Events on the silent node", 20)
     events = [e for e in node_events(kube, silent)
               if e.reporting_component == "nodepulse-operator"]
     assert all(e.count == 1 and e.reporting_instance == standby.identity for e in events), [

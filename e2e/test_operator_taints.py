@@ -40,8 +40,8 @@ from e2e.test_operator import (  # noqa: F401 (admin_operator_credentials: a fix
     Operator,
     OperatorCredentials,
     admin_operator_credentials,
-    wait_for,
 )
+from e2e.util import eventually
 from nodeagent.api.policy import GROUP, PLURAL
 
 RUN = uuid.uuid4().hex[:5]
@@ -122,9 +122,9 @@ def start_operator(cluster: Cluster, kube: client.ApiClient,
     def start() -> Operator:
         op = Operator(cluster, f"taints-{RUN}-{len(started)}", operator_credentials)
         started.append(op)
-        wait_for("operator ready", op.ready, 60)
-        wait_for("operator leading", lambda: samples(
-            op.metrics(), "nodepulse_operator_leader") == 1, 40)
+        eventually(op.ready, "operator ready", 60)
+        eventually(lambda: samples(
+            op.metrics(), "nodepulse_operator_leader") == 1, "operator leading", 40)
         return op
 
     yield start
@@ -165,8 +165,8 @@ def namespace(kube: client.ApiClient) -> Iterator[str]:
     ns = f"taints-{RUN}"
     core.create_namespace({"metadata": {"name": ns}})
     # Pods are refused until the namespace's default ServiceAccount exists.
-    wait_for("default ServiceAccount", lambda: core.list_namespaced_service_account(
-        ns, field_selector="metadata.name=default").items)
+    eventually(lambda: core.list_namespaced_service_account(
+        ns, field_selector="metadata.name=default").items, "default ServiceAccount")
     yield ns
     for pod in core.list_namespaced_pod(ns).items:
         core.delete_namespaced_pod(pod.metadata.name, ns, grace_period_seconds=0)
@@ -192,8 +192,8 @@ def test_not_ready_taint_removed_and_an_untolerating_pod_scheduled(
     core = client.CoreV1Api(kube)
     name = f"taints-{RUN}-sched"
     node_env(name, "{}\n")
-    node = wait_for("the agent's Node Ready", lambda: (n := read(kube, name))
-                    and ready(n) == "True" and n, 60)
+    node = eventually(lambda: (n := read(kube, name))
+                      and ready(n) == "True" and n, "the agent's Node Ready", 60)
     # Nothing but the operator removes admission's taint here; it is the only one.
     assert noschedule(node) == {NOT_READY}
 
@@ -208,16 +208,17 @@ def test_not_ready_taint_removed_and_an_untolerating_pod_scheduled(
         p = core.read_namespaced_pod("plain", namespace)
         c = next((c for c in p.status.conditions or [] if c.type == "PodScheduled"), None)
         return c if c is not None and c.status == "False" else None
-    cond = wait_for("the scheduler's verdict", unschedulable, 30)
+    cond = eventually(unschedulable, "the scheduler's verdict", 30)
     assert cond.reason == "Unschedulable" and "untolerated taint" in cond.message, cond.message
     assert core.read_namespaced_pod("plain", namespace).spec.node_name is None
 
     start_operator()
-    node = wait_for("not-ready taint removed", lambda: NOT_READY not in noschedule(
-        n := read(kube, name)) and n, 30)
+    node = eventually(lambda: NOT_READY not in noschedule(
+        n := read(kube, name)) and n, "not-ready taint removed", 30)
     assert ready(node) == "True"
-    bound = wait_for("the pod scheduled onto the node", lambda: (
-        p := core.read_namespaced_pod("plain", namespace)).spec.node_name and p, 60)
+    bound = eventually(lambda: (
+        p := core.read_namespaced_pod("plain", namespace)).spec.node_name and p,
+        "the pod scheduled onto the node", 60)
     assert bound.spec.node_name == name
 
 
@@ -230,9 +231,10 @@ def test_disk_pressure_taint_follows_the_condition(
     nw.start()
     try:
         _, config = node_env(name, "evictionHard:\n  nodefs.available: '0%'\n")
-        wait_for("Ready, without not-ready", lambda: (n := read(kube, name)) is not None
-                 and ready(n) == "True" and not noschedule(n) & {NOT_READY, DISK}, 60)
-        wait_for("the watch caught up", lambda: nw.events and nw.events[-1][1] == set(), 10)
+        eventually(lambda: (n := read(kube, name)) is not None
+                   and ready(n) == "True" and not noschedule(n) & {NOT_READY, DISK},
+                   "Ready, without not-ready", 60)
+        eventually(lambda: nw.events and nw.events[-1][1] == set(), "the watch caught up", 10)
         # Created with admission's taint, which went only once Ready was True.
         kind, first, *_ = nw.events[0]
         assert kind == "ADDED" and NOT_READY in first, nw.events
@@ -241,16 +243,16 @@ def test_disk_pressure_taint_follows_the_condition(
 
         # The threshold moves: every filesystem is under pressure.
         config.write_text("evictionHard:\n  nodefs.available: '100%'\n")
-        node = wait_for("disk-pressure taint", lambda: DISK in noschedule(
-            n := read(kube, name)) and n, 40)
+        node = eventually(lambda: DISK in noschedule(
+            n := read(kube, name)) and n, "disk-pressure taint", 40)
         assert next(c.status for c in node.status.conditions
                     if c.type == "DiskPressure") == "True"
         assert NOT_READY not in noschedule(node)
         assert op.writes() > writes
 
         config.write_text("evictionHard:\n  nodefs.available: '0%'\n")
-        node = wait_for("disk-pressure taint removed", lambda: DISK not in noschedule(
-            n := read(kube, name)) and n, 40)
+        node = eventually(lambda: DISK not in noschedule(
+            n := read(kube, name)) and n, "disk-pressure taint removed", 40)
         assert next(c.status for c in node.status.conditions
                     if c.type == "DiskPressure") == "False"
         # Each taint change was a write of its own; none was repeated.

@@ -17,7 +17,6 @@ import json
 import subprocess
 import sys
 import threading
-import time
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
@@ -33,7 +32,7 @@ from urllib3.exceptions import ProtocolError
 from e2e.cluster import Cluster
 from e2e.cluster.cluster import free_port
 from e2e.promtext import samples
-from e2e.util import stop_process
+from e2e.util import eventually, stop_process
 from nodeagent.api.policy import GROUP, HEARTBEAT_ANNOTATION, KIND, PLURAL, VERSION
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -207,17 +206,6 @@ def parser_error(spec: dict[str, Any]) -> str | None:
     return parse_policy({"metadata": {"name": "x"}, "spec": spec}).error
 
 
-def wait_for(what: str, check: Callable[[], Any], timeout: float = 30) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-        time.sleep(0.5)
-
-
 # ---- every CEL rule
 @pytest.mark.parametrize(("path", "schema", "rule"), RULES,
                          ids=[f"{p}:{i}" for i, (p, _, _) in enumerate(RULES)])
@@ -355,7 +343,7 @@ def operators(cluster: Cluster) -> Iterator[Callable[[str], Operator]]:
     def start(identity: str) -> Operator:
         op = Operator(cluster, f"pi-{RUN}-{identity}")
         started.append(op)
-        wait_for(f"operator {identity} leading", op.leading, 60)
+        eventually(op.leading, f"operator {identity} leading", 60)
         return op
     yield start
     for op in started:
@@ -420,15 +408,15 @@ def test_equal_priorities_conflict_only_where_they_are_on_top(
         kube: client.ApiClient, operators: Callable[[str], Operator]) -> None:
     operators("conflict")
     t = ties(kube, "c")
-    wait_for("each node's policy", lambda: {n: governed_by(kube, n) for n in t.want} == t.want)
+    eventually(lambda: {n: governed_by(kube, n) for n in t.want} == t.want, "each node's policy")
     for name in (t.tie_a, t.tie_b):
-        c = wait_for(f"Conflict on {name}", functools.partial(conflict, kube, name, "True"))
+        c = eventually(functools.partial(conflict, kube, name, "True"), f"Conflict on {name}")
         assert c["reason"] == "EqualPriority"
         assert t.tie_a in c["message"] and t.tie_b in c["message"], c
         assert t.nodes["x"] in c["message"], c
         assert t.nodes["y"] not in c["message"] and t.nodes["z"] not in c["message"], c
         assert f"{t.tie_a} applies" in c["message"], c
-    assert wait_for(f"status of {t.top}", lambda: conflict(kube, t.top))["status"] == "False"
+    assert eventually(lambda: conflict(kube, t.top), f"status of {t.top}")["status"] == "False"
     counts = {p: (stored(kube, p) or {}).get("status", {}).get("nodes")
               for p in (t.tie_a, t.tie_b, t.top)}
     assert counts == {t.tie_a: 1, t.tie_b: 1, t.top: 1}
@@ -436,10 +424,9 @@ def test_equal_priorities_conflict_only_where_they_are_on_top(
     # tie-b above tie-a: no conflict left, x goes to tie-b
     client.CustomObjectsApi(kube).patch_cluster_custom_object(
         GROUP, VERSION, PLURAL, t.tie_b, {"spec": {"priority": 6}})
-    wait_for("x follows tie-b", lambda: governed_by(kube, t.nodes["x"]) == t.tie_b)
+    eventually(lambda: governed_by(kube, t.nodes["x"]) == t.tie_b, "x follows tie-b")
     for name in (t.tie_a, t.tie_b):
-        wait_for(f"conflict cleared on {name}",
-                 functools.partial(conflict, kube, name, "False"))
+        eventually(functools.partial(conflict, kube, name, "False"), f"conflict cleared on {name}")
     assert {n: governed_by(kube, n) for n in t.want} == {
         t.nodes["x"]: t.tie_b, t.nodes["y"]: t.top, t.nodes["z"]: t.tie_b}
 
@@ -504,18 +491,20 @@ def test_a_new_operator_keeps_every_nodes_policy(
     policy again after."""
     first = operators("first")
     t = ties(kube, "r")
-    wait_for("each node's policy", lambda: {n: governed_by(kube, n) for n in t.want} == t.want)
+    eventually(lambda: {n: governed_by(kube, n) for n in t.want} == t.want, "each node's policy")
     policies = (t.tie_a, t.tie_b, t.top)
-    wait_for("the policies' statuses", lambda: all(
-        (stored(kube, p) or {}).get("status", {}).get("nodes") == 1 for p in policies))
+    eventually(lambda: all(
+        (stored(kube, p) or {}).get("status", {}).get("nodes") == 1 for p in policies),
+        "the policies' statuses")
     statuses = {p: (stored(kube, p) or {})["status"] for p in policies}
     witness = NodeWitness(kube, t.selector, policy_of)
     witness.start()
     first.stop()
     second = operators("second")
     ticks = samples(second.metrics(), "nodepulse_operator_monitor_tick_seconds_count")
-    wait_for("three monitor periods of the second operator", lambda: samples(
-        second.metrics(), "nodepulse_operator_monitor_tick_seconds_count") >= ticks + 3)
+    eventually(lambda: samples(
+        second.metrics(), "nodepulse_operator_monitor_tick_seconds_count") >= ticks + 3,
+        "three monitor periods of the second operator")
     witness.stop(t.nodes["x"])
     assert witness.seen == {n: [p] for n, p in t.want.items()}, \
         f"a node's policy changed while the operator restarted (watch resumed: {witness.resumed})"
@@ -536,8 +525,9 @@ def test_a_new_operator_keeps_a_silent_nodes_taints(
                                                      "labels": {"pi-e2e/pool": pool}}})
     policy(kube, "silent", 50, {"matchLabels": {"pi-e2e/pool": pool}}, lease=5, grace=5)
     try:
-        wait_for("the silent node tainted", lambda: unreachable(
-            client.CoreV1Api(kube).read_node(node)) == ("NoExecute", "NoSchedule"), 60)
+        eventually(lambda: unreachable(
+            client.CoreV1Api(kube).read_node(node)) == ("NoExecute", "NoSchedule"),
+            "the silent node tainted", 60)
     except AssertionError as e:  # say what the operator made of the node
         n = client.CoreV1Api(kube).read_node(node)
         writes = [line for line in first.metrics().splitlines()
@@ -550,8 +540,9 @@ def test_a_new_operator_keeps_a_silent_nodes_taints(
     first.stop()
     second = operators("second-taint")
     ticks = samples(second.metrics(), "nodepulse_operator_monitor_tick_seconds_count")
-    wait_for("three monitor periods of the second operator", lambda: samples(
-        second.metrics(), "nodepulse_operator_monitor_tick_seconds_count") >= ticks + 3)
+    eventually(lambda: samples(
+        second.metrics(), "nodepulse_operator_monitor_tick_seconds_count") >= ticks + 3,
+        "three monitor periods of the second operator")
     witness.stop(node)
     assert witness.seen == {node: [("NoExecute", "NoSchedule")]}, \
         f"the silent node's taints changed while the operator restarted ({witness.resumed})"

@@ -32,13 +32,13 @@ from e2e.cluster import Cluster
 from e2e.promtext import samples
 from nodeagent.api.client import new_api_client
 from nodeagent.api.clock import FakeClock, RealClock, settle
+from nodeagent.api.rest import request, request_json
 from nodeagent.sources.api import APISource
 from nodeagent.sources.events import NodeEvents
 from nodeagent.sources.file import FileSource
 from nodeagent.sources.merge import Merge
 from nodeagent.sources.mirror import MirrorManager
 from nodeagent.sources.problems import Problems
-from nodeagent.api.rest import request, request_json
 from nodeagent.sources.static import check_pod, make_static_pod, mirror_pod, mirror_problem
 from nodeagent.sources.types import ANN_CONFIG_HASH, ANN_CONFIG_MIRROR, Op, PodUpdate, Source
 

@@ -30,7 +30,8 @@ from kubernetes import client
 
 from e2e.cluster import Cluster
 from e2e.promtext import samples
-from e2e.test_heartbeat import AGENT, AgentProcess, Recorder, free_port, wait_for
+from e2e.test_heartbeat import AGENT, AgentProcess, Recorder, free_port
+from e2e.util import eventually
 
 N = 50
 PREFIX = "e2e-vn"
@@ -107,7 +108,7 @@ def test_one_process_runs_50_virtual_nodes(cluster: Cluster, vagent: AgentProces
             leases = [le for le in coord.list_namespaced_lease("kube-node-lease").items
                       if le.metadata.name.startswith(f"{PREFIX}-")]
             return len(nodes) == N and all(_ready(n) for n in nodes) and len(leases) == N
-        wait_for(f"{N} virtual nodes Ready with Leases", registered, 90)
+        eventually(registered, f"{N} virtual nodes Ready with Leases", 90)
         assert vagent.get("/readyz")[0] == 200
         nodes = {n.metadata.name: n for n in
                  core.list_node(label_selector=f"nodepulse.dev/agent={PREFIX}").items}
@@ -128,7 +129,7 @@ def test_one_process_runs_50_virtual_nodes(cluster: Cluster, vagent: AgentProces
             p = core.read_namespaced_pod("vn-runs", NS)
             return bool(p.status.phase == "Running" and p.status.container_statuses
                         and all(c.ready for c in p.status.container_statuses))
-        wait_for("the pod Running on a virtual node", running, 45)
+        eventually(running, "the pod Running on a virtual node", 45)
         pod = core.read_namespaced_pod("vn-runs", NS)
         assert pod.spec.node_name == target
         refused = core.read_namespaced_pod("vn-refused", NS)
