@@ -140,7 +140,6 @@ class Monitor:
         self.api_ok_since = api_ok_since
         self.pacer = Pacer(clock, period)
         self.next_stale: float | None = None  # from the last plan; see _timeout
-        self.periods = 0  # periods run (tests)
         self._sem = asyncio.Semaphore(parallel)
         # object key -> resourceVersions our last write went through; until the
         # index shows a newer one, a difference is only our write not seen yet.
@@ -192,7 +191,6 @@ class Monitor:
 
     async def tick(self) -> Plan:
         started = self.clock.monotonic()
-        self.periods += 1
         plan = self.plan()
         for ev in plan.events:
             self._post(ev)

@@ -35,10 +35,10 @@ class InitialSync:
                  page: int = 500, poll: float = 0.2, recheck: float = 5.0,
                  backoff: float = 1.0, lookups: int = 20) -> None:
         """`core`, `custom`: a kubernetes CoreV1Api and CustomObjectsApi (or fakes with
-        list_node/read_node and list_/get_cluster_custom_object)."""
+        list_node and list_cluster_custom_object)."""
         self.core, self.custom, self.store, self.clock = core, custom, store, clock
         self.page, self.poll, self.recheck, self.backoff = page, poll, recheck, backoff
-        self.lookups = lookups  # at most this many GETs per kind per recheck
+        self.lookups = lookups  # at most this many lookups per kind per recheck
         self.done = asyncio.Event()
         self.pending: dict[str, set[str]] = {}  # kind -> names not in the Store yet
 

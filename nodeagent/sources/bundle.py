@@ -56,7 +56,8 @@ class PodSources:
                                       (Source.HTTP, bool(cfg.manifest_url))) if on}
         self.merge = Merge(configured, Problems(events))
         self.parts: list[APISource | FileSource | HTTPSource | MirrorManager] = []
-        # called when the API server answers again after an outage (see APISource)
+        # called when the API server answers again after an outage: the API source's
+        # own hook list (the same list object), so hooks added later reach it too
         self.on_api_reconnect: list[Callable[[], None]] = []
         node = cfg.node_names[0]
         if cfg.watch_api and api is not None:
