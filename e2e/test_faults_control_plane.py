@@ -531,6 +531,8 @@ def test_tcpproxy_cut_and_resume() -> None:
             c2.sendall(b"lost")
             with pytest.raises(TimeoutError):
                 c2.recv(16)  # blackholed: no answer, no reset
+            # the proxy took c2 while cut (its accept may come after the recv's 1 s)
+            eventually(lambda: proxy.blackholed == 1, "the proxy holding c2", 10)
             proxy.resume()
             assert c2.recv(16) == b""  # closed when the cut ends
             c3 = socket.create_connection(("127.0.0.1", proxy.port), timeout=5)
@@ -592,7 +594,9 @@ def test_apiserver_down_20s(cluster: Cluster, core: client.CoreV1Api, ns: str,
         lapse = r1 - (last_renewed[a.name] + LEASE_SECONDS)  # expired this long
         print(f"{a.name}: Lease renewed {r1 - t_up:+.1f}s after the API server was ready; "
               f"expired for {max(0.0, lapse):.1f}s of the {t_up - t_down:.1f}s outage")
-        assert r1 - t_up <= RETRY_SECONDS + 3, \
+        # retried every 2 s through the outage, not after a backoff grown by it; 5 s
+        # to spare for a loaded machine
+        assert r1 - t_up <= RETRY_SECONDS + 5, \
             f"{a.name}: Lease renewed {r1 - t_up:.1f}s after the API server was back"
         assert lapse <= t_up - t_down, f"{a.name}: the Lease lapsed longer than the outage"
 
@@ -823,19 +827,32 @@ def test_network_cut_past_grace(cluster: Cluster, core: client.CoreV1Api, ns: st
                     assert w.rt.pid is not None and alive(w.rt.pid), \
                         f"{a.name}: {w.pod}'s process {w.rt.pid} stopped"
 
+        coord = client.CoordinationV1Api(core.api_client)
         for a in agents:
             a.proxy.cut()
         t_cut = time.monotonic()
+        # the last renewal that got through (one in flight at the cut may still land,
+        # which only makes the grace end later)
+        renewed = {a.name: lease_renew_time(coord, a.name) for a in agents}
         try:
+            tainted_at: dict[str, float] = {}
+
             def tainted() -> bool:
                 never_stopped()
-                return all(unreachable_effects(core, a.name) == {"NoSchedule", "NoExecute"}
-                           and ready_status(core, a.name) == "Unknown" for a in agents)
+                for a in agents:
+                    if a.name not in tainted_at and ready_status(core, a.name) == "Unknown" \
+                            and unreachable_effects(core, a.name) == {"NoSchedule",
+                                                                      "NoExecute"}:
+                        tainted_at[a.name] = time.time()
+                return len(tainted_at) == len(agents)
             eventually(tainted, "Ready=Unknown and the unreachable taints", GRACE + 45)
             took = time.monotonic() - t_cut
             print(f"\ncut off: Ready=Unknown and tainted {took:.1f}s after the cut "
                   f"(grace {GRACE}s)")
-            assert took >= GRACE - RENEW_SECONDS, "tainted before the grace period ended"
+            for a in agents:
+                silent = tainted_at[a.name] - renewed[a.name]
+                assert silent >= GRACE - 0.2, \
+                    f"{a.name} tainted {silent:.1f}s after its last renewal, grace {GRACE}s"
             # tainted NoExecute for a while: the tolerating pods stay, nothing stops
             for _ in range(8):
                 never_stopped()
@@ -848,7 +865,6 @@ def test_network_cut_past_grace(cluster: Cluster, core: client.CoreV1Api, ns: st
                 a.proxy.resume()
         t_back = time.time()
 
-        coord = client.CoordinationV1Api(core.api_client)
         each(agents, lambda a: lease_renew_time(coord, a.name) > t_back,
              "the Lease renewed after the cut", 30)
 

@@ -256,6 +256,9 @@ def efficient_heartbeats(cluster: Cluster, procs: list[AgentProcess], parts: Par
     if parts.cond:
         assert condition(api_dict(core.read_node(parts.cond)), "DiskPressure") == "False"
 
+    # The API server's counters are read at some instant of each /metrics fetch:
+    # a renewal during a fetch may fall on either side of the window.
+    fetch0 = time.monotonic()
     m0 = cluster.apiserver_metrics()
     t0 = time.monotonic()
     time.sleep(20)
@@ -271,6 +274,7 @@ def efficient_heartbeats(cluster: Cluster, procs: list[AgentProcess], parts: Par
     t_policy = time.monotonic()
 
     time.sleep(max(0.0, t0 + WINDOW - time.monotonic()))
+    fetch1 = time.monotonic()
     m1 = cluster.apiserver_metrics()
     t1 = time.monotonic()
     assert rec.errors == []  # the witnesses saw everything
@@ -287,15 +291,22 @@ def efficient_heartbeats(cluster: Cluster, procs: list[AgentProcess], parts: Par
         cond_writes = rec.status_writes(parts.cond, t0, t1)
         assert len(cond_writes) == 1
         t_seen, status = cond_writes[0]
-        assert t_seen - t_cond <= 10 + 2
+        # 10 s, and up to 5 s for the PATCH and the watch on a loaded machine: not the
+        # 5 min report period
+        assert t_seen - t_cond <= 10 + 5, t_seen - t_cond
         assert {c["type"]: c["status"] for c in status["conditions"]}["DiskPressure"] == "True"
         expected_status += 1
     # the annotation is followed within one old renew interval, then every ~2 s
     after = rec.lease_updates(parts.policy, t_policy, t1)
     assert after and after[0] - t_policy <= 10
     steady = [t for t in after if t >= t_policy + 4]
-    gaps = [y - x for x, y in zip(steady, steady[1:], strict=False)]
-    assert len(steady) >= 12 and max(gaps) < 3.5, gaps
+    # the gaps between the renewTimes the agent wrote (the watch adds its own delays);
+    # under half the old 10 s interval
+    renewed = [dt.datetime.fromisoformat(obj["spec"]["renewTime"])
+               for t, kind, key, obj in rec.leases if key == f"kube-node-lease/{parts.policy}"
+               and kind == "MODIFIED" and t_policy + 4 <= t < t1]
+    gaps = [(y - x).total_seconds() for x, y in zip(renewed, renewed[1:], strict=False)]
+    assert len(steady) >= 12 and max(gaps) < 5, gaps
     assert len(rec.lease_updates(parts.policy, t0, t_policy)) <= 3
 
     # The API server counts the same writes (others' leases, e.g. its own identity
@@ -305,7 +316,10 @@ def efficient_heartbeats(cluster: Cluster, procs: list[AgentProcess], parts: Par
                  and key not in ours_keys)
     ours = sum(len(rec.lease_updates(n, t0, t1)) for n in names)
     puts = _delta(m0, m1, "apiserver_request_total", resource="leases", verb="PUT")
-    assert abs(puts - others - ours) <= 2, (puts, others, ours)
+    during_fetches = sum(len(rec.lease_updates(n, fetch0, t0))
+                         + len(rec.lease_updates(n, fetch1, t1)) for n in names)
+    assert abs(puts - others - ours) <= 1 + during_fetches, (puts, others, ours,
+                                                            during_fetches)
     patches = _delta(m0, m1, "apiserver_request_total", resource="nodes",
                      subresource="status", verb="PATCH")
     status_ours = sum(len(rec.status_writes(n, t0, t1)) for n in names)

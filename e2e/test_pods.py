@@ -88,6 +88,16 @@ class Node:
         assert len(children) == 1, (wrapper, children)
         return int(children[0])
 
+    def exited(self, container_id: str) -> bool:
+        """The runtime itself has recorded the container's exit."""
+        cid = container_id.partition("://")[2]
+        if self.kind == "containerd":
+            with self.ctd.channel() as ch:
+                st = pb_grpc.RuntimeServiceStub(ch).ContainerStatus(
+                    pb.ContainerStatusRequest(container_id=cid), timeout=10)
+            return bool(st.status.state == pb.CONTAINER_EXITED)
+        return (self.root / "process" / "containers" / f"{cid}.exit").exists()
+
     def metrics(self) -> str:
         with urllib.request.urlopen(self.metrics_url, timeout=5) as r:
             return str(r.read().decode())
@@ -266,15 +276,20 @@ def test_killed_container_restarts(node: Node) -> None:
     cs = pod.status.container_statuses[0]
     assert cs.restart_count == 0
     pid = n.container_pid(cs.container_id)
-    relists0, died0 = n.pleg()
+    died0 = n.pleg()[1]
     os.kill(pid, signal.SIGKILL)
+    # counted from when the runtime knows (containerd takes a moment to handle the exit)
+    eventually(lambda: n.exited(cs.container_id), "the runtime recording the exit", 10,
+               every=0.02)
+    relists0 = n.pleg()[0]
 
     def died() -> float | None:
         relists, events = n.pleg()
         return relists - relists0 + 0.5 if events > died0 else None  # 0.5: truthy at 0
 
     relists = eventually(died, "PLEG ContainerDied", 10, every=0.02) - 0.5
-    print(f"[{n.kind}] ContainerDied reported {relists:.0f} relist(s) after the kill")
+    print(f"[{n.kind}] ContainerDied reported {relists:.0f} relist(s) after the runtime "
+          "recorded the exit")
     assert relists <= 2, f"ContainerDied reported after {relists:.0f} relists"
 
     def restarted() -> client.V1ContainerStatus | None:
@@ -336,8 +351,10 @@ def test_stubborn_pod_is_killed_when_grace_ends(node: Node) -> None:
     late = time.time() - deadline
     print(f"[{n.kind}] SIGTERM-ignoring container killed {late:+.2f}s after its 3s grace "
           "(counted from the delete request)")
-    # the agent's grace period starts when the watch delivers the delete (ms later)
-    assert late < 0.5, f"killed {late:.1f}s after its grace period ended"
+    # The agent's grace period starts when the watch delivers the delete, normally ms
+    # later, up to about a second on a loaded machine: a kill that waited for a relist
+    # or a resync would be seconds late, one that did not wait for the grace early.
+    assert -0.2 < late < 1.5, f"killed {late:+.1f}s from the end of its grace period"
 
 
 def test_static_pod_with_mirror(node: Node) -> None:

@@ -711,6 +711,8 @@ def test_operator_and_agent_work_under_the_chart_identities(
             # the agent's own Event (the broken manifest), under its ServiceAccount
             _eventually("the agent's Event about the broken manifest", lambda: any(
                 e.reason.startswith("StaticPod") for e in events_from("nodepulse-agent")), procs)
+            _eventually("the operator's Event about the taint removed", lambda: "TaintRemoved"
+                        in {e.reason for e in events_from("nodepulse-operator")}, procs)
             events = tools.kubectl("describe", "node", node).stdout.split("\nEvents:", 1)[1]
             print(events)
             assert any(line.split()[1].startswith("StaticPod") and "nodepulse-agent" in line

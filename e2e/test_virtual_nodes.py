@@ -118,6 +118,11 @@ def test_one_process_runs_50_virtual_nodes(cluster: Cluster, vagent: AgentProces
             taints = {(t.key, t.value, t.effect) for t in n.spec.taints or []}
             assert ("nodepulse.dev/virtual", "true", "NoSchedule") in taints
 
+        _, text0 = vagent.get("/metrics")
+        relists0 = samples(text0, "nodepulse_pleg_relist_duration_seconds_count")
+        # The API server's counters are read at some instant of each /metrics fetch:
+        # renewals during a fetch may be on either side of the window.
+        fetch0 = time.monotonic()
         m0 = cluster.apiserver_metrics()
         t0 = time.monotonic()
         # pods while the window runs: one tolerates the virtual taint, one does not
@@ -138,6 +143,7 @@ def test_one_process_runs_50_virtual_nodes(cluster: Cluster, vagent: AgentProces
         assert sched and sched[0].status == "False" and sched[0].reason == "Unschedulable"
 
         time.sleep(max(0.0, t0 + WINDOW - time.monotonic()))
+        fetch1 = time.monotonic()
         m1 = cluster.apiserver_metrics()
         t1 = time.monotonic()
         assert rec.errors == []
@@ -150,7 +156,10 @@ def test_one_process_runs_50_virtual_nodes(cluster: Cluster, vagent: AgentProces
                 - samples(m0, "apiserver_request_total", resource="leases", verb="PUT"))
         expected = N * 6
         assert abs((puts - others) - expected) <= expected * 0.1, (puts, others, ours)
-        assert abs((puts - others) - ours) <= 3, (puts, others, ours)  # the same writes
+        during_fetches = sum(len(rec.lease_updates(n, fetch0, t0))
+                             + len(rec.lease_updates(n, fetch1, t1)) for n in names)
+        assert abs((puts - others) - ours) <= 1 + during_fetches, (  # the same writes
+            puts, others, ours, during_fetches)
 
         # no Lease lapsed: each renewal came within its duration of the one before
         for n in names:
@@ -171,8 +180,8 @@ def test_one_process_runs_50_virtual_nodes(cluster: Cluster, vagent: AgentProces
         pleg = [ln for ln in text.splitlines()
                 if ln.startswith("nodepulse_pleg_last_seen_seconds{")]
         assert len(pleg) == 1 and f'node="{PREFIX}"' in pleg[0], pleg
-        relists = samples(text, "nodepulse_pleg_relist_duration_seconds_count")
-        assert relists <= time.monotonic() - t0 + 30  # one relist a second, not N
+        relists = samples(text, "nodepulse_pleg_relist_duration_seconds_count") - relists0
+        assert relists <= time.monotonic() - t0 + 3, relists  # one relist a second, not N
     finally:
         rec.stop()
     assert vagent.stop() == 0, vagent.log.read_text()[-3000:]
