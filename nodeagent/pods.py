@@ -101,6 +101,8 @@ class Pods:
         self.runtime_problem: str | None = None
         self._images: list[dict[str, Any]] = []
         self._tasks: list[asyncio.Task[Any]] = []
+        # called when the node's own requests reach the API server again after failing
+        self.on_api_answered: list[Callable[[], None]] = []
 
     @classmethod
     def from_config(cls, cfg: AgentConfig, api: client.ApiClient, clock: Clock, *,
@@ -124,7 +126,12 @@ class Pods:
                    config=SyncLoopConfig(log_root=str(logs.resolve())), registry=registry,
                    node_names=cfg.node_names, label=cfg.agent_id)
         sources.on_api_reconnect.append(pods.loop.retry_writes_now)
+        pods.on_api_answered.append(sources.api_answered)
         return pods
+
+    def api_answered(self) -> None:
+        for hook in self.on_api_answered:
+            hook()
 
     # -- what the node status and health server read (any thread) --
     def images(self) -> list[dict[str, Any]]:

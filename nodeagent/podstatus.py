@@ -22,7 +22,7 @@ from kubernetes import client as k8s
 from prometheus_client import REGISTRY, CollectorRegistry, Counter
 
 from nodeagent.api.client import is_retriable, status_of
-from nodeagent.api.clock import Clock, clock_timeout
+from nodeagent.api.clock import Clock, Wakeup
 from nodeagent.runtime.base import Container, ContainerState, PodRuntimeStatus
 from nodeagent.sources.types import is_static
 
@@ -343,7 +343,7 @@ class StatusManager:
         self.retry_max = retry_max
         self._pods: dict[str, _Entry] = {}
         self._writes = _writes_counter(registry)
-        self._wake = asyncio.Event()  # set (then replaced) by retry_now
+        self._wake = Wakeup()  # retry_now ends the backoffs under way
 
     def status(self, uid: str) -> Status | None:
         """The latest status computed for a pod (the `previous` for the next one)."""
@@ -393,8 +393,7 @@ class StatusManager:
     def retry_now(self) -> None:
         """The API server answers again (the pod watch reconnected): writes waiting out
         a backoff go now, from the initial delay, rather than up to retry_max later."""
-        self._wake.set()
-        self._wake = asyncio.Event()
+        self._wake.wake()
 
     def dirty(self, uid: str) -> bool:
         e = self._pods.get(uid)
@@ -455,8 +454,7 @@ class StatusManager:
                     log.warning("pod %s: status %s failed (%s), retry in %.0fs%s", uid,
                                 kind, exc, delay,
                                 "" if is_retriable(exc) else " (not retriable?)")
-            try:
-                await clock_timeout(self.clock, self._wake.wait(), delay, "retry")
+            if await self._wake.wait(self.clock, delay):
                 delay = self.retry_initial  # retry_now: the API server is back
-            except TimeoutError:
+            else:
                 delay = min(delay * 2, self.retry_max)

@@ -234,3 +234,23 @@ async def test_runtime_choice(tmp_path: Path) -> None:
     finally:
         await rt.close()
     assert isinstance(build_runtime(load(tmp_path, "--runtime", "fake")), FakeRuntime)
+
+
+@aio
+async def test_lease_through_again_ends_the_watch_backoffs(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Lease renewal that goes through after attempts that could not reach the API
+    server tells the node watch and the pod sources (each then ends its backoff)."""
+    rig = Rig(tmp_path)
+    told: list[str] = []
+    rig.pods.on_api_answered.append(lambda: told.append("pods"))
+    await rig.start()
+    assert rig.agent.watch is not None
+    monkeypatch.setattr(rig.agent.watch, "api_answered", lambda: told.append("watch"))
+    await rig.clock.advance(12)  # a renewal that went through the first time
+    assert told == []
+    rig.kube.fail("update_lease", ConnectionError("refused"), ConnectionError("refused"))
+    await rig.clock.advance(12)
+    assert rig.kube.count("update_lease") >= 4
+    assert sorted(told) == ["pods", "watch"]
+    await rig.finish()

@@ -26,7 +26,7 @@ from nodeagent.node.watch import NodeWatch
 from nodeagent.sources.api import APISource
 from nodeagent.sources.types import Op
 from tests.test_merge import until
-from tests.test_sources_api import FakeAPIServer, Harness, kubeconfig, mkpod, serving
+from tests.test_sources_api import FakeAPIServer, Harness, kubeconfig, mkpod, run, serving
 
 
 @pytest.fixture
@@ -80,6 +80,32 @@ def test_backoff_starts_over_after_a_watch_that_worked(server: FakeAPIServer,
             assert h.src.relists == 0  # resumed from its resourceVersion
 
         run_via(proxy, server, tmp_path, body)
+
+
+def test_api_answered_ends_the_backoff_under_way(server: FakeAPIServer,
+                                                 tmp_path: Path) -> None:
+    """The node's Lease goes through again (api_answered): the pod watch, waiting out a
+    30 s backoff, reconnects now; a later failure backs off again."""
+    server.down = True
+
+    async def body(h: Harness) -> None:
+        for _ in range(7):  # 0.5, 1, 2, 4, 8, 16, 30
+            await until(lambda: h.clock.sleepers == 1)
+            await h.clock.advance(30.0)
+        await until(lambda: h.clock.sleepers == 1)  # failed again: waiting 30 s
+        server.down = False
+        h.src.api_answered()
+        await h.watching(1)  # no clock advance: the wait ended
+        assert h.clock.sleepers == 0
+        verbs = server.verbs()
+        server.create(mkpod("a"))
+        assert await h.next() == (Op.ADD, ["a"])
+        h.src.api_answered()  # nothing under way: nothing changes
+        server.create(mkpod("b"))
+        assert await h.next() == (Op.ADD, ["b"])
+        assert server.verbs() == verbs  # the same watch
+
+    run(server, tmp_path, body)
 
 
 # ---- the node watch has the same rule (its ceiling is 8 s)
@@ -139,6 +165,28 @@ def test_node_watch_backoff_starts_over_after_a_watch_that_worked() -> None:
         await clock.advance(1.0)  # the first step of a new backoff, not 8 s
         await settle()
         assert kube.count("watch_nodes") > calls
+        watch.stop()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    asyncio.run(main())
+
+
+def test_node_watch_backoff_ends_when_the_api_answers() -> None:
+    async def main() -> None:
+        clock = FakeClock()
+        kube = BreakingStreams(clock)
+        kube.put_node({"metadata": {"name": "n1"}})
+        watch = NodeWatch(kube, clock, Blocking(InlineExecutor()), lambda kind, obj: None,
+                          field_selector="metadata.name=n1")
+        task = asyncio.create_task(watch.run())
+        await settle()
+        for _ in range(5):  # refused: 1, 2, 4, 8, 8 s
+            await clock.advance(8.0)
+            await settle()
+        calls = kube.count("watch_nodes")
+        watch.api_answered()  # a Lease renewal went through: try now, not in 8 s
+        await settle()
+        assert kube.count("watch_nodes") == calls + 1
         watch.stop()
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)

@@ -178,3 +178,26 @@ def test_settings_change_takes_effect_at_once():
         assert rig.kube.times("update_lease") == [3.0, 5.0, 7.0]
         await rig.finish(task)
     run(main())
+
+
+def test_a_renewal_after_unreachable_attempts_tells_once():
+    """on_recovered (the agent then ends its watches' backoffs) is called when a renewal
+    goes through after attempts that could not reach the API server, and only then: not
+    for renewals that went through the first time, nor after a refusal (an answer)."""
+    async def main():
+        rig = Rig()
+        told: list[float] = []
+        rig.renewer.on_recovered = lambda: told.append(rig.clock.monotonic())
+        task = await rig.start()
+        await rig.clock.advance(20.5)  # created, then two renewals
+        assert told == [] and rig.metric("success") == 2
+        rig.kube.fail("update_lease", api_error(503), ConnectionError("refused"),
+                      api_error(504))
+        await rig.clock.advance(15)
+        assert rig.metric("retried") == 3 and rig.metric("success") == 3
+        assert told == [rig.kube.times("update_lease")[-1]]  # once, at the success
+        rig.kube.fail("update_lease", api_error(403, "Forbidden"), api_error(409))
+        await rig.clock.advance(30)
+        assert rig.metric("failed") == 1 and len(told) == 1
+        await rig.finish(task)
+    run(main())

@@ -54,6 +54,8 @@ class LeaseRenewer:
         self.started = clock.monotonic()
         self._u = self.rng.uniform(-1, 1)
         self._due: float | None = None
+        self.failing = False  # an attempt could not reach the API server since the last
+        self.on_recovered: Callable[[], None] | None = None  # renewal; then one did
 
     # -- timing --
     def next_due(self) -> float:
@@ -106,6 +108,7 @@ class LeaseRenewer:
                 self.metrics.lease_renewals.labels("conflict").inc()
                 return True
             if is_retriable(exc):
+                self.failing = True
                 self.metrics.lease_renewals.labels("retried").inc()
                 return True
             return False
@@ -123,6 +126,10 @@ class LeaseRenewer:
             log.warning("lease %s: renewal failed, retrying soon: %s", self.node, _brief(e))
             self._due = self.clock.monotonic() + min(2.0, self.heartbeat.renewIntervalSeconds)
             return self._due
+        if self.failing:
+            self.failing = False
+            if self.on_recovered is not None:
+                self.on_recovered()
         now = self.clock.monotonic()
         self.metrics.lease_renewals.labels(result).inc()
         self.metrics.lease_latency.observe(max(0.0, now - due))

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from kubernetes.client.exceptions import ApiException
 
-from nodeagent.api.clock import Clock
+from nodeagent.api.clock import Clock, Wakeup
 from nodeagent.node.kube import Kube, Obj, WatchStream
 from nodeagent.node.lease import Call, _brief
 
@@ -40,6 +40,7 @@ class NodeWatch:
         self.delivered = 0  # events the current (or last) watch stream delivered
         self._stream: WatchStream | None = None
         self._stopping = False
+        self._backoff = Wakeup()  # api_answered ends a backoff under way
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -67,7 +68,12 @@ class NodeWatch:
                 failures += 1
                 delay = min(8.0, 0.5 * 2 ** min(failures, 4))
                 log.warning("node watch: %s; again in %.1fs", _brief(e), delay)
-                await self.clock.sleep(delay)
+                await self._backoff.wait(self.clock, delay)
+
+    def api_answered(self) -> None:
+        """Another request to the API server went through after failing (a Lease
+        renewal): a backoff under way ends now."""
+        self._backoff.wake()
 
     async def _list(self) -> None:
         data = await self.call(self.kube.list_nodes, self.field_selector,

@@ -37,7 +37,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from nodeagent.api.client import is_retriable, status_of
-from nodeagent.api.clock import Clock
+from nodeagent.api.clock import Clock, Wakeup
 from nodeagent.api.rest import json_lines, request, request_json
 from nodeagent.sources import metrics
 from nodeagent.sources.merge import Merge
@@ -88,6 +88,7 @@ class APISource:
         # mirror manager and the pod status writes then retry at once)
         self.on_reconnect: list[Callable[[], None]] = []
         self._failing = False
+        self._backoff = Wakeup()  # api_answered ends a backoff under way
         # the current watch: when its stream opened, and whether anything came on it
         self._opened_at: float | None = None
         self._delivered = False
@@ -135,9 +136,17 @@ class APISource:
                 self._failing = True
                 level = logging.INFO if is_retriable(e) else logging.WARNING
                 log.log(level, "api source: %s; retrying in %.1fs", _describe(e), delay)
-                await self.clock.sleep(delay)
+                if retry_after is None:
+                    await self._backoff.wait(self.clock, delay)
+                else:  # the server asked for this wait: other requests going through
+                    await self.clock.sleep(delay)  # do not cut it short
                 if self.resource_version is not None:
                     self._resumed("error")
+
+    def api_answered(self) -> None:
+        """Another request to the API server went through after failing (the node's
+        Lease): a backoff under way ends now instead of up to backoff_max later."""
+        self._backoff.wake()
 
     def _worked(self) -> bool:
         """The watch that just failed had opened and then worked: something came on it,

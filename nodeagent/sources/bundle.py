@@ -86,6 +86,13 @@ class PodSources:
     def ready(self) -> SourcesReady:
         return self.merge.ready
 
+    def api_answered(self) -> None:
+        """The node's other requests reach the API server again: the API source's
+        backoff ends now."""
+        for p in self.parts:
+            if isinstance(p, APISource):
+                p.api_answered()
+
     async def run(self) -> None:
         """Run every source (and the mirror manager) until cancelled."""
         tasks = [asyncio.create_task(p.run(), name=type(p).__name__) for p in self.parts]
