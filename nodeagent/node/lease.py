@@ -54,8 +54,10 @@ class LeaseRenewer:
         self.started = clock.monotonic()
         self._u = self.rng.uniform(-1, 1)
         self._due: float | None = None
-        self.failing = False  # an attempt could not reach the API server since the last
-        self.on_recovered: Callable[[], None] | None = None  # renewal; then one did
+        # an attempt could not reach the API server since the last renewal; when one
+        # goes through again, on_recovered is called
+        self.failing = False
+        self.on_recovered: Callable[[], None] | None = None
 
     # -- timing --
     def next_due(self) -> float:
