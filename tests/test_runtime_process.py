@@ -4,6 +4,7 @@ process's exit (pidfd), never fixed sleeps. Every test kills what it started."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import json
 import os
@@ -11,6 +12,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -108,6 +110,26 @@ async def test_runs_command_with_env_workdir_logs_and_exit_code(tmp_path: Path) 
         assert log.read_text().splitlines() == [f"hello from {work}", "oops"]
         assert c.labels[LABEL_POD_UID] == "u1" and c.labels[LABEL_CONTAINER_NAME] == "c"
         assert c.image == "localhost/busybox:1"
+
+
+@aio
+async def test_runtime_calls_do_not_queue_behind_the_default_thread_pool(
+        tmp_path: Path) -> None:
+    """While the API server is down, pod status writes (asyncio.to_thread) hold the
+    event loop's default threads; the runtime's relists and starts must still run."""
+    loop = asyncio.get_running_loop()
+    loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(max_workers=1))
+    release = threading.Event()
+    blocked = asyncio.ensure_future(asyncio.to_thread(release.wait, WAIT))
+    try:
+        async with runtime(tmp_path) as rt:
+            _, cid = await asyncio.wait_for(start(rt, pod(["sleep", "600"])), WAIT)
+            listed = await asyncio.wait_for(rt.relist(), WAIT)
+            assert [c.id for c in listed.containers] == [cid]
+            assert not blocked.done()  # the default pool's one thread was busy throughout
+    finally:
+        release.set()
+        await blocked
 
 
 @aio

@@ -22,6 +22,7 @@ Blocking work (fork/exec, /proc reads, waits) runs in threads; one lock guards s
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import datetime as dt
@@ -36,9 +37,10 @@ import subprocess
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from nodeagent.api.clock import Clock, RealClock
 from nodeagent.runtime.base import (
@@ -65,6 +67,7 @@ from nodeagent.runtime.base import (
 )
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 LABEL_ATTEMPT = "nodepulse.dev/attempt"
 ANNOTATION_PID = "nodepulse.dev/pid"
@@ -178,10 +181,18 @@ class ProcessRuntime(Runtime):
         self._children: dict[str, subprocess.Popen[bytes]] = {}  # ours to reap
         self._starting: set[str] = set()  # between fork and the saved RUNNING record
         self._boot = _boot_id()
+        # Our own threads, not the event loop's default pool: the pod status writes and
+        # the API source use that one, and while the API server is down each of their
+        # calls holds a thread for up to its timeout; relists must not queue behind them.
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=8, thread_name_prefix="process-runtime")
         for sub in ("sandboxes", "containers", "pods", "logs"):
             (self.state_dir / sub).mkdir(parents=True, exist_ok=True)
         self._lockfile = self._take_lock()
         self._load()
+
+    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     # --- persistence -----------------------------------------------------------------
 
@@ -353,14 +364,14 @@ class ProcessRuntime(Runtime):
         except OSError:  # no pidfd (old kernel): poll
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline:
-                if not await asyncio.to_thread(self._locked_alive, c):
+                if not await self._call(self._locked_alive, c):
                     return True
                 await asyncio.sleep(0.05)
-            return not await asyncio.to_thread(self._locked_alive, c)
+            return not await self._call(self._locked_alive, c)
         loop = asyncio.get_running_loop()
         exited: asyncio.Future[None] = loop.create_future()
         try:
-            if not await asyncio.to_thread(self._locked_same, c):
+            if not await self._call(self._locked_same, c):
                 return True  # checked after pinning the pid: the pidfd is another's
             def readable() -> None:
                 if not exited.done():
@@ -629,45 +640,45 @@ class ProcessRuntime(Runtime):
         return RuntimeVersion("process", "0.1.0", "v1")
 
     async def relist(self) -> RelistResult:
-        return await asyncio.to_thread(self._relist)
+        return await self._call(self._relist)
 
     async def pod_status(self, pod_uid: str) -> PodRuntimeStatus:
-        return await asyncio.to_thread(self._pod_status, pod_uid)
+        return await self._call(self._pod_status, pod_uid)
 
     async def run_sandbox(self, config: SandboxConfig) -> str:
-        return await asyncio.to_thread(self._run_sandbox, config)
+        return await self._call(self._run_sandbox, config)
 
     async def stop_sandbox(self, sandbox_id: str) -> None:
         # like StopPodSandbox: whatever still runs is killed (grace was the caller's job)
-        ids = await asyncio.to_thread(self._sandbox_containers, sandbox_id)
+        ids = await self._call(self._sandbox_containers, sandbox_id)
         await asyncio.gather(*(self.stop_container(cid, 0) for cid in ids))
-        await asyncio.to_thread(self._mark_sandbox, sandbox_id, SandboxState.NOTREADY)
+        await self._call(self._mark_sandbox, sandbox_id, SandboxState.NOTREADY)
 
     async def remove_sandbox(self, sandbox_id: str) -> None:
         await self.stop_sandbox(sandbox_id)
-        for cid in await asyncio.to_thread(self._sandbox_containers, sandbox_id):
+        for cid in await self._call(self._sandbox_containers, sandbox_id):
             await self.remove_container(cid)
-        await asyncio.to_thread(self._forget_sandbox, sandbox_id)
+        await self._call(self._forget_sandbox, sandbox_id)
 
     async def create_container(self, sandbox_id: str, config: ContainerConfig,
                                sandbox_config: SandboxConfig) -> str:
-        return await asyncio.to_thread(self._create, sandbox_id, config)
+        return await self._call(self._create, sandbox_id, config)
 
     async def start_container(self, container_id: str) -> None:
-        await asyncio.to_thread(self._start, container_id)
+        await self._call(self._start, container_id)
 
     async def stop_container(self, container_id: str, timeout: float) -> None:
-        c = await asyncio.to_thread(self._stop_begin, container_id, timeout)
+        c = await self._call(self._stop_begin, container_id, timeout)
         if c is None:
             return
         if timeout <= 0 or not await self._await_exit(c, timeout):
-            await asyncio.to_thread(self._kill, c)
+            await self._call(self._kill, c)
             await self._await_exit(c, self.kill_wait)
-        await asyncio.to_thread(self._settle, c)
+        await self._call(self._settle, c)
 
     async def remove_container(self, container_id: str) -> None:
         await self.stop_container(container_id, 0)
-        await asyncio.to_thread(self._forget_container, container_id)
+        await self._call(self._forget_container, container_id)
 
     async def image_present(self, ref: str) -> bool:
         return True  # the image is only a label here
@@ -689,15 +700,16 @@ class ProcessRuntime(Runtime):
                                    "not found")
                 self._refresh(c)
                 return c
-        c = await asyncio.to_thread(current)
+        c = await self._call(current)
         if c.state == ContainerState.RUNNING.value:
             await self._await_exit(c, timeout)
-            await asyncio.to_thread(self._settle, c)
+            await self._call(self._settle, c)
         return c.state == ContainerState.EXITED.value
 
     async def close(self) -> None:
         """Release the state dir lock; processes keep running (a new runtime on the
         same dir adopts them)."""
+        self._pool.shutdown(wait=False)
         with self._lock:
             if self._lockfile is not None:
                 self._lockfile.close()
