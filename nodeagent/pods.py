@@ -126,6 +126,7 @@ class Pods:
                    config=SyncLoopConfig(log_root=str(logs.resolve())), registry=registry,
                    node_names=cfg.node_names, label=cfg.agent_id)
         sources.on_api_reconnect.append(pods.loop.retry_writes_now)
+        sources.on_mirror_created.append(pods.loop.retry_writes_now)
         pods.on_api_answered.append(sources.api_answered)
         return pods
 

@@ -91,9 +91,13 @@ def uid(p: Pod) -> str:
 
 def test_created_replaced_deleted(server: FakeAPIServer, tmp_path: Path) -> None:
     async def body(h: Harness) -> None:
+        created: list[int] = []  # the hook the pod status writes retry on
+        h.mirrors.on_created.append(lambda: created.append(len(server.writes)))
         web = static("web")
         h.merge.set(Source.FILE, [web])
         await h.settled({"default/web-n1": uid(web)})
+        await until(lambda: bool(created))  # the watch may show the mirror first
+        assert created == [1]  # told once, after the POST
         (verb, path, sent), = server.writes
         assert (verb, path) == ("POST", "/api/v1/namespaces/default/pods")
         meta = sent["metadata"]
@@ -118,6 +122,8 @@ def test_created_replaced_deleted(server: FakeAPIServer, tmp_path: Path) -> None
         h.merge.set(Source.FILE, [])
         await h.settled({})
         assert h.writes()[3:] == [("DELETE", "/api/v1/namespaces/default/pods/web-n1")]
+        await until(lambda: len(created) >= 2)
+        assert created == [1, 3]  # the replacement's POST told; deletes tell nothing
     run(server, tmp_path, body)
 
 

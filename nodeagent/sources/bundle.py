@@ -59,6 +59,7 @@ class PodSources:
         # called when the API server answers again after an outage: the API source's
         # own hook list (the same list object), so hooks added later reach it too
         self.on_api_reconnect: list[Callable[[], None]] = []
+        self.on_mirror_created: list[Callable[[], None]] = []  # the same list, likewise
         node = cfg.node_names[0]
         if cfg.watch_api and api is not None:
             source = APISource(api, cfg.node_names, self.merge, clock)
@@ -76,6 +77,7 @@ class PodSources:
         if static and cfg.watch_api and api is not None:
             mirrors = MirrorManager(api, node, self.merge, clock)
             self.on_api_reconnect.append(mirrors.resync_now)
+            mirrors.on_created = self.on_mirror_created
             self.parts.append(mirrors)
 
     @property

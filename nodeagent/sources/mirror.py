@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Callable
 
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
@@ -67,6 +68,9 @@ class MirrorManager:
         self._deleted: dict[str, str] = {}   # name -> UID deleted, maybe still seen
         self._refused: dict[str, str] = {}   # name -> problem reported
         self.creates = 0
+        # called after a mirror pod is created: its static pod's status, retried on 404
+        # until now, can go at once
+        self.on_created: list[Callable[[], None]] = []
         self.deletes = 0
         self.passes = 0
         self._pass_cond = asyncio.Condition()
@@ -190,6 +194,8 @@ class MirrorManager:
         self.creates += 1
         self._created[name] = _ann(static, ANN_CONFIG_HASH) or ""
         self._refused.pop(name, None)
+        for hook in self.on_created:
+            hook()
         return True
 
     async def _delete(self, mirror: Pod, why: str) -> bool:
