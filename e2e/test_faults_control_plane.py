@@ -60,7 +60,7 @@ from e2e.cluster import Cluster
 from e2e.cluster.images import BUSYBOX_IMAGE
 from e2e.promtext import samples
 from e2e.tcpproxy import TcpProxy
-from e2e.util import alive, free_port, marked
+from e2e.util import alive, first_seen, free_port, marked
 from nodeagent.api.policy import GROUP, HEARTBEAT_ANNOTATION, PLURAL, VERSION
 from nodeagent.runtime.base import ANNOTATION_RESTART_COUNT, LABEL_POD_UID
 from nodeagent.runtime.cri.gen import api_pb2 as pb
@@ -835,17 +835,13 @@ def test_network_cut_past_grace(cluster: Cluster, core: client.CoreV1Api, ns: st
         # which only makes the grace end later)
         renewed = {a.name: lease_renew_time(coord, a.name) for a in agents}
         try:
-            tainted_at: dict[str, float] = {}
-
-            def tainted() -> bool:
+            def tainted(name: str) -> bool:
                 never_stopped()
-                for a in agents:
-                    if a.name not in tainted_at and ready_status(core, a.name) == "Unknown" \
-                            and unreachable_effects(core, a.name) == {"NoSchedule",
-                                                                      "NoExecute"}:
-                        tainted_at[a.name] = time.time()
-                return len(tainted_at) == len(agents)
-            eventually(tainted, "Ready=Unknown and the unreachable taints", GRACE + 45)
+                return (ready_status(core, name) == "Unknown"
+                        and unreachable_effects(core, name) == {"NoSchedule", "NoExecute"})
+            tainted_at = first_seen([a.name for a in agents], tainted,
+                                    "Ready=Unknown and the unreachable taints", GRACE + 45,
+                                    tolerate=(ApiException, OSError))
             took = time.monotonic() - t_cut
             print(f"\ncut off: Ready=Unknown and tainted {took:.1f}s after the cut "
                   f"(grace {GRACE}s)")

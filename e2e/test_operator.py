@@ -32,7 +32,7 @@ from kubernetes import client, watch
 from e2e.cluster import Cluster
 from e2e.cluster.cluster import free_port
 from e2e.promtext import samples
-from e2e.util import eventually
+from e2e.util import eventually, first_seen
 from nodeagent.api.client import new_api_client
 from nodeagent.api.policy import GROUP, HEARTBEAT_ANNOTATION, PLURAL, VERSION
 
@@ -405,14 +405,8 @@ def test_two_pools_grace_15_and_60(kube: client.ApiClient, operators: list[Opera
     coord = client.CoordinationV1Api(kube)
     renewed = {n: coord.read_namespaced_lease(n, "kube-node-lease").spec.renew_time.timestamp()
                for n in fast}
-    tainted_at: dict[str, float] = {}
-
-    def fast_tainted() -> bool:
-        for n in fast:
-            if n not in tainted_at and effects(kube, n) == {"NoSchedule", "NoExecute"}:
-                tainted_at[n] = time.time()
-        return len(tainted_at) == len(fast)
-    eventually(fast_tainted, "the 15 s pool tainted", 40)
+    tainted_at = first_seen(fast, lambda n: effects(kube, n) == {"NoSchedule", "NoExecute"},
+                            "the 15 s pool tainted", 40)
     # Not before its grace period ran out after the last renewal, and not the 60 s pool.
     for n in fast:
         assert tainted_at[n] - renewed[n] >= 15 - 0.2, (n, tainted_at[n] - renewed[n])

@@ -54,13 +54,6 @@ def _delete_all(core: client.CoreV1Api, coord: client.CoordinationV1Api) -> None
                 coord.delete_namespaced_lease(lease.metadata.name, "kube-node-lease")
 
 
-def _renewed(rec: Recorder) -> list[tuple[float, str]]:
-    """(renewTime as the holder wrote it, "namespace/name") of each Lease update seen."""
-    return [(dt.datetime.fromisoformat(obj["spec"]["renewTime"]).timestamp(), key)
-            for _, kind, key, obj in rec.leases
-            if kind == "MODIFIED" and (obj.get("spec") or {}).get("renewTime")]
-
-
 @pytest.fixture
 def vagent(cluster: Cluster, tmp_path: Path) -> Iterator[AgentProcess]:
     api = cluster.api_client()
@@ -158,11 +151,13 @@ def test_one_process_runs_50_virtual_nodes(cluster: Cluster, vagent: AgentProces
         m1 = cluster.apiserver_metrics()
         t1 = time.time()
         _, text1 = vagent.get("/metrics")
-        eventually(lambda: all(any(key == f"kube-node-lease/{n}" and when >= t1
-                                   for when, key in _renewed(rec)) for n in names),
+        def caught_up() -> bool:
+            after = {key for _, when, key in rec.renewals() if when >= t1}
+            return all(f"kube-node-lease/{n}" in after for n in names)
+        eventually(caught_up,
                    "the watch to deliver every Lease's renewals up to the window's end", 30)
         assert rec.errors == []
-        renewed = _renewed(rec)
+        renewed = [(when, key) for _, when, key in rec.renewals()]
 
         def count(start: float, end: float, ours: bool = True) -> int:
             return sum(1 for when, key in renewed if start <= when < end

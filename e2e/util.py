@@ -6,15 +6,17 @@ from __future__ import annotations
 import contextlib
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TypeVar
 
 from e2e.cluster.cluster import free_port
 
-__all__ = ["alive", "environ", "eventually", "free_port", "marked", "stop_process"]
+__all__ = ["alive", "environ", "eventually", "first_seen", "free_port", "marked",
+           "stop_process"]
 
 T = TypeVar("T")
+K = TypeVar("K")
 
 
 def eventually(pred: Callable[[], T | None], what: str, timeout: float = 60.0,
@@ -35,6 +37,23 @@ def eventually(pred: Callable[[], T | None], what: str, timeout: float = 60.0,
             raise AssertionError(f"timed out after {timeout:g}s waiting for {what}"
                                  + (f" (last error: {last})" if last else ""))
         time.sleep(every)
+
+
+def first_seen(keys: Iterable[K], holds: Callable[[K], bool], what: str,
+               timeout: float = 60.0,
+               tolerate: tuple[type[BaseException], ...] = ()) -> dict[K, float]:
+    """Poll until `holds(key)` has been true once for every key (`eventually`, with
+    its `tolerate`); when (wall clock) each was first seen to hold."""
+    seen: dict[K, float] = {}
+    pending = list(keys)
+
+    def all_seen() -> bool:
+        for k in pending:
+            if k not in seen and holds(k):
+                seen[k] = time.time()
+        return len(seen) == len(pending)
+    eventually(all_seen, what, timeout, tolerate=tolerate)
+    return seen
 
 
 def alive(pid: int) -> bool:
