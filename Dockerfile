@@ -1,4 +1,3 @@
-# syntax=docker/dockerfile:1
 # One image for both programs: nodepulse-operator and nodepulse-agent.
 #
 #   docker build -t nodepulse:0.1.0 .
