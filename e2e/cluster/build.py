@@ -38,15 +38,24 @@ class Tool:
         return cache_root() / "bin" / self.version / self.name
 
 
-K8S_TOOLS = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl")
+K8S_TOOLS = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl",
+             # the kind node image's (e2e/kind/node.py)
+             "kubelet", "kubeadm", "kube-proxy")
 TOOLS = {t.name: t for t in [
     Tool("etcd", "etcd", "go.etcd.io/etcd/server/v3", "go.etcd.io/etcd/server/v3"),
     *(Tool(n, "kubernetes", f"k8s.io/kubernetes/cmd/{n}", "k8s.io/kubernetes") for n in K8S_TOOLS),
     Tool("helm", "helm", "helm.sh/helm/v3/cmd/helm", "helm.sh/helm/v3"),
     # only the scale benchmark needs KWOK, so tests and setup do not build it
     Tool("kwok", "kwok", "sigs.k8s.io/kwok/cmd/kwok", "sigs.k8s.io/kwok"),
+    # the kind tests (e2e/kind) build these when they first run
+    Tool("kind", "kind", "sigs.k8s.io/kind", "sigs.k8s.io/kind"),
+    Tool("crictl", "cri-tools", "sigs.k8s.io/cri-tools/cmd/crictl", "sigs.k8s.io/cri-tools"),
+    Tool("coredns", "coredns", "github.com/coredns/coredns", "github.com/coredns/coredns"),
 ]}
-FOR_TESTS = [n for n in TOOLS if n != "kwok"]
+FOR_KIND = ["kind", "kubelet", "kubeadm", "kube-proxy", "crictl", "coredns", "etcd",
+            "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl", "helm"]
+FOR_TESTS = ["etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl",
+             "helm"]
 
 
 def pinned_version(gomod: str, module: str) -> str:

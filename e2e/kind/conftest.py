@@ -1,0 +1,75 @@
+"""The kind tests' session: a private dockerd, the images built (or taken from the
+cache), one kind cluster for every test here, and a teardown that leaves nothing.
+
+Teardown order: the cluster (`kind delete`), then dockerd with its containers,
+networks and children (by PID); then the checks that nothing is left: no process of
+the engine, no bridge of its networks, no host kernel tunable changed (any change is
+restored and reported as an error).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from e2e.kind import images, node
+from e2e.kind.cluster import HostSysctls, KindCluster
+from e2e.kind.docker import Dockerd, start_dockerd
+
+
+def _log(msg: str) -> None:
+    print(f"[kind {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+@pytest.fixture(scope="session")
+def engine() -> Iterator[Dockerd]:
+    links_before = _links()
+    with HostSysctls() as sysctls:
+        eng = start_dockerd()
+        try:
+            yield eng
+        finally:
+            children = eng.child_pids()
+            eng.stop()
+    left = [pid for pid in children if Path(f"/proc/{pid}").exists()]
+    assert not left, f"processes of the Docker engine still run: {left}"
+    assert _links() - links_before == set(), "links the Docker engine made are still there"
+    assert not sysctls.changed, ("host kernel tunables changed while kind ran (restored): "
+                                 f"{sysctls.changed}")
+
+
+def _links() -> set[str]:
+    out = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True,
+                         check=True).stdout
+    return {line.split(":")[1].strip().split("@")[0] for line in out.splitlines()}
+
+
+@pytest.fixture(scope="session")
+def project_image(engine: Dockerd) -> str:
+    """The image the Dockerfile builds, in the private engine."""
+    return images.project_image(engine, log=_log)
+
+
+@pytest.fixture(scope="session")
+def kind_cluster(engine: Dockerd, project_image: str,
+                 request: pytest.FixtureRequest) -> Iterator[KindCluster]:
+    """A kind cluster (e2e/kind/kind-config.yaml) with the project image loaded."""
+    node.load_node_image(engine, log=_log)
+    workdir = Path(tempfile.mkdtemp(prefix="nodepulse-kind-"))
+    cluster = KindCluster.create(engine, workdir, log=_log)
+    try:
+        started = time.monotonic()
+        cluster.run_kind("load", "docker-image", project_image, "--name", cluster.name)
+        _log(f"kind load docker-image {project_image}: {time.monotonic() - started:.0f} s")
+        yield cluster
+    finally:
+        if request.session.testsfailed or os.environ.get("NODEPULSE_KIND_LOGS"):
+            cluster.save_logs()
+            print(f"\nkind node logs in {cluster.workdir / 'kind-logs'}")
+        cluster.delete()
