@@ -25,6 +25,7 @@ test: lint
 unit: setup
 	.venv/bin/pytest tests
 
-# needs Docker and kind (not on the machines this is developed on): see README
+# only the kind part of `make test`: a private dockerd, the images, a kind cluster, the
+# chart on it and the e2e scenarios against it (e2e/kind)
 e2e-kind: setup
-	e2e/kind/run.sh
+	.venv/bin/pytest e2e/kind

@@ -5,8 +5,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# docker.io and debootstrap: the kind tests (e2e/kind) start a private dockerd and make
+# their base images from Debian's packages
 APT_PACKAGES=(containerd runc containernetworking-plugins busybox-static iptables iproute2
-              gcc libc6-dev)
+              gcc libc6-dev docker.io debootstrap)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
@@ -15,7 +17,7 @@ if ((${#missing[@]})); then
   echo "setup: installing ${missing[*]}"
   sudo=""; [ "$(id -u)" = 0 ] || sudo="sudo"
   $sudo apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
 command -v go >/dev/null || { echo "setup: the Go toolchain (go >= 1.25) is needed to build the control plane" >&2; exit 1; }

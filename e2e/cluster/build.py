@@ -55,8 +55,6 @@ TOOLS = {t.name: t for t in [
     Tool("crictl", "cri-tools", "sigs.k8s.io/cri-tools/cmd/crictl", "sigs.k8s.io/cri-tools"),
     Tool("coredns", "coredns", "github.com/coredns/coredns", "github.com/coredns/coredns"),
 ]}
-FOR_KIND = ["kind", "kubelet", "kubeadm", "kube-proxy", "crictl", "coredns", "etcd",
-            "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl", "helm"]
 FOR_TESTS = ["etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl",
              "helm"]
 

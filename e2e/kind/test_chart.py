@@ -70,7 +70,7 @@ def ready(pod: client.V1Pod) -> bool:
 
 
 def running_and_ready(core: client.CoreV1Api, component: str, count: int,
-                      not_uids: set[str] = frozenset()) -> list[client.V1Pod]:  # type: ignore[assignment]
+                      not_uids: frozenset[str] = frozenset()) -> list[client.V1Pod]:
     """`count` pods of the component Running and Ready (none of `not_uids`), waited for."""
     def check() -> list[client.V1Pod] | None:
         got = [p for p in pods(core, component) if p.metadata.deletion_timestamp is None]
@@ -92,7 +92,7 @@ def policies(core: client.CoreV1Api) -> dict[str, tuple[str, int]]:
         value = (n.metadata.annotations or {}).get(HEARTBEAT_ANNOTATION)
         if value is not None:
             name, hb = decode_heartbeat_annotation(value)
-            out[n.metadata.name] = (name, hb.lease_duration_seconds)
+            out[n.metadata.name] = (name, hb.leaseDurationSeconds)
     return out
 
 
@@ -134,7 +134,7 @@ def test_chart_on_real_kubelets(kind_cluster: KindCluster, tools: Tools) -> None
     print(every_node_has(core, 40, kind_nodes | virtual))
 
     # upgrade: changed values roll both workloads
-    before = {p.metadata.uid for p in operators} | {agent.metadata.uid}
+    before = frozenset({p.metadata.uid for p in operators} | {agent.metadata.uid})
     out = tools.helm("upgrade", RELEASE, str(CHART), "--namespace", NAMESPACE,
                      *values(lease=20, nodes_per_replica=4, verbose=True),
                      "--wait", "--timeout", "5m")
