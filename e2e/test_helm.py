@@ -48,17 +48,18 @@ class Tools:
                     "HELM_DATA_HOME": str(home / "data"), "KUBECONFIG": str(cluster.kubeconfig)}
 
     def run(self, binary: Path, *args: str, stdin: str | None = None,
-            check: bool = True) -> subprocess.CompletedProcess[str]:
+            check: bool = True, timeout: float = 180) -> subprocess.CompletedProcess[str]:
         proc = subprocess.run([str(binary), *args], input=stdin, capture_output=True,
-                              text=True, env=self.env, timeout=180)
+                              text=True, env=self.env, timeout=timeout)
         if check and proc.returncode != 0:
             raise AssertionError(f"{binary.name} {' '.join(args)} exited {proc.returncode}:\n"
                                  f"{proc.stdout}\n{proc.stderr}")
         return proc
 
-    def helm(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    def helm(self, *args: str, check: bool = True,
+             timeout: float = 180) -> subprocess.CompletedProcess[str]:
         return self.run(self.helm_bin, *args, "--kubeconfig", str(self.cluster.kubeconfig),
-                        check=check)
+                        check=check, timeout=timeout)
 
     def kubectl(self, *args: str, stdin: str | None = None,
                 check: bool = True) -> subprocess.CompletedProcess[str]:

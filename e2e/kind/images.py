@@ -94,6 +94,6 @@ def project_image(engine: Dockerd, log: Callable[[str], None] = print,
                   "-t", PROJECT_IMAGE, str(repo), env={"DOCKER_BUILDKIT": "1"})
     partial = cached.with_suffix(".partial")
     engine.docker("save", "-o", str(partial), PROJECT_IMAGE)
-    partial.rename(cached)
+    rootfs.keep_only(cached, partial)
     log(f"built {PROJECT_IMAGE} in {time.monotonic() - started:.0f} s")
     return PROJECT_IMAGE

@@ -49,12 +49,13 @@ IMAGE_TOOLS = {"kube-apiserver": "kube-apiserver", "kube-controller-manager":
 # pins, so the cluster's kubeadm configuration names its real version as the tag.
 ETCD_IMAGE_TAG = build.TOOLS["etcd"].version
 
-# Host-wide kernel tunables the kubelet sets when it starts (its setupKernelTunables).
+# Host-wide kernel tunables the node would write: the kubelet's when it starts (its
+# setupKernelTunables), systemd's as PID 1 (it raises the open-file limits at boot).
 # They are not namespaced: from a privileged node they would change the host's. The
-# entrypoint gives the node private copies to set instead.
-KUBELET_SYSCTLS = ["vm/overcommit_memory", "vm/panic_on_oom", "kernel/panic",
+# entrypoint gives the node private copies to write instead.
+PRIVATE_SYSCTLS = ["vm/overcommit_memory", "vm/panic_on_oom", "kernel/panic",
                    "kernel/panic_on_oops", "kernel/keys/root_maxkeys",
-                   "kernel/keys/root_maxbytes"]
+                   "kernel/keys/root_maxbytes", "fs/file-max", "fs/nr_open"]
 
 ENTRYPOINT = """\
 #!/bin/sh
@@ -62,7 +63,7 @@ ENTRYPOINT = """\
 set -eu
 # volumes the kubelet mounts propagate to the containers
 mount --make-rshared /
-# private copies of the host-wide tunables the kubelet writes (see e2e/kind/node.py)
+# private copies of the host-wide tunables the node writes (see e2e/kind/node.py)
 mkdir -p /run/node-sysctl
 for key in {sysctls}; do
     copy=/run/node-sysctl/$(echo "$key" | tr / .)
@@ -229,6 +230,18 @@ def image_from_packages(tree: Path, packages: list[str]) -> cluster_images.Rootf
         for rel in next(p for p in lists if p.exists()).read_text().splitlines():
             if rel not in ("", "/.") and not (tree / rel.lstrip("/")).is_dir():
                 add(rel.lstrip("/"))
+    # update-alternatives links (/usr/sbin/iptables -> /etc/alternatives/iptables ->
+    # /usr/sbin/iptables-nft) belong to no package: those whose choice is in the image
+    for state in sorted((tree / "var/lib/dpkg/alternatives").glob("*")):
+        # mode, master link, then (slave name, slave link) pairs up to an empty line
+        lines = state.read_text().splitlines()
+        slaves = lines[2:lines.index("", 2)]
+        links = [(state.name, lines[1]), *zip(slaves[::2], slaves[1::2], strict=True)]
+        for name, link in links:
+            choice = tree / "etc/alternatives" / name
+            if choice.is_symlink() and os.readlink(choice).lstrip("/") in layer.files.keys() \
+                    | layer.symlinks.keys():
+                add(link.lstrip("/"))
     add("etc/ld.so.cache")
     layer.dirs |= {"tmp", "run", "proc", "sys", "dev"}
     return layer
@@ -306,7 +319,7 @@ def _node_files(tree: Path, bins: dict[str, Path], pause: str) -> None:
         shutil.copy2(bins[tool], tree / "usr/bin" / tool)
     _write(tree / "kind/version", build.kubernetes_version())
     _write(tree / "usr/local/bin/entrypoint",
-           ENTRYPOINT.format(sysctls=" ".join(KUBELET_SYSCTLS)), 0o755)
+           ENTRYPOINT.format(sysctls=" ".join(PRIVATE_SYSCTLS)), 0o755)
     _write(tree / "usr/local/bin/kubelet-cgroups", KUBELET_CGROUPS, 0o755)
     systemd = tree / "etc/systemd/system"
     _write(systemd / "kubelet.service", KUBELET_UNIT)
@@ -356,7 +369,7 @@ def node_tar(log: Callable[[str], None] = print) -> Path:
         partial = out.with_suffix(".partial")
         subprocess.run(["tar", "-C", str(tree), "--numeric-owner", "-cf", str(partial), "."],
                        check=True, timeout=900)
-        partial.rename(out)
+        rootfs.keep_only(out, partial)
     log(f"assembled the node image in {time.monotonic() - started:.0f} s")
     return out
 

@@ -43,6 +43,15 @@ def debian_mirror(apt_dir: Path = Path("/etc/apt")) -> str:
     return DEFAULT_MIRROR
 
 
+def keep_only(out: Path, partial: Path) -> None:
+    """Make the finished `partial` the cache entry `out` and drop older entries of the
+    same kind (`<kind>-<hash>.tar`): each is hundreds of MB."""
+    partial.rename(out)
+    for old in out.parent.glob(out.name.rsplit("-", 1)[0] + "-*.tar"):
+        if old != out:
+            old.unlink(missing_ok=True)
+
+
 # What a container never needs; dropped to keep the images small.
 SLIM = ["usr/share/doc", "usr/share/man", "usr/share/info", "usr/share/locale",
         "var/cache/apt", "var/lib/apt/lists", "var/log"]
@@ -87,6 +96,6 @@ def debootstrap(name: str, packages: list[str], *, log: Callable[[str], None] = 
         partial = out.with_suffix(".partial")
         subprocess.run(["tar", "-C", str(tree), "--numeric-owner", "-cf", str(partial), "."],
                        check=True, timeout=600)
-        partial.rename(out)
+        keep_only(out, partial)
     log(f"debootstrap {name}: {time.monotonic() - started:.0f} s")
     return out

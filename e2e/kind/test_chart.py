@@ -113,7 +113,7 @@ def test_chart_on_real_kubelets(kind_cluster: KindCluster, tools: Tools) -> None
     tools.apply_crds()
     out = tools.helm("install", RELEASE, str(CHART), "--namespace", NAMESPACE,
                      "--create-namespace", *values(lease=40, nodes_per_replica=3),
-                     "--wait", "--timeout", "5m")
+                     "--wait", "--timeout", "5m", timeout=330)
     assert "STATUS: deployed" in out.stdout
 
     # the operator: two replicas on the two real kubelets, Ready, never restarted
@@ -137,7 +137,7 @@ def test_chart_on_real_kubelets(kind_cluster: KindCluster, tools: Tools) -> None
     before = frozenset({p.metadata.uid for p in operators} | {agent.metadata.uid})
     out = tools.helm("upgrade", RELEASE, str(CHART), "--namespace", NAMESPACE,
                      *values(lease=20, nodes_per_replica=4, verbose=True),
-                     "--wait", "--timeout", "5m")
+                     "--wait", "--timeout", "5m", timeout=330)
     assert "has been upgraded" in out.stdout
     operators = running_and_ready(core, "operator", 2, not_uids=before)
     assert all("--verbose" in p.spec.containers[0].args for p in operators)
