@@ -32,8 +32,6 @@ from nodeagent.api.policy import HEARTBEAT_ANNOTATION, decode_heartbeat_annotati
 RELEASE = "nodepulse"
 NAMESPACE = "nodepulse-system"
 POLICY = "kind-default"
-OPERATOR = f"{RELEASE}-nodepulse-operator"
-AGENT = f"{RELEASE}-nodepulse-agent"
 SELECTOR = f"app.kubernetes.io/instance={RELEASE}"
 
 
@@ -148,7 +146,8 @@ def test_chart_on_real_kubelets(kind_cluster: KindCluster, tools: Tools) -> None
                f"virtual Nodes {sorted(virtual)} Ready", timeout=120,
                tolerate=(client.ApiException,))
     print(every_node_has(core, 20, kind_nodes | virtual))
-    assert apps.read_namespaced_deployment(OPERATOR, NAMESPACE).status.ready_replicas == 2
+    (deployment,) = apps.list_namespaced_deployment(NAMESPACE, label_selector=SELECTOR).items
+    assert deployment.status.ready_replicas == 2 and deployment.status.updated_replicas == 2
 
     # uninstall: nothing of the release is left but the CRDs
     out = tools.helm("uninstall", RELEASE, "--namespace", NAMESPACE, "--wait")
