@@ -1,5 +1,7 @@
-"""The kind tests' session: a private dockerd, the images built (or taken from the
+"""The kind tests' fixtures: a private dockerd, the images built (or taken from the
 cache), one kind cluster for every test here, and a teardown that leaves nothing.
+They are package-scoped: in `pytest tests e2e` the engine and the cluster are gone
+before the tests on the local control plane start.
 
 Teardown order: the cluster (`kind delete`), then dockerd with its containers,
 networks and children (by PID); then the checks that nothing is left: no process of
@@ -10,6 +12,7 @@ restored and reported as an error).
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import tempfile
 import time
@@ -27,7 +30,7 @@ def _log(msg: str) -> None:
     print(f"[kind {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def engine() -> Iterator[Dockerd]:
     links_before = _links()
     with HostSysctls() as sysctls:
@@ -50,17 +53,22 @@ def _links() -> set[str]:
     return {line.split(":")[1].strip().split("@")[0] for line in out.splitlines()}
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def project_image(engine: Dockerd) -> str:
     """The image the Dockerfile builds, in the private engine."""
-    return images.project_image(engine, log=_log)
+    started = time.monotonic()
+    image = images.project_image(engine, log=_log)
+    _log(f"{image} in the engine: {time.monotonic() - started:.0f} s")
+    return image
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def kind_cluster(engine: Dockerd, project_image: str,
                  request: pytest.FixtureRequest) -> Iterator[KindCluster]:
     """A kind cluster (e2e/kind/kind-config.yaml) with the project image loaded."""
+    started = time.monotonic()
     node.load_node_image(engine, log=_log)
+    _log(f"node image in the engine: {time.monotonic() - started:.0f} s")
     workdir = Path(tempfile.mkdtemp(prefix="nodepulse-kind-"))
     cluster = KindCluster.create(engine, workdir, log=_log)
     try:
@@ -69,7 +77,10 @@ def kind_cluster(engine: Dockerd, project_image: str,
         _log(f"kind load docker-image {project_image}: {time.monotonic() - started:.0f} s")
         yield cluster
     finally:
-        if request.session.testsfailed or os.environ.get("NODEPULSE_KIND_LOGS"):
+        keep = bool(request.session.testsfailed or os.environ.get("NODEPULSE_KIND_LOGS"))
+        if keep:
             cluster.save_logs()
             print(f"\nkind node logs in {cluster.workdir / 'kind-logs'}")
         cluster.delete()
+        if not keep:
+            shutil.rmtree(workdir, ignore_errors=True)
