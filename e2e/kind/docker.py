@@ -42,7 +42,7 @@ ADDRESS_POOL = "base=172.29.0.0/16,size=24"
 
 # The runc wrapper. Capability numbers are Linux's (include/uapi/linux/capability.h).
 RUNC_WRAPPER = """\
-#!/usr/bin/python3 -I
+#!{python} -I
 # runc, minus the capabilities this process's bounding set lacks: asking for one of
 # them fails every privileged container ("unable to apply caps").
 import json, os, sys
@@ -222,7 +222,7 @@ def start_dockerd(*, base_dir: Path | None = None, ready_timeout: float = 60.0) 
     base = Path(base_dir) if base_dir else Path(tempfile.mkdtemp(prefix="np-dkr-", dir="/tmp"))
     base.mkdir(parents=True, exist_ok=True)
     wrapper = base / "runc-np"
-    wrapper.write_text(RUNC_WRAPPER.format(runc=runc))
+    wrapper.write_text(RUNC_WRAPPER.format(python=sys.executable, runc=runc))
     wrapper.chmod(0o755)
     (base / "bin").mkdir(exist_ok=True)
     with contextlib.suppress(FileExistsError):
