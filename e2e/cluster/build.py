@@ -1,21 +1,28 @@
-"""Builds the pinned control-plane programs from their Go modules, once per version.
+"""Builds the pinned control-plane programs (and the test programs: the upstream e2e
+suite, its agnhost, an image registry) from their Go modules, once per version.
 
 The pins are the `require` of each gomod/<folder>/go.mod; binaries land in
-~/.cache/nodepulse/bin/<version>/, so a second run builds nothing.
+~/.cache/nodepulse/bin/<version>/, so a second run builds nothing. Builds run one at a
+time on the machine (the build lock), since a Go build takes every core.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import os
 import re
 import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 GOMOD = Path(__file__).parent / "gomod"
+# shared by everyone who builds on this machine (`flock /tmp/nodepulse-build.lock ...`)
+BUILD_LOCK = Path("/tmp/nodepulse-build.lock")
 
 
 def cache_root() -> Path:
@@ -28,6 +35,7 @@ class Tool:
     gomod: str  # folder under gomod/
     package: str  # Go package path of its main
     module: str  # the Go module whose pinned version names the cache folder
+    test: bool = False  # a test binary of `package` (`go test -c`), not a main
 
     @property
     def version(self) -> str:
@@ -45,8 +53,21 @@ TOOLS = {t.name: t for t in [
     Tool("helm", "helm", "helm.sh/helm/v3/cmd/helm", "helm.sh/helm/v3"),
     # only the scale benchmark needs KWOK, so tests and setup do not build it
     Tool("kwok", "kwok", "sigs.k8s.io/kwok/cmd/kwok", "sigs.k8s.io/kwok"),
+    # the upstream e2e suite and the programs of the images its node tests run
+    # (e2e/conformance); built when those tests first run, not by setup
+    Tool("e2e.test", "kubernetes", "k8s.io/kubernetes/test/e2e", "k8s.io/kubernetes",
+         test=True),
+    Tool("agnhost", "kubernetes", "k8s.io/kubernetes/test/images/agnhost", "k8s.io/kubernetes"),
+    Tool("nonewprivs", "kubernetes", "k8s.io/kubernetes/test/images/nonewprivs",
+         "k8s.io/kubernetes"),
+    # an image registry and a client that pushes to it (e2e/registry.py)
+    Tool("registry", "registry", "github.com/distribution/distribution/v3/cmd/registry",
+         "github.com/distribution/distribution/v3"),
+    Tool("crane", "registry", "github.com/google/go-containerregistry/cmd/crane",
+         "github.com/google/go-containerregistry"),
 ]}
-FOR_TESTS = [n for n in TOOLS if n != "kwok"]
+ON_DEMAND = {"kwok", "e2e.test", "agnhost", "nonewprivs", "registry", "crane"}
+FOR_TESTS = [n for n in TOOLS if n not in ON_DEMAND]
 
 
 def pinned_version(gomod: str, module: str) -> str:
@@ -91,22 +112,70 @@ def go_env() -> dict[str, str]:
 
 def ensure(names: list[str] | None = None, log=print) -> dict[str, Path]:
     """Paths of the named binaries (those the tests need by default), building those
-    not cached yet."""
+    not cached yet, under the build lock."""
     tools = [TOOLS[n] for n in (names or FOR_TESTS)]
-    missing = [t for t in tools if not t.path.is_file()]
-    if missing and not shutil.which("go"):
-        raise RuntimeError("the Go toolchain is needed to build "
-                           + ", ".join(t.name for t in missing) + " (`go` not on PATH)")
-    for tool in missing:
-        tool.path.parent.mkdir(parents=True, exist_ok=True)
-        partial = tool.path.with_suffix(".partial")
-        log(f"building {tool.name} {tool.version} (once; cached in {tool.path.parent})")
-        started = time.monotonic()
-        subprocess.run(["go", "build", "-ldflags", _ldflags(tool), "-o", str(partial),
-                        tool.package], cwd=GOMOD / tool.gomod, env=go_env(), check=True)
-        partial.rename(tool.path)  # only a finished build is ever seen as cached
-        log(f"built {tool.name} in {time.monotonic() - started:.0f} s")
+    if any(not t.path.is_file() for t in tools):
+        if not shutil.which("go"):
+            raise RuntimeError("the Go toolchain is needed to build " + ", ".join(
+                t.name for t in tools if not t.path.is_file()) + " (`go` not on PATH)")
+        with build_lock(log):
+            for tool in tools:
+                if not tool.path.is_file():  # someone else may have built it meanwhile
+                    _build(tool, log)
     return {t.name: t.path for t in tools}
+
+
+def _build(tool: Tool, log) -> None:
+    tool.path.parent.mkdir(parents=True, exist_ok=True)
+    partial = tool.path.with_suffix(".partial")
+    log(f"building {tool.name} {tool.version} (once; cached in {tool.path.parent})")
+    started = time.monotonic()
+    verb = ["test", "-c"] if tool.test else ["build"]
+    subprocess.run(["go", *verb, "-ldflags", _ldflags(tool), "-o", str(partial),
+                    tool.package], cwd=GOMOD / tool.gomod, env=go_env(), check=True)
+    partial.rename(tool.path)  # only a finished build is ever seen as cached
+    log(f"built {tool.name} in {time.monotonic() - started:.0f} s")
+
+
+@contextlib.contextmanager
+def build_lock(log=print) -> Iterator[None]:
+    """Hold BUILD_LOCK (flock) while building. When a parent process holds it already
+    (`flock /tmp/nodepulse-build.lock make setup`), taking it again would wait forever:
+    then the parent's hold is ours."""
+    if _held_by_ancestor(BUILD_LOCK):
+        yield
+        return
+    with open(BUILD_LOCK, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f"waiting for another build to finish ({BUILD_LOCK})")
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _held_by_ancestor(lock: Path) -> bool:
+    """Whether a flock on `lock` is held by this process or one of its ancestors."""
+    try:
+        inode = lock.stat().st_ino
+        lines = Path("/proc/locks").read_text().splitlines()
+    except OSError:
+        return False
+    holders = {int(f[4]) for f in (line.split() for line in lines)
+               if len(f) > 5 and f[1] == "FLOCK" and f[5].rsplit(":", 1)[-1] == str(inode)}
+    pid = os.getpid()
+    while pid > 1:
+        if pid in holders:
+            return True
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return False
+        pid = int(stat.rpartition(")")[2].split()[1])  # the parent's PID
+    return False
 
 
 if __name__ == "__main__":
