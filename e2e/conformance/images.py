@@ -11,8 +11,9 @@ the Kubernetes pin. What each image holds:
   rootfs laid out as its Dockerfile lays it out (/agnhost, /agnhost-2, /localhost.crt
   and .key from porter/, /uploads, the user 1000 and the group 50000, /var/registry
   with the pause image under the tag "testing" for fake-registry-server), with
-  busybox-static in place of Alpine's shell tools and Debian's curl (the lifecycle
-  hooks exec `sh -c "curl ..."` in it). Alpine's bind-tools, iproute2, iperf, bash and
+  busybox-static in place of Alpine's shell tools, and Debian's curl and bash with
+  the libraries they load (the lifecycle hooks exec `sh -c "curl ..."` in it, the
+  sidecar probe specs run `/bin/bash -c`). Alpine's bind-tools, iproute2, iperf and
   coredns are not there: a test that needs them fails, and docs/conformance.md says so.
 - nonewprivs: the nnp program from the module (test/images/nonewprivs), setuid root
   in /usr/local/bin as its Dockerfile makes it, on busybox.
@@ -60,15 +61,20 @@ def _ldd_closure(binary: Path) -> dict[str, bytes]:
     return libs
 
 
+# Debian's programs in the agnhost image (apt packages curl and bash)
+FROM_DEBIAN = (Path("/usr/bin/curl"), Path("/bin/bash"))
+
+
 def build_agnhost_tar(tag: str, cache: Path = CACHE) -> Path:
     """The agnhost image; `tag` is the ref its index records (what import names it)."""
     agnhost = build.ensure(["agnhost"])["agnhost"]
-    curl = Path("/usr/bin/curl")
-    if not curl.exists():
-        raise RuntimeError("/usr/bin/curl not found: install the apt package curl")
+    for program in FROM_DEBIAN:
+        if not program.exists():
+            raise RuntimeError(f"{program} not found: install the apt package {program.name}")
     porter = module_source() / "test/images/agnhost/porter"
     pause_tar = images.build_pause_tar(cache)
-    out = cache / f"agnhost-{tag}-{file_hash(agnhost, curl, pause_tar, Path('/bin/busybox'))}.tar"
+    inputs = file_hash(agnhost, pause_tar, Path("/bin/busybox"), *FROM_DEBIAN)
+    out = cache / f"agnhost-{tag}-{inputs}.tar"
     if out.exists():
         return out
     rootfs = images.busybox_rootfs()
@@ -76,9 +82,11 @@ def build_agnhost_tar(tag: str, cache: Path = CACHE) -> Path:
     rootfs.symlinks["agnhost-2"] = "agnhost"
     for name in ("localhost.crt", "localhost.key"):
         rootfs.files[name] = ((porter / name).read_bytes(), 0o644)
-    rootfs.files["usr/bin/curl"] = (curl.read_bytes(), 0o755)
-    for path, data in _ldd_closure(curl).items():
-        rootfs.files[path] = (data, 0o755)
+    for program in FROM_DEBIAN:
+        rootfs.symlinks.pop(str(program).lstrip("/"), None)  # not busybox's applet
+        rootfs.files[str(program).lstrip("/")] = (program.read_bytes(), 0o755)
+        for path, data in _ldd_closure(program).items():
+            rootfs.files[path] = (data, 0o755)
     rootfs.dirs |= {"uploads", "home/user-defined-in-image"}
     rootfs.files["etc/passwd"] = (
         b"root:x:0:0:root:/root:/bin/sh\n"
