@@ -18,7 +18,7 @@ SPEC = "[sig-node] Pods should get a host IP [NodeConformance] [Conformance]"
 
 def plan_file(tmp_path: Path, **over: object) -> Path:
     raw = {"focus_file": "test/e2e/common/node/", "focus": r"\[NodeConformance\]",
-           "skip": r"\[Slow\]", "workers": 4, "spec_timeout": 400,
+           "skip": r"\[Slow\]", "workers": 4, "spec_timeout": 400, "trial_timeout": 100,
            "cannot_run": {"[sig-node] X pulls from the internet": "no internet here"},
            "expected_pass": [SPEC], **over}
     path = tmp_path / "specs.yaml"
@@ -103,4 +103,4 @@ def test_the_doc_lists_every_spec_with_its_reason(tmp_path: Path) -> None:
     assert "**1 passed, 1 failed, 0 skipped by the spec, 0 not run** of 2" in text
     assert f"| {SPEC} | passed (expected pass) | 3 |  |" in text
     assert "| [sig-node] a \\| b | failed | 300 | Timed out \\| x |" in text
-    assert "11.0 min of wall time" in text
+    assert "11.0 min of wall time" in text and "each other spec 100 s" in text

@@ -17,11 +17,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m e2e.conformance", description=__doc__)
     parser.add_argument("--only", help="run only the specs whose name matches (RE)")
     parser.add_argument("--workers", type=int, help="e2e.test processes at a time")
+    parser.add_argument("--trial-timeout", type=int,
+                        help="seconds for a spec not expected to pass (specs.yaml's default)")
     parser.add_argument("--workdir", type=Path, help="where reports and logs go")
     args = parser.parse_args(argv)
     plan = run.load_plan()
     if args.workers:
         plan = dataclasses.replace(plan, workers=args.workers)
+    if args.trial_timeout:
+        plan = dataclasses.replace(plan, trial_timeout=args.trial_timeout)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="np-conformance-"))
     results, wall, plan = run.measure(workdir, args.only, plan,
                                       log=lambda m: print(m, file=sys.stderr, flush=True))
