@@ -25,6 +25,10 @@ OFFICIAL: dict[str, dict[str, int]] = {
     "Int64Value": {"value": 1},
     "KeyValue": {"key": 1, "value": 2},
     "ImageSpec": {"image": 1, "annotations": 2},
+    "AuthConfig": {"username": 1, "password": 2, "auth": 3, "server_address": 4,
+                   "identity_token": 5, "registry_token": 6},
+    "PullImageRequest": {"image": 1, "auth": 2, "sandbox_config": 3},
+    "PullImageResponse": {"image_ref": 1},
     "LinuxSandboxSecurityContext": {"namespace_options": 1, "run_as_user": 3,
                                     "readonly_rootfs": 4, "privileged": 6,
                                     "run_as_group": 8},
@@ -120,7 +124,7 @@ def test_services_and_methods_are_the_official_names() -> None:
                             "PodSandboxStatus", "ListPodSandbox", "CreateContainer",
                             "StartContainer", "StopContainer", "RemoveContainer",
                             "ListContainers", "ContainerStatus", "Status"}
-    assert {m.name for m in img.methods} == {"ListImages", "ImageStatus"}
+    assert {m.name for m in img.methods} == {"ListImages", "ImageStatus", "PullImage"}
 
 
 def test_map_fields_have_string_keys_and_values() -> None:

@@ -632,6 +632,11 @@ class ImageServiceStub:
                 request_serializer=nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.ImageStatusRequest.SerializeToString,
                 response_deserializer=nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.ImageStatusResponse.FromString,
                 _registered_method=True)
+        self.PullImage = channel.unary_unary(
+                '/runtime.v1.ImageService/PullImage',
+                request_serializer=nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.PullImageRequest.SerializeToString,
+                response_deserializer=nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.PullImageResponse.FromString,
+                _registered_method=True)
 
 
 class ImageServiceServicer:
@@ -649,6 +654,12 @@ class ImageServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PullImage(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ImageServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -661,6 +672,11 @@ def add_ImageServiceServicer_to_server(servicer, server):
                     servicer.ImageStatus,
                     request_deserializer=nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.ImageStatusRequest.FromString,
                     response_serializer=nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.ImageStatusResponse.SerializeToString,
+            ),
+            'PullImage': grpc.unary_unary_rpc_method_handler(
+                    servicer.PullImage,
+                    request_deserializer=nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.PullImageRequest.FromString,
+                    response_serializer=nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.PullImageResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -717,6 +733,33 @@ class ImageService:
             '/runtime.v1.ImageService/ImageStatus',
             nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.ImageStatusRequest.SerializeToString,
             nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.ImageStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullImage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/runtime.v1.ImageService/PullImage',
+            nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.PullImageRequest.SerializeToString,
+            nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.PullImageResponse.FromString,
             options,
             channel_credentials,
             insecure,
