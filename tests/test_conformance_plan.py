@@ -79,6 +79,8 @@ def test_the_json_report_gives_full_names_states_and_failures(tmp_path: Path) ->
     assert got[1][0] == "[sig-node] Pods when logs should print"
     assert run.summarize(got[1][3]) == "Timed out after 300s. Expected <bool>: false"
     assert len(run.summarize("x" * 1000)) == 300
+    assert run.summarize("pod \"p-3152095a-5680-4273-9975-9cb4306e512c\" <*E | 0x3f5d8639a490>") \
+        == 'pod "p-<uid>" <*E | 0x…>'
 
 
 def test_the_ratchet_fails_on_an_expected_pass_that_did_not_pass(tmp_path: Path) -> None:

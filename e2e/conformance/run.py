@@ -149,8 +149,11 @@ def _spec_reports(report: Path) -> list[tuple[str, str, float, str]]:
 
 
 def summarize(message: str, limit: int = 300) -> str:
-    """A failure message on one line, short enough for a table cell."""
+    """A failure message on one line, short enough for a table cell, without what
+    changes from run to run (pointers, UIDs)."""
     text = " ".join(message.replace("[FAILED]", "").split())
+    text = re.sub(r"0x[0-9a-f]{6,}", "0x…", text)
+    text = re.sub(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", "<uid>", text)
     return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
@@ -182,6 +185,8 @@ def run_spec(e2e_test: Path, kubectl: Path, spec: str, target: Target, workdir: 
         return Result(spec, PASSED, seconds)
     if state == "skipped":  # the spec skipped itself (e.g. a provider check)
         return Result(spec, SKIPPED, seconds, summarize(message) or "skipped by the spec")
+    if state == "timedout":  # ginkgo stopped it at --ginkgo.timeout
+        message = message.replace("A suite timeout occurred", f"no result within {timeout} s")
     return Result(spec, FAILED, seconds, summarize(message) or state)
 
 
