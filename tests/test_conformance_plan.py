@@ -18,7 +18,8 @@ SPEC = "[sig-node] Pods should get a host IP [NodeConformance] [Conformance]"
 
 def plan_file(tmp_path: Path, **over: object) -> Path:
     raw = {"focus_file": "test/e2e/common/node/", "focus": r"\[NodeConformance\]",
-           "skip": r"\[Slow\]", "workers": 4, "spec_timeout": 400, "trial_timeout": 100,
+           "skip": r"\[Slow\]", "serial": r"\[Serial\]", "workers": 4,
+           "spec_timeout": 400, "trial_timeout": 100,
            "cannot_run": {"[sig-node] X pulls from the internet": "no internet here"},
            "expected_pass": [SPEC], **over}
     path = tmp_path / "specs.yaml"

@@ -5,7 +5,8 @@ e2e.test is built from the pinned k8s.io/kubernetes module (e2e/cluster/build.py
 specs are those of specs.yaml's focus (test/e2e/common/node's [NodeConformance] specs
 and NodeLease), listed by a ginkgo dry run; each one runs in an e2e.test process of its
 own (`--ginkgo.focus` naming exactly that spec), `workers` of them at a time, so a spec
-that waits out a 5-minute timeout holds one worker, not the run. Results come from each
+that waits out a 5-minute timeout holds one worker, not the run; the specs that need the
+node to themselves ([Serial]) run afterwards, one at a time. Results come from each
 process's ginkgo JSON report. No upstream test is edited; the agent is not told which
 test is running.
 
@@ -42,6 +43,7 @@ class Plan:
     focus_file: str
     focus: str
     skip: str
+    serial: str  # specs that must run alone, after the others
     cannot_run: dict[str, str]      # spec name -> why it cannot run here
     expected_pass: tuple[str, ...]  # the ratchet: each must pass
     workers: int
@@ -66,7 +68,7 @@ def load_plan(path: Path = SPECS_FILE) -> Plan:
             raise ValueError(f"{path}: {key} must be a {kind.__name__}, got {raw.get(key)!r}")
         return raw[key]
 
-    for key in ("focus", "skip"):
+    for key in ("focus", "skip", "serial"):
         try:
             re.compile(field(key, str))
         except re.error as e:
@@ -80,7 +82,8 @@ def load_plan(path: Path = SPECS_FILE) -> Plan:
         raise ValueError(f"{path}: in both expected_pass and cannot_run: {sorted(both)}")
     if len(set(expected)) != len(expected):
         raise ValueError(f"{path}: expected_pass names a spec twice")
-    return Plan(field("focus_file", str), raw["focus"], raw["skip"], dict(cannot_run),
+    return Plan(field("focus_file", str), raw["focus"], raw["skip"], raw["serial"],
+                dict(cannot_run),
                 tuple(expected), field("workers", int), field("spec_timeout", int),
                 field("trial_timeout", int))
 
@@ -209,17 +212,23 @@ def run_all(plan: Plan, target: Target, workdir: Path, only: str | None = None,
     # the specs not yet passing tend to wait out their timeouts: start them first
     expected = set(plan.expected_pass)
     to_run.sort(key=lambda s: s in expected)
-    log(f"{len(specs)} specs: running {len(to_run)}, {plan.workers} at a time")
+    serial = [s for s in to_run if re.search(plan.serial, s)]
+    log(f"{len(specs)} specs: running {len(to_run) - len(serial)}, {plan.workers} at a "
+        f"time, then {len(serial)} one at a time")
     started = time.monotonic()
-    with concurrent.futures.ThreadPoolExecutor(plan.workers) as pool:
-        futures = {pool.submit(run_spec, bins["e2e.test"], bins["kubectl"], spec, target,
-                               workdir / f"spec-{i:03d}", plan.spec_timeout
-                               if spec in expected else plan.trial_timeout): spec
-                   for i, spec in enumerate(to_run)}
-        for n, done in enumerate(concurrent.futures.as_completed(futures), 1):
-            r = done.result()
-            results[r.spec] = r
-            log(f"[{n}/{len(to_run)}] {r.status} {r.seconds:.0f}s {r.spec}")
+    done = 0
+    for batch, workers in (([s for s in to_run if s not in serial], plan.workers),
+                           (serial, 1)):
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            futures = [pool.submit(run_spec, bins["e2e.test"], bins["kubectl"], spec, target,
+                                   workdir / f"spec-{to_run.index(spec):03d}",
+                                   plan.spec_timeout if spec in expected else plan.trial_timeout)
+                       for spec in batch]
+            for future in concurrent.futures.as_completed(futures):
+                r = future.result()
+                results[r.spec] = r
+                done += 1
+                log(f"[{done}/{len(to_run)}] {r.status} {r.seconds:.0f}s {r.spec}")
     return [results[s] for s in specs], time.monotonic() - started
 
 
@@ -252,7 +261,8 @@ def write_doc(results: list[Result], plan: Plan, wall: float, path: Path = DOC,
         f"**{counts[PASSED]} passed, {counts[FAILED]} failed, {counts[SKIPPED]} skipped by "
         f"the spec, {counts[NOT_RUN]} not run** of {len(results)}; "
         f"{len(expected)} are expected to pass (specs.yaml). The runs took "
-        f"{wall / 60:.1f} min of wall time, {plan.workers} e2e.test processes at a time; "
+        f"{wall / 60:.1f} min of wall time, {plan.workers} e2e.test processes at a time "
+        "(the [Serial] ones alone, after the others); "
         f"each expected pass was given {plan.spec_timeout} s, each other spec "
         f"{plan.trial_timeout} s.",
         *(["", note] if note else []),
