@@ -1,6 +1,6 @@
 """The image registry fixture (e2e/cluster/registry.py) is a real one: an image pushed
 to it by crane is pulled by a containerd through CRI PullImage only with the right
-credentials and only once containerd trusts the registry's CA.
+credentials and only when containerd trusts the registry's CA (its certs.d names it).
 
 The containerd here starts empty (no images imported), so the pulled image can only
 have come from the registry; its digest is the one crane pushed.
@@ -9,11 +9,12 @@ have come from the registry; its digest is the one crane pushed.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
 
-from e2e.cluster import images
+from e2e.cluster import images, pki
 from e2e.cluster.containerd import Containerd, start_containerd
 from e2e.cluster.registry import Registry
 from nodeagent.runtime.cri.gen import api_pb2 as pb
@@ -44,14 +45,16 @@ def refused(ctd: Containerd, image: str, auth: tuple[str, str] | None = None) ->
 
 
 def test_a_pushed_image_is_pulled_with_credentials_and_refused_without(
-        registry: Registry, empty_containerd: Containerd) -> None:
+        registry: Registry, empty_containerd: Containerd, tmp_path: Path) -> None:
     ctd = empty_containerd
     pushed = registry.push(images.build_busybox_tar(), "e2e/busybox:pushed")
     image = f"{registry.host}/e2e/busybox:pushed"
     assert pushed == f"{registry.host}/e2e/busybox@{registry.digest('e2e/busybox:pushed')}"
 
-    # its certificate comes from a CA of its own: untrusted until containerd is told
-    assert "certificate" in refused(ctd, image, registry.auth)
+    # TLS is checked: with another CA named for the host, the pull is refused
+    other = pki.CertificateAuthority(tmp_path / "other-ca")
+    ctd.trust_registry(registry.host, other.cert_path)
+    assert "x509: certificate signed by unknown authority" in refused(ctd, image, registry.auth)
     ctd.trust_registry(registry.host, registry.ca)
 
     assert "401 Unauthorized" in refused(ctd, image)
