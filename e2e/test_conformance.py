@@ -32,9 +32,7 @@ def test_upstream_node_conformance() -> None:
     counts = {s: sum(r.status == s for r in results) for s in (run.PASSED, run.FAILED)}
     print(f"conformance: {counts[run.PASSED]} passed, {counts[run.FAILED]} failed of "
           f"{len(results)} in {wall / 60:.1f} min; reports in {workdir}")
-    newly = [r.spec for r in results
-             if r.status == run.PASSED and r.spec not in plan.expected_pass]
-    if newly:
+    if newly := run.newly_passing(results, plan):
         print("passing but not yet in specs.yaml's expected_pass:\n  " + "\n  ".join(newly))
     problems = run.ratchet(results, plan)
     assert not problems, "\n".join(problems) + f"\n(reports and logs in {workdir})"

@@ -32,6 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.only:
         run.write_doc(results, plan, wall)
         print(f"wrote {run.DOC}", file=sys.stderr)
+    if newly := run.newly_passing(results, plan):
+        print("passing but not yet in specs.yaml's expected_pass:\n  " + "\n  ".join(newly),
+              file=sys.stderr)
     problems = run.ratchet(results, plan)
     for p in problems:
         print(p, file=sys.stderr)

@@ -243,6 +243,11 @@ def ratchet(results: list[Result], plan: Plan) -> list[str]:
     return problems
 
 
+def newly_passing(results: list[Result], plan: Plan) -> list[str]:
+    """Specs that passed but are not yet in the ratchet (add them to specs.yaml)."""
+    return [r.spec for r in results if r.status == PASSED and r.spec not in plan.expected_pass]
+
+
 def write_doc(results: list[Result], plan: Plan, wall: float, path: Path = DOC,
               note: str = "") -> None:
     counts = {s: sum(r.status == s for r in results) for s in (PASSED, FAILED, SKIPPED, NOT_RUN)}
