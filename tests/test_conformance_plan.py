@@ -80,6 +80,16 @@ def test_the_json_report_gives_full_names_states_and_failures(tmp_path: Path) ->
     assert got[1][0] == "[sig-node] Pods when logs should print"
     assert run.summarize(got[1][3]) == "Timed out after 300s. Expected <bool>: false"
     assert len(run.summarize("x" * 1000)) == 300
+    dump = ("expected pod success: Timed out after 300s. expected pod to be Succeeded, got "
+            "instead: <*v1.Pod | 0x3f5d8639a490>: metadata: x\n  state:\n    waiting:\n"
+            "      message: 'pod configmap-1430/p container c: env X:\n"
+            "        valueFrom is not supported'\n      reason: CreateContainerConfigError\n"
+            "  phase: Pending\n")
+    assert run.summarize(dump) == ("container waiting: CreateContainerConfigError: pod "
+                                   "configmap-N/p container c: env X: valueFrom is not supported "
+                                   "(expected pod success: Timed out after 300s. expected pod to "
+                                   "be Succeeded; pod Pending)")
+    assert run.summarize('Get "wss://127.0.0.1:59533/x"') == 'Get "wss://127.0.0.1:PORT/x"'
     assert run.summarize("pod \"p-3152095a-5680-4273-9975-9cb4306e512c\" <*E | 0x3f5d8639a490>") \
         == 'pod "p-<uid>" <*E | 0x…>'
 

@@ -153,10 +153,22 @@ def _spec_reports(report: Path) -> list[tuple[str, str, float, str]]:
 
 def summarize(message: str, limit: int = 300) -> str:
     """A failure message on one line, short enough for a table cell, without what
-    changes from run to run (pointers, UIDs)."""
+    changes from run to run (pointers, UIDs, namespace suffixes, ports). When it dumps
+    a pod, the pod's phase and the reason a container waits (what the agent said) stand
+    in for the dump."""
     text = " ".join(message.replace("[FAILED]", "").split())
+    if " got instead: <*v1.Pod" in text:
+        head = text.split(" got instead: <*v1.Pod")[0].rstrip(" ,:")
+        waiting = re.search(r"waiting:\n(\s+)(?:message: (.*?)\n\1)?reason: (\S+)", message, re.S)
+        phase = re.search(r"^\s*phase: (\w+)", message, re.M)
+        text = head + (f"; pod {phase.group(1)}" if phase else "")
+        if waiting:
+            said = " ".join((waiting.group(2) or "").split()).strip("'\"")
+            text = f"container waiting: {waiting.group(3)}{': ' + said if said else ''} ({text})"
     text = re.sub(r"0x[0-9a-f]{6,}", "0x…", text)
     text = re.sub(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", "<uid>", text)
+    text = re.sub(r"\b([a-z][a-z0-9]*(?:-[a-z][a-z0-9]*)*)-\d{1,5}\b(?=[/\"])", r"\1-N", text)
+    text = re.sub(r"127\.0\.0\.1:\d+", "127.0.0.1:PORT", text)
     return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
