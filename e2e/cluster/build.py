@@ -21,8 +21,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 GOMOD = Path(__file__).parent / "gomod"
-# shared by everyone who builds on this machine (`flock /tmp/nodepulse-build.lock ...`)
-BUILD_LOCK = Path("/tmp/nodepulse-build.lock")
 
 
 def cache_root() -> Path:
@@ -60,7 +58,7 @@ TOOLS = {t.name: t for t in [
     Tool("agnhost", "kubernetes", "k8s.io/kubernetes/test/images/agnhost", "k8s.io/kubernetes"),
     Tool("nonewprivs", "kubernetes", "k8s.io/kubernetes/test/images/nonewprivs",
          "k8s.io/kubernetes"),
-    # an image registry and a client that pushes to it (e2e/registry.py)
+    # an image registry and a client that pushes to it (e2e/cluster/registry.py)
     Tool("registry", "registry", "github.com/distribution/distribution/v3/cmd/registry",
          "github.com/distribution/distribution/v3"),
     Tool("crane", "registry", "github.com/google/go-containerregistry/cmd/crane",
@@ -112,17 +110,28 @@ def go_env() -> dict[str, str]:
 
 def ensure(names: list[str] | None = None, log=print) -> dict[str, Path]:
     """Paths of the named binaries (those the tests need by default), building those
-    not cached yet, under the build lock."""
+    not cached yet, one build at a time."""
     tools = [TOOLS[n] for n in (names or FOR_TESTS)]
-    if any(not t.path.is_file() for t in tools):
-        if not shutil.which("go"):
-            raise RuntimeError("the Go toolchain is needed to build " + ", ".join(
-                t.name for t in tools if not t.path.is_file()) + " (`go` not on PATH)")
-        with build_lock(log):
-            for tool in tools:
-                if not tool.path.is_file():  # someone else may have built it meanwhile
-                    _build(tool, log)
+    missing = [t for t in tools if not t.path.is_file()]
+    if missing and not shutil.which("go"):
+        raise RuntimeError("the Go toolchain is needed to build "
+                           + ", ".join(t.name for t in missing) + " (`go` not on PATH)")
+    with _build_lock() if missing else contextlib.nullcontext():
+        for tool in missing:
+            if not tool.path.is_file():  # built by another process while we waited
+                _build(tool, log)
     return {t.name: t.path for t in tools}
+
+
+@contextlib.contextmanager
+def _build_lock() -> Iterator[None]:
+    """One Go build at a time on this machine: two `make setup`s (or test runs) at once
+    would each build the same binaries, on the same few cores, twice as slowly."""
+    root = cache_root()
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / "build.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
 
 
 def _build(tool: Tool, log) -> None:
@@ -135,47 +144,6 @@ def _build(tool: Tool, log) -> None:
                     tool.package], cwd=GOMOD / tool.gomod, env=go_env(), check=True)
     partial.rename(tool.path)  # only a finished build is ever seen as cached
     log(f"built {tool.name} in {time.monotonic() - started:.0f} s")
-
-
-@contextlib.contextmanager
-def build_lock(log=print) -> Iterator[None]:
-    """Hold BUILD_LOCK (flock) while building. When a parent process holds it already
-    (`flock /tmp/nodepulse-build.lock make setup`), taking it again would wait forever:
-    then the parent's hold is ours."""
-    if _held_by_ancestor(BUILD_LOCK):
-        yield
-        return
-    with open(BUILD_LOCK, "a") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log(f"waiting for another build to finish ({BUILD_LOCK})")
-            fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def _held_by_ancestor(lock: Path) -> bool:
-    """Whether a flock on `lock` is held by this process or one of its ancestors."""
-    try:
-        inode = lock.stat().st_ino
-        lines = Path("/proc/locks").read_text().splitlines()
-    except OSError:
-        return False
-    holders = {int(f[4]) for f in (line.split() for line in lines)
-               if len(f) > 5 and f[1] == "FLOCK" and f[5].rsplit(":", 1)[-1] == str(inode)}
-    pid = os.getpid()
-    while pid > 1:
-        if pid in holders:
-            return True
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
-            return False
-        pid = int(stat.rpartition(")")[2].split()[1])  # the parent's PID
-    return False
 
 
 if __name__ == "__main__":
