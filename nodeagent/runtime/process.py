@@ -168,6 +168,7 @@ class ProcessRuntime(Runtime):
     network); `kill_wait` bounds the wait after SIGKILL."""
 
     scheme = "process"
+    log_format = "raw"  # the program writes straight to the file: no times, no streams
 
     def __init__(self, state_dir: str | Path | None = None, *, clock: Clock | None = None,
                  host_ip: str = "", kill_wait: float = 10.0) -> None:
@@ -413,7 +414,8 @@ class ProcessRuntime(Runtime):
             exit_code=c.exit_code, reason=c.reason, message=c.message,
             created_at=_parse(c.created_at), started_at=_parse(c.started_at),
             finished_at=_parse(c.finished_at), image_id=c.image, spec_hash=c.spec_hash,
-            init=c.init, labels=dict(c.labels), annotations=annotations)
+            init=c.init, labels=dict(c.labels), annotations=annotations,
+            log_path=c.log_path)
 
     # --- synchronous bodies (run in threads) ------------------------------------------
 
@@ -688,6 +690,20 @@ class ProcessRuntime(Runtime):
             refs = sorted({c.image for c in self._containers.values()})
         return [ImageInfo(id="sha256:" + hashlib.sha256(r.encode()).hexdigest(), names=[r],
                           size_bytes=0) for r in refs]
+
+    async def rotate_container_log(self, container_id: str, path: str, rotated: str) -> None:
+        """Copy, then truncate: the process keeps its file open in append mode, so its
+        next write lands at the start of the emptied file. What it writes between the
+        copy and the truncate is lost (a few bytes at most, at each rotation)."""
+        def rotate() -> None:
+            with self._lock:
+                c = self._containers.get(container_id)
+                if c is None:
+                    raise NotFound(f"process rotate_container_log: container {container_id} "
+                                   "not found")
+            shutil.copyfile(path, rotated)
+            os.truncate(path, 0)
+        await self._call(rotate)
 
     async def wait_container(self, container_id: str, timeout: float) -> bool:
         """Wait up to `timeout` s for a running container to exit; True once it has.
