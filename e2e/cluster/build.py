@@ -45,6 +45,9 @@ TOOLS = {t.name: t for t in [
     Tool("helm", "helm", "helm.sh/helm/v3/cmd/helm", "helm.sh/helm/v3"),
     # only the scale benchmark needs KWOK, so tests and setup do not build it
     Tool("kwok", "kwok", "sigs.k8s.io/kwok/cmd/kwok", "sigs.k8s.io/kwok"),
+    # `kubectl top` on nodepulse nodes (e2e/test_kubelet_api.py)
+    Tool("metrics-server", "metrics-server", "sigs.k8s.io/metrics-server/cmd/metrics-server",
+         "sigs.k8s.io/metrics-server"),
 ]}
 FOR_TESTS = [n for n in TOOLS if n != "kwok"]
 

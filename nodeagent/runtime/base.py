@@ -169,6 +169,10 @@ class ContainerConfig:
     log_path: str = ""  # relative to the sandbox's log_directory
     labels: dict[str, str] = field(default_factory=dict)
     annotations: dict[str, str] = field(default_factory=dict)
+    # the spec's stdin, stdinOnce and tty: what `kubectl attach -i/-t` talks to
+    stdin: bool = False
+    stdin_once: bool = False
+    tty: bool = False
 
     @classmethod
     def from_pod(cls, pod: Mapping[str, Any], container: Mapping[str, Any], *,
@@ -233,6 +237,8 @@ class ContainerConfig:
                                                     f"container {cname}"),
             spec_hash=h, log_path=f"{cname}/{attempt}.log",
             labels=labels, annotations=annotations,
+            stdin=bool(container.get("stdin")), stdin_once=bool(container.get("stdinOnce")),
+            tty=bool(container.get("tty")),
         )
 
 

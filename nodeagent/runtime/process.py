@@ -461,6 +461,10 @@ class ProcessRuntime(Runtime):
         if not argv:
             raise ContainerRuntimeError(f"{where}: command and args are both empty (the "
                                         "process runtime has no image entrypoint)")
+        if config.stdin or config.tty:
+            field_name = "tty" if config.tty else "stdin"
+            raise ContainerRuntimeError(f"{where}: {field_name}: the process runtime cannot "
+                                        "give a process a terminal or keep its stdin open")
         with self._lock:
             sb = self._sandboxes.get(sandbox_id)
             if sb is None:

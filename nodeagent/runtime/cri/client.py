@@ -162,6 +162,7 @@ def container_config_pb(c: ContainerConfig, sandbox: SandboxConfig) -> pb.Contai
         envs=[pb.KeyValue(key=k, value=v) for k, v in c.env],
         labels=labels, annotations=annotations,
         log_path=c.log_path if sandbox.log_directory else "",
+        stdin=c.stdin, stdin_once=c.stdin_once, tty=c.tty,
         linux=pb.LinuxContainerConfig(
             resources=linux_resources(c.resources),
             security_context=pb.LinuxContainerSecurityContext(namespace_options=ns)),
