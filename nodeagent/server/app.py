@@ -322,7 +322,9 @@ class KubeletServer:
     async def _exec(self, request: web.Request, endpoint: str, parts: list[str],
                     found: tuple[str, Pod] | None) -> web.StreamResponse:
         q = request.query
-        flag = {k: q.get(k) in ("1", "true") for k in ("stdin", "stdout", "stderr", "tty")}
+        # the API server's names for them (k8s.io/api core/v1 Exec*Param)
+        flag = {k: q.get(param) == "1" for k, param in (
+            ("stdin", "input"), ("stdout", "output"), ("stderr", "error"), ("tty", "tty"))}
         if flag["tty"]:
             flag["stderr"] = False  # a terminal has one output stream
         if not (flag["stdin"] or flag["stdout"] or flag["stderr"]):
@@ -352,7 +354,7 @@ class KubeletServer:
                             found: tuple[str, Pod] | None) -> web.StreamResponse:
         pod = self._pod(parts, found, parts[3] if len(parts) == 4 else "")
         ports = []
-        for p in request.query.getall("port", []):
+        for p in (p for v in request.query.getall("port", []) for p in v.split(",") if p):
             if not p.isdigit() or not 0 < int(p) < 65536:
                 raise RequestError(400, f"port {p!r} is not a port number")
             ports.append(int(p))
