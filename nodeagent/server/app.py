@@ -52,7 +52,8 @@ HealthCheck = Callable[[], str | None]
 class PodHost(Protocol):
     """What the server reads of the pods bound here (nodeagent.pods.Pods)."""
 
-    runtime: Runtime
+    @property
+    def runtime(self) -> Runtime: ...
 
     def find_pod(self, namespace: str, name: str) -> tuple[str, Pod] | None:
         """(node, pod) of a pod bound to one of this process's nodes."""
