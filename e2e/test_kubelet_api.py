@@ -480,3 +480,64 @@ def test_log_rotation(node: Node) -> None:
     assert (logs / "0.log").stat().st_size < 16 * 2**20, rotated
     eventually(lambda: node.run_kubectl("logs", "rotor", "--tail=1").stdout == b"after\n",
                "logs read from the new file")
+
+
+def test_kubectl_top_through_metrics_server(node: Node, tmp_path: Path) -> None:
+    """metrics-server (built from its Go module) runs as a process behind the API
+    server's aggregation layer, scrapes the agent's /metrics/resource (verifying its
+    serving certificate), and `kubectl top pod` shows the pod's usage."""
+    if not hasattr(node.cluster, "pki_dir"):
+        pytest.skip("runs metrics-server against the local control plane only")
+    node.pod("burner", ["sh", "-c", "while true; do :; done"])
+    node.wait_running("burner")
+    port = free_port()
+    admin = str(node.cluster.kubeconfig)
+    argv = [str(node.cluster.binary("metrics-server")), f"--kubeconfig={admin}",
+            f"--authentication-kubeconfig={admin}", f"--authorization-kubeconfig={admin}",
+            "--bind-address=127.0.0.1", f"--secure-port={port}", f"--cert-dir={tmp_path}",
+            "--kubelet-use-node-status-port", "--kubelet-preferred-address-types=InternalIP",
+            f"--kubelet-certificate-authority={node.cluster.ca_file()}",
+            "--metric-resolution=10s", "-v=1"]
+    log = open(tmp_path / "metrics-server.log", "ab")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+    api = client.ApiregistrationV1Api(node.core.api_client)
+    try:
+        # the aggregator dials an ExternalName Service's name: the process on loopback
+        node.core.create_namespaced_service("kube-system", {
+            "metadata": {"name": "metrics-server"},
+            "spec": {"type": "ExternalName", "externalName": "localhost",
+                     "ports": [{"port": port}]}})
+        api.create_api_service({
+            "metadata": {"name": "v1beta1.metrics.k8s.io"},
+            "spec": {"group": "metrics.k8s.io", "version": "v1beta1",
+                     "insecureSkipTLSVerify": True, "groupPriorityMinimum": 100,
+                     "versionPriority": 100,
+                     "service": {"namespace": "kube-system", "name": "metrics-server",
+                                 "port": port}}})
+
+        def top() -> str | None:
+            r = node.run_kubectl("top", "pod", "burner", "--no-headers")
+            out = r.stdout.decode().split()
+            return r.stdout.decode() if r.returncode == 0 and out and out[0] == "burner" \
+                else None
+        try:
+            line = eventually(top, "kubectl top pod shows the pod", 120)
+        except AssertionError:
+            print((tmp_path / "metrics-server.log").read_text(errors="replace")[-4000:])
+            raise
+        name, cpu, mem = line.split()[:3]
+        assert cpu.endswith("m") and int(cpu[:-1]) > 100, line  # a busy loop: most of a core
+        assert mem.endswith("Mi"), line
+    finally:
+        with contextlib.suppress(ApiException):
+            api.delete_api_service("v1beta1.metrics.k8s.io")
+        with contextlib.suppress(ApiException):
+            node.core.delete_namespaced_service("metrics-server", "kube-system")
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
