@@ -39,6 +39,9 @@ from e2e.util import eventually, free_port
 
 AGENT = Path(sys.executable).parent / "nodepulse-agent"
 TAINT_KEY = "nodepulse.dev/e2e-kubelet-api"
+# some CPU, not a whole core of this shared machine: count a while, rest a while
+WORK = ["sh", "-c", "while true; do i=0; while [ $i -lt 3000 ]; do i=$((i+1)); done; "
+                    "sleep 0.3; done"]
 
 
 @dataclass
@@ -453,7 +456,7 @@ def test_hundred_follow_streams(node: Node) -> None:
 
 
 def test_metrics_and_stats(node: Node) -> None:
-    node.pod("busy", ["sh", "-c", "while true; do :; done"])
+    node.pod("busy", WORK)
     node.wait_running("busy")
     cert = admin_cert(node.cluster)
     status, body = node.get("/metrics/resource", cert=cert)
@@ -466,6 +469,7 @@ def test_metrics_and_stats(node: Node) -> None:
     pods = {p["podRef"]["name"]: p for p in summary["pods"]}
     assert summary["node"]["nodeName"] == node.name
     assert pods["busy"]["containers"][0]["cpu"]["usageCoreNanoSeconds"] > 0
+    node.core.delete_namespaced_pod("busy", node.namespace)
 
 
 def test_log_rotation(node: Node) -> None:
@@ -488,7 +492,7 @@ def test_kubectl_top_through_metrics_server(node: Node, tmp_path: Path) -> None:
     serving certificate), and `kubectl top pod` shows the pod's usage."""
     if not hasattr(node.cluster, "pki_dir"):
         pytest.skip("runs metrics-server against the local control plane only")
-    node.pod("burner", ["sh", "-c", "while true; do :; done"])
+    node.pod("burner", WORK)
     node.wait_running("burner")
     port = free_port()
     admin = str(node.cluster.kubeconfig)
@@ -527,9 +531,11 @@ def test_kubectl_top_through_metrics_server(node: Node, tmp_path: Path) -> None:
             print((tmp_path / "metrics-server.log").read_text(errors="replace")[-4000:])
             raise
         name, cpu, mem = line.split()[:3]
-        assert cpu.endswith("m") and int(cpu[:-1]) > 100, line  # a busy loop: most of a core
+        assert cpu.endswith("m") and int(cpu[:-1]) > 0, line
         assert mem.endswith("Mi"), line
     finally:
+        with contextlib.suppress(ApiException):
+            node.core.delete_namespaced_pod("burner", node.namespace)
         with contextlib.suppress(ApiException):
             api.delete_api_service("v1beta1.metrics.k8s.io")
         with contextlib.suppress(ApiException):
