@@ -337,3 +337,20 @@ def test_fake_runtime_log_rotation(tmp_path: Path) -> None:
         assert tidy(path, 3) == [str(Path(path).parent / "0.log.20260102-030408.gz")]
 
     asyncio.run(main())
+
+
+@aio
+async def test_one_server_for_many_nodes_authorizes_against_the_pods_node(tmp_path: Path) -> None:
+    async with serving(tmp_path) as env:
+        env.server.node_names = ["vn-0", "vn-1"]
+        env.api.allowed = {("alice", "proxy"), ("alice", "stats")}
+        p = pod("web", "u1")
+        env.host.pods["u1"] = p
+        env.host.find_pod = lambda ns, name: ("vn-1", p) if name == "web" else None  # type: ignore[method-assign]
+        await start(env.runtime, env.host, p)
+        assert (await env.client.get("/containerLogs/ns/web/main",
+                                     headers=bearer("alice"))).status == 200
+        assert env.api.access_reviews[-1]["resourceAttributes"]["name"] == "vn-1"
+        assert (await env.client.get("/stats/summary", headers=bearer("alice"))).status == 200
+        # a path naming no node: checked against every Node of the process
+        assert env.api.access_reviews[-1]["resourceAttributes"]["name"] == ""
