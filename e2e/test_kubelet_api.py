@@ -547,3 +547,71 @@ def test_kubectl_top_through_metrics_server(node: Node, tmp_path: Path) -> None:
             proc.kill()
             proc.wait()
         log.close()
+
+
+def test_rotated_serving_certificate_and_process_runtime_logs(
+        cluster: Cluster, tmp_path: Path) -> None:
+    """--rotate-server-certificates: the agent asks for its serving certificate through a
+    CSR (signer kubernetes.io/kubelet-serving); once an admin approves it the agent
+    serves it, the API server verifies it, and `kubectl logs` works - here on the process
+    runtime, whose raw logs refuse what they cannot answer."""
+    from e2e.cluster.cluster import approve_csr
+    name = f"kapi-rot-{os.getpid() % 10000}"
+    kubeconfig = cluster.node_kubeconfig(name)
+    admin = cluster.api_client()
+    core = client.CoreV1Api(admin)
+    certs = client.CertificatesV1Api(admin)
+    argv = [str(AGENT), f"--node-name={name}", f"--kubeconfig={kubeconfig}",
+            f"--root-dir={tmp_path}", "--healthz-bind-address=", "--runtime=process",
+            "--node-ip=127.0.0.1", "--port=0", "--rotate-server-certificates",
+            f"--client-ca-file={cluster.ca_file()}",
+            f"--register-with-taints={TAINT_KEY}={name}:NoSchedule"]
+    log = open(tmp_path / "agent.log", "ab")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+    n = Node(name, tmp_path, proc, core, name, cluster, str(cluster.binary("kubectl")), None)
+    try:
+        def csr() -> str | None:
+            for c in certs.list_certificate_signing_request().items:
+                if c.spec.signer_name == "kubernetes.io/kubelet-serving" and \
+                        c.spec.username == f"system:node:{name}":
+                    return str(c.metadata.name)
+            return None
+        csr_name = eventually(csr, "the agent's serving CSR", 60)
+        approve_csr(certs, csr_name)
+
+        def verified() -> bool:
+            try:
+                port = n.port
+                with socket.create_connection(("127.0.0.1", port), timeout=5) as s, \
+                        n.tls().wrap_socket(s, server_hostname="127.0.0.1"):
+                    return True
+            except (OSError, ssl.SSLError, AttributeError):
+                return False
+        eventually(verified, "the signed certificate served", 60)
+        core.create_namespace({"metadata": {"name": name}})
+        eventually(lambda: core.list_namespaced_service_account(
+            name, field_selector="metadata.name=default").items, "default ServiceAccount")
+        n.pod("talker", ["sh", "-c", "echo from-a-process; sleep 3600"])
+        n.wait_running("talker")
+        eventually(lambda: n.run_kubectl("logs", "talker").stdout == b"from-a-process\n",
+                   "kubectl logs through the rotated certificate")
+        r = n.run_kubectl("logs", "talker", "--timestamps")
+        assert r.returncode != 0 and b"process runtime" in r.stderr, r
+    finally:
+        with contextlib.suppress(ApiException):
+            core.delete_namespace(name)
+        if proc.poll() is None:
+            with contextlib.suppress(AssertionError):
+                eventually(lambda: not list((tmp_path / "process" / "containers").glob("*.pid"))
+                           or not core.list_namespaced_pod(name).items, "pods gone", 30)
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        log.close()
+        with contextlib.suppress(ApiException):
+            core.delete_node(name)
+        admin.close()
