@@ -148,13 +148,20 @@ async def _relay_refusal(transport: Any, backend: _Pipe, status: int,
                          head: bytes) -> web.Response:
     """The runtime refused the stream (a bad token, a finished container): its answer,
     with at most 64 KiB of its body, goes back to the client."""
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(asyncio.shield(backend.closed), 5)
-    transport.close()
-    body = bytes(backend.early[:HEAD_LIMIT])
-    ctype = "text/plain"
+    ctype, length = "text/plain", HEAD_LIMIT
     for line in head.split(b"\r\n")[1:]:
         k, _, v = line.decode("latin-1").partition(":")
         if k.strip().lower() == "content-type":
             ctype = v.strip()
+        elif k.strip().lower() == "content-length" and v.strip().isdigit():
+            length = min(int(v.strip()), HEAD_LIMIT)
+    deadline = asyncio.get_running_loop().time() + 5
+    while len(backend.early) < length and not backend.closed.done():
+        left = deadline - asyncio.get_running_loop().time()
+        if left <= 0:
+            break
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(backend.closed), min(left, 0.05))
+    transport.close()
+    body = bytes(backend.early[:length])
     return web.Response(status=status, body=body, content_type=ctype.split(";")[0])
