@@ -346,7 +346,7 @@ async def test_one_server_for_many_nodes_authorizes_against_the_pods_node(tmp_pa
         env.api.allowed = {("alice", "proxy"), ("alice", "stats")}
         p = pod("web", "u1")
         env.host.pods["u1"] = p
-        env.host.find_pod = lambda ns, name: ("vn-1", p) if name == "web" else None  # type: ignore[method-assign]
+        env.host.find_pod = lambda ns, name: ("vn-1", p) if name == "web" else None  # type: ignore[method-assign,assignment]
         await start(env.runtime, env.host, p)
         assert (await env.client.get("/containerLogs/ns/web/main",
                                      headers=bearer("alice"))).status == 200
