@@ -344,7 +344,7 @@ def test_attach(node: Node) -> None:
 
 
 def test_port_forward(node: Node) -> None:
-    node.pod("server", ["nc", "-lk", "-p", "8080", "-e", "cat"])
+    node.pod("server", ["nc", "-ll", "-p", "8080", "-e", "cat"])  # -ll: keeps listening
     node.wait_running("server")
     local = free_port()
     proc = subprocess.Popen([node.kubectl, f"--kubeconfig={node.cluster.kubeconfig}", "-n",
