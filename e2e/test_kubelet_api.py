@@ -380,8 +380,9 @@ FLOOD = 6_000_000  # bytes of output: a ~12 MB log file, under the 16Mi rotation
 
 
 def test_huge_tail_does_not_grow_memory(node: Node) -> None:
+    # (the echo ends the last line: a partial line stays in containerd until it ends)
     node.pod("flood", ["sh", "-c", f"yes 0123456789abcdefghijklmnopqrstuvwxyz | head -c {FLOOD}; "
-                                   "sleep 3600"])
+                                   "echo; sleep 3600"])
     node.wait_running("flood")
     cert = admin_cert(node.cluster)
     path = f"/containerLogs/{node.namespace}/flood/main"
@@ -501,7 +502,8 @@ def test_kubectl_top_through_metrics_server(node: Node, tmp_path: Path) -> None:
             "--bind-address=127.0.0.1", f"--secure-port={port}", f"--cert-dir={tmp_path}",
             "--kubelet-use-node-status-port", "--kubelet-preferred-address-types=InternalIP",
             f"--kubelet-certificate-authority={node.cluster.ca_file()}",
-            "--metric-resolution=10s", "-v=1"]
+            # its shortest resolution; it must exceed the kubelet request timeout
+            "--metric-resolution=10s", "--kubelet-request-timeout=5s", "-v=1"]
     log = open(tmp_path / "metrics-server.log", "ab")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, start_new_session=True)
