@@ -354,3 +354,26 @@ async def test_one_server_for_many_nodes_authorizes_against_the_pods_node(tmp_pa
         assert (await env.client.get("/stats/summary", headers=bearer("alice"))).status == 200
         # a path naming no node: checked against every Node of the process
         assert env.api.access_reviews[-1]["resourceAttributes"]["name"] == ""
+
+
+@aio
+async def test_api_server_unreachable_is_401_then_500_and_not_cached(tmp_path: Path) -> None:
+    async with serving(tmp_path) as env:
+        env.api.allowed = {("alice", "proxy")}
+        real = env.api.review_token
+
+        def down(token: str) -> dict[str, Any]:
+            raise ConnectionError("connection refused")
+        env.api.review_token = down  # type: ignore[method-assign]
+        assert (await env.client.get("/healthz", headers=bearer("alice"))).status == 401
+        env.api.review_token = real  # type: ignore[method-assign]
+        real_review = env.api.review_access
+
+        def review_down(spec: dict[str, Any]) -> dict[str, Any]:
+            raise ConnectionError("connection refused")
+        env.api.review_access = review_down  # type: ignore[method-assign]
+        r = await env.client.get("/containerLogs/ns/x/main", headers=bearer("alice"))
+        assert r.status == 500 and "Authorization error (user=alice" in await r.text()
+        env.api.review_access = real_review  # type: ignore[method-assign]
+        r = await env.client.get("/containerLogs/ns/x/main", headers=bearer("alice"))
+        assert r.status == 404  # allowed now: nothing failed was kept

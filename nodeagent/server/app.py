@@ -40,7 +40,7 @@ from nodeagent.runtime.base import (
     Unsupported,
 )
 from nodeagent.server import logs, stats, streaming
-from nodeagent.server.auth import Forbidden, KubeletAuth, Unauthorized
+from nodeagent.server.auth import AuthorizationError, Forbidden, KubeletAuth, Unauthorized
 from nodeagent.server.tls import ServingCert
 
 log = logging.getLogger(__name__)
@@ -212,6 +212,9 @@ class KubeletServer:
         except Forbidden as e:
             code = 403
             return web.Response(status=403, text=f"{e}\n")
+        except AuthorizationError as e:
+            code = 500
+            return web.Response(status=500, text=f"{e}\n")
         except (RequestError, logs.LogRequestError) as e:
             code = e.status
             return web.Response(status=e.status, text=f"{e}\n")

@@ -59,6 +59,10 @@ class Forbidden(Exception):
     """Authenticated, but not allowed (HTTP 403); the message says who and what."""
 
 
+class AuthorizationError(Exception):
+    """The API server could not be asked (HTTP 500, as the kubelet answers)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class User:
     name: str
@@ -182,7 +186,11 @@ class KubeletAuth:
         raise Unauthorized("no client certificate and no bearer token")
 
     async def _review_token(self, token: str) -> User | None:
-        status = await self._call(self.api.review_token, token)
+        try:
+            status = await self._call(self.api.review_token, token)
+        except Exception as e:  # noqa: BLE001 - the kubelet answers 401 and logs why
+            log.warning("kubelet API: TokenReview failed: %s", e)
+            raise Unauthorized(f"the token could not be reviewed: {e}") from e
         if not status.get("authenticated"):
             return None
         u = status.get("user") or {}
@@ -212,7 +220,14 @@ class KubeletAuth:
                         f"subresource(s)=[{' '.join(subresources)}])")
 
     async def _review(self, spec: dict[str, Any]) -> tuple[bool, str]:
-        status = await self._call(self.api.review_access, spec)
+        try:
+            status = await self._call(self.api.review_access, spec)
+        except Exception as e:  # noqa: BLE001 - not cached; the next request asks again
+            attrs = spec["resourceAttributes"]
+            log.warning("kubelet API: SubjectAccessReview failed: %s", e)
+            raise AuthorizationError(
+                f"Authorization error (user={spec['user']}, verb={attrs['verb']}, "
+                f"resource=nodes, subresource={attrs['subresource']})") from e
         return bool(status.get("allowed")) and not status.get("denied"), \
             str(status.get("reason") or "")
 
