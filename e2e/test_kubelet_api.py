@@ -600,6 +600,10 @@ def test_rotated_serving_certificate_and_process_runtime_logs(
                    "kubectl logs through the rotated certificate")
         r = n.run_kubectl("logs", "talker", "--timestamps")
         assert r.returncode != 0 and b"process runtime" in r.stderr, r
+        # exec beside the process, through its runtime's own streaming server
+        r = n.run_kubectl("exec", "-i", "talker", "--", "sh", "-c", "read x; echo got:$x; "
+                          "exit 4", input=b"over-spdy\n")
+        assert r.stdout == b"got:over-spdy\n" and r.returncode == 4, (r, n.log_tail())
     finally:
         with contextlib.suppress(ApiException):
             core.delete_namespace(name)

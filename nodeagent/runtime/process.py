@@ -64,7 +64,9 @@ from nodeagent.runtime.base import (
     Sandbox,
     SandboxConfig,
     SandboxState,
+    StreamRequest,
 )
+from nodeagent.runtime.execserver import ExecSpec, StreamingServer
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -182,6 +184,7 @@ class ProcessRuntime(Runtime):
         self._children: dict[str, subprocess.Popen[bytes]] = {}  # ours to reap
         self._starting: set[str] = set()  # between fork and the saved RUNNING record
         self._boot = _boot_id()
+        self._streaming: StreamingServer | None = None  # exec, started at the first one
         # Our own threads, not the event loop's default pool: the pod status writes and
         # the API source use that one, and while the API server is down each of their
         # calls holds a thread for up to its timeout; relists must not queue behind them.
@@ -695,6 +698,28 @@ class ProcessRuntime(Runtime):
         return [ImageInfo(id="sha256:" + hashlib.sha256(r.encode()).hexdigest(), names=[r],
                           size_bytes=0) for r in refs]
 
+    async def exec_url(self, container_id: str, cmd: list[str], req: StreamRequest) -> str:
+        """A command run beside the container's process, with its environment and
+        working directory (no namespaces to enter: it is a local process too), served by
+        this runtime's own streaming server (execserver.py)."""
+        with self._lock:
+            c = self._containers.get(container_id)
+            if c is None:
+                raise NotFound(f"process exec: container {container_id} not found")
+            self._refresh(c)
+            if c.state != ContainerState.RUNNING.value:
+                raise ContainerRuntimeError(f"process exec: container {c.name} is {c.state}, "
+                                            "not running")
+            env = dict((k, v) for k, v in c.env)
+            cwd = c.working_dir or str(self.state_dir / "pods" / c.sandbox_id)
+        if not cmd:
+            raise ContainerRuntimeError("process exec: no command")
+        if self._streaming is None:
+            self._streaming = StreamingServer()
+        return await self._streaming.url(ExecSpec(
+            argv=list(cmd), env=env, cwd=cwd, stdin=req.stdin, stdout=req.stdout,
+            stderr=req.stderr, tty=req.tty))
+
     async def rotate_container_log(self, container_id: str, path: str, rotated: str) -> None:
         """Copy, then truncate: the process keeps its file open in append mode, so its
         next write lands at the start of the emptied file. What it writes between the
@@ -729,6 +754,8 @@ class ProcessRuntime(Runtime):
     async def close(self) -> None:
         """Release the state dir lock; processes keep running (a new runtime on the
         same dir adopts them)."""
+        if self._streaming is not None:
+            await self._streaming.close()
         self._pool.shutdown(wait=False)
         with self._lock:
             if self._lockfile is not None:
