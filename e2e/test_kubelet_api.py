@@ -621,3 +621,63 @@ def test_rotated_serving_certificate_and_process_runtime_logs(
         with contextlib.suppress(ApiException):
             core.delete_node(name)
         admin.close()
+
+
+def test_virtual_nodes_share_one_server(cluster: Cluster, tmp_path: Path) -> None:
+    """One agent process for 3 virtual nodes: one listening socket, every Node's
+    daemonEndpoints naming it, and `kubectl logs` of a pod on any of them shows what the
+    fake runtime recorded."""
+    prefix = f"kapi-vn-{os.getpid() % 10000}"
+    names = [f"{prefix}-{i}" for i in range(3)]
+    crt, key = cluster.node_serving_cert(prefix)
+    admin = cluster.api_client()
+    core = client.CoreV1Api(admin)
+    argv = [str(AGENT), f"--kubeconfig={cluster.kubeconfig}", "--virtual-nodes=3",
+            f"--node-name-prefix={prefix}", f"--root-dir={tmp_path}",
+            "--healthz-bind-address=", "--runtime=fake", "--node-ip=127.0.0.1", "--port=0",
+            f"--tls-cert-file={crt}", f"--tls-private-key-file={key}",
+            f"--client-ca-file={cluster.ca_file()}"]
+    log = open(tmp_path / "agent.log", "ab")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+    ns = prefix
+    try:
+        def ports() -> set[int] | None:
+            got = set()
+            for n in names:
+                found = core.list_node(field_selector=f"metadata.name={n}").items
+                ep = found[0].status.daemon_endpoints if found else None
+                if not ep or not ep.kubelet_endpoint.port:
+                    return None
+                got.add(int(ep.kubelet_endpoint.port))
+            return got
+        [port] = eventually(ports, "3 virtual nodes advertising their kubelet port", 60)
+        from e2e.test_node_identity import listening
+        assert (("0.0.0.0", port) in listening(proc.pid)
+                and len([p for h, p in listening(proc.pid) if p == port]) == 1)
+        core.create_namespace({"metadata": {"name": ns}})
+        eventually(lambda: core.list_namespaced_service_account(
+            ns, field_selector="metadata.name=default").items, "default ServiceAccount")
+        core.create_namespaced_pod(ns, {"metadata": {"name": "ghost"}, "spec": {
+            "nodeName": names[1], "tolerations": [{"operator": "Exists"}],
+            "containers": [{"name": "main", "image": "anything:1"}]}})
+        kubectl = [str(cluster.binary("kubectl")), f"--kubeconfig={cluster.kubeconfig}",
+                   "-n", ns, "logs", "ghost"]
+        out = eventually(lambda: (r := subprocess.run(kubectl, capture_output=True)).returncode
+                         == 0 and b"fake runtime: container main started" in r.stdout,
+                         "kubectl logs of a pod on a virtual node", 60)
+        assert out
+    finally:
+        with contextlib.suppress(ApiException):
+            core.delete_namespace(ns)
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+        for n in names:
+            with contextlib.suppress(ApiException):
+                core.delete_node(n)
+        admin.close()
