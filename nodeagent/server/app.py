@@ -16,7 +16,6 @@ naming a pod is checked against the Node that pod is bound to.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import logging
 import weakref
@@ -134,8 +133,7 @@ class KubeletServer:
                  node_names: Sequence[str], clock: Clock, registry: CollectorRegistry,
                  address: str = "0.0.0.0", port: int = 10250,
                  health_checks: Mapping[str, HealthCheck] | None = None,
-                 node_reader: Callable[[], dict[str, float]] | None = None,
-                 executor: concurrent.futures.Executor | None = None) -> None:
+                 node_reader: Callable[[], dict[str, float]] | None = None) -> None:
         self.host = host
         self.runtime = host.runtime
         self.auth = auth
@@ -149,7 +147,6 @@ class KubeletServer:
         self.watch = logs.FileWatch()
         self.metrics = server_metrics(registry)
         self.stats = stats.StatsProvider(host, self.runtime, clock, node_reader)
-        self.executor = executor
         self._runner: web.AppRunner | None = None
 
     # -- lifecycle --

@@ -82,5 +82,5 @@ def build(cfg: AgentConfig, host: PodHost, api: ServerApi, *, clock: Clock,
     auth = KubeletAuth(api, clock, anonymous=cfg.anonymous_auth, executor=executor)
     server = KubeletServer(host, auth, cert, node_names=cfg.node_names, clock=clock,
                            registry=registry, address=cfg.address, port=cfg.port,
-                           health_checks=health_checks, executor=executor)
+                           health_checks=health_checks)
     return ServerBundle(server, cert, api, executor, cfg.rotate_server_certificates)
