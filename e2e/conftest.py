@@ -16,6 +16,10 @@ from e2e.cluster.registry import Registry, start_registry
 
 _clusters: list[Cluster] = []
 
+# Every agent the suite starts serves the kubelet API; many run at once, so each takes
+# a free port (and says which in its Node's daemonEndpoints) unless a test says --port.
+os.environ.setdefault("NODEPULSE_PORT", "0")
+
 
 @pytest.fixture(scope="session")
 def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:

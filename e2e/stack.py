@@ -79,11 +79,16 @@ class Stack:
         if self.require_containerd and self.ctd is None:
             raise RuntimeError("containerd is not installed (apt package containerd)")
         self.manifests.mkdir(exist_ok=True)
+        # the kubelet API (kubectl logs, exec, ...): the API server dials the node's
+        # InternalIP and verifies a serving certificate from the cluster CA
+        crt, key = c.node_serving_cert(self.node_name)
         self._spawn("agent", [str(bindir / "nodepulse-agent"), f"--node-name={self.node_name}",
                               f"--kubeconfig={c.node_kubeconfig(self.node_name)}",
                               f"--root-dir={self.agent_root}",
                               f"--pod-manifest-path={self.manifests}",
-                              f"--healthz-bind-address={self.health_address}", *runtime])
+                              f"--healthz-bind-address={self.health_address}", "--node-ip=127.0.0.1",
+                              f"--tls-cert-file={crt}", f"--tls-private-key-file={key}",
+                              f"--client-ca-file={c.ca_file()}", *runtime])
 
     def _spawn(self, name: str, args: list[str]) -> None:
         with open(self.cluster.log_dir / f"{name}.log", "ab") as log:
@@ -154,6 +159,7 @@ its pods on {stack.runtime}.
   {kubectl} get nodestatuspolicies         # policies (kubectl get nsp)
   {kubectl} run demo --image={BUSYBOX_IMAGE} --image-pull-policy=Never -- sleep 3600
                                            # a pod on the agent's node (images are local)
+  {kubectl} logs demo; {kubectl} exec -it demo -- sh   # through the agent's kubelet API
   static pods: put manifests in {stack.manifests}
   curl -s http://{AGENT_HEALTH}/metrics     # agent metrics; /healthz too
   curl -s http://127.0.0.1:{OPERATOR_METRICS_PORT}/metrics      # operator metrics

@@ -51,6 +51,9 @@ TOOLS = {t.name: t for t in [
     Tool("helm", "helm", "helm.sh/helm/v3/cmd/helm", "helm.sh/helm/v3"),
     # only the scale benchmark needs KWOK, so tests and setup do not build it
     Tool("kwok", "kwok", "sigs.k8s.io/kwok/cmd/kwok", "sigs.k8s.io/kwok"),
+    # `kubectl top` on nodepulse nodes (e2e/test_kubelet_api.py)
+    Tool("metrics-server", "metrics-server", "sigs.k8s.io/metrics-server/cmd/metrics-server",
+         "sigs.k8s.io/metrics-server"),
     # the upstream e2e suite and the programs of the images its node tests run
     # (e2e/conformance); built when those tests first run, not by setup
     Tool("e2e.test", "kubernetes", "k8s.io/kubernetes/test/e2e", "k8s.io/kubernetes",

@@ -99,6 +99,31 @@ class RuntimeServiceStub:
                 request_serializer=nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.StatusRequest.SerializeToString,
                 response_deserializer=nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.StatusResponse.FromString,
                 _registered_method=True)
+        self.ReopenContainerLog = channel.unary_unary(
+                '/runtime.v1.RuntimeService/ReopenContainerLog',
+                request_serializer=nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.ReopenContainerLogRequest.SerializeToString,
+                response_deserializer=nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.ReopenContainerLogResponse.FromString,
+                _registered_method=True)
+        self.Exec = channel.unary_unary(
+                '/runtime.v1.RuntimeService/Exec',
+                request_serializer=nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.ExecRequest.SerializeToString,
+                response_deserializer=nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.ExecResponse.FromString,
+                _registered_method=True)
+        self.Attach = channel.unary_unary(
+                '/runtime.v1.RuntimeService/Attach',
+                request_serializer=nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.AttachRequest.SerializeToString,
+                response_deserializer=nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.AttachResponse.FromString,
+                _registered_method=True)
+        self.PortForward = channel.unary_unary(
+                '/runtime.v1.RuntimeService/PortForward',
+                request_serializer=nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.PortForwardRequest.SerializeToString,
+                response_deserializer=nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.PortForwardResponse.FromString,
+                _registered_method=True)
+        self.ListContainerStats = channel.unary_unary(
+                '/runtime.v1.RuntimeService/ListContainerStats',
+                request_serializer=nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.ListContainerStatsRequest.SerializeToString,
+                response_deserializer=nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.ListContainerStatsResponse.FromString,
+                _registered_method=True)
 
 
 class RuntimeServiceServicer:
@@ -182,6 +207,36 @@ class RuntimeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReopenContainerLog(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Exec(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Attach(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PortForward(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListContainerStats(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RuntimeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -249,6 +304,31 @@ def add_RuntimeServiceServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.StatusRequest.FromString,
                     response_serializer=nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.StatusResponse.SerializeToString,
+            ),
+            'ReopenContainerLog': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReopenContainerLog,
+                    request_deserializer=nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.ReopenContainerLogRequest.FromString,
+                    response_serializer=nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.ReopenContainerLogResponse.SerializeToString,
+            ),
+            'Exec': grpc.unary_unary_rpc_method_handler(
+                    servicer.Exec,
+                    request_deserializer=nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.ExecRequest.FromString,
+                    response_serializer=nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.ExecResponse.SerializeToString,
+            ),
+            'Attach': grpc.unary_unary_rpc_method_handler(
+                    servicer.Attach,
+                    request_deserializer=nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.AttachRequest.FromString,
+                    response_serializer=nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.AttachResponse.SerializeToString,
+            ),
+            'PortForward': grpc.unary_unary_rpc_method_handler(
+                    servicer.PortForward,
+                    request_deserializer=nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.PortForwardRequest.FromString,
+                    response_serializer=nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.PortForwardResponse.SerializeToString,
+            ),
+            'ListContainerStats': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListContainerStats,
+                    request_deserializer=nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.ListContainerStatsRequest.FromString,
+                    response_serializer=nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.ListContainerStatsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -602,6 +682,141 @@ class RuntimeService:
             '/runtime.v1.RuntimeService/Status',
             nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.StatusRequest.SerializeToString,
             nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReopenContainerLog(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/runtime.v1.RuntimeService/ReopenContainerLog',
+            nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.ReopenContainerLogRequest.SerializeToString,
+            nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.ReopenContainerLogResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Exec(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/runtime.v1.RuntimeService/Exec',
+            nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.ExecRequest.SerializeToString,
+            nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.ExecResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Attach(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/runtime.v1.RuntimeService/Attach',
+            nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.AttachRequest.SerializeToString,
+            nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.AttachResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PortForward(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/runtime.v1.RuntimeService/PortForward',
+            nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.PortForwardRequest.SerializeToString,
+            nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.PortForwardResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListContainerStats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/runtime.v1.RuntimeService/ListContainerStats',
+            nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.ListContainerStatsRequest.SerializeToString,
+            nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.ListContainerStatsResponse.FromString,
             options,
             channel_credentials,
             insecure,
