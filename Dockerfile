@@ -2,9 +2,10 @@
 #
 #   docker build -t nodepulse:0.1.0 .
 #
-# The chart runs it as user 10001 with a read-only root filesystem. (This repository's
-# CI machines have no Docker engine and no registry, so the image is built by users,
-# and by `make e2e-kind` on a machine with Docker; see the README.)
+# The chart runs it as user 10001 with a read-only root filesystem. PYTHON_IMAGE is the
+# base: the public one by default; the tests, which reach no registry, pass one made
+# from Debian's packages (e2e/kind/images.py, README "How the tests build images").
+# No `# syntax=` line: BuildKit would fetch that frontend from a registry.
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 

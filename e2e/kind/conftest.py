@@ -5,8 +5,8 @@ before the tests on the local control plane start.
 
 Teardown order: the cluster (`kind delete`), then dockerd with its containers,
 networks and children (by PID); then the checks that nothing is left: no process of
-the engine, no bridge of its networks, no host kernel tunable changed (any change is
-restored and reported as an error).
+the engine, no link of its networks, no host iptables rule added or removed, no host
+kernel tunable changed (any change is restored and reported as an error).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def _log(msg: str) -> None:
 
 @pytest.fixture(scope="package")
 def engine() -> Iterator[Dockerd]:
-    links_before = _links()
+    links_before, rules_before = _links(), _rules()
     with HostSysctls() as sysctls:
         eng = start_dockerd()
         try:
@@ -43,6 +43,7 @@ def engine() -> Iterator[Dockerd]:
     left = [pid for pid in children if Path(f"/proc/{pid}").exists()]
     assert not left, f"processes of the Docker engine still run: {left}"
     assert _links() - links_before == set(), "links the Docker engine made are still there"
+    assert _rules() == rules_before, "the host's iptables rules changed while kind ran"
     assert not sysctls.changed, ("host kernel tunables changed while kind ran (restored): "
                                  f"{sysctls.changed}")
 
@@ -51,6 +52,15 @@ def _links() -> set[str]:
     out = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True,
                          check=True).stdout
     return {line.split(":")[1].strip().split("@")[0] for line in out.splitlines()}
+
+
+def _rules() -> list[str]:
+    """The host's iptables and ip6tables rules (no counters, no comment lines)."""
+    rules = []
+    for tool in ("iptables-save", "ip6tables-save"):
+        out = subprocess.run([tool], capture_output=True, text=True, check=True).stdout
+        rules += [line for line in out.splitlines() if not line.startswith("#")]
+    return rules
 
 
 @pytest.fixture(scope="package")
