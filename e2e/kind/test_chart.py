@@ -29,6 +29,10 @@ from e2e.test_helm import CHART, Tools, sets
 from e2e.util import eventually
 from nodeagent.api.policy import HEARTBEAT_ANNOTATION, decode_heartbeat_annotation
 
+# The first test to use the engine or the cluster also waits for what is not cached yet
+# (Go builds, debootstrap, the image builds: about 10 minutes cold, e2e/kind/conftest.py).
+pytestmark = pytest.mark.timeout(1800)
+
 RELEASE = "nodepulse"
 NAMESPACE = "nodepulse-system"
 POLICY = "kind-default"

@@ -10,8 +10,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from e2e.kind.docker import Dockerd
 from e2e.kind.images import REPO, build_context
+
+# The first test to use the engine or the cluster also waits for what is not cached yet
+# (Go builds, debootstrap, the image builds: about 10 minutes cold, e2e/kind/conftest.py).
+pytestmark = pytest.mark.timeout(1800)
 
 
 def run(engine: Dockerd, image: str, script: str) -> str:

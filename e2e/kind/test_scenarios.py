@@ -41,6 +41,10 @@ import pytest
 from e2e.kind.cluster import KindCluster
 from e2e.kind.images import REPO
 
+# The first test to use the engine or the cluster also waits for what is not cached yet
+# (Go builds, debootstrap, the image builds: about 10 minutes cold, e2e/kind/conftest.py).
+pytestmark = pytest.mark.timeout(1800)
+
 SCENARIOS = [
     "e2e/test_cluster.py::test_a_node_may_renew_only_its_own_lease_and_node",
     "e2e/test_cluster.py::test_node_identity_through_a_certificate_signing_request",
