@@ -14,7 +14,8 @@ from typing import Any, Protocol
 import urllib3
 from kubernetes import client
 
-from nodeagent.api.rest import SMP, json_lines, request, request_json
+from nodeagent.api.kube import STRATEGIC_MERGE as SMP
+from nodeagent.api.rest import json_lines, request, request_json
 
 LEASE_NAMESPACE = "kube-node-lease"
 NODES = "/api/v1/nodes"
