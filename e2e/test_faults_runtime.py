@@ -758,6 +758,7 @@ class InProcessAgent:
         from nodeagent.agent import Agent, host_probe
         from nodeagent.api.client import new_api_client
         from nodeagent.api.clock import RealClock
+        from nodeagent.api.kube import RestKube
         from nodeagent.pods import Pods, host_ip
 
         cfg = self.cfg
@@ -772,8 +773,8 @@ class InProcessAgent:
                                     runtime=self.runtime)
             self.loop = asyncio.get_running_loop()
             self._stop = asyncio.Event()
-            agent = Agent(cfg, api, clock=clock, registry=self.registry, flags=self.flags,
-                          env={}, pods=pods)
+            agent = Agent(cfg, RestKube(api), clock, registry=self.registry,
+                          flags=self.flags, env={}, pods=pods)
             self._ready.set()
             await agent.run(self._stop)
         finally:

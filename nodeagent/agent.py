@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import dataclasses
 import logging
 import math
@@ -18,17 +17,22 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from kubernetes import client
 from prometheus_client import REGISTRY, CollectorRegistry
 
 from nodeagent import __version__
-from nodeagent.api.clock import Clock, RealClock
-from nodeagent.api.policy import AGENT_LABEL
+from nodeagent.api.answered import ApiAnswered
+from nodeagent.api.clock import Clock
+from nodeagent.api.kube import Kube
 from nodeagent.api.serve import HealthServer
 from nodeagent.config import VIRTUAL_LABEL, AgentConfig, ConfigError, load
-from nodeagent.node.controller import ImageLister, NodeController, NodeSpec, Readiness
+from nodeagent.node.controller import (
+    ImageLister,
+    NodeController,
+    NodeControllerConfig,
+    NodeSpec,
+    Readiness,
+)
 from nodeagent.node.host import HostProbe, HostReadError, HostReadings
-from nodeagent.node.kube import Kube, Obj, RealKube
 from nodeagent.node.metrics import NodeMetrics
 from nodeagent.node.scheduler import Blocking, DueScheduler
 from nodeagent.node.status import StatusSettings
@@ -95,78 +99,73 @@ def host_probe(cfg: AgentConfig) -> HostProbe:
                      overrides=cfg.host_overrides)
 
 
+@dataclasses.dataclass(frozen=True)
+class Pools:
+    """The threads blocking work runs on: the Lease writes on their own, so a renewal
+    never waits behind status work (host readings, status PATCHes, registration)."""
+
+    lease: concurrent.futures.Executor
+    status: concurrent.futures.Executor
+
+    @classmethod
+    def of(cls, cfg: AgentConfig) -> Pools:
+        return cls(concurrent.futures.ThreadPoolExecutor(cfg.lease_concurrency,
+                                                         thread_name_prefix="lease"),
+                   concurrent.futures.ThreadPoolExecutor(cfg.status_concurrency,
+                                                         thread_name_prefix="status"))
+
+
 class Agent:
-    def __init__(self, cfg: AgentConfig, api: client.ApiClient | None = None, *,
-                 kube: Kube | None = None, clock: Clock | None = None,
-                 images: ImageLister | None = None, readiness: Readiness | None = None,
-                 registry: CollectorRegistry = REGISTRY,
+    def __init__(self, cfg: AgentConfig, kube: Kube, clock: Clock, *,
+                 answered: ApiAnswered | None = None, pools: Pools | None = None,
+                 pods: Pods | None = None, images: ImageLister | None = None,
+                 readiness: Readiness | None = None, registry: CollectorRegistry = REGISTRY,
                  flags: Mapping[str, Any] | None = None,
-                 env: Mapping[str, str] | None = None,
-                 lease_executor: concurrent.futures.Executor | None = None,
-                 status_executor: concurrent.futures.Executor | None = None,
-                 watch_executor: concurrent.futures.Executor | None = None,
-                 pods: Pods | None = None) -> None:
+                 env: Mapping[str, str] | None = None) -> None:
         """`pods`: the node's pod machinery (nodeagent.pods); it also supplies the
         image list, the runtime version and readiness unless those are given."""
-        if kube is None:
-            if api is None:
-                raise ValueError("Agent needs an ApiClient (or a Kube)")
-            kube = RealKube(api)
         self.cfg = cfg
-        self.kube = kube
-        self.clock = clock or RealClock()
+        self.clock = clock
         self.pods = pods
-        self.images = images or (pods.images if pods else None)
-        self.readiness = readiness or (pods.readiness if pods else None)
-        self.metrics = NodeMetrics(registry)
+        self.answered = answered or ApiAnswered(clock)
         self.registry = registry
         self._flags = dict(flags or {})
         self._env = env
-        self.lease_call = Blocking(lease_executor or concurrent.futures.ThreadPoolExecutor(
-            cfg.lease_concurrency, thread_name_prefix="lease"))
-        self.status_call = Blocking(status_executor or concurrent.futures.ThreadPoolExecutor(
-            cfg.status_concurrency, thread_name_prefix="status"))
-        self.watch_call = Blocking(watch_executor or concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="watch"))
+        self.pools = pools or Pools.of(cfg)
+        self.status_call = Blocking(self.pools.status)
         self.nodes: dict[str, NodeController] = {}
-        self.renewals: DueScheduler[str] = DueScheduler(self.clock, self._renew, "renewals")
-        self.ticker: DueScheduler[str] = DueScheduler(self.clock, self._tick, "status")
+        self.uids: dict[str, str] = {}
         self.probe = host_probe(cfg)
         self.shared_readings = SharedReadings(self.probe.read, self.clock)
         self.settings = status_settings(cfg)
+        self.metrics = NodeMetrics(registry)
+        self.renewals: DueScheduler[str] = DueScheduler(self.clock, self._renew, "renewals")
+        self.ticker: DueScheduler[str] = DueScheduler(self.clock, self._tick, "status")
+        self.node_config = NodeControllerConfig(
+            kube=kube.using(self.pools.status), lease_kube=kube.using(self.pools.lease),
+            clock=clock, metrics=self.metrics, heartbeat=cfg.heartbeat, status=self.settings,
+            # virtual nodes share one reading of the host; a host node reads it every tick
+            probe=self.shared_readings.read if cfg.virtual else self.probe.read,
+            status_call=self.status_call, renewals=self.renewals, ticker=self.ticker,
+            answered=self.answered, uids=self.uids,
+            images=images or (pods.images if pods else None),
+            readiness=readiness or (pods.readiness if pods else None), legacy=cfg.legacy)
+        self.kube = kube
         self.watch: NodeWatch | None = None
-        self._api_answered_at = -math.inf
         self.health: HealthServer | None = None
         self._config_mtime = self._mtime()
 
     # -- nodes --
-    def add_node(self, spec: NodeSpec, probe: Callable[[], HostReadings] | None = None) -> NodeController:
-        # virtual nodes share one reading of the host; a host node reads it every tick
-        default = self.shared_readings.read if self.cfg.virtual else self.probe.read
-        node = NodeController(
-            spec, self.kube, self.clock, self.metrics, heartbeat=self.cfg.heartbeat,
-            settings=self.settings, probe=probe or default,
-            lease_call=self.lease_call, status_call=self.status_call,
-            renewals=self.renewals, ticker=self.ticker, images=self.images,
-            readiness=self.readiness, legacy=self.cfg.legacy, rng=random.Random())
-        node.lease.on_recovered = self._api_answered
+    def add_node(self, spec: NodeSpec,
+                 probe: Callable[[], HostReadings] | None = None) -> NodeController:
+        config = self.node_config
+        if probe is not None:
+            config = dataclasses.replace(config, probe=probe)
+        node = NodeController(spec, dataclasses.replace(config, status=self.settings),
+                              rng=random.Random())
         self.nodes[spec.name] = node
         self.metrics.nodes.set(len(self.nodes))
         return node
-
-    def _api_answered(self) -> None:
-        """A Lease renewal went through after failing: the API server answers again.
-        The watches waiting out a backoff reconnect now, not up to 8 s (Node) or 30 s
-        (pods) later, so pods bound during an outage start that much sooner. Once a
-        second at most: a thousand virtual nodes' Leases recover together."""
-        now = self.clock.monotonic()
-        if now - self._api_answered_at < 1.0:
-            return
-        self._api_answered_at = now
-        if self.watch is not None:
-            self.watch.api_answered()
-        if self.pods is not None:
-            self.pods.api_answered()
 
     async def _renew(self, name: str) -> float | None:
         node = self.nodes.get(name)
@@ -179,17 +178,6 @@ class Agent:
         if node is next(iter(self.nodes.values())):
             await self._maybe_reload()  # once per update period, not once per node
         return await node.tick()
-
-    def _on_node(self, kind: str, obj: Obj) -> None:
-        node = self.nodes.get((obj.get("metadata") or {}).get("name", ""))
-        if node is None:
-            return
-        if kind == "DELETED":
-            log.warning("node %s: deleted; it will be registered again", node.name)
-            node.registered = False
-            self.renewals.cancel(node.name)
-            return
-        node.on_node(obj)
 
     # -- health --
     def healthz(self) -> str | None:
@@ -241,13 +229,8 @@ class Agent:
         if not self.nodes:
             for spec in node_specs(self.cfg):
                 self.add_node(spec)
-        # one node: a single-object watch (all node credentials allow); many: one
-        # label-selector watch for all of them
-        one = len(self.nodes) == 1
-        self.watch = NodeWatch(
-            self.kube, self.clock, self.watch_call, self._on_node,
-            field_selector=f"metadata.name={next(iter(self.nodes))}" if one else "",
-            label_selector="" if one else f"{AGENT_LABEL}={self.cfg.agent_id}")
+        self.watch = NodeWatch(self.kube, self.nodes, self.clock, agent_id=self.cfg.agent_id,
+                               answered=self.answered)
         if self.cfg.healthz_bind_address:
             host, port = self.cfg.healthz_bind_address
             try:
@@ -271,6 +254,7 @@ class Agent:
             for node in self.nodes.values():
                 node.settings = self.settings
             tasks.append(asyncio.create_task(self.pods.wait(), name="pods"))
+            tasks.append(asyncio.create_task(self._tell_pods(self.pods), name="answered"))
         for node in self.nodes.values():
             node.start()
         log.info("agent running: %d node(s), heartbeat mode %s", len(self.nodes),
@@ -281,6 +265,11 @@ class Agent:
             if t is not waiter and t.exception():
                 log.error("agent loop %s ended: %r", t.get_name(), t.exception())
         await self.shutdown(tasks + [waiter])
+
+    async def _tell_pods(self, pods: Pods) -> None:
+        while True:
+            if await self.answered.wait(3600):
+                pods.api_answered()
 
     async def shutdown(self, tasks: Sequence[asyncio.Task[Any]]) -> None:
         """No new work; writes already sent finish before the pools close."""
@@ -294,11 +283,8 @@ class Agent:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await asyncio.to_thread(self.lease_call.shutdown)
-        await asyncio.to_thread(self.status_call.shutdown)
-        # the watch thread may sit in a long read; its stream was closed above
-        with contextlib.suppress(Exception):
-            self.watch_call.executor.shutdown(wait=False, cancel_futures=True)
+        for pool in (self.pools.lease, self.pools.status):
+            await asyncio.to_thread(pool.shutdown, wait=True, cancel_futures=True)
         if self.health:
             self.health.stop()
         log.info("stopped")

@@ -29,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
 async def _serve(cfg: config.AgentConfig, flags: dict[str, object]) -> None:
     from nodeagent.agent import Agent, host_probe  # the heavy imports only when running
     from nodeagent.api.clock import RealClock
+    from nodeagent.api.kube import RestKube
     from nodeagent.pods import Pods, host_ip
 
     # retries=0: every caller retries with its own deadline (tenacity for the Lease)
@@ -41,7 +42,8 @@ async def _serve(cfg: config.AgentConfig, flags: dict[str, object]) -> None:
     try:
         clock = RealClock()
         pods = Pods.from_config(cfg, api, clock, host_ip=host_ip(cfg, host_probe(cfg)))
-        await Agent(cfg, api, clock=clock, flags=flags, env=os.environ, pods=pods).run(stop)
+        await Agent(cfg, RestKube(api), clock, flags=flags, env=os.environ,
+                    pods=pods).run(stop)
     finally:
         api.close()
 

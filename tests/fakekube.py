@@ -16,6 +16,7 @@ Call keys name the verb and the resource, as a test reads them: "update leases",
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import copy
 import dataclasses
 import itertools
@@ -81,12 +82,21 @@ class FakeKube:
         self._history: dict[str, list[tuple[int, str, Obj]]] = {}  # plural -> (rv, type, obj)
         self._streams: set[_Stream] = set()
         self._failures: dict[str, list[Failure]] = {}
+        self._intercepts: dict[str, Callable[[Call], BaseException | None]] = {}
 
     # -- test controls ----------------------------------------------------------------
 
     def fail(self, key: str, *errors: Failure) -> None:
         """The next calls with this key ("update leases") fail with these, in order."""
         self._failures.setdefault(key, []).extend(errors)
+
+    def intercept(self, key: str, fn: Callable[[Call], BaseException | None] | None) -> None:
+        """Every call with this key asks `fn` first: an error it returns is raised
+        (None lets the call through). `fn=None` ends it."""
+        if fn is None:
+            self._intercepts.pop(key, None)
+        else:
+            self._intercepts[key] = fn
 
     def calls_of(self, key: str) -> list[Call]:
         return [c for c in self.calls if c.key == key]
@@ -177,6 +187,9 @@ class FakeKube:
         return len(self._streams)
 
     # -- the verbs --------------------------------------------------------------------
+
+    def using(self, executor: concurrent.futures.Executor | None) -> FakeKube:
+        return self  # no threads here
 
     async def get(self, res: Resource, name: str, *, namespace: str | None = None,
                   subresource: str | None = None, timeout: Timeout = 30.0) -> Obj:
@@ -332,11 +345,13 @@ class FakeKube:
         self.calls.append(call)
         queue = self._failures.get(call.key)
         if queue:
-            err = queue.pop(0)
-            if callable(err) and not isinstance(err, BaseException):
-                err = err(call)  # type: ignore[assignment]
+            failure = queue.pop(0)
+            err = failure if isinstance(failure, BaseException) else failure(call)
             if err is not None:
-                raise err  # type: ignore[misc]
+                raise err
+        intercept = self._intercepts.get(call.key)
+        if intercept is not None and (err := intercept(call)) is not None:
+            raise err
         if self.down:
             raise api_error(503, "ServiceUnavailable", "down")
 

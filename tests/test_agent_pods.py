@@ -15,10 +15,10 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from nodeagent import config
-from nodeagent.agent import Agent
+from nodeagent.agent import Agent, Pools
 from nodeagent.api.client import new_api_client
 from nodeagent.api.clock import FakeClock, settle
-from nodeagent.node.fakekube import FakeKube, InlineExecutor
+from nodeagent.api.kube import NODES
 from nodeagent.pods import Pods, build_runtime, host_ip
 from nodeagent.runtime import RelistResult, RuntimeVersion, Unavailable
 from nodeagent.runtime.fake import FakeRuntime
@@ -27,6 +27,8 @@ from nodeagent.sources.file import FileSource
 from nodeagent.sources.http import HTTPSource
 from nodeagent.sources.types import Op, PodUpdate, Source, SourcesReady
 from nodeagent.syncloop import SyncLoopConfig
+from tests.conftest import InlineExecutor
+from tests.fakekube import FakeKube
 from tests.test_node_host import fake_proc
 from tests.test_podstatus import FakeWriter
 from tests.test_runtime_fake import aio
@@ -60,9 +62,8 @@ class Rig:
                          status_writer=self.writer, host_ip="192.0.2.10", registry=reg,
                          config=SyncLoopConfig(pleg_health_threshold=pleg_threshold))
         inline = InlineExecutor()
-        self.agent = Agent(self.cfg, kube=self.kube, clock=self.clock, registry=reg,
-                           flags={}, env={}, lease_executor=inline, status_executor=inline,
-                           watch_executor=inline, pods=self.pods)
+        self.agent = Agent(self.cfg, self.kube, self.clock, registry=reg, flags={}, env={},
+                           pools=Pools(inline, inline), pods=self.pods)
         self.stop = asyncio.Event()
         self.task: asyncio.Task[None] | None = None
 
@@ -76,7 +77,7 @@ class Rig:
         await self.task
 
     def node(self) -> dict[str, Any]:
-        return self.kube.nodes["n1"]
+        return self.kube.obj(NODES, "n1")
 
     def ready_condition(self) -> dict[str, Any]:
         return next(c for c in self.node()["status"]["conditions"] if c["type"] == "Ready")
@@ -246,11 +247,11 @@ async def test_lease_through_again_ends_the_watch_backoffs(
     rig.pods.on_api_answered.append(lambda: told.append("pods"))
     await rig.start()
     assert rig.agent.watch is not None
-    monkeypatch.setattr(rig.agent.watch, "api_answered", lambda: told.append("watch"))
+    assert rig.agent.watch.reflector.answered is rig.agent.answered  # the node watch's
     await rig.clock.advance(12)  # a renewal that went through the first time
-    assert told == []
-    rig.kube.fail("update_lease", ConnectionError("refused"), ConnectionError("refused"))
+    assert told == [] and rig.agent.answered.delivered == 0
+    rig.kube.fail("update leases", ConnectionError("refused"), ConnectionError("refused"))
     await rig.clock.advance(12)
-    assert rig.kube.count("update_lease") >= 4
-    assert sorted(told) == ["pods", "watch"]
+    assert rig.kube.count("update leases") >= 4
+    assert told == ["pods"] and rig.agent.answered.delivered == 1
     await rig.finish()

@@ -12,19 +12,18 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
 
 import pytest
 
 from e2e.tcpproxy import TcpProxy
 from nodeagent.api.client import new_api_client
 from nodeagent.api.clock import FakeClock, settle
-from nodeagent.node.fakekube import FakeKube, InlineExecutor
-from nodeagent.node.kube import Obj
-from nodeagent.node.scheduler import Blocking
+from nodeagent.api.kube import NODES
 from nodeagent.node.watch import NodeWatch
 from nodeagent.sources.api import APISource
 from nodeagent.sources.types import Op
+from tests.fakekube import FakeKube
 from tests.test_merge import until
 from tests.test_sources_api import FakeAPIServer, Harness, kubeconfig, mkpod, run, serving
 
@@ -109,85 +108,57 @@ def test_api_answered_ends_the_backoff_under_way(server: FakeAPIServer,
 
 
 # ---- the node watch has the same rule (its ceiling is 8 s)
-class BreakingStreams(FakeKube):
-    """watch_nodes fails while `down`; otherwise its stream delivers the Node's events
-    and then breaks mid-stream (a dropped connection), not a clean end."""
+class NodeRig:
+    """A node watch whose watches are refused (connection refused) while `down`."""
 
-    def __init__(self, clock: FakeClock) -> None:
-        super().__init__(now=clock.monotonic)
+    def __init__(self) -> None:
+        self.clock = FakeClock()
+        self.kube = FakeKube(now=self.clock.monotonic)
+        self.kube.put(NODES, {"metadata": {"name": "n1"}})
         self.down = True
-
-    def watch_nodes(self, resource_version: str, field_selector: str = "",
-                    label_selector: str = "", timeout_seconds: int = 300) -> Any:
-        if self.down:
-            self.calls.append((self._now(), "watch_nodes", resource_version, None))
-            raise ConnectionError("connection refused")
-        events = list(super().watch_nodes(resource_version, field_selector,
-                                          label_selector, timeout_seconds))
-
-        def stream() -> Iterator[Obj]:
-            yield from events
-            raise ConnectionError("Response ended prematurely")
-        return _Closable(stream())
-
-
-class _Closable:
-    def __init__(self, it: Iterator[Obj]) -> None:
-        self.it = it
-
-    def __iter__(self) -> Iterator[Obj]:
-        return self.it
-
-    def close(self) -> None:
-        pass
+        self.kube.intercept("watch nodes", lambda _: ConnectionRefusedError("refused")
+                            if self.down else None)
+        self.seen: list[str] = []
+        node = SimpleNamespace(on_node=lambda obj: self.seen.append(obj["metadata"]["name"]))
+        self.watch = NodeWatch(self.kube, {"n1": node}, self.clock,  # type: ignore[dict-item]
+                               agent_id="a")
 
 
 def test_node_watch_backoff_starts_over_after_a_watch_that_worked() -> None:
     async def main() -> None:
-        clock = FakeClock()
-        kube = BreakingStreams(clock)
-        kube.put_node({"metadata": {"name": "n1"}})
-        seen: list[str] = []
-        watch = NodeWatch(kube, clock, Blocking(InlineExecutor()),
-                          lambda kind, obj: seen.append(kind),
-                          field_selector="metadata.name=n1")
-        task = asyncio.create_task(watch.run())
+        rig = NodeRig()
+        kube, clock = rig.kube, rig.clock
+        task = asyncio.create_task(rig.watch.run())
         await settle()
         for _ in range(6):  # refused: 1, 2, 4, 8, 8, 8 s
             await clock.advance(8.0)
-            await settle()
-        kube.down = False
-        kube.annotate("n1", "x", "1")  # an event for the watch to deliver
+        rig.down = False
         await clock.advance(8.0)
+        kube.annotate(NODES, "n1", "x", "1")  # an event for the watch to deliver
         await settle()
-        assert "MODIFIED" in seen  # the watch worked, then broke
-        calls = kube.count("watch_nodes")
+        assert len(rig.seen) == 2  # the list, then the event: the watch worked...
+        kube.drop(ConnectionResetError("Response ended prematurely"))  # ...then broke
+        await settle()
+        calls = kube.count("watch nodes")
         await clock.advance(1.0)  # the first step of a new backoff, not 8 s
-        await settle()
-        assert kube.count("watch_nodes") > calls
-        watch.stop()
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        assert kube.count("watch nodes") > calls
+        rig.watch.stop()
+        await asyncio.wait_for(task, 1)
     asyncio.run(main())
 
 
 def test_node_watch_backoff_ends_when_the_api_answers() -> None:
     async def main() -> None:
-        clock = FakeClock()
-        kube = BreakingStreams(clock)
-        kube.put_node({"metadata": {"name": "n1"}})
-        watch = NodeWatch(kube, clock, Blocking(InlineExecutor()), lambda kind, obj: None,
-                          field_selector="metadata.name=n1")
-        task = asyncio.create_task(watch.run())
+        rig = NodeRig()
+        kube, clock = rig.kube, rig.clock
+        task = asyncio.create_task(rig.watch.run())
         await settle()
         for _ in range(5):  # refused: 1, 2, 4, 8, 8 s
             await clock.advance(8.0)
-            await settle()
-        calls = kube.count("watch_nodes")
-        watch.api_answered()  # a Lease renewal went through: try now, not in 8 s
+        calls = kube.count("watch nodes")
+        rig.watch.reflector.answered.fire()  # a Lease renewal went through: now, not in 8 s
         await settle()
-        assert kube.count("watch_nodes") == calls + 1
-        watch.stop()
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        assert kube.count("watch nodes") == calls + 1
+        rig.watch.stop()
+        await asyncio.wait_for(task, 1)
     asyncio.run(main())

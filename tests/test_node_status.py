@@ -7,7 +7,6 @@ import datetime as dt
 
 import pytest
 
-from nodeagent.node.fakekube import merge_patch
 from nodeagent.node.host import HostReadError, HostReadings
 from nodeagent.node.quantity import QuantityError, parse_quantity, parse_thresholds
 from nodeagent.node.status import (
@@ -17,6 +16,7 @@ from nodeagent.node.status import (
     meaningful_changes,
     report_reason,
 )
+from tests.fakekube import strategic_merge as merge_patch
 
 T0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
 GI = 2**30

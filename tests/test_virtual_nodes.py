@@ -13,16 +13,16 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from nodeagent import config
-from nodeagent.agent import Agent
+from nodeagent.agent import Agent, Pools
 from nodeagent.api.client import new_api_client
 from nodeagent.api.clock import FakeClock, settle
+from nodeagent.api.kube import NODES
 from nodeagent.api.policy import (
     AGENT_LABEL,
     HEARTBEAT_ANNOTATION,
     Heartbeat,
     encode_heartbeat_annotation,
 )
-from nodeagent.node.fakekube import FakeKube, InlineExecutor
 from nodeagent.pods import Pods, build_runtime
 from nodeagent.runtime.base import SandboxConfig
 from nodeagent.runtime.fake import FakeRuntime
@@ -30,6 +30,8 @@ from nodeagent.sources.api import APISource
 from nodeagent.sources.bundle import PodSources
 from nodeagent.sources.types import Op, PodUpdate, Source, SourcesReady
 from nodeagent.syncloop import NodeLoops
+from tests.conftest import InlineExecutor
+from tests.fakekube import FakeKube
 from tests.test_node_host import fake_proc
 from tests.test_podstatus import FakeWriter
 from tests.test_runtime_fake import aio
@@ -126,9 +128,8 @@ def make_agent(tmp_path: Path, *argv: str) -> tuple[Agent, FakeClock, FakeKube]:
     clock = FakeClock()
     kube = FakeKube(now=clock.monotonic)
     inline = InlineExecutor()
-    agent = Agent(cfg, kube=kube, clock=clock, registry=CollectorRegistry(), flags=flags,
-                  env={}, lease_executor=inline, status_executor=inline,
-                  watch_executor=inline, images=lambda: [])
+    agent = Agent(cfg, kube, clock, registry=CollectorRegistry(), flags=flags, env={},
+                  pools=Pools(inline, inline), images=lambda: [])
     return agent, clock, kube
 
 
@@ -142,9 +143,9 @@ async def test_n_nodes_register_renew_on_schedule_over_one_watch(tmp_path: Path)
     task = asyncio.create_task(agent.run(stop))
     await settle()
     names = [f"vn-{i}" for i in range(n)]
-    assert sorted(kube.nodes) == sorted(names)
+    assert sorted(kube.items(NODES)) == sorted(names)
     for name in names:
-        meta, spec = kube.nodes[name]["metadata"], kube.nodes[name]["spec"]
+        meta, spec = kube.obj(NODES, name)["metadata"], kube.obj(NODES, name)["spec"]
         assert meta["labels"][AGENT_LABEL] == "vn"
         assert meta["labels"]["nodepulse.dev/virtual"] == "true"
         assert meta["labels"]["kubernetes.io/hostname"] == name
@@ -154,12 +155,13 @@ async def test_n_nodes_register_renew_on_schedule_over_one_watch(tmp_path: Path)
         await clock.advance(1)
     assert agent.readyz() is None and agent.healthz() is None
     # one label-selector watch for all the nodes
-    assert kube.count("list_nodes") == 1 and kube.count("get_node") <= n  # registration
-    assert agent.watch is not None and agent.watch.label_selector == f"{AGENT_LABEL}=vn"
-    assert agent.watch.field_selector == ""
+    assert kube.count("list nodes") == 1 and kube.count("get nodes") <= n  # registration
+    assert agent.watch is not None
+    assert agent.watch.reflector.config.label_selector == f"{AGENT_LABEL}=vn"
+    assert agent.watch.reflector.config.field_selector == ""
     for name in names:
-        renewals = [c[0] for c in kube.calls if c[1] in ("create_lease", "update_lease")
-                    and c[2] == name]
+        renewals = [c.at for c in kube.calls if c.key in ("create leases", "update leases")
+                    and c.name == name]
         assert 11 <= len(renewals) <= 14, (name, renewals)  # every 10 s (jittered)
         gaps = [b - a for a, b in zip(renewals, [*renewals[1:], clock.monotonic()], strict=True)]
         assert max(gaps) < 40  # never older than the lease duration
@@ -177,15 +179,15 @@ async def test_each_virtual_node_follows_its_own_policy(tmp_path: Path) -> None:
     task = asyncio.create_task(agent.run(stop))
     await settle()
     fast = Heartbeat(leaseDurationSeconds=20, renewIntervalSeconds=5)
-    kube.annotate("vn-1", HEARTBEAT_ANNOTATION, encode_heartbeat_annotation("fast", fast))
+    kube.annotate(NODES, "vn-1", HEARTBEAT_ANNOTATION, encode_heartbeat_annotation("fast", fast))
     await settle()
     start = clock.monotonic()
     for _ in range(60):
         await clock.advance(1)
 
     def renewals(name: str) -> int:
-        return sum(1 for c in kube.calls if c[1] == "update_lease" and c[2] == name
-                   and c[0] > start)
+        return sum(1 for c in kube.calls_of("update leases") if c.name == name
+                   and c.at > start)
     assert agent.nodes["vn-1"].heartbeat.renewIntervalSeconds == 5
     assert agent.nodes["vn-0"].heartbeat.renewIntervalSeconds == 10
     assert renewals("vn-1") >= 10 and renewals("vn-0") <= 7 and renewals("vn-2") <= 7
@@ -200,7 +202,7 @@ def test_no_taint_when_disabled(tmp_path: Path) -> None:
         stop = asyncio.Event()
         task = asyncio.create_task(agent.run(stop))
         await settle()
-        assert all("taints" not in (n.get("spec") or {}) for n in kube.nodes.values())
+        assert all("taints" not in (n.get("spec") or {}) for n in kube.items(NODES).values())
         stop.set()
         await task
     asyncio.run(main())

@@ -116,6 +116,10 @@ class Kube(Protocol):
     (or (connect, read)). `parse=False`: the answer is not needed, so it is not parsed
     and {} is returned (a pod's status PATCH answers with the whole pod)."""
 
+    def using(self, executor: concurrent.futures.Executor | None) -> Kube:
+        """The same API server, its requests on `executor`'s threads: callers that must
+        not wait behind each other (Lease writes, status work) use their own."""
+
     async def get(self, res: Resource, name: str, *, namespace: str | None = None,
                   subresource: str | None = None, timeout: Timeout = 30.0) -> Obj: ...
 
@@ -166,8 +170,7 @@ class RestKube:
         self.executor = executor
 
     def using(self, executor: concurrent.futures.Executor | None) -> RestKube:
-        """The same connection pool and credentials, requests on `executor`'s threads."""
-        return RestKube(self.api, executor)
+        return RestKube(self.api, executor)  # the same connection pool and credentials
 
     async def _call(self, method: str, path: str, *, query: dict[str, Any] | None = None,
                     body: Obj | None = None, content_type: str = JSON,

@@ -28,7 +28,8 @@ import asyncio
 import dataclasses
 import logging
 import random
-from typing import Protocol
+from collections.abc import Coroutine
+from typing import Any, Protocol
 
 from kubernetes.client.exceptions import ApiException
 from prometheus_client import Counter
@@ -104,6 +105,7 @@ class Reflector:
         self.connected = asyncio.Event()  # a watch stream is open
         self._failing = False
         self._stopping = False
+        self._stopped = asyncio.Event()  # ends a wait under way when stop() is called
         self._stream: WatchStream | None = None
         # the current watch: when its stream opened, and whether anything came on it
         self._opened_at: float | None = None
@@ -131,7 +133,7 @@ class Reflector:
                     break
                 self._resumed("closed")
                 if not self._delivered and self._open_for() < 1.0:
-                    await self.clock.sleep(1.0)  # ended at once with nothing: don't spin
+                    await self._pause(self.clock.sleep(1.0))  # ended at once: don't spin
             except Gone as e:
                 log.info("%s: %s; listing again", self.config.name, e)
                 self.resource_version = None
@@ -140,7 +142,7 @@ class Reflector:
                 if self.metrics:
                     self.metrics.relists.inc()
                 if listed and not self._delivered:
-                    await self.clock.sleep(1.0)  # 410 right after a list: don't spin
+                    await self._pause(self.clock.sleep(1.0))  # 410 right after a list
             except asyncio.CancelledError:
                 raise
             except Exception as e:
@@ -163,16 +165,27 @@ class Reflector:
                 level = logging.INFO if is_retriable(e) else logging.WARNING
                 log.log(level, "%s: %s; retrying in %.1fs", self.config.name, brief(e), delay)
                 if retry_after is None:
-                    await self.answered.wait(delay)
+                    await self._pause(self.answered.wait(delay))
                 else:  # the server asked for this wait: other requests going through
-                    await self.clock.sleep(delay)  # do not cut it short
+                    await self._pause(self.clock.sleep(delay))  # do not cut it short
                 if self.resource_version is not None:
                     self._resumed("error")
 
     def stop(self) -> None:
         """End the watch; `run` returns."""
         self._stopping = True
+        self._stopped.set()
         self.drop_connection()
+
+    async def _pause(self, wait: Coroutine[Any, Any, Any]) -> None:
+        """`wait`, cut short by stop()."""
+        waiting = asyncio.ensure_future(wait)
+        stopped = asyncio.ensure_future(self._stopped.wait())
+        try:
+            await asyncio.wait({waiting, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for f in (waiting, stopped):
+                f.cancel()
 
     def drop_connection(self) -> None:
         """Close the open watch stream as a network failure would (tests, benchmarks)."""
