@@ -756,6 +756,7 @@ class InProcessAgent:
 
     async def _serve(self) -> None:
         from nodeagent.agent import Agent, host_probe
+        from nodeagent.api.answered import ApiAnswered
         from nodeagent.api.client import new_api_client
         from nodeagent.api.clock import RealClock
         from nodeagent.api.kube import RestKube
@@ -769,12 +770,16 @@ class InProcessAgent:
             clock = RealClock()
             hip = host_ip(cfg, host_probe(cfg))
             self.runtime = HangingRuntime(Path(cfg.root_dir) / "process", host_ip=hip)
-            pods = Pods.from_config(cfg, api, clock, host_ip=hip, registry=self.registry,
-                                    runtime=self.runtime)
+            kube = RestKube(api)
+            answered = ApiAnswered(clock)
+            uids: dict[str, str] = {}
+            pods = Pods.from_config(cfg, kube, clock, answered=answered,
+                                    node_uid=lambda: uids.get(cfg.node_name), host_ip=hip,
+                                    registry=self.registry, runtime=self.runtime)
             self.loop = asyncio.get_running_loop()
             self._stop = asyncio.Event()
-            agent = Agent(cfg, RestKube(api), clock, registry=self.registry,
-                          flags=self.flags, env={}, pods=pods)
+            agent = Agent(cfg, kube, clock, answered=answered, uids=uids,
+                          registry=self.registry, flags=self.flags, env={}, pods=pods)
             self._ready.set()
             await agent.run(self._stop)
         finally:

@@ -117,7 +117,8 @@ class Pools:
 
 class Agent:
     def __init__(self, cfg: AgentConfig, kube: Kube, clock: Clock, *,
-                 answered: ApiAnswered | None = None, pools: Pools | None = None,
+                 answered: ApiAnswered | None = None, uids: dict[str, str] | None = None,
+                 pools: Pools | None = None,
                  pods: Pods | None = None, images: ImageLister | None = None,
                  readiness: Readiness | None = None, registry: CollectorRegistry = REGISTRY,
                  flags: Mapping[str, Any] | None = None,
@@ -134,7 +135,7 @@ class Agent:
         self.pools = pools or Pools.of(cfg)
         self.status_call = Blocking(self.pools.status)
         self.nodes: dict[str, NodeController] = {}
-        self.uids: dict[str, str] = {}
+        self.uids: dict[str, str] = {} if uids is None else uids
         self.probe = host_probe(cfg)
         self.shared_readings = SharedReadings(self.probe.read, self.clock)
         self.settings = status_settings(cfg)
@@ -254,7 +255,6 @@ class Agent:
             for node in self.nodes.values():
                 node.settings = self.settings
             tasks.append(asyncio.create_task(self.pods.wait(), name="pods"))
-            tasks.append(asyncio.create_task(self._tell_pods(self.pods), name="answered"))
         for node in self.nodes.values():
             node.start()
         log.info("agent running: %d node(s), heartbeat mode %s", len(self.nodes),
@@ -265,11 +265,6 @@ class Agent:
             if t is not waiter and t.exception():
                 log.error("agent loop %s ended: %r", t.get_name(), t.exception())
         await self.shutdown(tasks + [waiter])
-
-    async def _tell_pods(self, pods: Pods) -> None:
-        while True:
-            if await self.answered.wait(3600):
-                pods.api_answered()
 
     async def shutdown(self, tasks: Sequence[asyncio.Task[Any]]) -> None:
         """No new work; writes already sent finish before the pools close."""

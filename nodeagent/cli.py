@@ -28,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 async def _serve(cfg: config.AgentConfig, flags: dict[str, object]) -> None:
     from nodeagent.agent import Agent, host_probe  # the heavy imports only when running
+    from nodeagent.api.answered import ApiAnswered
     from nodeagent.api.clock import RealClock
     from nodeagent.api.kube import RestKube
     from nodeagent.pods import Pods, host_ip
@@ -41,9 +42,14 @@ async def _serve(cfg: config.AgentConfig, flags: dict[str, object]) -> None:
         loop.add_signal_handler(sig, stop.set)
     try:
         clock = RealClock()
-        pods = Pods.from_config(cfg, api, clock, host_ip=host_ip(cfg, host_probe(cfg)))
-        await Agent(cfg, RestKube(api), clock, flags=flags, env=os.environ,
-                    pods=pods).run(stop)
+        kube = RestKube(api)
+        answered = ApiAnswered(clock)
+        uids: dict[str, str] = {}
+        pods = Pods.from_config(cfg, kube, clock, answered=answered,
+                                node_uid=lambda: uids.get(cfg.node_name),
+                                host_ip=host_ip(cfg, host_probe(cfg)))
+        await Agent(cfg, kube, clock, answered=answered, uids=uids, flags=flags,
+                    env=os.environ, pods=pods).run(stop)
     finally:
         api.close()
 

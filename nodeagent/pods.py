@@ -1,8 +1,8 @@
 """The pod half of the agent: sources -> sync loop -> runtime, for one node.
 
-    pods = Pods.from_config(cfg, api, clock)     # runtime, pod sources, sync loop
-    Agent(cfg, api, pods=pods)                   # it feeds NodeStatus (images, runtime
-                                                 # version, readiness) and /healthz
+    pods = Pods.from_config(cfg, kube, clock, ...)   # runtime, pod sources, sync loop
+    Agent(cfg, kube, clock, pods=pods, ...)          # it feeds NodeStatus (images, runtime
+                                                     # version, readiness) and /healthz
 
 The runtime's image list is cached here and refreshed on its own period, because the
 node status is computed in a worker thread and the runtime's calls are coroutines of
@@ -18,13 +18,13 @@ from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
-from kubernetes import client
 from prometheus_client import REGISTRY, CollectorRegistry
 
+from nodeagent.api.answered import ApiAnswered
 from nodeagent.api.clock import Clock
+from nodeagent.api.kube import Kube
 from nodeagent.config import AgentConfig
 from nodeagent.node.host import HostProbe, HostReadError
-from nodeagent.podstatus import PodStatusWriter
 from nodeagent.runtime import ContainerRuntimeError, Runtime, make_runtime
 from nodeagent.sources.bundle import PodSources, SourcesConfig
 from nodeagent.sources.events import NodeEvents
@@ -70,9 +70,9 @@ def host_ip(cfg: AgentConfig, probe: HostProbe) -> str:
 class Pods:
     def __init__(self, *, runtime: Runtime, clock: Clock, node_name: str,
                  updates: asyncio.Queue[PodUpdate], sources_ready: SourcesReady,
+                 kube: Kube, answered: ApiAnswered | None = None,
                  run_sources: Callable[[], Coroutine[Any, Any, None]] | None = None,
-                 api_client: client.ApiClient | None = None,
-                 status_writer: PodStatusWriter | None = None, host_ip: str = "",
+                 host_ip: str = "",
                  config: SyncLoopConfig | None = None,
                  registry: CollectorRegistry = REGISTRY,
                  image_refresh: float = IMAGE_REFRESH,
@@ -89,50 +89,43 @@ class Pods:
         if len(self.node_names) > 1:
             self.loop = NodeLoops(runtime=runtime, clock=clock, node_names=self.node_names,
                                   updates=updates, sources_ready=sources_ready,
-                                  api_client=api_client, status_writer=status_writer,
+                                  kube=kube, answered=answered,
                                   host_ip=host_ip, config=config, registry=registry,
                                   label=label or node_name)
         else:
             self.loop = SyncLoop(runtime=runtime, clock=clock, node_name=node_name,
                                  updates=updates, sources_ready=sources_ready,
-                                 api_client=api_client, status_writer=status_writer,
+                                 kube=kube, answered=answered,
                                  host_ip=host_ip, config=config, registry=registry)
         self.runtime_version = ""   # "<name>://<version>", as nodeInfo shows it
         self.runtime_problem: str | None = None
         self._images: list[dict[str, Any]] = []
         self._tasks: list[asyncio.Task[Any]] = []
-        # called when the node's own requests reach the API server again after failing
-        self.on_api_answered: list[Callable[[], None]] = []
 
     @classmethod
-    def from_config(cls, cfg: AgentConfig, api: client.ApiClient, clock: Clock, *,
+    def from_config(cls, cfg: AgentConfig, kube: Kube, clock: Clock, *,
+                    answered: ApiAnswered, node_uid: Callable[[], str | None],
                     host_ip: str = "", registry: CollectorRegistry = REGISTRY,
                     runtime: Runtime | None = None) -> Pods:
         """`runtime`: use this one instead of the one the config names (an embedding
         program or a test wrapping the runtime, e.g. to inject faults)."""
         runtime = runtime or build_runtime(cfg, host_ip)
         # virtual nodes: one API pod watch for all names (static pods are refused)
-        sources = PodSources(api, SourcesConfig(
+        sources = PodSources(kube, SourcesConfig(
             node_names=cfg.node_names, pod_manifest_path=cfg.pod_manifest_path,
             file_check_frequency=cfg.file_check_frequency, manifest_url=cfg.manifest_url,
             manifest_url_headers=dict(cfg.manifest_url_headers),
             http_check_frequency=cfg.http_check_frequency,
             allow_privileged=cfg.allow_privileged),
-            clock, events=NodeEvents(api, cfg.node_name, clock))
+            clock, answered=answered, node_uid=node_uid,
+            events=NodeEvents(kube, cfg.node_name, clock, node_uid=node_uid))
         logs = Path(cfg.root_dir) / "logs" / "pods"
         pods = cls(runtime=runtime, clock=clock, node_name=cfg.node_name,
                    updates=sources.updates, sources_ready=sources.ready,
-                   run_sources=sources.run, api_client=api, host_ip=host_ip,
+                   run_sources=sources.run, kube=kube, answered=answered, host_ip=host_ip,
                    config=SyncLoopConfig(log_root=str(logs.resolve())), registry=registry,
                    node_names=cfg.node_names, label=cfg.agent_id)
-        sources.on_api_reconnect.append(pods.loop.retry_writes_now)
-        sources.on_mirror_created.append(pods.loop.retry_writes_now)
-        pods.on_api_answered.append(sources.api_answered)
         return pods
-
-    def api_answered(self) -> None:
-        for hook in self.on_api_answered:
-            hook()
 
     # -- what the node status and health server read (any thread) --
     def images(self) -> list[dict[str, Any]]:

@@ -7,8 +7,8 @@ housekeeping meet and turn into pod worker updates.
     housekeeping ─────────┘  (orphans in the runtime are removed once sources are ready)
 
 `SyncLoop` is also the composition root for this layer: hand it a runtime, a clock,
-the merge's update queue and SourcesReady, and an ApiClient (or any PodStatusWriter);
-it builds the PLEG, pod cache, status manager, syncer and workers itself.
+the merge's update queue and SourcesReady, and a Kube; it builds the PLEG, pod cache,
+status manager, syncer and workers itself.
 """
 
 from __future__ import annotations
@@ -21,12 +21,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kubernetes import client as k8s
 from prometheus_client import REGISTRY, CollectorRegistry, Counter
 
+from nodeagent.api.answered import ApiAnswered
 from nodeagent.api.clock import Clock
+from nodeagent.api.kube import Kube
 from nodeagent.pleg import EventType, Pleg, PodLifecycleEvent
-from nodeagent.podstatus import ApiStatusWriter, PodStatusWriter, StatusManager
+from nodeagent.podstatus import StatusManager
 from nodeagent.runtime.base import LABEL_POD_NAME, LABEL_POD_NAMESPACE, Runtime
 from nodeagent.sources.types import Op, PodUpdate, SourcesReady, pod_node_name
 from nodeagent.workers import CrashBackoff, PodSyncer, PodWorkers, UpdateKind
@@ -70,33 +71,25 @@ def _housekeeping_counter(registry: CollectorRegistry) -> Counter:
 class SyncLoop:
     def __init__(self, *, runtime: Runtime, clock: Clock, node_name: str,
                  updates: asyncio.Queue[PodUpdate], sources_ready: SourcesReady,
-                 api_client: k8s.ApiClient | None = None,
-                 status_writer: PodStatusWriter | None = None, host_ip: str = "",
+                 kube: Kube, answered: ApiAnswered | None = None, host_ip: str = "",
                  config: SyncLoopConfig | None = None,
                  registry: CollectorRegistry = REGISTRY,
                  pleg: Pleg | None = None,
                  events: asyncio.Queue[PodLifecycleEvent] | None = None) -> None:
-        """Give `api_client` (status goes to pods/status through it) or, in tests, any
-        `status_writer`. `pleg` and `events`: a PLEG shared by several nodes (NodeLoops
-        runs it, routes its events to `events` and does the housekeeping)."""
-        if (api_client is None) == (status_writer is None):
-            raise ValueError("SyncLoop: give exactly one of api_client or status_writer")
+        """Status goes to pods/status through `kube`. `pleg` and `events`: a PLEG
+        shared by several nodes (NodeLoops runs it, routes its events to `events` and
+        does the housekeeping)."""
         self.config = cfg = config or SyncLoopConfig()
         self.runtime = runtime
         self.clock = clock
         self.node_name = node_name
         self.updates = updates
         self.sources_ready = sources_ready
-        writer: PodStatusWriter
-        if status_writer is not None:
-            writer = status_writer
-        else:
-            assert api_client is not None
-            writer = ApiStatusWriter(api_client)
         self.shared = pleg is not None
         self.pleg = pleg or new_pleg(runtime, clock, node_name, cfg, registry)
         self.events = events if events is not None else self.pleg.events
-        self.status = StatusManager(writer, clock, node=node_name, registry=registry)
+        self.status = StatusManager(kube, clock, answered=answered, node=node_name,
+                                    registry=registry)
         self.syncer = PodSyncer(runtime, self.status, clock, node_name=node_name,
                                 host_ip=host_ip, call_timeout=cfg.call_timeout,
                                 log_root=cfg.log_root,
@@ -120,10 +113,6 @@ class SyncLoop:
     def start(self) -> asyncio.Task[None]:
         self._task = asyncio.create_task(self.run(), name=f"syncloop-{self.node_name}")
         return self._task
-
-    def retry_writes_now(self) -> None:
-        """The API server answers again: pod status writes in backoff go now."""
-        self.status.retry_now()
 
     async def stop(self) -> None:
         """Stop the loops. Pods keep running in the runtime (a new agent adopts them)."""
@@ -297,8 +286,7 @@ class NodeLoops:
 
     def __init__(self, *, runtime: Runtime, clock: Clock, node_names: Sequence[str],
                  updates: asyncio.Queue[PodUpdate], sources_ready: SourcesReady,
-                 api_client: k8s.ApiClient | None = None,
-                 status_writer: PodStatusWriter | None = None, host_ip: str = "",
+                 kube: Kube, answered: ApiAnswered | None = None, host_ip: str = "",
                  config: SyncLoopConfig | None = None, label: str = "",
                  registry: CollectorRegistry = REGISTRY) -> None:
         self.config = cfg = config or SyncLoopConfig()
@@ -311,17 +299,13 @@ class NodeLoops:
         for name in node_names:
             self.loops[name] = SyncLoop(
                 runtime=runtime, clock=clock, node_name=name, updates=asyncio.Queue(),
-                sources_ready=sources_ready, api_client=api_client,
-                status_writer=status_writer, host_ip=host_ip, config=cfg,
+                sources_ready=sources_ready, kube=kube, answered=answered,
+                host_ip=host_ip, config=cfg,
                 registry=registry, pleg=self.pleg, events=asyncio.Queue())
         self._task: asyncio.Task[None] | None = None
 
     def health(self) -> str | None:
         return self.pleg.health()
-
-    def retry_writes_now(self) -> None:
-        for loop in self.loops.values():
-            loop.retry_writes_now()
 
     def start(self) -> asyncio.Task[None]:
         self._task = asyncio.create_task(self.run(), name="syncloops")

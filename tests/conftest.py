@@ -10,6 +10,8 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+from tests.fakekube import FakeKube
+
 
 def aio(fn: Callable[..., Coroutine[Any, Any, None]]) -> Callable[..., None]:
     """Run an async test body in a fresh event loop (no pytest-asyncio here)."""
@@ -41,3 +43,21 @@ class InlineExecutor(concurrent.futures.Executor):
         except BaseException as e:  # delivered to the awaiting coroutine
             fut.set_exception(e)
         return fut
+
+
+def status_patches(kube: FakeKube) -> list[tuple[str, dict[str, Any]]]:
+    """(pod, status) of each pod status PATCH that went through, in order. The pod is
+    named by the uid its patch carries (a precondition), or by namespace/name (a static
+    pod's status goes to its mirror pod, whose uid is its own)."""
+    out = []
+    for c in kube.calls_of("patch pods/status", ok=True):
+        body = c.body or {}
+        who = (body.get("metadata") or {}).get("uid") or f"{c.namespace}/{c.name}"
+        out.append((str(who), body["status"]))
+    return out
+
+
+def pod_deletes(kube: FakeKube) -> list[str]:
+    """The uids of the pods whose deletion was finished in the API (DELETE, grace 0)."""
+    return [str(((c.body or {}).get("preconditions") or {}).get("uid"))
+            for c in kube.calls_of("delete pods", ok=True)]

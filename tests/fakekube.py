@@ -19,16 +19,18 @@ import asyncio
 import concurrent.futures
 import copy
 import dataclasses
+import functools
 import itertools
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+import json
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from kubernetes.client.exceptions import ApiException
 
 from nodeagent.api.kube import MERGE, STRATEGIC_MERGE, Obj, Resource, WatchStream
+from nodeagent.api.reflector import INITIAL_EVENTS_END
 from nodeagent.api.rest import Timeout
 
-INITIAL_EVENTS_END = "k8s.io/initial-events-end"
 _REASONS = {400: "BadRequest", 403: "Forbidden", 404: "NotFound", 409: "Conflict",
             410: "Gone", 422: "Invalid", 429: "TooManyRequests", 500: "InternalError",
             503: "ServiceUnavailable", 504: "GatewayTimeout"}
@@ -38,7 +40,7 @@ def api_error(status: int, reason: str = "", message: str = "",
               retry_after: float | None = None) -> ApiException:
     """What the client raises for an answer with this status."""
     e = ApiException(status=status, reason=reason or _REASONS.get(status, "Error"))
-    e.body = f'{{"kind":"Status","code":{status},"message":"{message or e.reason}"}}'
+    e.body = json.dumps({"kind": "Status", "code": status, "message": message or e.reason})
     if retry_after is not None:
         e.headers = {"Retry-After": str(retry_after)}
     return e
@@ -54,10 +56,29 @@ class Call:
     body: Obj | None
     timeout: Timeout
     query: dict[str, Any]
+    error: BaseException | None = None  # what the call raised
 
     @property
     def key(self) -> str:
         return f"{self.verb} {self.resource}"
+
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+def _logged(verb: Callable[Concatenate[FakeKube, P], Coroutine[Any, Any, T]]
+            ) -> Callable[Concatenate[FakeKube, P], Coroutine[Any, Any, T]]:
+    """Writes down on the call's log entry what it raised."""
+    @functools.wraps(verb)
+    async def call(self: FakeKube, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        try:
+            return await verb(self, *args, **kwargs)
+        except BaseException as e:
+            if self.calls:
+                self.calls[-1].error = e
+            raise
+    return call
 
 
 # An injected failure: raised as it is, or a function of the call that returns one
@@ -98,11 +119,13 @@ class FakeKube:
         else:
             self._intercepts[key] = fn
 
-    def calls_of(self, key: str) -> list[Call]:
-        return [c for c in self.calls if c.key == key]
+    def calls_of(self, key: str, ok: bool | None = None) -> list[Call]:
+        """The calls with this key; `ok`: only those that went through (or failed)."""
+        return [c for c in self.calls if c.key == key
+                and (ok is None or (c.error is None) == ok)]
 
-    def count(self, key: str) -> int:
-        return len(self.calls_of(key))
+    def count(self, key: str, ok: bool | None = None) -> int:
+        return len(self.calls_of(key, ok))
 
     def times(self, key: str) -> list[float]:
         return [c.at for c in self.calls_of(key)]
@@ -191,11 +214,13 @@ class FakeKube:
     def using(self, executor: concurrent.futures.Executor | None) -> FakeKube:
         return self  # no threads here
 
+    @_logged
     async def get(self, res: Resource, name: str, *, namespace: str | None = None,
                   subresource: str | None = None, timeout: Timeout = 30.0) -> Obj:
         self._enter("get", res, namespace, name, None, timeout, subresource=subresource)
         return copy.deepcopy(self._existing(res, namespace, name))
 
+    @_logged
     async def list(self, res: Resource, *, namespace: str | None = None,
                    label_selector: str = "", field_selector: str = "", limit: int = 0,
                    cont: str = "", timeout: Timeout = 60.0) -> Obj:
@@ -217,6 +242,7 @@ class FakeKube:
         return {"kind": f"{res.kind}List", "apiVersion": res.api_version, "metadata": meta,
                 "items": items[start:end]}
 
+    @_logged
     async def watch(self, res: Resource, *, namespace: str | None = None,
                     resource_version: str = "", label_selector: str = "",
                     field_selector: str = "", timeout_seconds: int = 300,
@@ -260,6 +286,7 @@ class FakeKube:
             self._streams.add(stream)
         return stream
 
+    @_logged
     async def create(self, res: Resource, body: Obj, *, namespace: str | None = None,
                      timeout: Timeout = 30.0, parse: bool = True) -> Obj:
         meta = body.get("metadata") or {}
@@ -277,6 +304,7 @@ class FakeKube:
         obj["metadata"]["uid"] = f"uid-{meta['name']}-{next(self._uids)}"
         return self._answer(self._write(res, key, obj, "ADDED"), parse)
 
+    @_logged
     async def update(self, res: Resource, body: Obj, *, subresource: str | None = None,
                      timeout: Timeout = 30.0, parse: bool = True) -> Obj:
         meta = body.get("metadata") or {}
@@ -292,6 +320,7 @@ class FakeKube:
         return self._answer(self._write(res, self._key(res, ns, meta["name"]), obj,
                                         "MODIFIED"), parse)
 
+    @_logged
     async def patch(self, res: Resource, name: str, body: Obj, *,
                     namespace: str | None = None, subresource: str | None = None,
                     content_type: str = STRATEGIC_MERGE, timeout: Timeout = 30.0,
@@ -312,6 +341,7 @@ class FakeKube:
         return self._answer(self._write(res, self._key(res, namespace, name), obj,
                                         "MODIFIED"), parse)
 
+    @_logged
     async def delete(self, res: Resource, name: str, *, namespace: str | None = None,
                      options: Obj | None = None, timeout: Timeout = 30.0,
                      parse: bool = True) -> Obj:

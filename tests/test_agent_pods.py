@@ -16,9 +16,9 @@ from prometheus_client import CollectorRegistry
 
 from nodeagent import config
 from nodeagent.agent import Agent, Pools
-from nodeagent.api.client import new_api_client
+from nodeagent.api.answered import ApiAnswered
 from nodeagent.api.clock import FakeClock, settle
-from nodeagent.api.kube import NODES
+from nodeagent.api.kube import NODES, PODS
 from nodeagent.pods import Pods, build_runtime, host_ip
 from nodeagent.runtime import RelistResult, RuntimeVersion, Unavailable
 from nodeagent.runtime.fake import FakeRuntime
@@ -27,12 +27,9 @@ from nodeagent.sources.file import FileSource
 from nodeagent.sources.http import HTTPSource
 from nodeagent.sources.types import Op, PodUpdate, Source, SourcesReady
 from nodeagent.syncloop import SyncLoopConfig
-from tests.conftest import InlineExecutor
+from tests.conftest import InlineExecutor, aio, status_patches
 from tests.fakekube import FakeKube
 from tests.test_node_host import fake_proc
-from tests.test_podstatus import FakeWriter
-from tests.test_runtime_fake import aio
-from tests.test_sources_api import kubeconfig
 
 
 def load(tmp_path: Path, *argv: str) -> config.AgentConfig:
@@ -55,11 +52,10 @@ class Rig:
         self.updates: asyncio.Queue[PodUpdate] = asyncio.Queue()
         self.ready = SourcesReady({Source.API})
         self.ready.mark(Source.API)
-        self.writer = FakeWriter()
         reg = CollectorRegistry()
         self.pods = Pods(runtime=self.rt, clock=self.clock, node_name="n1",
                          updates=self.updates, sources_ready=self.ready,
-                         status_writer=self.writer, host_ip="192.0.2.10", registry=reg,
+                         kube=self.kube, host_ip="192.0.2.10", registry=reg,
                          config=SyncLoopConfig(pleg_health_threshold=pleg_threshold))
         inline = InlineExecutor()
         self.agent = Agent(self.cfg, self.kube, self.clock, registry=reg, flags={}, env={},
@@ -103,18 +99,19 @@ async def test_pod_runs_and_node_status_carries_the_runtime(tmp_path: Path) -> N
                                                               ["localhost/pause:1"]]
     assert rig.ready_condition()["status"] == "True"
 
+    rig.kube.put(PODS, mkpod())
     rig.updates.put_nowait(PodUpdate(Op.ADD, (mkpod(),), Source.API))
     for _ in range(3):
         await rig.clock.advance(1)
     assert len(rig.rt.running("u1")) == 1
-    assert [st for uid, st in rig.writer.patches if uid == "u1"][-1]["phase"] == "Running"
+    assert [st for uid, st in status_patches(rig.kube) if uid == "u1"][-1]["phase"] == "Running"
 
     # a container dies: PLEG sees it on the next relist and the worker restarts it
     cid = rig.rt.running("u1")[0].id
     rig.rt.exit_container(cid, 1)
     for _ in range(2):
         await rig.clock.advance(1)
-    st = [st for uid, st in rig.writer.patches if uid == "u1"][-1]
+    st = [st for uid, st in status_patches(rig.kube) if uid == "u1"][-1]
     assert st["containerStatuses"][0]["lastState"]["terminated"]["exitCode"] == 1
 
     await rig.finish()
@@ -198,19 +195,16 @@ def test_config_flags_for_pods(tmp_path: Path) -> None:
 def test_allow_privileged_reaches_the_static_sources(tmp_path: Path, allow: bool) -> None:
     cfg = load(tmp_path, "--pod-manifest-path", str(tmp_path), "--manifest-url",
                "http://127.0.0.1:1/p.yaml", *(["--allow-privileged"] if allow else []))
-    api = new_api_client(str(kubeconfig(tmp_path, "http://127.0.0.1:9")), component="test")
-
     async def main() -> None:
-        pods = Pods.from_config(cfg, api, FakeClock(), registry=CollectorRegistry(),
+        clock = FakeClock()
+        pods = Pods.from_config(cfg, FakeKube(), clock, answered=ApiAnswered(clock),
+                                node_uid=lambda: None, registry=CollectorRegistry(),
                                 runtime=FakeRuntime(FakeClock()))
         sources = getattr(pods.run_sources, "__self__", None)
         assert isinstance(sources, PodSources)
         static = [p for p in sources.parts if isinstance(p, FileSource | HTTPSource)]
         assert len(static) == 2 and all(p.allow_privileged is allow for p in static)
-    try:
-        asyncio.run(main())
-    finally:
-        api.close()
+    asyncio.run(main())
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -243,15 +237,13 @@ async def test_lease_through_again_ends_the_watch_backoffs(
     """A Lease renewal that goes through after attempts that could not reach the API
     server tells the node watch and the pod sources (each then ends its backoff)."""
     rig = Rig(tmp_path)
-    told: list[str] = []
-    rig.pods.on_api_answered.append(lambda: told.append("pods"))
     await rig.start()
     assert rig.agent.watch is not None
     assert rig.agent.watch.reflector.answered is rig.agent.answered  # the node watch's
     await rig.clock.advance(12)  # a renewal that went through the first time
-    assert told == [] and rig.agent.answered.delivered == 0
+    assert rig.agent.answered.delivered == 0
     rig.kube.fail("update leases", ConnectionError("refused"), ConnectionError("refused"))
     await rig.clock.advance(12)
     assert rig.kube.count("update leases") >= 4
-    assert told == ["pods"] and rig.agent.answered.delivered == 1
+    assert rig.agent.answered.delivered == 1
     await rig.finish()

@@ -218,13 +218,18 @@ def test_mirror_pods_are_kept_apart() -> None:
 
 
 def test_bundle_wires_the_configured_sources(tmp_path: Any) -> None:
+    from nodeagent.api.answered import ApiAnswered
     from nodeagent.api.clock import FakeClock
     from nodeagent.sources.bundle import PodSources, SourcesConfig
+
+    def sources(cfg: SourcesConfig) -> PodSources:
+        clock = FakeClock()
+        return PodSources(None, cfg, clock, answered=ApiAnswered(clock), node_uid=lambda: None)
 
     async def main() -> None:
         cfg = SourcesConfig(node_names=("n1",), pod_manifest_path=str(tmp_path),
                             watch_api=False)
-        s = PodSources(None, cfg, FakeClock())
+        s = sources(cfg)
         assert [type(p).__name__ for p in s.parts] == ["FileSource"]
         (tmp_path / "a.yaml").write_text(
             "apiVersion: v1\nkind: Pod\nmetadata: {name: a}\n"
@@ -238,9 +243,8 @@ def test_bundle_wires_the_configured_sources(tmp_path: Any) -> None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
         with pytest.raises(ValueError, match="exactly one node name"):
-            PodSources(None, SourcesConfig(node_names=("n1", "n2"),
-                                           manifest_url="http://127.0.0.1/x",
-                                           watch_api=False), FakeClock())
+            sources(SourcesConfig(node_names=("n1", "n2"), manifest_url="http://127.0.0.1/x",
+                                  watch_api=False))
         with pytest.raises(ValueError, match="needs an API client"):
-            PodSources(None, SourcesConfig(node_names=("n1",)), FakeClock())
+            sources(SourcesConfig(node_names=("n1",)))
     aio(main())

@@ -5,10 +5,11 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-from kubernetes.client.exceptions import ApiException
 from prometheus_client import CollectorRegistry
 
+from nodeagent.api.answered import ApiAnswered
 from nodeagent.api.clock import FakeClock, settle
+from nodeagent.api.kube import PODS
 from nodeagent.podstatus import StatusManager, Waiting, compute_pod_status
 from nodeagent.runtime import (
     Container,
@@ -17,7 +18,8 @@ from nodeagent.runtime import (
     Sandbox,
     SandboxState,
 )
-from tests.test_runtime_fake import aio
+from tests.conftest import aio, pod_deletes, status_patches
+from tests.fakekube import FakeKube, api_error
 
 T0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
 
@@ -153,126 +155,152 @@ def test_transition_times_kept_while_unchanged() -> None:
     assert sched["lastTransitionTime"] == "2026-01-01T00:00:00Z"
 
 
-class FakeWriter:
-    def __init__(self) -> None:
-        self.patches: list[tuple[str, dict]] = []
-        self.deletes: list[str] = []
-        self.fail: list[BaseException] = []
-
-    async def patch_status(self, pod: dict, st: dict) -> None:
-        if self.fail:
-            raise self.fail.pop(0)
-        self.patches.append((pod["metadata"]["uid"], st))
-
-    async def delete_pod(self, pod: dict) -> None:
-        if self.fail:
-            raise self.fail.pop(0)
-        self.deletes.append(pod["metadata"]["uid"])
+def api(*pods: dict) -> FakeKube:
+    """The in-memory API holding these pods."""
+    kube = FakeKube()
+    for p in pods:
+        kube.put(PODS, p)
+    return kube
 
 
 @aio
 async def test_manager_patches_only_on_change_and_retries() -> None:
     clock = FakeClock()
-    w = FakeWriter()
-    m = StatusManager(w, clock, registry=CollectorRegistry())
     pod = mkpod()
+    kube = api(pod)
+    m = StatusManager(kube, clock, registry=CollectorRegistry())
     r = rs(ctr("a", ContainerState.RUNNING), ctr("b", ContainerState.RUNNING))
     st = status(pod, r)
     m.set_status(pod, st)
     await settle()
-    assert len(w.patches) == 1
+    assert len(status_patches(kube)) == 1
+    assert kube.obj(PODS, "web", "ns")["status"]["phase"] == "Running"
     m.set_status(pod, status(pod, r, previous=m.previous(pod)))
     await settle()
-    assert len(w.patches) == 1  # same status: no write
+    assert len(status_patches(kube)) == 1  # same status: no write
 
     # an API status already equal to ours (agent restart): no write either
-    m2 = StatusManager(FakeWriter(), clock, registry=CollectorRegistry())
+    m2 = StatusManager(api(pod), clock, registry=CollectorRegistry())
     m2.set_status({**pod, "status": {**st, "qosClass": "BestEffort"}}, st)
     await settle()
     assert not m2.dirty("u1")
 
     # a failing API: retried with backoff until it works; latest status wins
-    w.fail = [ApiException(status=503), ApiException(status=503)]
+    kube.fail("patch pods/status", api_error(503), api_error(503))
     r.containers[0].state = ContainerState.EXITED
     r.containers[0].exit_code = 1
     m.set_status(pod, status(pod, r, previous=m.previous(pod)))
     await settle()
-    assert len(w.patches) == 1 and m.dirty("u1")
+    assert len(status_patches(kube)) == 1 and m.dirty("u1")
     await clock.advance(1)   # 2nd try fails, next in 2 s
-    assert len(w.patches) == 1
+    assert len(status_patches(kube)) == 1
     await clock.advance(2)
-    assert len(w.patches) == 2 and not m.dirty("u1")
-    assert w.patches[-1][1]["containerStatuses"][0]["state"]["terminated"]["exitCode"] == 1
+    patches = status_patches(kube)
+    assert len(patches) == 2 and not m.dirty("u1")
+    assert patches[-1][1]["containerStatuses"][0]["state"]["terminated"]["exitCode"] == 1
 
     # someone else overwrote the status: RECONCILE makes us write ours again
     m.reconcile({**pod, "status": {"phase": "Unknown"}})
     await settle()
-    assert len(w.patches) == 3
+    assert len(status_patches(kube)) == 3
 
 
 @aio
-async def test_retry_now_ends_a_long_backoff() -> None:
-    """After an outage, statuses go as soon as the pod watch reconnects, not at the
-    end of a backoff that grew to a minute meanwhile."""
+async def test_the_api_answering_again_ends_a_long_backoff() -> None:
+    """After an outage, statuses go as soon as the API server answers again (the pod
+    watch reconnects), not at the end of a backoff that grew to a minute meanwhile."""
     clock = FakeClock()
-    w = FakeWriter()
-    m = StatusManager(w, clock, registry=CollectorRegistry())
     pod = mkpod()
-    w.fail = [ApiException(status=503)] * 7
+    kube = api(pod)
+    answered = ApiAnswered(clock)
+    m = StatusManager(kube, clock, answered=answered, registry=CollectorRegistry())
+    kube.fail("patch pods/status", *[api_error(503)] * 7)
     m.set_status(pod, status(pod, rs()))
     await settle()
     await clock.advance(1 + 2 + 4 + 8 + 16 + 32)  # 6 more failed tries; next in 60 s
-    assert len(w.fail) == 0 and m.dirty("u1") and w.patches == []
+    assert kube.count("patch pods/status") == 7 and m.dirty("u1")
+    assert status_patches(kube) == []
     await clock.advance(30)
-    assert w.patches == []
-    m.retry_now()
+    assert status_patches(kube) == []
+    answered.fire()
     await settle()
-    assert len(w.patches) == 1 and not m.dirty("u1")
+    assert len(status_patches(kube)) == 1 and not m.dirty("u1")
     # a failure after it backs off from the start again
-    w.fail = [ApiException(status=503)]
+    kube.fail("patch pods/status", api_error(503))
     m.set_status(pod, status(pod, rs(ctr("a", ContainerState.RUNNING))))
     await settle()
-    assert len(w.patches) == 1
+    assert len(status_patches(kube)) == 1
     await clock.advance(1)
-    assert len(w.patches) == 2 and not m.dirty("u1")
+    assert len(status_patches(kube)) == 2 and not m.dirty("u1")
 
 
 @aio
 async def test_manager_finishes_deletion_and_handles_gone_pods() -> None:
     clock = FakeClock()
-    w = FakeWriter()
-    m = StatusManager(w, clock, registry=CollectorRegistry())
     pod = mkpod()
+    kube = api(pod)
+    m = StatusManager(kube, clock, registry=CollectorRegistry())
     m.set_status(pod, status(pod, rs()))
     m.finish_deletion(pod)
     await settle()
-    assert len(w.patches) == 1 and w.deletes == ["u1"]
+    assert len(status_patches(kube)) == 1 and pod_deletes(kube) == ["u1"]
+    assert not kube.has(PODS, "web", "ns")
+    delete = kube.calls_of("delete pods")[0].body
+    assert delete == {"gracePeriodSeconds": 0, "preconditions": {"uid": "u1"}}
     # 404 on patch: the pod is gone; give up quietly
-    w2 = FakeWriter()
-    w2.fail = [ApiException(status=404)]
-    m2 = StatusManager(w2, clock, registry=CollectorRegistry())
+    kube2 = api()
+    m2 = StatusManager(kube2, clock, registry=CollectorRegistry())
     m2.set_status(pod, status(pod, rs()))
     await settle()
-    assert not m2.dirty("u1") and w2.patches == []
+    assert not m2.dirty("u1") and status_patches(kube2) == []
+    assert kube2.count("patch pods/status") == 1
+    # a new pod under the same name: the patch's uid precondition refuses it (409)
+    kube3 = api({**mkpod(), "metadata": {"name": "web", "namespace": "ns", "uid": "u2"}})
+    m3 = StatusManager(kube3, clock, registry=CollectorRegistry())
+    m3.set_status(pod, status(pod, rs()))
+    await settle()
+    assert not m3.dirty("u1") and status_patches(kube3) == []
+    assert "status" not in kube3.obj(PODS, "web", "ns")
     # static pods are not deleted through the API
     static = mkpod()
     static["metadata"]["annotations"] = {"kubernetes.io/config.source": "file"}
     static["metadata"]["uid"] = "static1"
     m.finish_deletion(static)
     await settle()
-    assert w.deletes == ["u1"]
+    assert pod_deletes(kube) == ["u1"]
 
 
 @aio
 async def test_static_pod_status_waits_for_its_mirror_pod() -> None:
     clock = FakeClock()
-    w = FakeWriter()
-    m = StatusManager(w, clock, registry=CollectorRegistry())
+    kube = api()
+    m = StatusManager(kube, clock, registry=CollectorRegistry())
     static = mkpod()
     static["metadata"]["annotations"] = {"kubernetes.io/config.source": "file"}
-    w.fail = [ApiException(status=404), ApiException(status=404)]
     m.set_status(static, status(static, rs()))
     await settle()
-    assert w.patches == [] and m.dirty("u1")
-    await clock.advance(3)  # retried at 1 s (404 again) and 3 s: the mirror exists now
-    assert len(w.patches) == 1 and not m.dirty("u1")
+    assert status_patches(kube) == [] and m.dirty("u1")  # 404: no mirror pod yet
+    await clock.advance(1)  # retried at 1 s (404 again)
+    assert kube.count("patch pods/status") == 2
+    kube.put(PODS, {"metadata": {"name": "web", "namespace": "ns", "uid": "mirror-uid"}})
+    await clock.advance(2)  # and at 3 s: the mirror exists now
+    assert len(status_patches(kube)) == 1 and not m.dirty("u1")
+    assert status_patches(kube)[0][0] == "ns/web"  # no uid precondition: the mirror's own
+
+
+@aio
+async def test_writes_a_strategic_patch_with_a_uid_precondition() -> None:
+    pod = mkpod()
+    static = mkpod()
+    static["metadata"].update(name="kube-x", uid="hash1",
+                              annotations={"kubernetes.io/config.source": "file"})
+    kube = api(pod, {"metadata": {"name": "kube-x", "namespace": "ns", "uid": "mirror"}})
+    m = StatusManager(kube, FakeClock(), registry=CollectorRegistry())
+    m.set_status(pod, {"phase": "Running"})
+    m.set_status(static, {"phase": "Running"})
+    await settle()
+    first, second = kube.calls_of("patch pods/status")
+    assert first.query["contentType"] == "application/strategic-merge-patch+json"
+    assert first.body == {"status": {"phase": "Running"}, "metadata": {"uid": "u1"}}
+    assert second.body == {"status": {"phase": "Running"}}  # the mirror has its own uid
+    assert first.timeout == second.timeout == 30.0

@@ -9,12 +9,13 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from nodeagent.api.clock import FakeClock, settle
+from nodeagent.api.kube import PODS
 from nodeagent.runtime import ContainerState, RuntimeTimeout, SandboxState
 from nodeagent.runtime.fake import FakeRuntime
 from nodeagent.sources.types import Op, PodUpdate, Source, SourcesReady
 from nodeagent.syncloop import SyncLoop, route_updates
-from tests.test_podstatus import FakeWriter
-from tests.test_runtime_fake import aio
+from tests.conftest import aio, pod_deletes, status_patches
+from tests.fakekube import FakeKube
 
 
 def mkpod(name: str, uid: str, *, policy: str = "Always", containers: int = 1,
@@ -35,17 +36,27 @@ class Agent:
         self.ready = SourcesReady({Source.API})
         if ready:
             self.ready.mark(Source.API)
-        self.writer = FakeWriter()
+        self.kube = FakeKube(now=clock.monotonic)
         self.registry = CollectorRegistry()
         self.loop = SyncLoop(runtime=rt, clock=clock, node_name="n1", updates=self.updates,
-                             sources_ready=self.ready, status_writer=self.writer,
+                             sources_ready=self.ready, kube=self.kube,
                              host_ip="192.0.2.10", registry=self.registry)
 
     def send(self, op: Op, *pods: dict) -> None:
+        """What the API source would deliver; the API server holds the same pods."""
+        for pod in pods:
+            meta = pod["metadata"]
+            if op != Op.REMOVE:
+                self.kube.put(PODS, pod)
+            elif self.kube.has(PODS, meta["name"], meta["namespace"]):
+                self.kube.remove(PODS, meta["name"], meta["namespace"])
         self.updates.put_nowait(PodUpdate(op, tuple(pods), Source.API))
 
+    def patches(self) -> list[tuple[str, dict]]:
+        return status_patches(self.kube)
+
     def status(self, uid: str) -> dict:
-        return [st for u, st in self.writer.patches if u == uid][-1]
+        return [st for u, st in self.patches() if u == uid][-1]
 
     def cstatus(self, uid: str, i: int = 0) -> dict:
         return self.status(uid)["containerStatuses"][i]
@@ -74,9 +85,9 @@ async def test_pod_starts_and_reports_running() -> None:
     assert {c["type"]: c["status"] for c in st["conditions"]}["Ready"] == "True"
     assert st["containerStatuses"][0]["containerID"].startswith("fake://")
     assert st["podIP"].startswith("10.88.") and st["hostIP"] == "192.0.2.10"
-    patches = len(a.writer.patches)
+    patches = len(a.patches())
     await a.run_for(120)  # two periodic resyncs, nothing changed: no more writes
-    assert len(a.writer.patches) == patches
+    assert len(a.patches()) == patches
     assert a.rt.calls["run_sandbox"] == 1 and a.rt.calls["create_container"] == 2
     await a.loop.stop()
 
@@ -160,7 +171,7 @@ async def test_graceful_delete_within_grace_then_remove() -> None:
     await a.run_for(2)
     st = a.status("u1")
     assert st["phase"] == "Failed"  # killed: terminal
-    assert a.writer.deletes == ["u1"]  # the graceful delete is finished in the API
+    assert pod_deletes(a.kube) == ["u1"]  # the graceful delete is finished in the API
     a.send(Op.REMOVE, deleted)
     await a.run_for(2)
     assert [s for s in a.rt.sandboxes.values() if s.pod_uid == "u1"] == []
@@ -212,7 +223,7 @@ async def test_housekeeping_waits_for_sources_then_removes_orphans() -> None:
     assert rt.find("g", "c0") == [] and not [s for s in rt.sandboxes.values()
                                              if s.pod_uid == "g"]
     assert len(rt.running("k")) == 1
-    assert a2.writer.patches and all(u != "g" for u, _ in a2.writer.patches)
+    assert a2.patches() and all(u != "g" for u, _ in a2.patches())
     await a2.loop.stop()
 
 
@@ -241,7 +252,7 @@ async def test_new_agent_adopts_running_pods_without_duplicates() -> None:
     restarted = [c for c in rt.running("u1") if c.name == crashed.name][0]
     assert restarted.attempt == crashed.attempt + 1 and restarted.restart_count == 1
     # pods whose status did not change are not written again
-    assert {u for u, _ in a2.writer.patches} == {"u1"}
+    assert {u for u, _ in a2.patches()} == {"u1"}
     await a2.loop.stop()
 
 

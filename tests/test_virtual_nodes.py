@@ -14,9 +14,9 @@ from prometheus_client import CollectorRegistry
 
 from nodeagent import config
 from nodeagent.agent import Agent, Pools
-from nodeagent.api.client import new_api_client
+from nodeagent.api.answered import ApiAnswered
 from nodeagent.api.clock import FakeClock, settle
-from nodeagent.api.kube import NODES
+from nodeagent.api.kube import NODES, PODS
 from nodeagent.api.policy import (
     AGENT_LABEL,
     HEARTBEAT_ANNOTATION,
@@ -30,12 +30,9 @@ from nodeagent.sources.api import APISource
 from nodeagent.sources.bundle import PodSources
 from nodeagent.sources.types import Op, PodUpdate, Source, SourcesReady
 from nodeagent.syncloop import NodeLoops
-from tests.conftest import InlineExecutor
+from tests.conftest import InlineExecutor, aio, status_patches
 from tests.fakekube import FakeKube
 from tests.test_node_host import fake_proc
-from tests.test_podstatus import FakeWriter
-from tests.test_runtime_fake import aio
-from tests.test_sources_api import kubeconfig
 
 VIRTUAL_TAINT = {"key": "nodepulse.dev/virtual", "value": "true", "effect": "NoSchedule"}
 
@@ -225,16 +222,26 @@ class Rig:
         self.updates: asyncio.Queue[PodUpdate] = asyncio.Queue()
         self.ready = SourcesReady({Source.API})
         self.ready.mark(Source.API)
-        self.writer = FakeWriter()
+        self.kube = FakeKube(now=self.clock.monotonic)
         self.pods = Pods(runtime=self.rt, clock=self.clock, node_name=names[0],
                          node_names=names, label="vn", updates=self.updates,
-                         sources_ready=self.ready, status_writer=self.writer,
+                         sources_ready=self.ready, kube=self.kube,
                          host_ip="192.0.2.10", registry=CollectorRegistry())
         assert isinstance(self.pods.loop, NodeLoops)
         self.loops: NodeLoops = self.pods.loop
 
+    def send(self, op: Op, *pods: dict[str, Any]) -> None:
+        """What the API source would deliver; the API server holds the same pods."""
+        for pod in pods:
+            if op != Op.REMOVE:
+                self.kube.put(PODS, pod)
+        self.updates.put_nowait(PodUpdate(op, pods, Source.API))
+
+    def patches(self) -> list[tuple[str, dict[str, Any]]]:
+        return status_patches(self.kube)
+
     def phase(self, uid: str) -> str:
-        return [st for u, st in self.writer.patches if u == uid][-1]["phase"]
+        return [st for u, st in self.patches() if u == uid][-1]["phase"]
 
 
 @aio
@@ -242,8 +249,7 @@ async def test_pods_run_on_their_node_loop_with_one_pleg() -> None:
     rig = Rig(["vn-0", "vn-1", "vn-2"])
     await rig.pods.start()
     await settle()
-    rig.updates.put_nowait(PodUpdate(Op.ADD, (vpod("a", "vn-0"), vpod("b", "vn-2"),
-                                              vpod("x", "elsewhere")), Source.API))
+    rig.send(Op.ADD, vpod("a", "vn-0"), vpod("b", "vn-2"), vpod("x", "elsewhere"))
     relists = rig.rt.calls.get("relist", 0)
     for _ in range(10):
         await rig.clock.advance(1)
@@ -259,14 +265,14 @@ async def test_pods_run_on_their_node_loop_with_one_pleg() -> None:
     rig.rt.exit_container(cid, 3)
     for _ in range(3):
         await rig.clock.advance(1)
-    st = [st for u, st in rig.writer.patches if u == "b"][-1]
+    st = [st for u, st in rig.patches() if u == "b"][-1]
     assert st["containerStatuses"][0]["lastState"]["terminated"]["exitCode"] == 3
     assert len(rig.rt.running("b")) == 1 and len(rig.rt.running("a")) == 1
     # housekeeping across all nodes: another node's pod is no orphan; an unknown one is
     for _ in range(5):
         await rig.clock.advance(1)
     assert rig.rt.running("a") and rig.rt.running("b")
-    rig.updates.put_nowait(PodUpdate(Op.REMOVE, (vpod("a", "vn-0"),), Source.API))
+    rig.send(Op.REMOVE, vpod("a", "vn-0"))
     for _ in range(5):
         await rig.clock.advance(1)
     assert not rig.rt.running("a") and rig.rt.running("b")
@@ -282,7 +288,7 @@ async def test_pods_run_on_their_node_loop_with_one_pleg() -> None:
 async def test_orphans_unknown_to_every_node_are_removed() -> None:
     rig = Rig(["vn-0", "vn-1"])
     await rig.pods.start()
-    rig.updates.put_nowait(PodUpdate(Op.ADD, (vpod("a", "vn-1"),), Source.API))
+    rig.send(Op.ADD, vpod("a", "vn-1"))
     for _ in range(4):
         await rig.clock.advance(1)
     assert rig.rt.running("a")
@@ -299,10 +305,10 @@ async def test_orphans_unknown_to_every_node_are_removed() -> None:
 def test_one_pod_watch_for_all_nodes_and_the_runtime(tmp_path: Path) -> None:
     cfg = load(tmp_path, "--virtual-nodes", "4", "--node-name-prefix", "vn")
     assert isinstance(build_runtime(cfg), FakeRuntime)  # auto: fake for virtual nodes
-    api = new_api_client(str(kubeconfig(tmp_path, "http://127.0.0.1:9")), component="test")
-
     async def main() -> None:
-        pods = Pods.from_config(cfg, api, FakeClock(), registry=CollectorRegistry())
+        clock = FakeClock()
+        pods = Pods.from_config(cfg, FakeKube(), clock, answered=ApiAnswered(clock),
+                                node_uid=lambda: None, registry=CollectorRegistry())
         sources = getattr(pods.run_sources, "__self__", None)
         assert isinstance(sources, PodSources)
         watches = [p for p in sources.parts if isinstance(p, APISource)]
@@ -310,10 +316,7 @@ def test_one_pod_watch_for_all_nodes_and_the_runtime(tmp_path: Path) -> None:
         assert watches[0].nodes == {"vn-0", "vn-1", "vn-2", "vn-3"}
         assert isinstance(pods.loop, NodeLoops) and len(pods.loop.loops) == 4
         assert isinstance(pods.runtime, FakeRuntime)
-    try:
-        asyncio.run(main())
-    finally:
-        api.close()
+    asyncio.run(main())
 
 
 @aio
@@ -323,8 +326,7 @@ async def test_resyncs_of_every_node_come_from_one_timer() -> None:
     await rig.pods.start()
     await settle()
     idle = rig.clock.sleepers
-    rig.updates.put_nowait(PodUpdate(Op.ADD, (vpod("a", "vn-3"), vpod("b", "vn-17")),
-                                     Source.API))
+    rig.send(Op.ADD, vpod("a", "vn-3"), vpod("b", "vn-17"))
     for _ in range(5):
         await rig.clock.advance(1)
     assert rig.phase("a") == "Running" and rig.phase("b") == "Running"

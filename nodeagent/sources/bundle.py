@@ -1,7 +1,7 @@
 """All pod sources of one agent, wired to one merge: what the agent's main builds.
 
-    sources = PodSources(api, SourcesConfig(node_names=[node], pod_manifest_path=...),
-                         clock, events=NodeEvents(api, node, clock))
+    sources = PodSources(kube, SourcesConfig(node_names=[node], pod_manifest_path=...),
+                         clock, events=NodeEvents(kube, node, clock, node_uid=...))
     loop = SyncLoop(..., updates=sources.updates, sources_ready=sources.ready, ...)
     await asyncio.gather(sources.run(), loop.run(), ...)
 
@@ -15,9 +15,9 @@ import asyncio
 import dataclasses
 from collections.abc import Callable
 
-from kubernetes import client
-
+from nodeagent.api.answered import ApiAnswered
 from nodeagent.api.clock import Clock
+from nodeagent.api.kube import Kube
 from nodeagent.sources.api import APISource
 from nodeagent.sources.file import FileSource
 from nodeagent.sources.http import HTTPSource
@@ -41,7 +41,8 @@ class SourcesConfig:
 
 
 class PodSources:
-    def __init__(self, api: client.ApiClient | None, cfg: SourcesConfig, clock: Clock, *,
+    def __init__(self, kube: Kube | None, cfg: SourcesConfig, clock: Clock, *,
+                 answered: ApiAnswered, node_uid: Callable[[], str | None],
                  events: EventSink | None = None) -> None:
         if not cfg.node_names:
             raise ValueError("pod sources need at least one node name")
@@ -49,22 +50,17 @@ class PodSources:
         if static and len(cfg.node_names) != 1:
             raise ValueError("--pod-manifest-path and --manifest-url need exactly one node "
                              f"name, not {len(cfg.node_names)}")
-        if cfg.watch_api and api is None:
+        if cfg.watch_api and kube is None:
             raise ValueError("the API source needs an API client")
         configured = {s for s, on in ((Source.API, cfg.watch_api),
                                       (Source.FILE, bool(cfg.pod_manifest_path)),
                                       (Source.HTTP, bool(cfg.manifest_url))) if on}
         self.merge = Merge(configured, Problems(events))
         self.parts: list[APISource | FileSource | HTTPSource | MirrorManager] = []
-        # called when the API server answers again after an outage: the API source's
-        # own hook list (the same list object), so hooks added later reach it too
-        self.on_api_reconnect: list[Callable[[], None]] = []
-        self.on_mirror_created: list[Callable[[], None]] = []  # the same list, likewise
         node = cfg.node_names[0]
-        if cfg.watch_api and api is not None:
-            source = APISource(api, cfg.node_names, self.merge, clock)
-            source.on_reconnect = self.on_api_reconnect
-            self.parts.append(source)
+        if cfg.watch_api and kube is not None:
+            self.parts.append(APISource(kube, cfg.node_names, self.merge, clock,
+                                        answered=answered))
         if cfg.pod_manifest_path:
             self.parts.append(FileSource(cfg.pod_manifest_path, node, self.merge, clock,
                                          check_frequency=cfg.file_check_frequency,
@@ -74,11 +70,9 @@ class PodSources:
                                          headers=cfg.manifest_url_headers,
                                          check_frequency=cfg.http_check_frequency,
                                          allow_privileged=cfg.allow_privileged))
-        if static and cfg.watch_api and api is not None:
-            mirrors = MirrorManager(api, node, self.merge, clock)
-            self.on_api_reconnect.append(mirrors.resync_now)
-            mirrors.on_created = self.on_mirror_created
-            self.parts.append(mirrors)
+        if static and cfg.watch_api and kube is not None:
+            self.parts.append(MirrorManager(kube, node, self.merge, clock, node_uid=node_uid,
+                                            answered=answered))
 
     @property
     def updates(self) -> asyncio.Queue[PodUpdate]:
@@ -87,13 +81,6 @@ class PodSources:
     @property
     def ready(self) -> SourcesReady:
         return self.merge.ready
-
-    def api_answered(self) -> None:
-        """The node's other requests reach the API server again: the API source's
-        backoff ends now."""
-        for p in self.parts:
-            if isinstance(p, APISource):
-                p.api_answered()
 
     async def run(self) -> None:
         """Run every source (and the mirror manager) until cancelled."""
