@@ -23,10 +23,10 @@ class Seen:
         self.lists: list[list[str]] = []
         self.changes: list[tuple[str, str]] = []
 
-    def listed(self, items: list[Obj]) -> None:
+    def on_list(self, items: list[Obj]) -> None:
         self.lists.append(sorted(o["metadata"]["name"] for o in items))
 
-    def changed(self, events: list[tuple[str, Obj]]) -> None:
+    def on_events(self, events: list[tuple[str, Obj]]) -> None:
         self.changes += [(kind, o["metadata"]["name"]) for kind, o in events]
 
 

@@ -45,11 +45,11 @@ INITIAL_EVENTS_END = "k8s.io/initial-events-end"  # the bookmark that ends a str
 
 
 class Handler(Protocol):
-    def listed(self, items: list[Obj]) -> None:
+    def on_list(self, items: list[Obj]) -> None:
         """The whole set (the first list, or a relist after 410): it replaces what came
         before; an object missing from it is gone."""
 
-    def changed(self, events: list[tuple[str, Obj]]) -> None:
+    def on_events(self, events: list[tuple[str, Obj]]) -> None:
         """(ADDED | MODIFIED | DELETED, object), in order."""
 
 
@@ -240,7 +240,7 @@ class Reflector:
         if self.metrics:
             self.metrics.lists.labels(reason, "list").inc()
         self.resource_version = str(page["metadata"]["resourceVersion"])
-        self.handler.listed(items)
+        self.handler.on_list(items)
         self._answered()
 
     # -- watch --------------------------------------------------------------------------
@@ -306,7 +306,7 @@ class Reflector:
                     self.lists += 1
                     if self.metrics:
                         self.metrics.lists.labels("gone", "watchlist").inc()
-                    self.handler.listed(initial)
+                    self.handler.on_list(initial)
                     initial = None
                 if rv:
                     self.resource_version = str(rv)
@@ -322,7 +322,7 @@ class Reflector:
 
     def _deliver(self, changes: list[tuple[str, Obj]]) -> None:
         if changes:
-            self.handler.changed(changes)
+            self.handler.on_events(changes)
 
 
 def _retry_after(e: BaseException) -> float | None:

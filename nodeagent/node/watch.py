@@ -36,11 +36,11 @@ class NodeWatch:
         self.reflector.stop()
 
     # -- what the reflector hands over --
-    def listed(self, items: list[Obj]) -> None:
+    def on_list(self, items: list[Obj]) -> None:
         for node in items:
             self._deliver("SYNC", node)
 
-    def changed(self, events: list[tuple[str, Obj]]) -> None:
+    def on_events(self, events: list[tuple[str, Obj]]) -> None:
         for kind, node in events:
             self._deliver(kind, node)
 

@@ -53,7 +53,7 @@ class APISource:
         return pod.get("spec", {}).get("nodeName") in self.nodes
 
     # -- what the reflector hands over --
-    def listed(self, items: list[Obj]) -> None:
+    def on_list(self, items: list[Obj]) -> None:
         pods = []
         for pod in items:
             if self._mine(pod):
@@ -62,7 +62,7 @@ class APISource:
                 pods.append(pod)
         self.merge.set(Source.API, pods)
 
-    def changed(self, events: list[tuple[str, Obj]]) -> None:
+    def on_events(self, events: list[tuple[str, Obj]]) -> None:
         for kind, pod in events:
             if not self._mine(pod):
                 continue
