@@ -578,8 +578,8 @@ def test_bad_config_change_is_refused_by_a_running_agent(agent: Agent) -> None:
 def test_host_network_static_pod_when_allowed(cluster: Cluster, tmp_path: Path) -> None:
     """FileSource(allow_privileged=True), the API watch and the mirror manager with a
     node's credentials: the hostNetwork pod is delivered and NodeRestriction admits its
-    mirror pod. (The agent process passes allowPrivileged to the sources through
-    nodeagent/pods.py.)"""
+    mirror pod. (The agent process passes allowPrivileged to the sources in its
+    composition root, nodeagent/agent.py.)"""
     import asyncio
 
     from nodeagent.api.client import new_api_client

@@ -1,8 +1,14 @@
-"""The agent's composition root: shared machinery plus one NodeController per node.
+"""The agent's composition root: every part, built from the agent's settings, once.
 
-Shared, whatever the number of nodes: one API client, one renewal scheduler with its
-own thread pool, one status ticker with another, one node watch, one health server.
-A host agent speaks for one node; virtual nodes add more controllers to the same.
+    Agent(cfg, Parts(RestKube(api), RealClock(), flags=..., env=...)).run(stop)
+
+Shared, whatever the number of nodes: one API client (Kube), one ApiAnswered signal,
+one renewal scheduler with its own thread pool, one status ticker with another, one
+Node watch, one pod watch and pod source merge, one runtime and one PLEG (NodeLoops),
+one health server. A host agent speaks for one node; virtual nodes add more
+NodeControllers and SyncLoops to the same. No other module builds parts of the agent:
+each component is handed what it uses, most of it in one config object
+(NodeControllerConfig, SyncLoopConfig, NodeLoopsConfig, PlegConfig, PodsConfig).
 """
 
 from __future__ import annotations
@@ -15,7 +21,8 @@ import math
 import random
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry
 
@@ -25,21 +32,24 @@ from nodeagent.api.clock import Clock
 from nodeagent.api.kube import Kube
 from nodeagent.api.serve import HealthServer
 from nodeagent.config import VIRTUAL_LABEL, AgentConfig, ConfigError, load
-from nodeagent.node.controller import (
-    ImageLister,
-    NodeController,
-    NodeControllerConfig,
-    NodeSpec,
-    Readiness,
-)
+from nodeagent.node.controller import NodeController, NodeControllerConfig, NodeSpec
 from nodeagent.node.host import HostProbe, HostReadError, HostReadings
 from nodeagent.node.metrics import NodeMetrics
 from nodeagent.node.scheduler import Blocking, DueScheduler
 from nodeagent.node.status import StatusSettings
 from nodeagent.node.watch import NodeWatch
-
-if TYPE_CHECKING:
-    from nodeagent.pods import Pods
+from nodeagent.pleg import Pleg, PlegConfig
+from nodeagent.pods import Part, Pods
+from nodeagent.runtime import ContainerRuntimeError, Runtime, make_runtime, socket_path
+from nodeagent.sources.api import APISource
+from nodeagent.sources.events import NodeEvents
+from nodeagent.sources.file import FileSource
+from nodeagent.sources.http import HTTPSource
+from nodeagent.sources.merge import Merge
+from nodeagent.sources.mirror import MirrorManager
+from nodeagent.sources.problems import Problems
+from nodeagent.sources.types import Source
+from nodeagent.syncloop import NodeLoops, NodeLoopsConfig, SyncLoopConfig
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +109,35 @@ def host_probe(cfg: AgentConfig) -> HostProbe:
                      overrides=cfg.host_overrides)
 
 
+def host_ip(cfg: AgentConfig, probe: HostProbe) -> str:
+    """The node's first InternalIP (pods report it as hostIP)."""
+    if cfg.node_ips:
+        return cfg.node_ips[0]
+    try:
+        addresses = probe.read().addresses
+    except HostReadError:
+        return ""
+    return next((a for t, a in addresses if t == "InternalIP"), "")
+
+
+def build_runtime(cfg: AgentConfig, host_ip: str = "") -> Runtime:
+    """The runtime the config names; process runtime state lives under --root-dir."""
+    opts: dict[str, Any] = {}
+    kind = cfg.runtime
+    if kind == "auto" and cfg.virtual:
+        kind = "fake"
+    if kind == "cri" and cfg.virtual:  # config.load refuses it too; a clear error here
+        raise ContainerRuntimeError("the cri runtime cannot serve virtual nodes; use "
+                                    "--runtime fake or process")
+    if kind == "auto":
+        kind = "cri" if Path(socket_path(cfg.container_runtime_endpoint)).exists() else "process"
+    if kind == "process":
+        opts = {"state_dir": Path(cfg.root_dir) / "process", "host_ip": host_ip}
+    elif kind == "fake":
+        opts = {"host_ip": host_ip or "192.0.2.10"}
+    return make_runtime(kind, cfg.container_runtime_endpoint, **opts)
+
+
 @dataclasses.dataclass(frozen=True)
 class Pools:
     """The threads blocking work runs on: the Lease writes on their own, so a renewal
@@ -115,55 +154,97 @@ class Pools:
                                                          thread_name_prefix="status"))
 
 
+@dataclasses.dataclass(frozen=True)
+class Parts:
+    """What the agent is built from besides its settings (tests hand in fakes)."""
+
+    kube: Kube  # the API server: RestKube over a client from nodeagent.api.client
+    clock: Clock
+    runtime: Runtime | None = None  # None: the one the config names
+    pools: Pools | None = None  # None: thread pools sized by the config
+    registry: CollectorRegistry = REGISTRY
+    # what the config was loaded from, to load it again when its file changes
+    flags: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    env: Mapping[str, str] | None = None
+    host_ip: str | None = None  # None: read from the host
+
+
 class Agent:
-    def __init__(self, cfg: AgentConfig, kube: Kube, clock: Clock, *,
-                 answered: ApiAnswered | None = None, uids: dict[str, str] | None = None,
-                 pools: Pools | None = None,
-                 pods: Pods | None = None, images: ImageLister | None = None,
-                 readiness: Readiness | None = None, registry: CollectorRegistry = REGISTRY,
-                 flags: Mapping[str, Any] | None = None,
-                 env: Mapping[str, str] | None = None) -> None:
-        """`pods`: the node's pod machinery (nodeagent.pods); it also supplies the
-        image list, the runtime version and readiness unless those are given."""
+    def __init__(self, cfg: AgentConfig, parts: Parts) -> None:
         self.cfg = cfg
-        self.clock = clock
-        self.pods = pods
-        self.answered = answered or ApiAnswered(clock)
-        self.registry = registry
-        self._flags = dict(flags or {})
-        self._env = env
-        self.pools = pools or Pools.of(cfg)
-        self.status_call = Blocking(self.pools.status)
-        self.nodes: dict[str, NodeController] = {}
-        self.uids: dict[str, str] = {} if uids is None else uids
+        self.kube = kube = parts.kube
+        self.clock = clock = parts.clock
+        self.registry = parts.registry
+        self._flags = dict(parts.flags)
+        self._env = parts.env
+        self.answered = ApiAnswered(clock)
+        self.pools = parts.pools or Pools.of(cfg)
         self.probe = host_probe(cfg)
-        self.shared_readings = SharedReadings(self.probe.read, self.clock)
+        self.shared_readings = SharedReadings(self.probe.read, clock)
         self.settings = status_settings(cfg)
-        self.metrics = NodeMetrics(registry)
-        self.renewals: DueScheduler[str] = DueScheduler(self.clock, self._renew, "renewals")
-        self.ticker: DueScheduler[str] = DueScheduler(self.clock, self._tick, "status")
+        self.nodes: dict[str, NodeController] = {}
+        self.uids: dict[str, str] = {}  # node name -> its Node's UID, once registered
+        self.pods = self._pods(cfg, parts)
+        self.metrics = NodeMetrics(parts.registry)
+        self.renewals: DueScheduler[str] = DueScheduler(clock, self._renew, "renewals")
+        self.ticker: DueScheduler[str] = DueScheduler(clock, self._tick, "status")
         self.node_config = NodeControllerConfig(
             kube=kube.using(self.pools.status), lease_kube=kube.using(self.pools.lease),
             clock=clock, metrics=self.metrics, heartbeat=cfg.heartbeat, status=self.settings,
             # virtual nodes share one reading of the host; a host node reads it every tick
             probe=self.shared_readings.read if cfg.virtual else self.probe.read,
-            status_call=self.status_call, renewals=self.renewals, ticker=self.ticker,
-            answered=self.answered, uids=self.uids,
-            images=images or (pods.images if pods else None),
-            readiness=readiness or (pods.readiness if pods else None), legacy=cfg.legacy)
-        self.kube = kube
+            status_call=Blocking(self.pools.status), renewals=self.renewals,
+            ticker=self.ticker, answered=self.answered, uids=self.uids,
+            images=self.pods.images, readiness=self.pods.readiness, legacy=cfg.legacy)
         self.watch: NodeWatch | None = None
         self.health: HealthServer | None = None
         self._config_mtime = self._mtime()
 
+    def _pods(self, cfg: AgentConfig, parts: Parts) -> Pods:
+        """The pod half: sources -> one merge -> NodeLoops (one PLEG, a SyncLoop per
+        node) -> the runtime. Virtual nodes: one API pod watch for all names (static
+        pods are refused by the config)."""
+        kube, clock, registry = parts.kube, parts.clock, parts.registry
+        hip = parts.host_ip if parts.host_ip is not None else host_ip(cfg, self.probe)
+        runtime = parts.runtime or build_runtime(cfg, hip)
+
+        def node_uid() -> str | None:
+            return self.uids.get(cfg.node_name)
+        configured = {s for s, on in ((Source.API, True),
+                                      (Source.FILE, bool(cfg.pod_manifest_path)),
+                                      (Source.HTTP, bool(cfg.manifest_url))) if on}
+        merge = Merge(configured, Problems(NodeEvents(kube, cfg.node_name, clock,
+                                                      node_uid=node_uid)))
+        sources: list[Part] = [APISource(kube, cfg.node_names, merge, clock,
+                                         answered=self.answered)]
+        if cfg.pod_manifest_path:
+            sources.append(FileSource(cfg.pod_manifest_path, cfg.node_name, merge, clock,
+                                      check_frequency=cfg.file_check_frequency,
+                                      allow_privileged=cfg.allow_privileged))
+        if cfg.manifest_url:
+            sources.append(HTTPSource(cfg.manifest_url, cfg.node_name, merge, clock,
+                                      headers=dict(cfg.manifest_url_headers),
+                                      check_frequency=cfg.http_check_frequency,
+                                      allow_privileged=cfg.allow_privileged))
+        if cfg.pod_manifest_path or cfg.manifest_url:
+            sources.append(MirrorManager(kube, cfg.node_name, merge, clock, node_uid=node_uid,
+                                         answered=self.answered))
+        pleg = Pleg(runtime, clock, PlegConfig(), registry=registry,
+                    node=cfg.agent_id if cfg.virtual else cfg.node_name)
+        loop = SyncLoopConfig(runtime=runtime, clock=clock, kube=kube, answered=self.answered,
+                              host_ip=hip, registry=registry,
+                              log_root=str((Path(cfg.root_dir) / "logs" / "pods").resolve()))
+        loops = NodeLoops(NodeLoopsConfig(cfg.node_names, loop), pleg, merge.updates,
+                          merge.ready)
+        return Pods(runtime, clock, loops, sources)
+
     # -- nodes --
     def add_node(self, spec: NodeSpec,
                  probe: Callable[[], HostReadings] | None = None) -> NodeController:
-        config = self.node_config
+        config = dataclasses.replace(self.node_config, status=self.settings)
         if probe is not None:
             config = dataclasses.replace(config, probe=probe)
-        node = NodeController(spec, dataclasses.replace(config, status=self.settings),
-                              rng=random.Random())
+        node = NodeController(spec, config, rng=random.Random())
         self.nodes[spec.name] = node
         self.metrics.nodes.set(len(self.nodes))
         return node
@@ -241,20 +322,18 @@ class Agent:
                                   f"{e.strerror or e}") from e
             self.health.health_checks["heartbeat"] = self.healthz
             self.health.ready_checks["registered"] = self.readyz
-            if self.pods:
-                self.health.health_checks["pleg"] = self.pods.health
+            self.health.health_checks["pleg"] = self.pods.health
             self.health.start()
             log.info("serving /healthz and /metrics on %s:%d", host, self.health.port)
         tasks = [asyncio.create_task(self.renewals.run(), name="renewals"),
                  asyncio.create_task(self.ticker.run(), name="status"),
                  asyncio.create_task(self.watch.run(), name="watch")]
-        if self.pods:
-            await self.pods.start()  # the runtime's version is in the first NodeStatus
-            self.settings = dataclasses.replace(self.settings,
-                                                runtime_version=self.pods.runtime_version)
-            for node in self.nodes.values():
-                node.settings = self.settings
-            tasks.append(asyncio.create_task(self.pods.wait(), name="pods"))
+        await self.pods.start()  # the runtime's version is in the first NodeStatus
+        self.settings = dataclasses.replace(self.settings,
+                                            runtime_version=self.pods.runtime_version)
+        for node in self.nodes.values():
+            node.settings = self.settings
+        tasks.append(asyncio.create_task(self.pods.wait(), name="pods"))
         for node in self.nodes.values():
             node.start()
         log.info("agent running: %d node(s), heartbeat mode %s", len(self.nodes),
@@ -271,8 +350,7 @@ class Agent:
         log.info("stopping")
         if self.watch:
             self.watch.stop()
-        if self.pods:
-            await self.pods.stop()  # pods keep running; a restarted agent adopts them
+        await self.pods.stop()  # pods keep running; a restarted agent adopts them
         await self.renewals.stop()
         await self.ticker.stop()
         for t in tasks:

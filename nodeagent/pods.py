@@ -1,8 +1,7 @@
-"""The pod half of the agent: sources -> sync loop -> runtime, for one node.
-
-    pods = Pods.from_config(cfg, kube, clock, ...)   # runtime, pod sources, sync loop
-    Agent(cfg, kube, clock, pods=pods, ...)          # it feeds NodeStatus (images, runtime
-                                                     # version, readiness) and /healthz
+"""The pod half of the agent, for every node of the process: the pod sources, the sync
+loops (nodeagent.syncloop) and the runtime they drive. Built by the agent's composition
+root (nodeagent.agent), which also hands the node status what is read here: the
+runtime's version, its image list, and readiness.
 
 The runtime's image list is cached here and refreshed on its own period, because the
 node status is computed in a worker thread and the runtime's calls are coroutines of
@@ -13,119 +12,42 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
-from collections.abc import Callable, Coroutine, Sequence
-from pathlib import Path
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
-from prometheus_client import REGISTRY, CollectorRegistry
-
-from nodeagent.api.answered import ApiAnswered
 from nodeagent.api.clock import Clock
-from nodeagent.api.kube import Kube
-from nodeagent.config import AgentConfig
-from nodeagent.node.host import HostProbe, HostReadError
-from nodeagent.runtime import ContainerRuntimeError, Runtime, make_runtime
-from nodeagent.sources.bundle import PodSources, SourcesConfig
-from nodeagent.sources.events import NodeEvents
-from nodeagent.sources.types import PodUpdate, SourcesReady
-from nodeagent.syncloop import NodeLoops, SyncLoop, SyncLoopConfig
+from nodeagent.runtime import ContainerRuntimeError, Runtime
+from nodeagent.syncloop import NodeLoops
 
 log = logging.getLogger(__name__)
 
-IMAGE_REFRESH = 10.0  # seconds; the default NodeStatus update period
-DOWN_RETRY = 1.0      # seconds between runtime readings while it is down
+
+class Part(Protocol):
+    """A pod source (or the mirror pod manager): runs until cancelled."""
+
+    async def run(self) -> None: ...
 
 
-def build_runtime(cfg: AgentConfig, host_ip: str = "") -> Runtime:
-    """The runtime the config names; process runtime state lives under --root-dir."""
-    opts: dict[str, Any] = {}
-    kind = cfg.runtime
-    if kind == "auto" and cfg.virtual:
-        kind = "fake"
-    if kind == "cri" and cfg.virtual:  # config.load refuses it too; a clear error here
-        raise ContainerRuntimeError("the cri runtime cannot serve virtual nodes; use "
-                                    "--runtime fake or process")
-    if kind == "auto":
-        from nodeagent.runtime import socket_path
-        kind = "cri" if Path(socket_path(cfg.container_runtime_endpoint)).exists() else "process"
-    if kind == "process":
-        opts = {"state_dir": Path(cfg.root_dir) / "process", "host_ip": host_ip}
-    elif kind == "fake":
-        opts = {"host_ip": host_ip or "192.0.2.10"}
-    return make_runtime(kind, cfg.container_runtime_endpoint, **opts)
-
-
-def host_ip(cfg: AgentConfig, probe: HostProbe) -> str:
-    """The node's first InternalIP (pods report it as hostIP)."""
-    if cfg.node_ips:
-        return cfg.node_ips[0]
-    try:
-        addresses = probe.read().addresses
-    except HostReadError:
-        return ""
-    return next((a for t, a in addresses if t == "InternalIP"), "")
+@dataclasses.dataclass(frozen=True)
+class PodsConfig:
+    image_refresh: float = 10.0  # seconds; the default NodeStatus update period
+    down_retry: float = 1.0      # seconds between runtime readings while it is down
 
 
 class Pods:
-    def __init__(self, *, runtime: Runtime, clock: Clock, node_name: str,
-                 updates: asyncio.Queue[PodUpdate], sources_ready: SourcesReady,
-                 kube: Kube, answered: ApiAnswered | None = None,
-                 run_sources: Callable[[], Coroutine[Any, Any, None]] | None = None,
-                 host_ip: str = "",
-                 config: SyncLoopConfig | None = None,
-                 registry: CollectorRegistry = REGISTRY,
-                 image_refresh: float = IMAGE_REFRESH,
-                 node_names: Sequence[str] = (), label: str = "") -> None:
-        """`node_names`: more than one is virtual-node mode: one PLEG for the runtime,
-        one SyncLoop per node (NodeLoops); `label` names the shared PLEG in metrics."""
+    def __init__(self, runtime: Runtime, clock: Clock, loops: NodeLoops,
+                 sources: Sequence[Part] = (), config: PodsConfig = PodsConfig()) -> None:
         self.runtime = runtime
         self.clock = clock
-        self.node_name = node_name
-        self.node_names = tuple(node_names) or (node_name,)
-        self.run_sources = run_sources
-        self.image_refresh = image_refresh
-        self.loop: SyncLoop | NodeLoops
-        if len(self.node_names) > 1:
-            self.loop = NodeLoops(runtime=runtime, clock=clock, node_names=self.node_names,
-                                  updates=updates, sources_ready=sources_ready,
-                                  kube=kube, answered=answered,
-                                  host_ip=host_ip, config=config, registry=registry,
-                                  label=label or node_name)
-        else:
-            self.loop = SyncLoop(runtime=runtime, clock=clock, node_name=node_name,
-                                 updates=updates, sources_ready=sources_ready,
-                                 kube=kube, answered=answered,
-                                 host_ip=host_ip, config=config, registry=registry)
+        self.loops = loops
+        self.sources = tuple(sources)
+        self.config = config
         self.runtime_version = ""   # "<name>://<version>", as nodeInfo shows it
         self.runtime_problem: str | None = None
         self._images: list[dict[str, Any]] = []
         self._tasks: list[asyncio.Task[Any]] = []
-
-    @classmethod
-    def from_config(cls, cfg: AgentConfig, kube: Kube, clock: Clock, *,
-                    answered: ApiAnswered, node_uid: Callable[[], str | None],
-                    host_ip: str = "", registry: CollectorRegistry = REGISTRY,
-                    runtime: Runtime | None = None) -> Pods:
-        """`runtime`: use this one instead of the one the config names (an embedding
-        program or a test wrapping the runtime, e.g. to inject faults)."""
-        runtime = runtime or build_runtime(cfg, host_ip)
-        # virtual nodes: one API pod watch for all names (static pods are refused)
-        sources = PodSources(kube, SourcesConfig(
-            node_names=cfg.node_names, pod_manifest_path=cfg.pod_manifest_path,
-            file_check_frequency=cfg.file_check_frequency, manifest_url=cfg.manifest_url,
-            manifest_url_headers=dict(cfg.manifest_url_headers),
-            http_check_frequency=cfg.http_check_frequency,
-            allow_privileged=cfg.allow_privileged),
-            clock, answered=answered, node_uid=node_uid,
-            events=NodeEvents(kube, cfg.node_name, clock, node_uid=node_uid))
-        logs = Path(cfg.root_dir) / "logs" / "pods"
-        pods = cls(runtime=runtime, clock=clock, node_name=cfg.node_name,
-                   updates=sources.updates, sources_ready=sources.ready,
-                   run_sources=sources.run, kube=kube, answered=answered, host_ip=host_ip,
-                   config=SyncLoopConfig(log_root=str(logs.resolve())), registry=registry,
-                   node_names=cfg.node_names, label=cfg.agent_id)
-        return pods
 
     # -- what the node status and health server read (any thread) --
     def images(self) -> list[dict[str, Any]]:
@@ -134,11 +56,11 @@ class Pods:
     def readiness(self) -> str | None:
         """A reason for Ready=False: the runtime cannot be reached (its version/image
         reading, or PLEG's relists failing in a row), or PLEG is stuck."""
-        return (self.runtime_problem or self.loop.pleg.runtime_problem()
-                or self.loop.health())
+        return (self.runtime_problem or self.loops.pleg.runtime_problem()
+                or self.loops.health())
 
     def health(self) -> str | None:
-        return self.loop.health()
+        return self.loops.health()
 
     # -- running --
     async def refresh(self) -> None:
@@ -163,18 +85,18 @@ class Pods:
         await self.refresh()
         log.info("pods: runtime %s%s", self.runtime_version or type(self.runtime).__name__,
                  f" ({self.runtime_problem})" if self.runtime_problem else "")
-        self._tasks = [self.loop.start(),
-                       asyncio.create_task(self._refresh_loop(), name="runtime-refresh")]
-        if self.run_sources is not None:
-            self._tasks.append(asyncio.create_task(self.run_sources(), name="pod-sources"))
+        self._tasks = [self.loops.start(),
+                       asyncio.create_task(self._refresh_loop(), name="runtime-refresh"),
+                       *(asyncio.create_task(p.run(), name=type(p).__name__)
+                         for p in self.sources)]
 
     async def _refresh_loop(self) -> None:
         while True:
             # while the runtime is down, look again soon: Ready comes back within a
             # second of the runtime, not one image period later
-            down = self.runtime_problem is not None or self.loop.pleg.runtime_problem()
-            await self.clock.sleep(min(DOWN_RETRY, self.image_refresh) if down
-                                   else self.image_refresh)
+            down = self.runtime_problem is not None or self.loops.pleg.runtime_problem()
+            every = self.config.image_refresh
+            await self.clock.sleep(min(self.config.down_retry, every) if down else every)
             await self.refresh()
 
     async def wait(self) -> None:
@@ -186,7 +108,7 @@ class Pods:
         for t in self._tasks[1:]:
             t.cancel()
         await asyncio.gather(*self._tasks[1:], return_exceptions=True)
-        await self.loop.stop()
+        await self.loops.stop()
         with contextlib.suppress(ContainerRuntimeError):
             await self.runtime.close()
         self._tasks = []

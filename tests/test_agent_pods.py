@@ -15,19 +15,14 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from nodeagent import config
-from nodeagent.agent import Agent, Pools
-from nodeagent.api.answered import ApiAnswered
+from nodeagent.agent import Agent, Parts, Pools, build_runtime, host_ip
 from nodeagent.api.clock import FakeClock, settle
 from nodeagent.api.kube import NODES, PODS
-from nodeagent.pods import Pods, build_runtime, host_ip
 from nodeagent.runtime import RelistResult, RuntimeVersion, Unavailable
 from nodeagent.runtime.fake import FakeRuntime
-from nodeagent.sources.bundle import PodSources
 from nodeagent.sources.file import FileSource
 from nodeagent.sources.http import HTTPSource
-from nodeagent.sources.types import Op, PodUpdate, Source, SourcesReady
-from nodeagent.syncloop import SyncLoopConfig
-from tests.conftest import InlineExecutor, aio, status_patches
+from tests.conftest import InlineExecutor, aio, status_patches, until
 from tests.fakekube import FakeKube
 from tests.test_node_host import fake_proc
 
@@ -43,23 +38,21 @@ def load(tmp_path: Path, *argv: str) -> config.AgentConfig:
 
 
 class Rig:
+    """The agent as its composition root builds it, on the in-memory API and the fake
+    runtime: pods reach it through the API source, as they would from the API server."""
+
     def __init__(self, tmp_path: Path, *argv: str, health: str = "",
                  pleg_threshold: float = 180.0) -> None:
         self.cfg = load(tmp_path, "--healthz-bind-address", health, *argv)
         self.clock = FakeClock()
         self.kube = FakeKube(now=self.clock.monotonic)
         self.rt = FakeRuntime(self.clock, images=["localhost/busybox:1", "localhost/pause:1"])
-        self.updates: asyncio.Queue[PodUpdate] = asyncio.Queue()
-        self.ready = SourcesReady({Source.API})
-        self.ready.mark(Source.API)
-        reg = CollectorRegistry()
-        self.pods = Pods(runtime=self.rt, clock=self.clock, node_name="n1",
-                         updates=self.updates, sources_ready=self.ready,
-                         kube=self.kube, host_ip="192.0.2.10", registry=reg,
-                         config=SyncLoopConfig(pleg_health_threshold=pleg_threshold))
         inline = InlineExecutor()
-        self.agent = Agent(self.cfg, self.kube, self.clock, registry=reg, flags={}, env={},
-                           pools=Pools(inline, inline), pods=self.pods)
+        self.agent = Agent(self.cfg, Parts(self.kube, self.clock, runtime=self.rt,
+                                           pools=Pools(inline, inline), host_ip="192.0.2.10",
+                                           registry=CollectorRegistry()))
+        self.pods = self.agent.pods
+        self.pods.loops.pleg.health_threshold = pleg_threshold
         self.stop = asyncio.Event()
         self.task: asyncio.Task[None] | None = None
 
@@ -77,6 +70,9 @@ class Rig:
 
     def ready_condition(self) -> dict[str, Any]:
         return next(c for c in self.node()["status"]["conditions"] if c["type"] == "Ready")
+
+    def status(self, uid: str) -> dict[str, Any]:
+        return [st for u, st in status_patches(self.kube) if u == uid][-1]
 
 
 def mkpod(uid: str = "u1") -> dict[str, Any]:
@@ -99,19 +95,19 @@ async def test_pod_runs_and_node_status_carries_the_runtime(tmp_path: Path) -> N
                                                               ["localhost/pause:1"]]
     assert rig.ready_condition()["status"] == "True"
 
-    rig.kube.put(PODS, mkpod())
-    rig.updates.put_nowait(PodUpdate(Op.ADD, (mkpod(),), Source.API))
+    rig.kube.put(PODS, mkpod())  # bound to n1 (by the scheduler): the pod watch brings it
     for _ in range(3):
         await rig.clock.advance(1)
     assert len(rig.rt.running("u1")) == 1
-    assert [st for uid, st in status_patches(rig.kube) if uid == "u1"][-1]["phase"] == "Running"
+    assert rig.status("u1")["phase"] == "Running"
+    assert rig.kube.obj(PODS, "web", "ns")["status"]["phase"] == "Running"
 
     # a container dies: PLEG sees it on the next relist and the worker restarts it
     cid = rig.rt.running("u1")[0].id
     rig.rt.exit_container(cid, 1)
     for _ in range(2):
         await rig.clock.advance(1)
-    st = [st for uid, st in status_patches(rig.kube) if uid == "u1"][-1]
+    st = rig.status("u1")
     assert st["containerStatuses"][0]["lastState"]["terminated"]["exitCode"] == 1
 
     await rig.finish()
@@ -195,16 +191,38 @@ def test_config_flags_for_pods(tmp_path: Path) -> None:
 def test_allow_privileged_reaches_the_static_sources(tmp_path: Path, allow: bool) -> None:
     cfg = load(tmp_path, "--pod-manifest-path", str(tmp_path), "--manifest-url",
                "http://127.0.0.1:1/p.yaml", *(["--allow-privileged"] if allow else []))
-    async def main() -> None:
-        clock = FakeClock()
-        pods = Pods.from_config(cfg, FakeKube(), clock, answered=ApiAnswered(clock),
-                                node_uid=lambda: None, registry=CollectorRegistry(),
-                                runtime=FakeRuntime(FakeClock()))
-        sources = getattr(pods.run_sources, "__self__", None)
-        assert isinstance(sources, PodSources)
-        static = [p for p in sources.parts if isinstance(p, FileSource | HTTPSource)]
-        assert len(static) == 2 and all(p.allow_privileged is allow for p in static)
-    asyncio.run(main())
+    clock = FakeClock()
+    agent = Agent(cfg, Parts(FakeKube(), clock, runtime=FakeRuntime(clock),
+                             registry=CollectorRegistry()))
+    static = [p for p in agent.pods.sources if isinstance(p, FileSource | HTTPSource)]
+    assert len(static) == 2 and all(p.allow_privileged is allow for p in static)
+
+
+@aio
+async def test_a_static_pod_runs_and_gets_its_mirror_pod(tmp_path: Path) -> None:
+    """The sources the config names, wired to one merge: the API watch always, the
+    manifest folder, and the mirror pods (owned by the Node the agent registered)."""
+    manifests = tmp_path / "manifests"
+    manifests.mkdir(mode=0o755)
+    (manifests / "a.yaml").write_text(
+        "apiVersion: v1\nkind: Pod\nmetadata: {name: a}\n"
+        "spec: {containers: [{name: c, image: localhost/busybox:1}]}\n")
+    rig = Rig(tmp_path, "--pod-manifest-path", str(manifests))
+    assert [type(p).__name__ for p in rig.pods.sources] == ["APISource", "FileSource",
+                                                           "MirrorManager"]
+    await rig.start()
+    for _ in range(3):  # the folder is read (off the event loop), the mirror created
+        await rig.clock.advance(1)
+    await until(lambda: rig.kube.has(PODS, "a-n1", "default"))
+    mirror = rig.kube.obj(PODS, "a-n1", "default")
+    assert mirror["metadata"]["ownerReferences"][0]["uid"] == rig.node()["metadata"]["uid"]
+    assert rig.kube.count("get nodes") == 1  # the registration's: the UID is not fetched again
+    for _ in range(3):
+        await rig.clock.advance(1)
+    static_uid = mirror["metadata"]["annotations"]["kubernetes.io/config.mirror"]
+    assert len(rig.rt.running(static_uid)) == 1
+    assert rig.kube.obj(PODS, "a-n1", "default")["status"]["phase"] == "Running"
+    await rig.finish()
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -148,7 +148,7 @@ async def test_stopping_lets_a_runtime_call_in_flight_finish() -> None:
                                            {"node": "n1"})
 
     assert in_flight() == 1
-    stop = asyncio.create_task(a.loop.stop())
+    stop = asyncio.create_task(a.loops.stop())
     await settle()
     assert not stop.done()  # waiting for the start in flight
     rt.gate.set()
@@ -165,7 +165,7 @@ async def test_stopping_gives_up_on_a_hung_runtime_call() -> None:
     a.loop.workers.drain_timeout = 15
     a.send(Op.ADD, mkpod("web", "u1"))
     await a.run_for(2)
-    stop = asyncio.create_task(a.loop.stop())
+    stop = asyncio.create_task(a.loops.stop())
     await settle()
     await clock.advance(14)
     assert not stop.done()

@@ -215,36 +215,3 @@ def test_mirror_pods_are_kept_apart() -> None:
         assert m.mirrors == {} and ev.is_set()
         assert m.pod("static-uid") is static
     aio(main())
-
-
-def test_bundle_wires_the_configured_sources(tmp_path: Any) -> None:
-    from nodeagent.api.answered import ApiAnswered
-    from nodeagent.api.clock import FakeClock
-    from nodeagent.sources.bundle import PodSources, SourcesConfig
-
-    def sources(cfg: SourcesConfig) -> PodSources:
-        clock = FakeClock()
-        return PodSources(None, cfg, clock, answered=ApiAnswered(clock), node_uid=lambda: None)
-
-    async def main() -> None:
-        cfg = SourcesConfig(node_names=("n1",), pod_manifest_path=str(tmp_path),
-                            watch_api=False)
-        s = sources(cfg)
-        assert [type(p).__name__ for p in s.parts] == ["FileSource"]
-        (tmp_path / "a.yaml").write_text(
-            "apiVersion: v1\nkind: Pod\nmetadata: {name: a}\n"
-            "spec: {containers: [{name: c, image: i}]}\n")
-        task = asyncio.create_task(s.run())
-        try:
-            await asyncio.wait_for(s.ready.wait(), 5)
-            u = await asyncio.wait_for(s.updates.get(), 5)
-            assert (u.op, u.pods[0]["metadata"]["name"]) == (Op.ADD, "a-n1")
-        finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-        with pytest.raises(ValueError, match="exactly one node name"):
-            sources(SourcesConfig(node_names=("n1", "n2"), manifest_url="http://127.0.0.1/x",
-                                  watch_api=False))
-        with pytest.raises(ValueError, match="needs an API client"):
-            sources(SourcesConfig(node_names=("n1",)))
-    aio(main())

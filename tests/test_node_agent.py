@@ -13,11 +13,12 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from nodeagent import __version__, config
-from nodeagent.agent import Agent, Pools
+from nodeagent.agent import Agent, Parts, Pools
 from nodeagent.api.clock import FakeClock, settle
 from nodeagent.api.kube import LEASES, NODE_LEASE_NAMESPACE, NODES
 from nodeagent.api.serve import HealthServer
 from nodeagent.node.controller import NodeSpec
+from nodeagent.runtime.fake import FakeRuntime
 from tests.conftest import InlineExecutor
 from tests.fakekube import FakeKube
 from tests.test_node_host import fake_proc
@@ -33,9 +34,9 @@ def make_agent(tmp_path, argv: list[str]) -> tuple[Agent, FakeClock, FakeKube]:
     clock = FakeClock()
     kube = FakeKube(now=clock.monotonic)
     inline = InlineExecutor()
-    agent = Agent(cfg, kube, clock, registry=CollectorRegistry(), flags=flags, env={},
-                  pools=Pools(inline, inline),
-                  images=lambda: [{"names": ["localhost/pause:1"], "sizeBytes": 700_000}])
+    runtime = FakeRuntime(clock, images=["localhost/pause:1"], image_size=700_000)
+    agent = Agent(cfg, Parts(kube, clock, runtime=runtime, pools=Pools(inline, inline),
+                             registry=CollectorRegistry(), flags=flags, env={}))
     return agent, clock, kube
 
 

@@ -8,12 +8,14 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from nodeagent.api.answered import ApiAnswered
 from nodeagent.api.clock import FakeClock, settle
 from nodeagent.api.kube import PODS
+from nodeagent.pleg import Pleg
 from nodeagent.runtime import ContainerState, RuntimeTimeout, SandboxState
 from nodeagent.runtime.fake import FakeRuntime
 from nodeagent.sources.types import Op, PodUpdate, Source, SourcesReady
-from nodeagent.syncloop import SyncLoop, route_updates
+from nodeagent.syncloop import NodeLoops, NodeLoopsConfig, SyncLoopConfig
 from tests.conftest import aio, pod_deletes, status_patches
 from tests.fakekube import FakeKube
 
@@ -38,9 +40,13 @@ class Agent:
             self.ready.mark(Source.API)
         self.kube = FakeKube(now=clock.monotonic)
         self.registry = CollectorRegistry()
-        self.loop = SyncLoop(runtime=rt, clock=clock, node_name="n1", updates=self.updates,
-                             sources_ready=self.ready, kube=self.kube,
-                             host_ip="192.0.2.10", registry=self.registry)
+        config = SyncLoopConfig(runtime=rt, clock=clock, kube=self.kube,
+                                answered=ApiAnswered(clock), host_ip="192.0.2.10",
+                                registry=self.registry)
+        self.loops = NodeLoops(NodeLoopsConfig(("n1",), config),
+                               Pleg(rt, clock, node="n1", registry=self.registry),
+                               self.updates, self.ready)
+        self.loop = self.loops.loops["n1"]  # the node's own
 
     def send(self, op: Op, *pods: dict) -> None:
         """What the API source would deliver; the API server holds the same pods."""
@@ -68,7 +74,7 @@ class Agent:
 
 async def started(clock: FakeClock, rt: FakeRuntime | None = None) -> Agent:
     a = Agent(rt or FakeRuntime(clock), clock)
-    a.loop.start()
+    a.loops.start()
     await settle()
     return a
 
@@ -89,7 +95,7 @@ async def test_pod_starts_and_reports_running() -> None:
     await a.run_for(120)  # two periodic resyncs, nothing changed: no more writes
     assert len(a.patches()) == patches
     assert a.rt.calls["run_sandbox"] == 1 and a.rt.calls["create_container"] == 2
-    await a.loop.stop()
+    await a.loops.stop()
 
 
 @aio
@@ -123,7 +129,7 @@ async def test_crash_restarts_with_doubling_backoff() -> None:
     assert a.rt.running("u1")[0].restart_count == 4
     # old attempts are pruned: the running one plus the newest exited one remain
     assert len(a.rt.find("u1", "c0")) == 2
-    await a.loop.stop()
+    await a.loops.stop()
 
 
 @aio
@@ -148,7 +154,7 @@ async def test_restart_policies() -> None:
     n_creates = a.rt.calls["create_container"]
     await a.run_for(130)
     assert a.rt.calls["create_container"] == n_creates  # Succeeded pods never restart
-    await a.loop.stop()
+    await a.loops.stop()
 
 
 @aio
@@ -177,7 +183,7 @@ async def test_graceful_delete_within_grace_then_remove() -> None:
     assert [s for s in a.rt.sandboxes.values() if s.pod_uid == "u1"] == []
     assert a.rt.find("u1", "c0") == []
     assert "u1" not in a.loop.workers
-    await a.loop.stop()
+    await a.loops.stop()
 
 
 @aio
@@ -201,7 +207,7 @@ async def test_image_pull_policy_against_present_images() -> None:
     rt.images = {"localhost/busybox:1", "localhost/missing:1"}  # imported by hand
     await a.run_for(12)
     assert a.status("u1")["phase"] == "Running"
-    await a.loop.stop()
+    await a.loops.stop()
 
 
 @aio
@@ -211,9 +217,9 @@ async def test_housekeeping_waits_for_sources_then_removes_orphans() -> None:
     a1 = await started(clock, rt)
     a1.send(Op.ADD, mkpod("keep", "k"), mkpod("gone", "g"))
     await a1.run_for(3)
-    await a1.loop.stop()
+    await a1.loops.stop()
     a2 = Agent(rt, clock, ready=False)
-    a2.loop.start()
+    a2.loops.start()
     await settle()
     a2.send(Op.ADD, mkpod("keep", "k"))
     await a2.run_for(10)
@@ -224,7 +230,7 @@ async def test_housekeeping_waits_for_sources_then_removes_orphans() -> None:
                                              if s.pod_uid == "g"]
     assert len(rt.running("k")) == 1
     assert a2.patches() and all(u != "g" for u, _ in a2.patches())
-    await a2.loop.stop()
+    await a2.loops.stop()
 
 
 @aio
@@ -236,7 +242,7 @@ async def test_new_agent_adopts_running_pods_without_duplicates() -> None:
     a1.send(Op.ADD, *pods)
     await a1.run_for(3)
     assert len(rt.running()) == 6
-    await a1.loop.stop()  # like SIGKILL: nothing in the runtime is touched
+    await a1.loops.stop()  # like SIGKILL: nothing in the runtime is touched
     creates, sandboxes = rt.calls["create_container"], rt.calls["run_sandbox"]
     crashed = rt.running("u1")[0]
     rt.exit_container(crashed.id, 1)  # dies while no agent runs
@@ -244,7 +250,7 @@ async def test_new_agent_adopts_running_pods_without_duplicates() -> None:
     a2 = Agent(rt, clock)
     # the API already shows what agent 1 reported
     a2.send(Op.ADD, *[{**p, "status": a1.status(p["metadata"]["uid"])} for p in pods])
-    a2.loop.start()
+    a2.loops.start()
     await a2.run_for(5)
     assert rt.calls["run_sandbox"] == sandboxes
     assert rt.calls["create_container"] == creates + 1  # only the crashed one, restarted
@@ -253,7 +259,7 @@ async def test_new_agent_adopts_running_pods_without_duplicates() -> None:
     assert restarted.attempt == crashed.attempt + 1 and restarted.restart_count == 1
     # pods whose status did not change are not written again
     assert {u for u, _ in a2.patches()} == {"u1"}
-    await a2.loop.stop()
+    await a2.loops.stop()
 
 
 @aio
@@ -269,7 +275,7 @@ async def test_burst_of_updates_causes_at_most_two_syncs() -> None:
         a.loop.handle_update(PodUpdate(Op.UPDATE, (p,), Source.API))
     await a.run_for(3)
     assert 1 <= a.loop.workers.syncs("u1") - before <= 2
-    await a.loop.stop()
+    await a.loops.stop()
 
 
 @aio
@@ -286,7 +292,7 @@ async def test_periodic_resync_only_when_due() -> None:
     assert a.loop.workers.syncs("ub") == sb
     await a.run_for(30)
     assert a.loop.workers.syncs("ub") == sb + 1
-    await a.loop.stop()
+    await a.loops.stop()
 
 
 @aio
@@ -299,7 +305,7 @@ async def test_runtime_errors_are_retried_with_backoff() -> None:
     assert a.rt.running("u1") == [] and a.rt.calls["run_sandbox"] == 1
     await a.run_for(3)
     assert len(a.rt.running("u1")) == 1 and a.rt.calls["run_sandbox"] == 2
-    await a.loop.stop()
+    await a.loops.stop()
 
 
 @aio
@@ -317,7 +323,7 @@ async def test_spec_change_replaces_the_container() -> None:
     cur = a.rt.running("u1")
     assert len(cur) == 1 and cur[0].id != old.id and cur[0].image == "localhost/busybox:2"
     assert a.rt.containers[old.id].state == ContainerState.EXITED
-    await a.loop.stop()
+    await a.loops.stop()
 
 
 @aio
@@ -331,8 +337,8 @@ async def test_one_hung_pod_does_not_hold_back_the_others() -> None:
     a.send(Op.ADD, mkpod("b", "ub"), mkpod("c", "uc"))
     await a.run_for(3)
     assert a.status("ub")["phase"] == "Running" and a.status("uc")["phase"] == "Running"
-    assert a.loop.health() is None
-    await a.loop.stop()
+    assert a.loops.health() is None
+    await a.loops.stop()
 
 
 @aio
@@ -342,19 +348,19 @@ async def test_housekeeping_ignores_pods_cleaned_up_after_the_last_relist() -> N
     pod = mkpod("web", "u1")
     a.send(Op.ADD, pod)
     await a.run_for(3)
-    stale = a.loop.pleg.last_result
+    stale = a.loops.pleg.last_result
     a.send(Op.REMOVE, pod)
     await settle()
     for step in (0.1, 0.2, 0.3):  # cache "fresh" for each worker step, but no relist
-        await a.loop.pleg.cache.update_time(clock.monotonic() + step)
+        await a.loops.pleg.cache.update_time(clock.monotonic() + step)
         await settle()
     assert "u1" not in a.loop.workers and a.rt.find("u1", "c0") == []
-    assert a.loop.pleg.last_result is stale  # no relist since: it still shows u1
-    assert a.loop.housekeeping() == []
+    assert a.loops.pleg.last_result is stale  # no relist since: it still shows u1
+    assert a.loops.housekeeping() == []
     await a.run_for(2)
-    assert a.loop.housekeeping() == []
+    assert a.loops.housekeeping() == []
     assert a.loop.workers.forgotten == {}  # pruned once a newer relist came
-    await a.loop.stop()
+    await a.loops.stop()
 
 
 @aio
@@ -369,25 +375,27 @@ async def test_unrunnable_spec_is_reported_not_crashed_on() -> None:
     assert bad["reason"] == "CreateContainerConfigError"
     assert "container c1: resources.limits.memory" in bad["message"]
     assert len(a.rt.running("u1")) == 1  # the good container runs
-    await a.loop.stop()
+    await a.loops.stop()
 
 
-@aio
-async def test_route_updates_splits_by_node() -> None:
-    src: asyncio.Queue[PodUpdate] = asyncio.Queue()
-    q1: asyncio.Queue[PodUpdate] = asyncio.Queue()
-    q2: asyncio.Queue[PodUpdate] = asyncio.Queue()
-    task = asyncio.create_task(route_updates(src, {"n1": q1, "n2": q2}))
+def test_updates_are_split_by_node_in_order() -> None:
+    clock = FakeClock()
+    rt = FakeRuntime(clock)
+    config = SyncLoopConfig(runtime=rt, clock=clock, kube=FakeKube(), answered=ApiAnswered(clock),
+                            registry=CollectorRegistry())
+    loops = NodeLoops(NodeLoopsConfig(("n1", "n2"), config),
+                      Pleg(rt, clock, registry=CollectorRegistry()), asyncio.Queue(),
+                      SourcesReady({Source.API}))
     p1, p2, p3 = mkpod("a", "ua"), mkpod("b", "ub"), mkpod("c", "uc")
     p2["spec"]["nodeName"] = "n2"
     p3["spec"]["nodeName"] = "elsewhere"
-    src.put_nowait(PodUpdate(Op.ADD, (p1, p2, p3), Source.API))
-    src.put_nowait(PodUpdate(Op.REMOVE, (p1,), Source.API))
-    await settle()
+    loops.route(PodUpdate(Op.ADD, (p1, p2, p3), Source.API))
+    loops.route(PodUpdate(Op.REMOVE, (p1,), Source.API))
+    q1, q2 = loops.loops["n1"].updates, loops.loops["n2"].updates
     assert [(u.op, [p["metadata"]["uid"] for p in u.pods]) for u in
             (q1.get_nowait(), q1.get_nowait())] == [(Op.ADD, ["ua"]), (Op.REMOVE, ["ua"])]
     assert q2.get_nowait().pods == (p2,) and q2.empty()
-    task.cancel()
+    assert loops.owner == {"ub": "n2"}  # where the PLEG's events for a pod go
 
 
 @aio
@@ -407,4 +415,4 @@ async def test_replacement_with_same_name_waits_for_the_old_pod_to_stop() -> Non
     await a.run_for(4)
     assert a.rt.running("old") == []
     assert len(a.rt.running("new")) == 1
-    await a.loop.stop()
+    await a.loops.stop()

@@ -13,7 +13,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from nodeagent import config
-from nodeagent.agent import Agent, Pools
+from nodeagent.agent import Agent, Parts, Pools, build_runtime
 from nodeagent.api.answered import ApiAnswered
 from nodeagent.api.clock import FakeClock, settle
 from nodeagent.api.kube import NODES, PODS
@@ -23,13 +23,13 @@ from nodeagent.api.policy import (
     Heartbeat,
     encode_heartbeat_annotation,
 )
-from nodeagent.pods import Pods, build_runtime
+from nodeagent.pleg import Pleg
+from nodeagent.pods import Pods
 from nodeagent.runtime.base import SandboxConfig
 from nodeagent.runtime.fake import FakeRuntime
 from nodeagent.sources.api import APISource
-from nodeagent.sources.bundle import PodSources
 from nodeagent.sources.types import Op, PodUpdate, Source, SourcesReady
-from nodeagent.syncloop import NodeLoops
+from nodeagent.syncloop import NodeLoops, NodeLoopsConfig, SyncLoopConfig
 from tests.conftest import InlineExecutor, aio, status_patches
 from tests.fakekube import FakeKube
 from tests.test_node_host import fake_proc
@@ -125,8 +125,9 @@ def make_agent(tmp_path: Path, *argv: str) -> tuple[Agent, FakeClock, FakeKube]:
     clock = FakeClock()
     kube = FakeKube(now=clock.monotonic)
     inline = InlineExecutor()
-    agent = Agent(cfg, kube, clock, registry=CollectorRegistry(), flags=flags, env={},
-                  pools=Pools(inline, inline), images=lambda: [])
+    agent = Agent(cfg, Parts(kube, clock, runtime=FakeRuntime(clock, images=[]),
+                             pools=Pools(inline, inline), registry=CollectorRegistry(),
+                             flags=flags, env={}))
     return agent, clock, kube
 
 
@@ -216,6 +217,8 @@ def vpod(uid: str, node: str) -> dict[str, Any]:
 
 
 class Rig:
+    """The pod half for N nodes, fed as the merge feeds it."""
+
     def __init__(self, names: list[str]) -> None:
         self.clock = FakeClock()
         self.rt = FakeRuntime(self.clock, images=["localhost/busybox:1"])
@@ -223,12 +226,14 @@ class Rig:
         self.ready = SourcesReady({Source.API})
         self.ready.mark(Source.API)
         self.kube = FakeKube(now=self.clock.monotonic)
-        self.pods = Pods(runtime=self.rt, clock=self.clock, node_name=names[0],
-                         node_names=names, label="vn", updates=self.updates,
-                         sources_ready=self.ready, kube=self.kube,
-                         host_ip="192.0.2.10", registry=CollectorRegistry())
-        assert isinstance(self.pods.loop, NodeLoops)
-        self.loops: NodeLoops = self.pods.loop
+        registry = CollectorRegistry()
+        config = SyncLoopConfig(runtime=self.rt, clock=self.clock, kube=self.kube,
+                                answered=ApiAnswered(self.clock), host_ip="192.0.2.10",
+                                registry=registry)
+        self.loops = NodeLoops(NodeLoopsConfig(tuple(names), config),
+                               Pleg(self.rt, self.clock, node="vn", registry=registry),
+                               self.updates, self.ready)
+        self.pods = Pods(self.rt, self.clock, self.loops)
 
     def send(self, op: Op, *pods: dict[str, Any]) -> None:
         """What the API source would deliver; the API server holds the same pods."""
@@ -305,18 +310,12 @@ async def test_orphans_unknown_to_every_node_are_removed() -> None:
 def test_one_pod_watch_for_all_nodes_and_the_runtime(tmp_path: Path) -> None:
     cfg = load(tmp_path, "--virtual-nodes", "4", "--node-name-prefix", "vn")
     assert isinstance(build_runtime(cfg), FakeRuntime)  # auto: fake for virtual nodes
-    async def main() -> None:
-        clock = FakeClock()
-        pods = Pods.from_config(cfg, FakeKube(), clock, answered=ApiAnswered(clock),
-                                node_uid=lambda: None, registry=CollectorRegistry())
-        sources = getattr(pods.run_sources, "__self__", None)
-        assert isinstance(sources, PodSources)
-        watches = [p for p in sources.parts if isinstance(p, APISource)]
-        assert len(sources.parts) == 1 and len(watches) == 1
-        assert watches[0].nodes == {"vn-0", "vn-1", "vn-2", "vn-3"}
-        assert isinstance(pods.loop, NodeLoops) and len(pods.loop.loops) == 4
-        assert isinstance(pods.runtime, FakeRuntime)
-    asyncio.run(main())
+    agent = Agent(cfg, Parts(FakeKube(), FakeClock(), registry=CollectorRegistry()))
+    watches = [p for p in agent.pods.sources if isinstance(p, APISource)]
+    assert len(agent.pods.sources) == 1 and len(watches) == 1
+    assert watches[0].nodes == {"vn-0", "vn-1", "vn-2", "vn-3"}
+    assert len(agent.pods.loops.loops) == 4
+    assert isinstance(agent.pods.runtime, FakeRuntime)
 
 
 @aio

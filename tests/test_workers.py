@@ -193,7 +193,7 @@ async def test_init_containers_run_in_order_before_containers() -> None:
     assert st["phase"] == "Running"
     assert {c["type"]: c["status"] for c in st["conditions"]}["Initialized"] == "True"
     assert [s["state"]["terminated"]["exitCode"] for s in st["initContainerStatuses"]] == [0, 0]
-    await a.loop.stop()
+    await a.loops.stop()
 
 
 @aio
@@ -208,7 +208,7 @@ async def test_failed_init_container_with_never_fails_the_pod() -> None:
     await a.run_for(4)
     assert a.status("u1")["phase"] == "Failed"
     assert a.rt.find("u1", "c0") == []  # the main container never ran
-    await a.loop.stop()
+    await a.loops.stop()
 
 
 def test_cache_entry_for_unknown_pod_is_empty() -> None:
