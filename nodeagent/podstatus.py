@@ -25,7 +25,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter
 from nodeagent.api.answered import ApiAnswered
 from nodeagent.api.client import brief, is_retriable, status_of
 from nodeagent.api.clock import Clock
-from nodeagent.api.kube import PODS, Kube
+from nodeagent.api.kube import PODS, Kube, describe
 from nodeagent.runtime.base import Container, ContainerState, PodRuntimeStatus
 from nodeagent.sources.types import Pod, is_static
 
@@ -393,17 +393,18 @@ class StatusManager:
                     # manager may not have created yet: keep trying
                     self._writes.labels(node=self.node, kind=kind, result="error").inc()
                     log.info("pod %s: no mirror pod yet for its status; retry in %.0fs",
-                             uid, delay)
+                             describe(e.pod), delay)
                 elif code in (404, 409, 422):
                     # the pod is gone or was replaced by a new one with the same name
-                    log.info("pod %s: status %s gave %s; the pod is gone", uid, kind, code)
+                    log.info("pod %s: status %s gave %s; the pod is gone", describe(e.pod),
+                             kind, code)
                     self._writes.labels(node=self.node, kind=kind, result="gone").inc()
                     e.sent = want
                     e.deleted = True
                     return
                 else:
                     self._writes.labels(node=self.node, kind=kind, result="error").inc()
-                    log.warning("pod %s: status %s failed (%s), retry in %.0fs%s", uid,
+                    log.warning("pod %s: status %s failed (%s), retry in %.0fs%s", describe(e.pod),
                                 kind, brief(exc), delay,
                                 "" if is_retriable(exc) else " (not retriable?)")
             back = await self.answered.wait(delay)  # the API server answers again

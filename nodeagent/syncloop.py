@@ -27,12 +27,13 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter
 
 from nodeagent.api.answered import ApiAnswered
 from nodeagent.api.clock import Clock
-from nodeagent.api.kube import Kube
+from nodeagent.api.kube import Kube, describe
 from nodeagent.pleg import EventType, Pleg, PodCache, PodLifecycleEvent
 from nodeagent.podstatus import StatusManager
 from nodeagent.runtime.base import LABEL_POD_NAME, LABEL_POD_NAMESPACE, Runtime
 from nodeagent.sources.types import Op, Pod, PodUpdate, SourcesReady, pod_node_name
-from nodeagent.workers import CrashBackoff, PodSyncer, PodWorkers, UpdateKind
+from nodeagent.syncer import CrashBackoff, PodSyncer
+from nodeagent.workers import PodWorkers, UpdateKind
 
 log = logging.getLogger(__name__)
 
@@ -130,11 +131,10 @@ class SyncLoop:
                 continue
             node = pod_node_name(pod)
             if node and node != self.node_name:
-                log.warning("pod %s is bound to node %s, not %s; ignored", uid, node,
+                log.warning("pod %s is bound to node %s, not %s; ignored", describe(pod), node,
                             self.node_name)
                 continue
-            log.debug("pod %s (%s): %s from %s", uid, (pod.get("metadata") or {}).get("name"),
-                      u.op, u.source)
+            log.debug("pod %s: %s from %s", describe(pod), u.op, u.source)
             if u.op in (Op.ADD, Op.UPDATE):
                 self.pods[uid] = pod
                 if (pod.get("metadata") or {}).get("deletionTimestamp"):
@@ -200,8 +200,8 @@ def housekeeping(pleg: Pleg, sources_ready: SourcesReady, loops: Sequence[SyncLo
     orphans = sorted(names.keys() - known)
     for uid in orphans:
         name, ns = names[uid]
-        log.info("housekeeping: pod %s (%s/%s) runs but no source has it; removing",
-                 uid, ns, name)
+        log.info("housekeeping: pod %s/%s (uid %s) runs but no source has it; removing",
+                 ns, name, uid)
         first._orphans.inc()
         first.workers.update({"metadata": {"uid": uid, "name": name or uid,
                                            "namespace": ns or "default"},
@@ -277,7 +277,7 @@ class NodeLoops:
             node = pod_node_name(pod)
             uid = str((pod.get("metadata") or {}).get("uid") or "")
             if node not in self.loops:
-                log.warning("pod %s: node %r is not served here; ignored", uid, node)
+                log.warning("pod %s: node %r is not served here; ignored", describe(pod), node)
                 continue
             by_node.setdefault(node, []).append(pod)
             if uid:

@@ -8,7 +8,8 @@ import datetime as dt
 import pytest
 
 from nodeagent.node.host import HostReadError, HostReadings
-from nodeagent.node.quantity import QuantityError, parse_quantity, parse_thresholds
+from nodeagent.api.quantity import QuantityError, parse_quantity
+from nodeagent.node.quantity import parse_thresholds
 from nodeagent.node.status import (
     StatusSettings,
     build_patch,

@@ -19,7 +19,8 @@ from nodeagent.runtime import (
     SandboxState,
     make_runtime,
 )
-from nodeagent.runtime.base import LABEL_CONTAINER_NAME, LABEL_POD_UID, parse_quantity
+from nodeagent.api.quantity import parse_quantity
+from nodeagent.runtime.base import LABEL_CONTAINER_NAME, LABEL_POD_UID
 from nodeagent.runtime.fake import FakeRuntime
 
 

@@ -1,4 +1,4 @@
-"""Pod workers and the syncer in isolation: back-off arithmetic, pull policy defaults,
+"""Pod workers (workers.py) and the syncer (syncer.py) in isolation: back-off arithmetic, pull policy defaults,
 latest-wins, kill during a sync, init container order."""
 
 from __future__ import annotations
@@ -11,15 +11,8 @@ from nodeagent.api.clock import FakeClock, settle
 from nodeagent.pleg import CacheEntry, PodCache
 from nodeagent.runtime import PodRuntimeStatus
 from nodeagent.sources.types import Op
-from nodeagent.workers import (
-    CrashBackoff,
-    Phase,
-    PodWorkers,
-    SyncResult,
-    UpdateKind,
-    grace_of,
-    pull_policy,
-)
+from nodeagent.syncer import CrashBackoff, SyncResult, grace_of, pull_policy
+from nodeagent.workers import Phase, PodWorkers, UpdateKind
 from tests.test_runtime_fake import aio
 from tests.test_syncloop import mkpod, started
 
