@@ -3,7 +3,6 @@ file, stops cleanly."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
 import os
@@ -13,31 +12,18 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from nodeagent import __version__, config
-from nodeagent.agent import Agent, Parts, Pools
+from nodeagent.agent import Agent
 from nodeagent.api.clock import FakeClock, settle
 from nodeagent.api.kube import LEASES, NODE_LEASE_NAMESPACE, NODES
 from nodeagent.api.serve import HealthServer
 from nodeagent.node.controller import NodeSpec
-from nodeagent.runtime.fake import FakeRuntime
-from tests.conftest import InlineExecutor
+from tests.conftest import AgentRig
 from tests.fakekube import FakeKube
-from tests.test_node_host import fake_proc
 
 
 def make_agent(tmp_path, argv: list[str]) -> tuple[Agent, FakeClock, FakeKube]:
-    parser = argparse.ArgumentParser()
-    config.add_flags(parser)
-    flags = vars(parser.parse_args(["--node-name", "n1", "--healthz-bind-address", "",
-                                    "--proc-path", str(fake_proc(tmp_path)),
-                                    "--root-dir", str(tmp_path), *argv]))
-    cfg = config.load(flags, {})
-    clock = FakeClock()
-    kube = FakeKube(now=clock.monotonic)
-    inline = InlineExecutor()
-    runtime = FakeRuntime(clock, images=["localhost/pause:1"], image_size=700_000)
-    agent = Agent(cfg, Parts(kube, clock, runtime=runtime, pools=Pools(inline, inline),
-                             registry=CollectorRegistry(), flags=flags, env={}))
-    return agent, clock, kube
+    rig = AgentRig(tmp_path, *argv, images=["localhost/pause:1"], image_size=700_000)
+    return rig.agent, rig.clock, rig.kube
 
 
 def test_runs_reports_health_and_stops(tmp_path):

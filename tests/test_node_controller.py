@@ -8,6 +8,7 @@ import copy
 import dataclasses
 import json
 import random
+from types import SimpleNamespace
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -21,9 +22,8 @@ from nodeagent.node.metrics import NodeMetrics
 from nodeagent.node.scheduler import Blocking, DueScheduler
 from nodeagent.node.status import StatusSettings
 from nodeagent.node.watch import NodeWatch
-from tests.conftest import InlineExecutor
+from tests.conftest import READINGS, SETTINGS, InlineExecutor
 from tests.fakekube import FakeKube, api_error
-from tests.test_node_status import READINGS, SETTINGS
 
 DEFAULT_HB = Heartbeat()
 
@@ -325,3 +325,60 @@ def test_legacy_mode_writes_full_status_every_period_and_no_lease():
         assert rig.node.health() is None
         await rig.stop()
     run(main())
+
+
+# -- the Node watch's backoff has the same rule as the pod source's (its ceiling is 8 s)
+class NodeRig:
+    """A node watch whose watches are refused (connection refused) while `down`."""
+
+    def __init__(self) -> None:
+        self.clock = FakeClock()
+        self.kube = FakeKube(now=self.clock.monotonic)
+        self.kube.put(NODES, {"metadata": {"name": "n1"}})
+        self.down = True
+        self.kube.intercept("watch nodes", lambda _: ConnectionRefusedError("refused")
+                            if self.down else None)
+        self.seen: list[str] = []
+        node = SimpleNamespace(on_node=lambda obj: self.seen.append(obj["metadata"]["name"]))
+        self.watch = NodeWatch(self.kube, {"n1": node}, self.clock,  # type: ignore[dict-item]
+                               agent_id="a")
+
+
+def test_node_watch_backoff_starts_over_after_a_watch_that_worked() -> None:
+    async def main() -> None:
+        rig = NodeRig()
+        kube, clock = rig.kube, rig.clock
+        task = asyncio.create_task(rig.watch.run())
+        await settle()
+        for _ in range(6):  # refused: 1, 2, 4, 8, 8, 8 s
+            await clock.advance(8.0)
+        rig.down = False
+        await clock.advance(8.0)
+        kube.annotate(NODES, "n1", "x", "1")  # an event for the watch to deliver
+        await settle()
+        assert len(rig.seen) == 2  # the list, then the event: the watch worked...
+        kube.drop(ConnectionResetError("Response ended prematurely"))  # ...then broke
+        await settle()
+        calls = kube.count("watch nodes")
+        await clock.advance(1.0)  # the first step of a new backoff, not 8 s
+        assert kube.count("watch nodes") > calls
+        rig.watch.stop()
+        await asyncio.wait_for(task, 1)
+    asyncio.run(main())
+
+
+def test_node_watch_backoff_ends_when_the_api_answers() -> None:
+    async def main() -> None:
+        rig = NodeRig()
+        kube, clock = rig.kube, rig.clock
+        task = asyncio.create_task(rig.watch.run())
+        await settle()
+        for _ in range(5):  # refused: 1, 2, 4, 8, 8 s
+            await clock.advance(8.0)
+        calls = kube.count("watch nodes")
+        rig.watch.reflector.answered.fire()  # a Lease renewal went through: now, not in 8 s
+        await settle()
+        assert kube.count("watch nodes") == calls + 1
+        rig.watch.stop()
+        await asyncio.wait_for(task, 1)
+    asyncio.run(main())

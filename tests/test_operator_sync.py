@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import datetime as dt
-from collections.abc import Callable
 from typing import Any
 
 from kubernetes.client.exceptions import ApiException
@@ -18,17 +17,9 @@ from nodeoperator.sync import InitialSync
 from nodeagent.api.clock import FakeClock, settle
 from nodeagent.api.kube import NODE_STATUS_POLICIES, NODES
 from nodeagent.api.policy import HEARTBEAT_ANNOTATION, Heartbeat, encode_heartbeat_annotation
+from tests.conftest import until
 from tests.fakekube import Call, FakeKube
 from tests.test_operator_monitor import FakeApi, _post_ready, spec
-
-
-async def until(cond: Callable[[], bool], what: str) -> None:
-    """Let the event loop (and the worker threads) run until cond holds."""
-    for _ in range(200_000):
-        if cond():
-            return
-        await asyncio.sleep(0)
-    raise AssertionError(f"never: {what}")
 
 
 class ListApi:

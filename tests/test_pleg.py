@@ -18,17 +18,15 @@ from nodeagent.pleg import (
 )
 from nodeagent.runtime import ContainerConfig, PodRuntimeStatus, RelistResult, SandboxConfig
 from nodeagent.runtime.fake import FakeRuntime
-from tests.test_runtime_fake import aio
+from tests.conftest import aio, mkpod
 
 
-def mkpod(uid: str, containers: int = 1) -> dict:
-    return {"metadata": {"name": f"p-{uid}", "namespace": "ns", "uid": uid},
-            "spec": {"containers": [{"name": f"c{i}", "image": "img"}
-                                    for i in range(containers)]}}
+def pod_of(uid: str, containers: int = 1) -> dict:
+    return mkpod(f"p-{uid}", uid, image="img", containers=[f"c{i}" for i in range(containers)])
 
 
 async def start_pod(rt: FakeRuntime, uid: str, containers: int = 1) -> list[str]:
-    p = mkpod(uid, containers)
+    p = pod_of(uid, containers)
     sc = SandboxConfig.from_pod(p)
     sid = await rt.run_sandbox(sc)
     ids = []

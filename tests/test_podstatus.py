@@ -18,21 +18,18 @@ from nodeagent.runtime import (
     Sandbox,
     SandboxState,
 )
-from tests.conftest import aio, pod_deletes, status_patches
+from tests.conftest import aio, mkpod, pod_deletes, status_patches
 from tests.fakekube import FakeKube, api_error
 
 T0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
 
 
-def mkpod(policy: str = "Always", init: bool = False, **spec: Any) -> dict:
-    p: dict[str, Any] = {
-        "metadata": {"name": "web", "namespace": "ns", "uid": "u1"},
-        "spec": {"restartPolicy": policy,
-                 "containers": [{"name": "a", "image": "img:a"},
-                                {"name": "b", "image": "img:b"}], **spec}}
+def web(policy: str = "Always", init: bool = False, **spec: Any) -> dict:
+    """Pod "web" (uid u1) with containers a and b, and with `init` an init container i."""
     if init:
-        p["spec"]["initContainers"] = [{"name": "i", "image": "img:i"}]
-    return p
+        spec["initContainers"] = [{"name": "i", "image": "img:i"}]
+    return mkpod("web", "u1", policy=policy, node=None, phase=None, containers=[
+        {"name": "a", "image": "img:a"}, {"name": "b", "image": "img:b"}], **spec)
 
 
 def ctr(name: str, state: ContainerState, attempt: int = 0, code: int | None = None,
@@ -59,7 +56,7 @@ def cond(st: dict, ctype: str) -> str:
 
 
 def test_running_pod() -> None:
-    st = status(mkpod(), rs(ctr("a", ContainerState.RUNNING), ctr("b", ContainerState.RUNNING)))
+    st = status(web(), rs(ctr("a", ContainerState.RUNNING), ctr("b", ContainerState.RUNNING)))
     assert st["phase"] == "Running"
     assert [cond(st, t) for t in ("PodScheduled", "Initialized", "ContainersReady",
                                   "Ready")] == ["True"] * 4
@@ -72,12 +69,12 @@ def test_running_pod() -> None:
     assert a["state"] == {"running": {"startedAt": "2026-01-01T00:00:00Z"}}
     assert st["podIP"] == "10.88.0.5" and st["hostIP"] == "192.0.2.1"
     assert st["startTime"] == "2026-01-01T00:00:00Z"
-    hn = status(mkpod(hostNetwork=True), rs(ctr("a", ContainerState.RUNNING)))
+    hn = status(web(hostNetwork=True), rs(ctr("a", ContainerState.RUNNING)))
     assert hn["podIP"] == "192.0.2.1"
 
 
 def test_pending_and_waiting_reasons() -> None:
-    st = status(mkpod(), rs(ctr("a", ContainerState.RUNNING)),
+    st = status(web(), rs(ctr("a", ContainerState.RUNNING)),
                 waiting={"b": Waiting("ErrImageNeverPull", "image img:b is not present")})
     assert st["phase"] == "Pending"
     b = st["containerStatuses"][1]
@@ -92,7 +89,7 @@ def test_crashloop_restart_counts_and_last_state() -> None:
     r = rs(ctr("a", ContainerState.EXITED, attempt=0, code=1, cid="old"),
            ctr("a", ContainerState.EXITED, attempt=1, code=2, cid="new"),
            ctr("b", ContainerState.RUNNING))
-    st = status(mkpod(), r, waiting={"a": Waiting("CrashLoopBackOff", "back-off 10s")})
+    st = status(web(), r, waiting={"a": Waiting("CrashLoopBackOff", "back-off 10s")})
     a = st["containerStatuses"][0]
     assert a["restartCount"] == 1
     assert a["state"]["waiting"]["reason"] == "CrashLoopBackOff"
@@ -103,7 +100,7 @@ def test_crashloop_restart_counts_and_last_state() -> None:
     r2 = rs(ctr("a", ContainerState.EXITED, attempt=1, code=2, cid="new"),
             ctr("a", ContainerState.RUNNING, attempt=2, cid="newer"),
             ctr("b", ContainerState.RUNNING))
-    a2 = status(mkpod(), r2)["containerStatuses"][0]
+    a2 = status(web(), r2)["containerStatuses"][0]
     assert a2["restartCount"] == 2 and "running" in a2["state"]
     assert a2["lastState"]["terminated"]["exitCode"] == 2
 
@@ -111,43 +108,43 @@ def test_crashloop_restart_counts_and_last_state() -> None:
 def test_phases_by_restart_policy() -> None:
     ok = rs(ctr("a", ContainerState.EXITED, code=0), ctr("b", ContainerState.EXITED, code=0))
     bad = rs(ctr("a", ContainerState.EXITED, code=0), ctr("b", ContainerState.EXITED, code=3))
-    assert status(mkpod("Never"), ok)["phase"] == "Succeeded"
-    assert status(mkpod("Never"), bad)["phase"] == "Failed"
-    assert status(mkpod("OnFailure"), ok)["phase"] == "Succeeded"
-    assert status(mkpod("OnFailure"), bad)["phase"] == "Running"
-    assert status(mkpod("Always"), ok)["phase"] == "Running"
+    assert status(web("Never"), ok)["phase"] == "Succeeded"
+    assert status(web("Never"), bad)["phase"] == "Failed"
+    assert status(web("OnFailure"), ok)["phase"] == "Succeeded"
+    assert status(web("OnFailure"), bad)["phase"] == "Running"
+    assert status(web("Always"), ok)["phase"] == "Running"
     # deleted and stopped: terminal whatever the policy
-    assert status(mkpod("Always"), bad, terminal=True)["phase"] == "Failed"
+    assert status(web("Always"), bad, terminal=True)["phase"] == "Failed"
     # a terminal phase never goes back
-    assert status(mkpod("Never"), rs(ctr("a", ContainerState.RUNNING)),
+    assert status(web("Never"), rs(ctr("a", ContainerState.RUNNING)),
                   previous={"phase": "Succeeded"})["phase"] == "Succeeded"
-    done = status(mkpod("Never"), ok)
+    done = status(web("Never"), ok)
     assert next(c for c in done["conditions"] if c["type"] == "Ready")["reason"] == \
         "PodCompleted"
 
 
 def test_init_containers() -> None:
-    st = status(mkpod(init=True), rs(ctr("i", ContainerState.RUNNING)))
+    st = status(web(init=True), rs(ctr("i", ContainerState.RUNNING)))
     assert st["phase"] == "Pending" and cond(st, "Initialized") == "False"
     assert st["containerStatuses"][0]["state"]["waiting"]["reason"] == "PodInitializing"
-    st = status(mkpod(init=True), rs(ctr("i", ContainerState.EXITED, code=0),
+    st = status(web(init=True), rs(ctr("i", ContainerState.EXITED, code=0),
                                      ctr("a", ContainerState.RUNNING),
                                      ctr("b", ContainerState.RUNNING)))
     assert st["phase"] == "Running" and cond(st, "Initialized") == "True"
     assert st["initContainerStatuses"][0]["ready"] is True
-    st = status(mkpod("Never", init=True), rs(ctr("i", ContainerState.EXITED, code=1)))
+    st = status(web("Never", init=True), rs(ctr("i", ContainerState.EXITED, code=1)))
     assert st["phase"] == "Failed"
 
 
 def test_transition_times_kept_while_unchanged() -> None:
     r = rs(ctr("a", ContainerState.RUNNING), ctr("b", ContainerState.RUNNING))
-    first = status(mkpod(), r)
-    later = compute_pod_status(mkpod(), r, host_ip="192.0.2.1", scheme="containerd",
+    first = status(web(), r)
+    later = compute_pod_status(web(), r, host_ip="192.0.2.1", scheme="containerd",
                                now=T0 + dt.timedelta(minutes=5), previous=first)
     assert later == first
     r.containers[1].state = ContainerState.EXITED
     r.containers[1].exit_code = 1
-    changed = compute_pod_status(mkpod(), r, host_ip="192.0.2.1", scheme="containerd",
+    changed = compute_pod_status(web(), r, host_ip="192.0.2.1", scheme="containerd",
                                  now=T0 + dt.timedelta(minutes=5), previous=first)
     ready = next(c for c in changed["conditions"] if c["type"] == "Ready")
     assert ready["status"] == "False" and ready["lastTransitionTime"] == "2026-01-01T00:05:00Z"
@@ -166,7 +163,7 @@ def api(*pods: dict) -> FakeKube:
 @aio
 async def test_manager_patches_only_on_change_and_retries() -> None:
     clock = FakeClock()
-    pod = mkpod()
+    pod = web()
     kube = api(pod)
     m = StatusManager(kube, clock, registry=CollectorRegistry())
     r = rs(ctr("a", ContainerState.RUNNING), ctr("b", ContainerState.RUNNING))
@@ -210,7 +207,7 @@ async def test_the_api_answering_again_ends_a_long_backoff() -> None:
     """After an outage, statuses go as soon as the API server answers again (the pod
     watch reconnects), not at the end of a backoff that grew to a minute meanwhile."""
     clock = FakeClock()
-    pod = mkpod()
+    pod = web()
     kube = api(pod)
     answered = ApiAnswered(clock)
     m = StatusManager(kube, clock, answered=answered, registry=CollectorRegistry())
@@ -237,7 +234,7 @@ async def test_the_api_answering_again_ends_a_long_backoff() -> None:
 @aio
 async def test_manager_finishes_deletion_and_handles_gone_pods() -> None:
     clock = FakeClock()
-    pod = mkpod()
+    pod = web()
     kube = api(pod)
     m = StatusManager(kube, clock, registry=CollectorRegistry())
     m.set_status(pod, status(pod, rs()))
@@ -255,14 +252,14 @@ async def test_manager_finishes_deletion_and_handles_gone_pods() -> None:
     assert not m2.dirty("u1") and status_patches(kube2) == []
     assert kube2.count("patch pods/status") == 1
     # a new pod under the same name: the patch's uid precondition refuses it (409)
-    kube3 = api({**mkpod(), "metadata": {"name": "web", "namespace": "ns", "uid": "u2"}})
+    kube3 = api({**web(), "metadata": {"name": "web", "namespace": "ns", "uid": "u2"}})
     m3 = StatusManager(kube3, clock, registry=CollectorRegistry())
     m3.set_status(pod, status(pod, rs()))
     await settle()
     assert not m3.dirty("u1") and status_patches(kube3) == []
     assert "status" not in kube3.obj(PODS, "web", "ns")
     # static pods are not deleted through the API
-    static = mkpod()
+    static = web()
     static["metadata"]["annotations"] = {"kubernetes.io/config.source": "file"}
     static["metadata"]["uid"] = "static1"
     m.finish_deletion(static)
@@ -275,7 +272,7 @@ async def test_static_pod_status_waits_for_its_mirror_pod() -> None:
     clock = FakeClock()
     kube = api()
     m = StatusManager(kube, clock, registry=CollectorRegistry())
-    static = mkpod()
+    static = web()
     static["metadata"]["annotations"] = {"kubernetes.io/config.source": "file"}
     m.set_status(static, status(static, rs()))
     await settle()
@@ -290,8 +287,8 @@ async def test_static_pod_status_waits_for_its_mirror_pod() -> None:
 
 @aio
 async def test_writes_a_strategic_patch_with_a_uid_precondition() -> None:
-    pod = mkpod()
-    static = mkpod()
+    pod = web()
+    static = web()
     static["metadata"].update(name="kube-x", uid="hash1",
                               annotations={"kubernetes.io/config.source": "file"})
     kube = api(pod, {"metadata": {"name": "kube-x", "namespace": "ns", "uid": "mirror"}})

@@ -19,17 +19,10 @@ from nodeagent.api.kube import PODS, Obj
 from nodeagent.sources.api import APISource
 from nodeagent.sources.merge import Merge
 from nodeagent.sources.types import Op, PodUpdate, Source
-from tests.conftest import until
+from tests.conftest import mkpod, until
 from tests.fakekube import FakeKube
 
 WAIT = 5.0
-
-
-def mkpod(name: str, node: str = "n1", image: str = "img") -> dict:
-    return {"apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": name, "namespace": "ns", "uid": f"uid-{name}"},
-            "spec": {"nodeName": node, "containers": [{"name": "c", "image": image}]},
-            "status": {"phase": "Pending"}}
 
 
 class Harness:
@@ -63,7 +56,7 @@ class Harness:
 
     async def watching(self, n: int) -> None:
         """Wait until the source has opened its n-th watch."""
-        await until(lambda: self.r.watches >= n and self.kube.watches_open >= 1, WAIT)
+        await until(lambda: self.r.watches >= n and self.kube.watches_open >= 1, timeout=WAIT)
 
 
 def run(body: Callable[[Harness], Awaitable[None]], nodes: list[str] | None = None,
@@ -251,3 +244,59 @@ def test_many_nodes_share_one_watch() -> None:
 def test_needs_a_node() -> None:
     with pytest.raises(ValueError, match="at least one node"):
         APISource(FakeKube(), [], Merge([Source.API]), FakeClock())
+
+
+# -- backoff after an outage (found by the network-cut e2e fault: after one outage had
+# grown the backoff to its 30 s ceiling, every later break of a healthy watch waited
+# 30 s before reconnecting, because only a cleanly ended stream reset it). A connection
+# cut mid-stream is a watch stream that breaks with a connection error.
+
+def test_backoff_starts_over_after_a_watch_that_worked() -> None:
+    async def body(h: Harness) -> None:
+        for _ in range(9):  # 0.5, 1, 2, 4, 8, 16, 30, 30, ...
+            await until(lambda: h.clock.sleepers == 1)
+            await h.clock.advance(30.0)
+        await until(lambda: h.clock.sleepers == 1)  # failed again: waiting 30 s
+        h.kube.down = False
+        await h.clock.advance(30.0)
+        await h.watching(1)
+        h.create(mkpod("a"))
+        assert await h.next() == (Op.ADD, ["a"])  # the watch works
+        watches = h.verbs()[1]
+        h.kube.drop(ConnectionResetError("cut"))  # the connection drops mid-stream
+        await until(lambda: h.clock.sleepers == 1 and not h.r.connected.is_set())
+        await h.clock.advance(1.0)  # the first step of a new backoff, not 30 s
+        await until(lambda: h.verbs()[1] > watches)
+        h.create(mkpod("b"))
+        assert await h.next() == (Op.ADD, ["b"])
+        assert h.r.relists == 0  # resumed from its resourceVersion
+
+    def before(h: Harness) -> None:
+        h.kube.down = True  # a long outage first: the backoff grows to its ceiling
+    run(body, before=before)
+
+
+def test_api_answered_ends_the_backoff_under_way() -> None:
+    """The node's Lease goes through again (the ApiAnswered signal): the pod watch,
+    waiting out a 30 s backoff, reconnects now; a later failure backs off again."""
+    async def body(h: Harness) -> None:
+        for _ in range(7):  # 0.5, 1, 2, 4, 8, 16, 30
+            await until(lambda: h.clock.sleepers == 1)
+            await h.clock.advance(30.0)
+        await until(lambda: h.clock.sleepers == 1)  # failed again: waiting 30 s
+        h.kube.down = False
+        h.r.answered.fire()
+        await h.watching(1)  # no clock advance: the wait ended
+        assert h.r.connected.is_set()  # watching, not backing off
+        verbs = h.verbs()
+        h.create(mkpod("a"))
+        assert await h.next() == (Op.ADD, ["a"])
+        h.r.answered.fire()  # nothing under way: nothing changes
+        await settle()
+        h.create(mkpod("b"))
+        assert await h.next() == (Op.ADD, ["b"])
+        assert h.verbs() == verbs  # the same watch
+
+    def before(h: Harness) -> None:
+        h.kube.down = True
+    run(body, before=before)

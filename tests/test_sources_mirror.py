@@ -17,9 +17,8 @@ from nodeagent.sources.mirror import MirrorManager
 from nodeagent.sources.problems import Problems
 from nodeagent.sources.static import check_pod, make_static_pod
 from nodeagent.sources.types import ANN_CONFIG_MIRROR, Pod, Source
-from tests.conftest import aio, until
+from tests.conftest import Sink, aio, until
 from tests.fakekube import Call, FakeKube, api_error
-from tests.test_merge import Sink
 
 T0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
 

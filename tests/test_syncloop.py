@@ -4,86 +4,25 @@ restart with back-off, finish, get deleted; orphans are removed; a new agent ado
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 from prometheus_client import CollectorRegistry
 
 from nodeagent.api.answered import ApiAnswered
 from nodeagent.api.clock import FakeClock, settle
-from nodeagent.api.kube import PODS
 from nodeagent.pleg import Pleg
 from nodeagent.runtime import ContainerState, RuntimeTimeout, SandboxState
 from nodeagent.runtime.fake import FakeRuntime
 from nodeagent.sources.types import Op, PodUpdate, Source, SourcesReady
 from nodeagent.syncloop import NodeLoops, NodeLoopsConfig, SyncLoopConfig
-from tests.conftest import aio, pod_deletes, status_patches
+from tests.conftest import LoopRig, aio, mkpod, pod_deletes, started
 from tests.fakekube import FakeKube
-
-
-def mkpod(name: str, uid: str, *, policy: str = "Always", containers: int = 1,
-          image: str = "localhost/busybox:1", **spec: Any) -> dict:
-    return {"metadata": {"name": name, "namespace": "ns", "uid": uid},
-            "spec": {"nodeName": "n1", "restartPolicy": policy,
-                     "containers": [{"name": f"c{i}", "image": image,
-                                     "command": ["sleep", "3600"]}
-                                    for i in range(containers)], **spec},
-            "status": {"phase": "Pending"}}
-
-
-class Agent:
-    def __init__(self, rt: FakeRuntime, clock: FakeClock, ready: bool = True) -> None:
-        self.rt = rt
-        self.clock = clock
-        self.updates: asyncio.Queue[PodUpdate] = asyncio.Queue()
-        self.ready = SourcesReady({Source.API})
-        if ready:
-            self.ready.mark(Source.API)
-        self.kube = FakeKube(now=clock.monotonic)
-        self.registry = CollectorRegistry()
-        config = SyncLoopConfig(runtime=rt, clock=clock, kube=self.kube,
-                                answered=ApiAnswered(clock), host_ip="192.0.2.10",
-                                registry=self.registry)
-        self.loops = NodeLoops(NodeLoopsConfig(("n1",), config),
-                               Pleg(rt, clock, node="n1", registry=self.registry),
-                               self.updates, self.ready)
-        self.loop = self.loops.loops["n1"]  # the node's own
-
-    def send(self, op: Op, *pods: dict) -> None:
-        """What the API source would deliver; the API server holds the same pods."""
-        for pod in pods:
-            meta = pod["metadata"]
-            if op != Op.REMOVE:
-                self.kube.put(PODS, pod)
-            elif self.kube.has(PODS, meta["name"], meta["namespace"]):
-                self.kube.remove(PODS, meta["name"], meta["namespace"])
-        self.updates.put_nowait(PodUpdate(op, tuple(pods), Source.API))
-
-    def patches(self) -> list[tuple[str, dict]]:
-        return status_patches(self.kube)
-
-    def status(self, uid: str) -> dict:
-        return [st for u, st in self.patches() if u == uid][-1]
-
-    def cstatus(self, uid: str, i: int = 0) -> dict:
-        return self.status(uid)["containerStatuses"][i]
-
-    async def run_for(self, seconds: float) -> None:
-        for _ in range(int(seconds)):
-            await self.clock.advance(1)
-
-
-async def started(clock: FakeClock, rt: FakeRuntime | None = None) -> Agent:
-    a = Agent(rt or FakeRuntime(clock), clock)
-    a.loops.start()
-    await settle()
-    return a
 
 
 @aio
 async def test_pod_starts_and_reports_running() -> None:
     clock = FakeClock()
     a = await started(clock)
-    a.send(Op.ADD, mkpod("web", "u1", containers=2))
+    a.send(Op.ADD, mkpod("web", "u1", containers=("c0", "c1")))
     await a.run_for(3)
     assert len(a.rt.running("u1")) == 2
     st = a.status("u1")
@@ -128,7 +67,7 @@ async def test_crash_restarts_with_doubling_backoff() -> None:
     assert [round(t / 10) * 10 for t in restart_times] == [10, 20, 40]
     assert a.rt.running("u1")[0].restart_count == 4
     # old attempts are pruned: the running one plus the newest exited one remain
-    assert len(a.rt.find("u1", "c0")) == 2
+    assert len(a.rt.find("u1", "c")) == 2
     await a.loops.stop()
 
 
@@ -164,7 +103,7 @@ async def test_graceful_delete_within_grace_then_remove() -> None:
     pod = mkpod("web", "u1", terminationGracePeriodSeconds=30)
     a.send(Op.ADD, pod)
     await a.run_for(3)
-    a.rt.ignore_sigterm.add("c0")
+    a.rt.ignore_sigterm.add("c")
     deleted = {**pod, "metadata": {**pod["metadata"], "deletionTimestamp": "2026-01-01T00:00:03Z",
                                    "deletionGracePeriodSeconds": 5}}
     a.send(Op.DELETE, deleted)
@@ -172,7 +111,7 @@ async def test_graceful_delete_within_grace_then_remove() -> None:
     assert len(a.rt.running("u1")) == 1  # still inside its grace period
     await a.run_for(3)
     assert a.rt.running("u1") == []
-    c = a.rt.find("u1", "c0")[-1]
+    c = a.rt.find("u1", "c")[-1]
     assert c.exit_code == 137
     await a.run_for(2)
     st = a.status("u1")
@@ -181,7 +120,7 @@ async def test_graceful_delete_within_grace_then_remove() -> None:
     a.send(Op.REMOVE, deleted)
     await a.run_for(2)
     assert [s for s in a.rt.sandboxes.values() if s.pod_uid == "u1"] == []
-    assert a.rt.find("u1", "c0") == []
+    assert a.rt.find("u1", "c") == []
     assert "u1" not in a.loop.workers
     await a.loops.stop()
 
@@ -218,7 +157,7 @@ async def test_housekeeping_waits_for_sources_then_removes_orphans() -> None:
     a1.send(Op.ADD, mkpod("keep", "k"), mkpod("gone", "g"))
     await a1.run_for(3)
     await a1.loops.stop()
-    a2 = Agent(rt, clock, ready=False)
+    a2 = LoopRig(rt, clock, ready=False)
     a2.loops.start()
     await settle()
     a2.send(Op.ADD, mkpod("keep", "k"))
@@ -226,7 +165,7 @@ async def test_housekeeping_waits_for_sources_then_removes_orphans() -> None:
     assert len(rt.running("g")) == 1  # sources not ready: absence proves nothing
     a2.ready.mark(Source.API)
     await a2.run_for(4)
-    assert rt.find("g", "c0") == [] and not [s for s in rt.sandboxes.values()
+    assert rt.find("g", "c") == [] and not [s for s in rt.sandboxes.values()
                                              if s.pod_uid == "g"]
     assert len(rt.running("k")) == 1
     assert a2.patches() and all(u != "g" for u, _ in a2.patches())
@@ -238,7 +177,7 @@ async def test_new_agent_adopts_running_pods_without_duplicates() -> None:
     clock = FakeClock()
     rt = FakeRuntime(clock)
     a1 = await started(clock, rt)
-    pods = [mkpod(f"p{i}", f"u{i}", containers=2) for i in range(3)]
+    pods = [mkpod(f"p{i}", f"u{i}", containers=("c0", "c1")) for i in range(3)]
     a1.send(Op.ADD, *pods)
     await a1.run_for(3)
     assert len(rt.running()) == 6
@@ -247,7 +186,7 @@ async def test_new_agent_adopts_running_pods_without_duplicates() -> None:
     crashed = rt.running("u1")[0]
     rt.exit_container(crashed.id, 1)  # dies while no agent runs
 
-    a2 = Agent(rt, clock)
+    a2 = LoopRig(rt, clock)
     # the API already shows what agent 1 reported
     a2.send(Op.ADD, *[{**p, "status": a1.status(p["metadata"]["uid"])} for p in pods])
     a2.loops.start()
@@ -354,7 +293,7 @@ async def test_housekeeping_ignores_pods_cleaned_up_after_the_last_relist() -> N
     for step in (0.1, 0.2, 0.3):  # cache "fresh" for each worker step, but no relist
         await a.loops.pleg.cache.update_time(clock.monotonic() + step)
         await settle()
-    assert "u1" not in a.loop.workers and a.rt.find("u1", "c0") == []
+    assert "u1" not in a.loop.workers and a.rt.find("u1", "c") == []
     assert a.loops.pleg.last_result is stale  # no relist since: it still shows u1
     assert a.loops.housekeeping() == []
     await a.run_for(2)
@@ -367,7 +306,7 @@ async def test_housekeeping_ignores_pods_cleaned_up_after_the_last_relist() -> N
 async def test_unrunnable_spec_is_reported_not_crashed_on() -> None:
     clock = FakeClock()
     a = await started(clock)
-    pod = mkpod("web", "u1", containers=2)
+    pod = mkpod("web", "u1", containers=("c0", "c1"))
     pod["spec"]["containers"][1]["resources"] = {"limits": {"memory": "lots"}}
     a.send(Op.ADD, pod)
     await a.run_for(3)
@@ -405,7 +344,7 @@ async def test_replacement_with_same_name_waits_for_the_old_pod_to_stop() -> Non
     old = mkpod("static-web", "old", terminationGracePeriodSeconds=5)
     a.send(Op.ADD, old)
     await a.run_for(3)
-    a.rt.ignore_sigterm.add("c0")  # the old one takes its whole grace period to stop
+    a.rt.ignore_sigterm.add("c")  # the old one takes its whole grace period to stop
     new = mkpod("static-web", "new")
     a.send(Op.REMOVE, old)
     a.send(Op.ADD, new)

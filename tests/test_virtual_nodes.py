@@ -4,7 +4,6 @@ runtime and one PLEG."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 from pathlib import Path
 from typing import Any
@@ -14,60 +13,41 @@ from prometheus_client import CollectorRegistry
 
 from nodeagent import config
 from nodeagent.agent import Agent, Parts, Pools, build_runtime
-from nodeagent.api.answered import ApiAnswered
 from nodeagent.api.clock import FakeClock, settle
-from nodeagent.api.kube import NODES, PODS
+from nodeagent.api.kube import NODES
 from nodeagent.api.policy import (
     AGENT_LABEL,
     HEARTBEAT_ANNOTATION,
     Heartbeat,
     encode_heartbeat_annotation,
 )
-from nodeagent.pleg import Pleg
-from nodeagent.pods import Pods
 from nodeagent.runtime.base import SandboxConfig
 from nodeagent.runtime.fake import FakeRuntime
 from nodeagent.sources.api import APISource
-from nodeagent.sources.types import Op, PodUpdate, Source, SourcesReady
-from nodeagent.syncloop import NodeLoops, NodeLoopsConfig, SyncLoopConfig
-from tests.conftest import InlineExecutor, aio, status_patches
+from nodeagent.sources.types import Op
+from tests.conftest import InlineExecutor, LoopRig, agent_config, agent_flags, aio, mkpod
 from tests.fakekube import FakeKube
-from tests.test_node_host import fake_proc
 
 VIRTUAL_TAINT = {"key": "nodepulse.dev/virtual", "value": "true", "effect": "NoSchedule"}
-
-
-def flags_of(tmp_path: Path, *argv: str) -> dict[str, Any]:
-    parser = argparse.ArgumentParser()
-    config.add_flags(parser)
-    proc = tmp_path / "proc"
-    return vars(parser.parse_args(["--healthz-bind-address", "", "--root-dir",
-                                   str(tmp_path), "--proc-path",
-                                   str(proc if proc.exists() else fake_proc(tmp_path)),
-                                   *argv]))
-
-
-def load(tmp_path: Path, *argv: str, env: dict[str, str] | None = None) -> config.AgentConfig:
-    return config.load(flags_of(tmp_path, *argv), env or {})
 
 
 # -- settings --
 
 def test_count_and_prefix_make_the_names(tmp_path: Path) -> None:
-    cfg = load(tmp_path, "--virtual-nodes", "3", "--node-name-prefix", "vn")
+    cfg = agent_config(tmp_path, "--virtual-nodes", "3", "--node-name-prefix", "vn")
     assert cfg.virtual and cfg.node_names == ("vn-0", "vn-1", "vn-2")
     assert cfg.agent_id == "vn"  # the label that finds them
     assert cfg.virtual_node_taints == (VIRTUAL_TAINT,)
-    host = load(tmp_path, "--node-name", "h1")
+    host = agent_config(tmp_path, "--node-name", "h1")
     assert not host.virtual and host.node_names == ("h1",)  # N=1: the host agent
-    env = load(tmp_path, env={"NODEPULSE_VIRTUAL_NODES": "2",
+    env = agent_config(tmp_path, env={"NODEPULSE_VIRTUAL_NODES": "2",
                               "NODEPULSE_NODE_NAME_PREFIX": "e"})
     assert env.node_names == ("e-0", "e-1")
     # the Helm chart passes --node-name-prefix=$(POD_NAME)- and --agent-id=$(POD_NAME)
-    chart = load(tmp_path, "--virtual-nodes", "2", "--node-name-prefix", "np-agent-0-",
+    chart = agent_config(tmp_path, "--virtual-nodes", "2", "--node-name-prefix", "np-agent-0-",
                  "--agent-id", "np-agent-0")
     assert chart.node_names == ("np-agent-0-0", "np-agent-0-1")
-    assert load(tmp_path, "--virtual-nodes", "1", "--node-name-prefix",
+    assert agent_config(tmp_path, "--virtual-nodes", "1", "--node-name-prefix",
                 "np-").agent_id == "np"
 
 
@@ -75,11 +55,11 @@ def test_names_from_the_config_file_and_taint_choices(tmp_path: Path) -> None:
     path = tmp_path / "agent.yaml"
     path.write_text("virtualNodes: [edge-a, edge-b]\nagentID: edge\n"
                     "virtualNodeTaint: 'pool=edge:NoExecute'\n")
-    cfg = load(tmp_path, "--config", str(path))
+    cfg = agent_config(tmp_path, "--config", str(path))
     assert cfg.node_names == ("edge-a", "edge-b") and cfg.agent_id == "edge"
     assert cfg.virtual_node_taints == ({"key": "pool", "value": "edge",
                                         "effect": "NoExecute"},)
-    off = load(tmp_path, "--virtual-nodes", "2", "--virtual-node-taint", "none")
+    off = agent_config(tmp_path, "--virtual-nodes", "2", "--virtual-node-taint", "none")
     assert off.virtual_node_taints == ()
 
 
@@ -100,14 +80,14 @@ def test_names_from_the_config_file_and_taint_choices(tmp_path: Path) -> None:
 def test_bad_virtual_settings_are_refused(tmp_path: Path, argv: list[str],
                                           message: str) -> None:
     with pytest.raises(config.ConfigError, match=message.replace("?", r"\?")):
-        load(tmp_path, *argv)
+        agent_config(tmp_path, *argv)
 
 
 def test_duplicate_names_in_the_file_are_refused(tmp_path: Path) -> None:
     path = tmp_path / "agent.yaml"
     path.write_text("virtualNodes: [a, b, a]\n")
     with pytest.raises(config.ConfigError, match="virtualNodes: node name.s. listed twice: a"):
-        load(tmp_path, "--config", str(path))
+        agent_config(tmp_path, "--config", str(path))
 
 
 def test_help_documents_the_identity(tmp_path: Path) -> None:
@@ -120,14 +100,14 @@ def test_help_documents_the_identity(tmp_path: Path) -> None:
 # -- nodes: registration, leases, one watch --
 
 def make_agent(tmp_path: Path, *argv: str) -> tuple[Agent, FakeClock, FakeKube]:
-    flags = flags_of(tmp_path, *argv)
-    cfg = config.load(flags, {})
+    flags = agent_flags(tmp_path, *argv)
     clock = FakeClock()
     kube = FakeKube(now=clock.monotonic)
     inline = InlineExecutor()
-    agent = Agent(cfg, Parts(kube, clock, runtime=FakeRuntime(clock, images=[]),
-                             pools=Pools(inline, inline), registry=CollectorRegistry(),
-                             flags=flags, env={}))
+    agent = Agent(config.load(flags, {}),
+                  Parts(kube, clock, runtime=FakeRuntime(clock, images=[]),
+                        pools=Pools(inline, inline), registry=CollectorRegistry(),
+                        flags=flags, env={}))
     return agent, clock, kube
 
 
@@ -209,56 +189,24 @@ def test_no_taint_when_disabled(tmp_path: Path) -> None:
 # -- pods: one watch, one runtime, one PLEG, routed per node --
 
 def vpod(uid: str, node: str) -> dict[str, Any]:
-    return {"metadata": {"name": f"p-{uid}", "namespace": "ns", "uid": uid},
-            "spec": {"nodeName": node, "restartPolicy": "Always",
-                     "containers": [{"name": "c", "image": "localhost/busybox:1",
-                                     "command": ["sleep", "3600"]}]},
-            "status": {"phase": "Pending"}}
+    return mkpod(f"p-{uid}", uid, node=node)
 
 
-class Rig:
-    """The pod half for N nodes, fed as the merge feeds it."""
-
-    def __init__(self, names: list[str]) -> None:
-        self.clock = FakeClock()
-        self.rt = FakeRuntime(self.clock, images=["localhost/busybox:1"])
-        self.updates: asyncio.Queue[PodUpdate] = asyncio.Queue()
-        self.ready = SourcesReady({Source.API})
-        self.ready.mark(Source.API)
-        self.kube = FakeKube(now=self.clock.monotonic)
-        registry = CollectorRegistry()
-        config = SyncLoopConfig(runtime=self.rt, clock=self.clock, kube=self.kube,
-                                answered=ApiAnswered(self.clock), host_ip="192.0.2.10",
-                                registry=registry)
-        self.loops = NodeLoops(NodeLoopsConfig(tuple(names), config),
-                               Pleg(self.rt, self.clock, node="vn", registry=registry),
-                               self.updates, self.ready)
-        self.pods = Pods(self.rt, self.clock, self.loops)
-
-    def send(self, op: Op, *pods: dict[str, Any]) -> None:
-        """What the API source would deliver; the API server holds the same pods."""
-        for pod in pods:
-            if op != Op.REMOVE:
-                self.kube.put(PODS, pod)
-        self.updates.put_nowait(PodUpdate(op, pods, Source.API))
-
-    def patches(self) -> list[tuple[str, dict[str, Any]]]:
-        return status_patches(self.kube)
-
-    def phase(self, uid: str) -> str:
-        return [st for u, st in self.patches() if u == uid][-1]["phase"]
+def rig_of(names: list[str]) -> LoopRig:
+    clock = FakeClock()
+    return LoopRig(FakeRuntime(clock, images=["localhost/busybox:1"]), clock, nodes=names)
 
 
 @aio
 async def test_pods_run_on_their_node_loop_with_one_pleg() -> None:
-    rig = Rig(["vn-0", "vn-1", "vn-2"])
+    rig = rig_of(["vn-0", "vn-1", "vn-2"])
     await rig.pods.start()
     await settle()
     rig.send(Op.ADD, vpod("a", "vn-0"), vpod("b", "vn-2"), vpod("x", "elsewhere"))
     relists = rig.rt.calls.get("relist", 0)
     for _ in range(10):
         await rig.clock.advance(1)
-    assert rig.phase("a") == "Running" and rig.phase("b") == "Running"
+    assert rig.status("a")["phase"] == "Running" and rig.status("b")["phase"] == "Running"
     assert not rig.rt.running("x")  # not one of ours
     assert set(rig.loops.loops["vn-0"].pods) == {"a"}
     assert set(rig.loops.loops["vn-2"].pods) == {"b"}
@@ -291,7 +239,7 @@ async def test_pods_run_on_their_node_loop_with_one_pleg() -> None:
 
 @aio
 async def test_orphans_unknown_to_every_node_are_removed() -> None:
-    rig = Rig(["vn-0", "vn-1"])
+    rig = rig_of(["vn-0", "vn-1"])
     await rig.pods.start()
     rig.send(Op.ADD, vpod("a", "vn-1"))
     for _ in range(4):
@@ -308,7 +256,7 @@ async def test_orphans_unknown_to_every_node_are_removed() -> None:
 
 
 def test_one_pod_watch_for_all_nodes_and_the_runtime(tmp_path: Path) -> None:
-    cfg = load(tmp_path, "--virtual-nodes", "4", "--node-name-prefix", "vn")
+    cfg = agent_config(tmp_path, "--virtual-nodes", "4", "--node-name-prefix", "vn")
     assert isinstance(build_runtime(cfg), FakeRuntime)  # auto: fake for virtual nodes
     agent = Agent(cfg, Parts(FakeKube(), FakeClock(), registry=CollectorRegistry()))
     watches = [p for p in agent.pods.sources if isinstance(p, APISource)]
@@ -321,14 +269,14 @@ def test_one_pod_watch_for_all_nodes_and_the_runtime(tmp_path: Path) -> None:
 @aio
 async def test_resyncs_of_every_node_come_from_one_timer() -> None:
     names = [f"vn-{i}" for i in range(20)]
-    rig = Rig(names)
+    rig = rig_of(names)
     await rig.pods.start()
     await settle()
     idle = rig.clock.sleepers
     rig.send(Op.ADD, vpod("a", "vn-3"), vpod("b", "vn-17"))
     for _ in range(5):
         await rig.clock.advance(1)
-    assert rig.phase("a") == "Running" and rig.phase("b") == "Running"
+    assert rig.status("a")["phase"] == "Running" and rig.status("b")["phase"] == "Running"
     a, b = rig.loops.loops["vn-3"].workers, rig.loops.loops["vn-17"].workers
     before = a.syncs("a"), b.syncs("b")
     for _ in range(65):  # past the 1 min resync period: each pod is synced once more

@@ -1,5 +1,5 @@
-"""Pod workers (workers.py) and the syncer (syncer.py) in isolation: back-off arithmetic, pull policy defaults,
-latest-wins, kill during a sync, init container order."""
+"""Pod workers (workers.py) and the syncer (syncer.py) in isolation: back-off
+arithmetic, pull policy defaults, latest-wins, kill during a sync, init container order."""
 
 from __future__ import annotations
 
@@ -13,8 +13,7 @@ from nodeagent.runtime import PodRuntimeStatus
 from nodeagent.sources.types import Op
 from nodeagent.syncer import CrashBackoff, SyncResult, grace_of, pull_policy
 from nodeagent.workers import Phase, PodWorkers, UpdateKind
-from tests.test_runtime_fake import aio
-from tests.test_syncloop import mkpod, started
+from tests.conftest import aio, mkpod, started
 
 
 def test_crash_backoff_doubles_caps_and_resets() -> None:
@@ -180,7 +179,7 @@ async def test_init_containers_run_in_order_before_containers() -> None:
     assert [c.name for c in a.rt.running("u1")] == ["i2"]
     a.rt.exit_container(a.rt.running("u1")[0].id, 0)
     await a.run_for(3)
-    assert [c.name for c in a.rt.running("u1")] == ["c0"]
+    assert [c.name for c in a.rt.running("u1")] == ["c"]
     await a.run_for(2)
     st = a.status("u1")
     assert st["phase"] == "Running"
@@ -200,7 +199,7 @@ async def test_failed_init_container_with_never_fails_the_pod() -> None:
     a.rt.exit_container(a.rt.running("u1")[0].id, 3)
     await a.run_for(4)
     assert a.status("u1")["phase"] == "Failed"
-    assert a.rt.find("u1", "c0") == []  # the main container never ran
+    assert a.rt.find("u1", "c") == []  # the main container never ran
     await a.loops.stop()
 
 
