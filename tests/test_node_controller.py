@@ -301,6 +301,25 @@ def test_deleted_node_is_registered_again():
     run(main())
 
 
+def test_the_uid_of_a_re_created_node_is_followed():
+    """The Node's UID is learnt at registration (mirror pods and Events point at it, not
+    fetched again) and followed when someone else re-creates the Node."""
+    async def main():
+        rig = Rig()
+        await rig.start()
+        first = rig.kube.obj(NODES, "n1")["metadata"]["uid"]
+        assert rig.config.uids == {"n1": first} and rig.kube.count("get nodes") == 1
+        node = rig.kube.obj(NODES, "n1")
+        node["metadata"]["uid"] = "uid-again"  # its delete was never seen by the watch
+        rig.kube.put(NODES, node)
+        await rig.clock.advance(11)
+        assert rig.config.uids == {"n1": "uid-again"}
+        owner = rig.kube.obj(LEASES, "n1", NODE_LEASE_NAMESPACE)["metadata"]["ownerReferences"]
+        assert owner[0]["uid"] == "uid-again"
+        await rig.stop()
+    run(main())
+
+
 def test_registration_retries_until_the_server_answers():
     async def main():
         rig = Rig()

@@ -196,11 +196,8 @@ class NodeController:
             self.registered = True
             self.reported = self.reported_version = None
             self.last_full_report = None
-            self.uid = node["metadata"].get("uid")
-            if self.uid:
-                self.config.uids[self.name] = self.uid
-            self.lease.owner_uid = self.uid
-            self.on_node(node)
+            self.uid = None
+            self.on_node(node)  # its UID among the rest
             if not self.legacy:
                 self.renewals.schedule(self.name, self.clock.monotonic())
         await self._report()
@@ -282,9 +279,19 @@ class NodeController:
 
     # -- policy: the node watch hands us our Node --
     def on_node(self, node: Obj) -> None:
-        annotations = (node.get("metadata") or {}).get("annotations") or {}
-        self.apply_annotation(annotations.get(HEARTBEAT_ANNOTATION))
+        meta = node.get("metadata") or {}
+        self._follow_uid(meta.get("uid"))
+        self.apply_annotation((meta.get("annotations") or {}).get(HEARTBEAT_ANNOTATION))
         self._follow_api_conditions(node)
+
+    def _follow_uid(self, uid: str | None) -> None:
+        """The Node's UID, for what points at the Node (the Lease, mirror pods, Events):
+        learnt at registration, and followed here should the Node be re-created by
+        someone else between two of the watch's events."""
+        if not uid or uid == self.uid or not self.registered:
+            return
+        self.uid = self.lease.owner_uid = uid
+        self.config.uids[self.name] = uid
 
     def _follow_api_conditions(self, node: Obj) -> None:
         """Others write our conditions too: the operator sets Ready=Unknown when our
