@@ -118,7 +118,9 @@ class WatchReader:
         try:
             first = await self._queue.get()
         except asyncio.CancelledError:
-            await self.aclose()
+            # still waiting for the response headers: nothing to shut; the daemon thread
+            # ends at the request's own timeout
+            self.close()
             raise
         if isinstance(first, BaseException):
             await self.aclose()
