@@ -92,7 +92,6 @@ class FakeKube:
         self.down = False  # every call answers 503
         self.watchlist = True  # sendInitialEvents is served (else 422)
         self.watchlist_unfinished = False  # the initial events, then the stream just ends
-        self.gone_up_front = False  # a too old watch is refused with HTTP 410, not an event
         self.expire_next_watch = False  # the next watch gets 410 whatever its version
         self.close_error: Exception | None = None  # closing a watch stream raises this
         self.compacted = 0  # history before this resourceVersion is gone
@@ -274,9 +273,7 @@ class FakeKube:
         else:
             since = int(resource_version or self._rv)
             if since < self.compacted or self.expire_next_watch:
-                self.expire_next_watch = False
-                if self.gone_up_front:
-                    raise api_error(410, "Expired", f"too old resource version: {since}")
+                self.expire_next_watch = False  # (fail("watch ...", api_error(410)): HTTP 410)
                 first = [{"type": "ERROR", "object": {
                     "kind": "Status", "code": 410, "reason": "Expired",
                     "message": f"too old resource version: {since} ({self.compacted})"}}]
