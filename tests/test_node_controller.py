@@ -361,16 +361,26 @@ class NodeRig:
         node = SimpleNamespace(on_node=lambda obj: self.seen.append(obj["metadata"]["name"]))
         self.watch = NodeWatch(self.kube, {"n1": node}, self.clock,  # type: ignore[dict-item]
                                agent_id="a")
+        self.task: asyncio.Task[None] | None = None
+
+    async def refused(self, times: int) -> None:
+        """Start the watch; the first `times` backoffs (of at most 8 s) pass refused."""
+        self.task = asyncio.create_task(self.watch.run())
+        await settle()
+        for _ in range(times):
+            await self.clock.advance(8.0)
+
+    async def stop(self) -> None:
+        self.watch.stop()
+        assert self.task is not None
+        await asyncio.wait_for(self.task, 1)
 
 
 def test_node_watch_backoff_starts_over_after_a_watch_that_worked() -> None:
     async def main() -> None:
         rig = NodeRig()
         kube, clock = rig.kube, rig.clock
-        task = asyncio.create_task(rig.watch.run())
-        await settle()
-        for _ in range(6):  # refused: 1, 2, 4, 8, 8, 8 s
-            await clock.advance(8.0)
+        await rig.refused(6)  # 1, 2, 4, 8, 8, 8 s
         rig.down = False
         await clock.advance(8.0)
         kube.annotate(NODES, "n1", "x", "1")  # an event for the watch to deliver
@@ -381,23 +391,18 @@ def test_node_watch_backoff_starts_over_after_a_watch_that_worked() -> None:
         calls = kube.count("watch nodes")
         await clock.advance(1.0)  # the first step of a new backoff, not 8 s
         assert kube.count("watch nodes") > calls
-        rig.watch.stop()
-        await asyncio.wait_for(task, 1)
+        await rig.stop()
     asyncio.run(main())
 
 
 def test_node_watch_backoff_ends_when_the_api_answers() -> None:
     async def main() -> None:
         rig = NodeRig()
-        kube, clock = rig.kube, rig.clock
-        task = asyncio.create_task(rig.watch.run())
-        await settle()
-        for _ in range(5):  # refused: 1, 2, 4, 8, 8 s
-            await clock.advance(8.0)
+        kube = rig.kube
+        await rig.refused(5)  # 1, 2, 4, 8, 8 s
         calls = kube.count("watch nodes")
         rig.watch.reflector.answered.fire()  # a Lease renewal went through: now, not in 8 s
         await settle()
         assert kube.count("watch nodes") == calls + 1
-        rig.watch.stop()
-        await asyncio.wait_for(task, 1)
+        await rig.stop()
     asyncio.run(main())

@@ -43,7 +43,9 @@ class Rig:
     def node(self, name: str, **labels: str) -> None:
         self.kube.put(NODES, {"metadata": {"name": name, "labels": labels}})
 
-    async def start(self) -> None:
+    async def start(self, down: bool = False) -> None:
+        """Run the reflector; `down`: against an API server that answers 503."""
+        self.kube.down = down
         self.task = asyncio.create_task(self.r.run())
         await settle()
 
@@ -150,8 +152,7 @@ async def test_an_expired_continue_token_starts_the_list_over() -> None:
 @aio
 async def test_backoff_doubles_to_its_ceiling_and_starts_over_after_a_working_watch() -> None:
     rig = Rig(backoff_initial=1.0, backoff_max=8.0)
-    rig.kube.down = True
-    await rig.start()
+    await rig.start(down=True)
     waits = []
     for _ in range(5):
         before = rig.kube.count("list nodes")
@@ -176,8 +177,7 @@ async def test_backoff_doubles_to_its_ceiling_and_starts_over_after_a_working_wa
 @aio
 async def test_the_signal_ends_a_backoff_but_not_a_retry_after() -> None:
     rig = Rig(backoff_initial=0.5, backoff_max=30.0)
-    rig.kube.down = True
-    await rig.start()
+    await rig.start(down=True)
     for _ in range(7):  # 0.5, 1, 2, ... 30
         await rig.clock.advance(30)
     calls = len(rig.kube.calls)
