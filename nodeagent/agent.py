@@ -22,7 +22,7 @@ import random
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import REGISTRY, CollectorRegistry
 
@@ -39,7 +39,7 @@ from nodeagent.node.scheduler import Blocking, DueScheduler
 from nodeagent.node.status import StatusSettings
 from nodeagent.node.watch import NodeWatch
 from nodeagent.pleg import Pleg, PlegConfig
-from nodeagent.pods import Part, Pods
+from nodeagent.pods import Part, Pods, PodsConfig
 from nodeagent.runtime import ContainerRuntimeError, Runtime, make_runtime, socket_path
 from nodeagent.sources.api import APISource
 from nodeagent.sources.events import NodeEvents
@@ -50,6 +50,9 @@ from nodeagent.sources.mirror import MirrorManager
 from nodeagent.sources.problems import Problems
 from nodeagent.sources.types import Source
 from nodeagent.syncloop import NodeLoops, NodeLoopsConfig, SyncLoopConfig
+
+if TYPE_CHECKING:
+    from nodeagent.server.setup import ServerBundle
 
 log = logging.getLogger(__name__)
 
@@ -199,6 +202,7 @@ class Agent:
         self.watch: NodeWatch | None = None
         self.health: HealthServer | None = None
         self._config_mtime = self._mtime()
+        self.kubelet_api: ServerBundle | None = None  # nodeagent.server, when cfg.port is set
 
     def _pods(self, cfg: AgentConfig, parts: Parts) -> Pods:
         """The pod half: sources -> one merge -> NodeLoops (one PLEG, a SyncLoop per
@@ -236,7 +240,8 @@ class Agent:
                               log_root=str((Path(cfg.root_dir) / "logs" / "pods").resolve()))
         loops = NodeLoops(NodeLoopsConfig(cfg.node_names, loop), pleg, merge.updates,
                           merge.ready)
-        return Pods(runtime, clock, loops, sources)
+        return Pods(runtime, clock, loops, sources, PodsConfig(
+            log_rotation=(cfg.container_log_max_size, cfg.container_log_max_files)))
 
     # -- nodes --
     def add_node(self, spec: NodeSpec,
@@ -331,6 +336,9 @@ class Agent:
         await self.pods.start()  # the runtime's version is in the first NodeStatus
         self.settings = dataclasses.replace(self.settings,
                                             runtime_version=self.pods.runtime_version)
+        api_port = await self._serve_kubelet_api()
+        if api_port is not None:  # in the first NodeStatus too
+            self.settings = dataclasses.replace(self.settings, kubelet_port=api_port)
         for node in self.nodes.values():
             node.settings = self.settings
         tasks.append(asyncio.create_task(self.pods.wait(), name="pods"))
@@ -345,11 +353,28 @@ class Agent:
                 log.error("agent loop %s ended: %r", t.get_name(), t.exception())
         await self.shutdown(tasks + [waiter])
 
+    async def _serve_kubelet_api(self) -> int | None:
+        """Start the kubelet API; its port, or None when it is not served."""
+        if self.cfg.port is None:
+            return None
+        from nodeagent.server import setup  # aiohttp and TLS: only when serving
+        try:
+            addresses = [a for _, a in self.probe.read().addresses]
+        except HostReadError:
+            addresses = list(self.cfg.node_ips)
+        checks = {"heartbeat": self.healthz, "pleg": self.pods.health}
+        self.kubelet_api = setup.build(self.cfg, self.pods, self.kube, clock=self.clock,
+                                       registry=self.registry, addresses=addresses,
+                                       health_checks=checks)
+        return await self.kubelet_api.start()
+
     async def shutdown(self, tasks: Sequence[asyncio.Task[Any]]) -> None:
         """No new work; writes already sent finish before the pools close."""
         log.info("stopping")
         if self.watch:
             self.watch.stop()
+        if self.kubelet_api:
+            await self.kubelet_api.stop()
         await self.pods.stop()  # pods keep running; a restarted agent adopts them
         await self.renewals.stop()
         await self.ticker.stop()

@@ -18,7 +18,8 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from nodeagent.api.clock import Clock
-from nodeagent.runtime import ContainerRuntimeError, Runtime
+from nodeagent.runtime import ContainerRuntimeError, ContainerState, PodRuntimeStatus, Runtime
+from nodeagent.runtime.logs import LogRotation
 from nodeagent.syncloop import NodeLoops
 
 log = logging.getLogger(__name__)
@@ -34,6 +35,8 @@ class Part(Protocol):
 class PodsConfig:
     image_refresh: float = 10.0  # seconds; the default NodeStatus update period
     down_retry: float = 1.0      # seconds between runtime readings while it is down
+    log_rotation: tuple[int, int] | None = None  # (max size, max files) of container
+    # logs; None: not rotated
 
 
 class Pods:
@@ -48,6 +51,9 @@ class Pods:
         self.runtime_problem: str | None = None
         self._images: list[dict[str, Any]] = []
         self._tasks: list[asyncio.Task[Any]] = []
+        rotation = config.log_rotation
+        self.log_rotation = None if rotation is None else LogRotation(
+            runtime, self.running_logs, clock, max_size=rotation[0], max_files=rotation[1])
 
     # -- what the node status and health server read (any thread) --
     def images(self) -> list[dict[str, Any]]:
@@ -61,6 +67,27 @@ class Pods:
 
     def health(self) -> str | None:
         return self.loops.health()
+
+    # -- what the kubelet API reads (nodeagent.server.app.PodHost) --
+    def find_pod(self, namespace: str, name: str) -> tuple[str, dict[str, Any]] | None:
+        for loop in self.loops.loops.values():
+            for pod in loop.pods.values():
+                meta = pod.get("metadata") or {}
+                if meta.get("name") == name and (meta.get("namespace") or "default") == namespace:
+                    return loop.node_name, pod
+        return None
+
+    def all_pods(self) -> list[dict[str, Any]]:
+        return [pod for loop in self.loops.loops.values() for pod in loop.pods.values()]
+
+    def runtime_pod(self, uid: str) -> PodRuntimeStatus:
+        return self.loops.pleg.cache.get(uid).status
+
+    def running_logs(self) -> list[tuple[str, str]]:
+        """(container id, log path) of every running container, for log rotation."""
+        cache = self.loops.pleg.cache
+        return [(c.id, c.log_path) for uid in cache.uids() for c in cache.get(uid).status.containers
+                if c.state == ContainerState.RUNNING and c.log_path]
 
     # -- running --
     async def refresh(self) -> None:
@@ -89,6 +116,8 @@ class Pods:
                        asyncio.create_task(self._refresh_loop(), name="runtime-refresh"),
                        *(asyncio.create_task(p.run(), name=type(p).__name__)
                          for p in self.sources)]
+        if self.log_rotation is not None:
+            self._tasks.append(asyncio.create_task(self.log_rotation.run(), name="log-rotation"))
 
     async def _refresh_loop(self) -> None:
         while True:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import dataclasses
 import functools
 import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
@@ -235,7 +236,8 @@ class AgentRig:
                  image_size: int = 5_000_000) -> None:
         self.flags = agent_flags(tmp_path, "--node-name", "n1", "--healthz-bind-address",
                                  health, *argv)
-        self.cfg = config.load(self.flags, {})
+        # no kubelet API here (tests/test_server_*.py test it): nothing listens on 10250
+        self.cfg = dataclasses.replace(config.load(self.flags, {}), port=None)
         self.clock = FakeClock()
         self.kube = FakeKube(now=self.clock.monotonic)
         self.rt = FakeRuntime(self.clock, images=images, image_size=image_size)

@@ -18,6 +18,7 @@ from kubernetes.client.exceptions import ApiException
 from kubernetes.client.rest import RESTResponse
 
 from nodeagent.api.kube import (
+    CERTIFICATE_SIGNING_REQUESTS,
     EVENTS,
     LEASES,
     MERGE,
@@ -25,6 +26,8 @@ from nodeagent.api.kube import (
     NODE_STATUS_POLICIES,
     NODES,
     PODS,
+    SUBJECT_ACCESS_REVIEWS,
+    TOKEN_REVIEWS,
     RestKube,
     describe,
 )
@@ -43,6 +46,11 @@ def test_paths_come_from_the_table() -> None:
         "/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases/n1"
     assert NODE_STATUS_POLICIES.path(name="p", subresource="status") == \
         "/apis/nodepulse.dev/v1alpha1/nodestatuspolicies/p/status"
+    assert CERTIFICATE_SIGNING_REQUESTS.path(name="csr-1") == \
+        "/apis/certificates.k8s.io/v1/certificatesigningrequests/csr-1"
+    assert TOKEN_REVIEWS.path() == "/apis/authentication.k8s.io/v1/tokenreviews"
+    assert SUBJECT_ACCESS_REVIEWS.path() == \
+        "/apis/authorization.k8s.io/v1/subjectaccessreviews"
     assert LEASES.api_version == "coordination.k8s.io/v1" and PODS.api_version == "v1"
     with pytest.raises(ValueError, match="not namespaced"):
         NODES.path("ns")

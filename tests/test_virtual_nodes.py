@@ -5,6 +5,7 @@ runtime and one PLEG."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -104,7 +105,8 @@ def make_agent(tmp_path: Path, *argv: str) -> tuple[Agent, FakeClock, FakeKube]:
     clock = FakeClock()
     kube = FakeKube(now=clock.monotonic)
     inline = InlineExecutor()
-    agent = Agent(config.load(flags, {}),
+    cfg = dataclasses.replace(config.load(flags, {}), port=None)  # no kubelet API here
+    agent = Agent(cfg,
                   Parts(kube, clock, runtime=FakeRuntime(clock, images=[]),
                         pools=Pools(inline, inline), registry=CollectorRegistry(),
                         flags=flags, env={}))

@@ -79,6 +79,12 @@ PODS = Resource("", "v1", "pods", "Pod", True)
 EVENTS = Resource("", "v1", "events", "Event", True)
 LEASES = Resource("coordination.k8s.io", "v1", "leases", "Lease", True)
 NODE_STATUS_POLICIES = Resource(policy.GROUP, policy.VERSION, policy.PLURAL, policy.KIND, False)
+TOKEN_REVIEWS = Resource("authentication.k8s.io", "v1", "tokenreviews", "TokenReview", False)
+SUBJECT_ACCESS_REVIEWS = Resource("authorization.k8s.io", "v1", "subjectaccessreviews",
+                                  "SubjectAccessReview", False)
+CERTIFICATE_SIGNING_REQUESTS = Resource("certificates.k8s.io", "v1",
+                                        "certificatesigningrequests",
+                                        "CertificateSigningRequest", False)
 
 NODE_LEASE_NAMESPACE = "kube-node-lease"  # where each node's heartbeat Lease lives
 

@@ -1,0 +1,54 @@
+"""Every API call the kubelet API server makes, in one place: TokenReview and
+SubjectAccessReview (webhook authentication and authorization), and the
+CertificateSigningRequest calls of serving-certificate rotation.
+
+Through the one API layer (nodeagent.api.kube), on the server's own few threads
+(setup.py hands it a Kube on them): a TokenReview never waits behind pod status writes.
+tests/ replace this class with an in-memory one.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from nodeagent.api.kube import (
+    CERTIFICATE_SIGNING_REQUESTS,
+    SUBJECT_ACCESS_REVIEWS,
+    TOKEN_REVIEWS,
+    Kube,
+)
+
+TIMEOUT = 10.0
+Obj = dict[str, Any]
+
+
+class ServerApi(Protocol):
+    async def review_token(self, token: str) -> Obj: ...
+    async def review_access(self, spec: Obj) -> Obj: ...
+    async def create_csr(self, body: Obj) -> Obj: ...
+    async def get_csr(self, name: str) -> Obj: ...
+
+
+class RealServerApi:
+    def __init__(self, kube: Kube) -> None:
+        self.kube = kube
+
+    async def review_token(self, token: str) -> Obj:
+        """The TokenReview's status: authenticated, user {username, uid, groups, extra}."""
+        body = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview",
+                "spec": {"token": token}}
+        out = await self.kube.create(TOKEN_REVIEWS, body, timeout=TIMEOUT)
+        return dict(out.get("status") or {})
+
+    async def review_access(self, spec: Obj) -> Obj:
+        """The SubjectAccessReview's status: allowed, denied, reason."""
+        body = {"apiVersion": "authorization.k8s.io/v1", "kind": "SubjectAccessReview",
+                "spec": spec}
+        out = await self.kube.create(SUBJECT_ACCESS_REVIEWS, body, timeout=TIMEOUT)
+        return dict(out.get("status") or {})
+
+    async def create_csr(self, body: Obj) -> Obj:
+        return await self.kube.create(CERTIFICATE_SIGNING_REQUESTS, body, timeout=TIMEOUT)
+
+    async def get_csr(self, name: str) -> Obj:
+        return await self.kube.get(CERTIFICATE_SIGNING_REQUESTS, name, timeout=TIMEOUT)
