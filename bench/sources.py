@@ -35,6 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from nodeagent.api.clock import FakeClock, RealClock  # noqa: E402
+from nodeagent.api.kube import RestKube  # noqa: E402
 from nodeagent.sources.api import APISource  # noqa: E402
 from nodeagent.sources.file import FileSource  # noqa: E402
 from nodeagent.sources.merge import Merge  # noqa: E402
@@ -187,13 +188,13 @@ async def bench_api(pods: int) -> None:
 
         clock = FakeClock()
         merge = Merge([Source.API])
-        src = APISource(api, [node], merge, clock)
+        src = APISource(RestKube(api), [node], merge, clock)
         t = time.perf_counter()
         task = asyncio.create_task(src.run())
         await merge.ready.wait()
         print(f"initial paginated list: {(time.perf_counter() - t) * 1000:.0f} ms "
               f"for {drain(merge)} pods")
-        await src.connected.wait()
+        await src.reflector.connected.wait()
 
         async def updates(n: int) -> float:
             got, t0 = 0, time.perf_counter()
@@ -204,26 +205,26 @@ async def bench_api(pods: int) -> None:
             return time.perf_counter() - t0
 
         # backlog: the watch is down while the updates are made, then resumes
-        rv0 = src.resource_version
-        src.drop_connection()
+        rv0 = src.reflector.resource_version
+        src.reflector.drop_connection()
         while clock.sleepers == 0:
             await asyncio.sleep(0.01)
         await asyncio.to_thread(patch_all, 1)
-        events0 = src.events
+        events0 = src.reflector.events
         t = time.perf_counter()
         await clock.advance(1.0)
         await updates(pods)
         took = time.perf_counter() - t
         print(f"resumed watch, {pods} updates made while down: {pods / took:.0f} events/s "
-              f"delivered ({took * 1000:.0f} ms; {src.events - events0} watch events; "
-              f"relists {src.relists}, LIST calls {src.lists})")
+              f"delivered ({took * 1000:.0f} ms; {src.reflector.events - events0} watch events; "
+              f"relists {src.reflector.relists}, LIST calls {src.reflector.lists})")
 
         def raw_read() -> float:
             """The same backlog read as bytes only: what the API server and the
             connection allow, without parsing or merging."""
             t0 = time.perf_counter()
             resp = request(api, "GET", "/api/v1/pods", timeout=(10.0, 120.0), query={
-                "fieldSelector": src.field_selector, "watch": True,
+                "fieldSelector": src.reflector.config.field_selector, "watch": True,
                 "resourceVersion": rv0, "timeoutSeconds": 60})
             lines = 0
             for chunk in resp.stream(65536):

@@ -578,12 +578,13 @@ def test_bad_config_change_is_refused_by_a_running_agent(agent: Agent) -> None:
 def test_host_network_static_pod_when_allowed(cluster: Cluster, tmp_path: Path) -> None:
     """FileSource(allow_privileged=True), the API watch and the mirror manager with a
     node's credentials: the hostNetwork pod is delivered and NodeRestriction admits its
-    mirror pod. (The agent process passes allowPrivileged to the sources through
-    nodeagent/pods.py.)"""
+    mirror pod. (The agent process passes allowPrivileged to the sources in its
+    composition root, nodeagent/agent.py.)"""
     import asyncio
 
     from nodeagent.api.client import new_api_client
     from nodeagent.api.clock import RealClock
+    from nodeagent.api.kube import RestKube
     from nodeagent.api.rest import request_json
     from nodeagent.sources.api import APISource
     from nodeagent.sources.file import FileSource
@@ -594,8 +595,8 @@ def test_host_network_static_pod_when_allowed(cluster: Cluster, tmp_path: Path) 
 
     node = f"allow-{uuid.uuid4().hex[:6]}"
     api = new_api_client(cluster.node_kubeconfig(node), component="e2e-node")
-    request_json(api, "POST", "/api/v1/nodes",
-                 body={"apiVersion": "v1", "kind": "Node", "metadata": {"name": node}})
+    uid = request_json(api, "POST", "/api/v1/nodes", body={
+        "apiVersion": "v1", "kind": "Node", "metadata": {"name": node}})["metadata"]["uid"]
     folder = tmp_path / "manifests"
     folder.mkdir()
     folder.chmod(0o755)
@@ -616,7 +617,8 @@ def test_host_network_static_pod_when_allowed(cluster: Cluster, tmp_path: Path) 
         merge = Merge([Source.API, Source.FILE], problems)
         tasks = [asyncio.create_task(x.run()) for x in (
             FileSource(folder, node, merge, clock, allow_privileged=True),
-            APISource(api, [node], merge, clock), MirrorManager(api, node, merge, clock))]
+            APISource(RestKube(api), [node], merge, clock),
+            MirrorManager(RestKube(api), node, merge, clock, node_uid=lambda: uid))]
         try:
             deadline = time.monotonic() + WAIT
             while (m := await asyncio.to_thread(mirror)) is None:

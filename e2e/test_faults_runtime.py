@@ -716,8 +716,8 @@ class HangingRuntime(ProcessRuntime):
 
 
 class InProcessAgent:
-    """The agent's own asyncio entry point (Agent + Pods, as nodepulse-agent's CLI
-    builds them) on a thread of this process, with the HangingRuntime handed in."""
+    """The agent's own asyncio entry point (Agent, as nodepulse-agent's CLI builds it)
+    on a thread of this process, with the HangingRuntime handed in."""
 
     def __init__(self, name: str, root: Path, kubeconfig: Path) -> None:
         from nodeagent import config
@@ -755,25 +755,23 @@ class InProcessAgent:
             self._ready.set()
 
     async def _serve(self) -> None:
-        from nodeagent.agent import Agent, host_probe
+        from nodeagent.agent import Agent, Parts, host_ip, host_probe
         from nodeagent.api.client import new_api_client
         from nodeagent.api.clock import RealClock
-        from nodeagent.pods import Pods, host_ip
+        from nodeagent.api.kube import RestKube
 
         cfg = self.cfg
         api = new_api_client(cfg.kubeconfig, component="agent", retries=0,
                              pool_size=cfg.lease_concurrency + cfg.status_concurrency + 2)
         self.api = api
         try:
-            clock = RealClock()
             hip = host_ip(cfg, host_probe(cfg))
             self.runtime = HangingRuntime(Path(cfg.root_dir) / "process", host_ip=hip)
-            pods = Pods.from_config(cfg, api, clock, host_ip=hip, registry=self.registry,
-                                    runtime=self.runtime)
             self.loop = asyncio.get_running_loop()
             self._stop = asyncio.Event()
-            agent = Agent(cfg, api, clock=clock, registry=self.registry, flags=self.flags,
-                          env={}, pods=pods)
+            agent = Agent(cfg, Parts(RestKube(api), RealClock(), runtime=self.runtime,
+                                     host_ip=hip, registry=self.registry, flags=self.flags,
+                                     env={}))
             self._ready.set()
             await agent.run(self._stop)
         finally:

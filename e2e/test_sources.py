@@ -31,6 +31,7 @@ from kubernetes.client.exceptions import ApiException
 from e2e.cluster import Cluster
 from nodeagent.api.client import new_api_client
 from nodeagent.api.clock import FakeClock, RealClock, settle
+from nodeagent.api.kube import RestKube
 from nodeagent.api.rest import request_json
 from nodeagent.sources.api import APISource
 from nodeagent.sources.events import NodeEvents
@@ -64,9 +65,13 @@ def register_node(cluster: Cluster) -> tuple[str, client.ApiClient]:
     """A fresh Node, registered by the node itself; returns its name and credentials."""
     name = f"src-{uuid.uuid4().hex[:8]}"
     api = new_api_client(cluster.node_kubeconfig(name), component="e2e-node")
-    request_json(api, "POST", "/api/v1/nodes",
-                 body={"apiVersion": "v1", "kind": "Node", "metadata": {"name": name}})
+    node = request_json(api, "POST", "/api/v1/nodes",
+                        body={"apiVersion": "v1", "kind": "Node", "metadata": {"name": name}})
+    UIDS[name] = node["metadata"]["uid"]  # as the agent's registration learns it
     return name, api
+
+
+UIDS: dict[str, str] = {}
 
 
 def cleanup(cluster: Cluster, node: str, pods: tuple[str, ...] | list[str] = ()) -> None:
@@ -104,11 +109,12 @@ def test_static_manifest_to_mirror_pod_lifecycle(cluster: Cluster, tmp_path: Pat
 
     async def body() -> None:
         clock = RealClock()
-        events = NodeEvents(api, node, clock)
+        kube = RestKube(api)
+        events = NodeEvents(kube, node, clock, node_uid=lambda: UIDS[node])
         merge = Merge([Source.API, Source.FILE], Problems(events))
         src = FileSource(folder, node, merge, clock, debounce=0.05)
-        watch = APISource(api, [node], merge, clock)
-        mirrors = MirrorManager(api, node, merge, clock)
+        watch = APISource(kube, [node], merge, clock)
+        mirrors = MirrorManager(kube, node, merge, clock, node_uid=lambda: UIDS[node])
         tasks = [asyncio.create_task(x.run()) for x in (src, watch, mirrors)]
         try:
             await asyncio.wait_for(merge.ready.wait(), WAIT)
@@ -147,7 +153,7 @@ def test_static_manifest_to_mirror_pod_lifecycle(cluster: Cluster, tmp_path: Pat
             (folder / "web.yaml").write_text(manifest(image="busybox:2"))
             await asyncio.wait_for(src.wait_batches(batches + 1), WAIT)
             passes = mirrors.passes
-            mirrors.resync_now()  # and let the mirror manager look again
+            mirrors.answered.fire()  # and let the mirror manager look again
             await asyncio.wait_for(mirrors.wait_passes(passes + 1), WAIT)
             # witnessed by the API server's audit log, per user: other tests' controllers
             # may write pods meanwhile, this node must not
@@ -257,16 +263,16 @@ def test_dropped_watch_resumes_without_relist(cluster: Cluster) -> None:
     async def body() -> None:
         clock = FakeClock()  # backoff waits only when the test says so
         merge = Merge([Source.API])
-        src = APISource(api, [node], merge, clock)
+        src = APISource(RestKube(api), [node], merge, clock)
         task = asyncio.create_task(src.run())
         try:
             await asyncio.wait_for(merge.ready.wait(), WAIT)
-            await asyncio.wait_for(src.connected.wait(), WAIT)
+            await asyncio.wait_for(src.reflector.connected.wait(), WAIT)
             assert names(await drain(merge), Op.ADD) == [name_a]
             dropped = now_rfc3339()
-            rv_before = src.resource_version
-            src.drop_connection()
-            await eventually(lambda: clock.sleepers == 1 and not src.connected.is_set(),
+            rv_before = src.reflector.resource_version
+            src.reflector.drop_connection()
+            await eventually(lambda: clock.sleepers == 1 and not src.reflector.connected.is_set(),
                              "the source to back off")
             await asyncio.to_thread(request_json, admin_api, "POST",
                                     "/api/v1/namespaces/default/pods",
@@ -276,8 +282,8 @@ def test_dropped_watch_resumes_without_relist(cluster: Cluster) -> None:
             ups = [await asyncio.wait_for(merge.updates.get(), WAIT), *await drain(merge)]
             assert names(ups, Op.ADD) == [name_b]  # delivered once
             assert names(ups, Op.REMOVE) == []
-            assert src.relists == 0 and src.lists == 1 and src.resumes >= 1
-            assert int(src.resource_version or 0) > int(rv_before or 0)
+            assert src.reflector.relists == 0 and src.reflector.lists == 1 and src.reflector.resumes >= 1
+            assert int(src.reflector.resource_version or 0) > int(rv_before or 0)
             # the audit log, per user: other clients (the namespace controller cleaning
             # up earlier tests) may list pods meanwhile, this node must not
             lists = [e for e in cluster.audit_events()
@@ -307,11 +313,11 @@ def test_apiserver_restart_no_list_and_once(cluster: Cluster) -> None:
     async def body() -> None:
         clock = FakeClock()
         merge = Merge([Source.API])
-        src = APISource(api, [node], merge, clock)
+        src = APISource(RestKube(api), [node], merge, clock)
         task = asyncio.create_task(src.run())
         try:
             await asyncio.wait_for(merge.ready.wait(), WAIT)
-            await asyncio.wait_for(src.connected.wait(), WAIT)
+            await asyncio.wait_for(src.reflector.connected.wait(), WAIT)
             assert names(await drain(merge), Op.ADD) == [before_name]
             restarted = now_rfc3339()
             await asyncio.to_thread(cluster.restart_apiserver)
@@ -322,7 +328,7 @@ def test_apiserver_restart_no_list_and_once(cluster: Cluster) -> None:
                                     "/api/v1/namespaces/default/pods",
                                     body=bound_pod(during_name, node))
             deadline = time.monotonic() + WAIT
-            while not src.connected.is_set() and time.monotonic() < deadline:
+            while not src.reflector.connected.is_set() and time.monotonic() < deadline:
                 await clock.advance(30.0)  # each retry waits its backoff
                 await asyncio.sleep(0.2)
             ups = await drain(merge, quiet=2.0)
@@ -335,9 +341,9 @@ def test_apiserver_restart_no_list_and_once(cluster: Cluster) -> None:
                        and e["objectRef"]["resource"] == "pods"
                        and e["requestReceivedTimestamp"] > restarted]
             assert by_node == [], "the node LISTed pods after the API server restart"
-            print(f"\nafter the restart: resumes={src.resumes} relists={src.relists} "
+            print(f"\nafter the restart: resumes={src.reflector.resumes} relists={src.reflector.relists} "
                   f"(410 Gone answered by the new watch cache -> streaming relist) "
-                  f"lists={src.lists} watches={src.watches}")
+                  f"lists={src.reflector.lists} watches={src.reflector.watches}")
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)

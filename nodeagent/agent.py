@@ -1,42 +1,57 @@
-"""The agent's composition root: shared machinery plus one NodeController per node.
+"""The agent's composition root: every part, built from the agent's settings, once.
 
-Shared, whatever the number of nodes: one API client, one renewal scheduler with its
-own thread pool, one status ticker with another, one node watch, one health server.
-A host agent speaks for one node; virtual nodes add more controllers to the same.
+    Agent(cfg, Parts(RestKube(api), RealClock(), flags=..., env=...)).run(stop)
+
+Shared, whatever the number of nodes: one API client (Kube), one ApiAnswered signal,
+one renewal scheduler with its own thread pool, one status ticker with another, one
+Node watch, one pod watch and pod source merge, one runtime and one PLEG (NodeLoops),
+one health server. A host agent speaks for one node; virtual nodes add more
+NodeControllers and SyncLoops to the same. No other module builds parts of the agent:
+each component is handed what it uses, most of it in one config object
+(NodeControllerConfig, SyncLoopConfig, NodeLoopsConfig, PlegConfig, PodsConfig).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import dataclasses
 import logging
 import math
 import random
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kubernetes import client
 from prometheus_client import REGISTRY, CollectorRegistry
 
 from nodeagent import __version__
-from nodeagent.api.clock import Clock, RealClock
-from nodeagent.api.policy import AGENT_LABEL
+from nodeagent.api.answered import ApiAnswered
+from nodeagent.api.clock import Clock
+from nodeagent.api.kube import Kube
 from nodeagent.api.serve import HealthServer
 from nodeagent.config import VIRTUAL_LABEL, AgentConfig, ConfigError, load
-from nodeagent.node.controller import ImageLister, NodeController, NodeSpec, Readiness
+from nodeagent.node.controller import NodeController, NodeControllerConfig, NodeSpec
 from nodeagent.node.host import HostProbe, HostReadError, HostReadings
-from nodeagent.node.kube import Kube, Obj, RealKube
 from nodeagent.node.metrics import NodeMetrics
 from nodeagent.node.scheduler import Blocking, DueScheduler
 from nodeagent.node.status import StatusSettings
 from nodeagent.node.watch import NodeWatch
+from nodeagent.pleg import Pleg, PlegConfig
+from nodeagent.pods import Part, Pods, PodsConfig
+from nodeagent.runtime import ContainerRuntimeError, Runtime, make_runtime, socket_path
+from nodeagent.sources.api import APISource
+from nodeagent.sources.events import NodeEvents
+from nodeagent.sources.file import FileSource
+from nodeagent.sources.http import HTTPSource
+from nodeagent.sources.merge import Merge
+from nodeagent.sources.mirror import MirrorManager
+from nodeagent.sources.problems import Problems
+from nodeagent.sources.types import Source
+from nodeagent.syncloop import NodeLoops, NodeLoopsConfig, SyncLoopConfig
 
 if TYPE_CHECKING:
-    from nodeagent.pods import Pods
-    from nodeagent.server.kubeapi import ServerApi
     from nodeagent.server.setup import ServerBundle
 
 log = logging.getLogger(__name__)
@@ -97,84 +112,147 @@ def host_probe(cfg: AgentConfig) -> HostProbe:
                      overrides=cfg.host_overrides)
 
 
+def host_ip(cfg: AgentConfig, probe: HostProbe) -> str:
+    """The node's first InternalIP (pods report it as hostIP)."""
+    if cfg.node_ips:
+        return cfg.node_ips[0]
+    try:
+        addresses = probe.read().addresses
+    except HostReadError:
+        return ""
+    return next((a for t, a in addresses if t == "InternalIP"), "")
+
+
+def build_runtime(cfg: AgentConfig, host_ip: str = "") -> Runtime:
+    """The runtime the config names; process runtime state lives under --root-dir."""
+    opts: dict[str, Any] = {}
+    kind = cfg.runtime
+    if kind == "auto" and cfg.virtual:
+        kind = "fake"
+    if kind == "cri" and cfg.virtual:  # config.load refuses it too; a clear error here
+        raise ContainerRuntimeError("the cri runtime cannot serve virtual nodes; use "
+                                    "--runtime fake or process")
+    if kind == "auto":
+        kind = "cri" if Path(socket_path(cfg.container_runtime_endpoint)).exists() else "process"
+    if kind == "process":
+        opts = {"state_dir": Path(cfg.root_dir) / "process", "host_ip": host_ip}
+    elif kind == "fake":
+        opts = {"host_ip": host_ip or "192.0.2.10"}
+    return make_runtime(kind, cfg.container_runtime_endpoint, **opts)
+
+
+@dataclasses.dataclass(frozen=True)
+class Pools:
+    """The threads blocking work runs on: the Lease writes on their own, so a renewal
+    never waits behind status work (host readings, status PATCHes, registration)."""
+
+    lease: concurrent.futures.Executor
+    status: concurrent.futures.Executor
+
+    @classmethod
+    def of(cls, cfg: AgentConfig) -> Pools:
+        return cls(concurrent.futures.ThreadPoolExecutor(cfg.lease_concurrency,
+                                                         thread_name_prefix="lease"),
+                   concurrent.futures.ThreadPoolExecutor(cfg.status_concurrency,
+                                                         thread_name_prefix="status"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Parts:
+    """What the agent is built from besides its settings (tests hand in fakes)."""
+
+    kube: Kube  # the API server: RestKube over a client from nodeagent.api.client
+    clock: Clock
+    runtime: Runtime | None = None  # None: the one the config names
+    pools: Pools | None = None  # None: thread pools sized by the config
+    registry: CollectorRegistry = REGISTRY
+    # what the config was loaded from, to load it again when its file changes
+    flags: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    env: Mapping[str, str] | None = None
+    host_ip: str | None = None  # None: read from the host
+
+
 class Agent:
-    def __init__(self, cfg: AgentConfig, api: client.ApiClient | None = None, *,
-                 kube: Kube | None = None, clock: Clock | None = None,
-                 images: ImageLister | None = None, readiness: Readiness | None = None,
-                 registry: CollectorRegistry = REGISTRY,
-                 flags: Mapping[str, Any] | None = None,
-                 env: Mapping[str, str] | None = None,
-                 lease_executor: concurrent.futures.Executor | None = None,
-                 status_executor: concurrent.futures.Executor | None = None,
-                 watch_executor: concurrent.futures.Executor | None = None,
-                 pods: Pods | None = None, server_api: ServerApi | None = None) -> None:
-        """`pods`: the node's pod machinery (nodeagent.pods); it also supplies the
-        image list, the runtime version and readiness unless those are given."""
-        if kube is None:
-            if api is None:
-                raise ValueError("Agent needs an ApiClient (or a Kube)")
-            kube = RealKube(api)
+    def __init__(self, cfg: AgentConfig, parts: Parts) -> None:
         self.cfg = cfg
-        self.kube = kube
-        self.clock = clock or RealClock()
-        self.pods = pods
-        self.images = images or (pods.images if pods else None)
-        self.readiness = readiness or (pods.readiness if pods else None)
-        self.metrics = NodeMetrics(registry)
-        self.registry = registry
-        self._flags = dict(flags or {})
-        self._env = env
-        self.lease_call = Blocking(lease_executor or concurrent.futures.ThreadPoolExecutor(
-            cfg.lease_concurrency, thread_name_prefix="lease"))
-        self.status_call = Blocking(status_executor or concurrent.futures.ThreadPoolExecutor(
-            cfg.status_concurrency, thread_name_prefix="status"))
-        self.watch_call = Blocking(watch_executor or concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="watch"))
-        self.nodes: dict[str, NodeController] = {}
-        self.renewals: DueScheduler[str] = DueScheduler(self.clock, self._renew, "renewals")
-        self.ticker: DueScheduler[str] = DueScheduler(self.clock, self._tick, "status")
+        self.kube = kube = parts.kube
+        self.clock = clock = parts.clock
+        self.registry = parts.registry
+        self._flags = dict(parts.flags)
+        self._env = parts.env
+        self.answered = ApiAnswered(clock)
+        self.pools = parts.pools or Pools.of(cfg)
         self.probe = host_probe(cfg)
-        self.shared_readings = SharedReadings(self.probe.read, self.clock)
+        self.shared_readings = SharedReadings(self.probe.read, clock)
         self.settings = status_settings(cfg)
+        self.nodes: dict[str, NodeController] = {}
+        self.uids: dict[str, str] = {}  # node name -> its Node's UID, once registered
+        self.pods = self._pods(cfg, parts)
+        self.metrics = NodeMetrics(parts.registry)
+        self.renewals: DueScheduler[str] = DueScheduler(clock, self._renew, "renewals")
+        self.ticker: DueScheduler[str] = DueScheduler(clock, self._tick, "status")
+        self.node_config = NodeControllerConfig(
+            kube=kube.using(self.pools.status), lease_kube=kube.using(self.pools.lease),
+            clock=clock, metrics=self.metrics, heartbeat=cfg.heartbeat, status=self.settings,
+            # virtual nodes share one reading of the host; a host node reads it every tick
+            probe=self.shared_readings.read if cfg.virtual else self.probe.read,
+            status_call=Blocking(self.pools.status), renewals=self.renewals,
+            ticker=self.ticker, answered=self.answered, uids=self.uids,
+            images=self.pods.images, readiness=self.pods.readiness, legacy=cfg.legacy)
         self.watch: NodeWatch | None = None
-        self._api_answered_at = -math.inf
         self.health: HealthServer | None = None
         self._config_mtime = self._mtime()
-        # the kubelet API (nodeagent.server), when cfg.port is set and pods run here
-        self.server_api = server_api
-        if server_api is None and api is not None:
-            from nodeagent.server.kubeapi import RealServerApi
-            self.server_api = RealServerApi(api)
-        self.kubelet_api: ServerBundle | None = None
+        self.kubelet_api: ServerBundle | None = None  # nodeagent.server, when cfg.port is set
+
+    def _pods(self, cfg: AgentConfig, parts: Parts) -> Pods:
+        """The pod half: sources -> one merge -> NodeLoops (one PLEG, a SyncLoop per
+        node) -> the runtime. Virtual nodes: one API pod watch for all names (static
+        pods are refused by the config)."""
+        kube, clock, registry = parts.kube, parts.clock, parts.registry
+        hip = parts.host_ip if parts.host_ip is not None else host_ip(cfg, self.probe)
+        runtime = parts.runtime or build_runtime(cfg, hip)
+
+        def node_uid() -> str | None:
+            return self.uids.get(cfg.node_name)
+        configured = {s for s, on in ((Source.API, True),
+                                      (Source.FILE, bool(cfg.pod_manifest_path)),
+                                      (Source.HTTP, bool(cfg.manifest_url))) if on}
+        merge = Merge(configured, Problems(NodeEvents(kube, cfg.node_name, clock,
+                                                      node_uid=node_uid)))
+        sources: list[Part] = [APISource(kube, cfg.node_names, merge, clock,
+                                         answered=self.answered)]
+        if cfg.pod_manifest_path:
+            sources.append(FileSource(cfg.pod_manifest_path, cfg.node_name, merge, clock,
+                                      check_frequency=cfg.file_check_frequency,
+                                      allow_privileged=cfg.allow_privileged))
+        if cfg.manifest_url:
+            sources.append(HTTPSource(cfg.manifest_url, cfg.node_name, merge, clock,
+                                      headers=dict(cfg.manifest_url_headers),
+                                      check_frequency=cfg.http_check_frequency,
+                                      allow_privileged=cfg.allow_privileged))
+        if cfg.pod_manifest_path or cfg.manifest_url:
+            sources.append(MirrorManager(kube, cfg.node_name, merge, clock, node_uid=node_uid,
+                                         answered=self.answered))
+        pleg = Pleg(runtime, clock, PlegConfig(), registry=registry,
+                    node=cfg.agent_id if cfg.virtual else cfg.node_name)
+        loop = SyncLoopConfig(runtime=runtime, clock=clock, kube=kube, answered=self.answered,
+                              host_ip=hip, registry=registry,
+                              log_root=str((Path(cfg.root_dir) / "logs" / "pods").resolve()))
+        loops = NodeLoops(NodeLoopsConfig(cfg.node_names, loop), pleg, merge.updates,
+                          merge.ready)
+        return Pods(runtime, clock, loops, sources, PodsConfig(
+            log_rotation=(cfg.container_log_max_size, cfg.container_log_max_files)))
 
     # -- nodes --
-    def add_node(self, spec: NodeSpec, probe: Callable[[], HostReadings] | None = None) -> NodeController:
-        # virtual nodes share one reading of the host; a host node reads it every tick
-        default = self.shared_readings.read if self.cfg.virtual else self.probe.read
-        node = NodeController(
-            spec, self.kube, self.clock, self.metrics, heartbeat=self.cfg.heartbeat,
-            settings=self.settings, probe=probe or default,
-            lease_call=self.lease_call, status_call=self.status_call,
-            renewals=self.renewals, ticker=self.ticker, images=self.images,
-            readiness=self.readiness, legacy=self.cfg.legacy, rng=random.Random())
-        node.lease.on_recovered = self._api_answered
+    def add_node(self, spec: NodeSpec,
+                 probe: Callable[[], HostReadings] | None = None) -> NodeController:
+        config = dataclasses.replace(self.node_config, status=self.settings)
+        if probe is not None:
+            config = dataclasses.replace(config, probe=probe)
+        node = NodeController(spec, config, rng=random.Random())
         self.nodes[spec.name] = node
         self.metrics.nodes.set(len(self.nodes))
         return node
-
-    def _api_answered(self) -> None:
-        """A Lease renewal went through after failing: the API server answers again.
-        The watches waiting out a backoff reconnect now, not up to 8 s (Node) or 30 s
-        (pods) later, so pods bound during an outage start that much sooner. Once a
-        second at most: a thousand virtual nodes' Leases recover together."""
-        now = self.clock.monotonic()
-        if now - self._api_answered_at < 1.0:
-            return
-        self._api_answered_at = now
-        if self.watch is not None:
-            self.watch.api_answered()
-        if self.pods is not None:
-            self.pods.api_answered()
 
     async def _renew(self, name: str) -> float | None:
         node = self.nodes.get(name)
@@ -187,17 +265,6 @@ class Agent:
         if node is next(iter(self.nodes.values())):
             await self._maybe_reload()  # once per update period, not once per node
         return await node.tick()
-
-    def _on_node(self, kind: str, obj: Obj) -> None:
-        node = self.nodes.get((obj.get("metadata") or {}).get("name", ""))
-        if node is None:
-            return
-        if kind == "DELETED":
-            log.warning("node %s: deleted; it will be registered again", node.name)
-            node.registered = False
-            self.renewals.cancel(node.name)
-            return
-        node.on_node(obj)
 
     # -- health --
     def healthz(self) -> str | None:
@@ -249,13 +316,8 @@ class Agent:
         if not self.nodes:
             for spec in node_specs(self.cfg):
                 self.add_node(spec)
-        # one node: a single-object watch (all node credentials allow); many: one
-        # label-selector watch for all of them
-        one = len(self.nodes) == 1
-        self.watch = NodeWatch(
-            self.kube, self.clock, self.watch_call, self._on_node,
-            field_selector=f"metadata.name={next(iter(self.nodes))}" if one else "",
-            label_selector="" if one else f"{AGENT_LABEL}={self.cfg.agent_id}")
+        self.watch = NodeWatch(self.kube, self.nodes, self.clock, agent_id=self.cfg.agent_id,
+                               answered=self.answered)
         if self.cfg.healthz_bind_address:
             host, port = self.cfg.healthz_bind_address
             try:
@@ -265,23 +327,21 @@ class Agent:
                                   f"{e.strerror or e}") from e
             self.health.health_checks["heartbeat"] = self.healthz
             self.health.ready_checks["registered"] = self.readyz
-            if self.pods:
-                self.health.health_checks["pleg"] = self.pods.health
+            self.health.health_checks["pleg"] = self.pods.health
             self.health.start()
             log.info("serving /healthz and /metrics on %s:%d", host, self.health.port)
         tasks = [asyncio.create_task(self.renewals.run(), name="renewals"),
                  asyncio.create_task(self.ticker.run(), name="status"),
                  asyncio.create_task(self.watch.run(), name="watch")]
-        if self.pods:
-            await self.pods.start()  # the runtime's version is in the first NodeStatus
-            self.settings = dataclasses.replace(self.settings,
-                                                runtime_version=self.pods.runtime_version)
-            api_port = await self._serve_kubelet_api()
-            if api_port is not None:  # in the first NodeStatus too
-                self.settings = dataclasses.replace(self.settings, kubelet_port=api_port)
-            for node in self.nodes.values():
-                node.settings = self.settings
-            tasks.append(asyncio.create_task(self.pods.wait(), name="pods"))
+        await self.pods.start()  # the runtime's version is in the first NodeStatus
+        self.settings = dataclasses.replace(self.settings,
+                                            runtime_version=self.pods.runtime_version)
+        api_port = await self._serve_kubelet_api()
+        if api_port is not None:  # in the first NodeStatus too
+            self.settings = dataclasses.replace(self.settings, kubelet_port=api_port)
+        for node in self.nodes.values():
+            node.settings = self.settings
+        tasks.append(asyncio.create_task(self.pods.wait(), name="pods"))
         for node in self.nodes.values():
             node.start()
         log.info("agent running: %d node(s), heartbeat mode %s", len(self.nodes),
@@ -295,15 +355,15 @@ class Agent:
 
     async def _serve_kubelet_api(self) -> int | None:
         """Start the kubelet API; its port, or None when it is not served."""
-        if self.cfg.port is None or self.pods is None or self.server_api is None:
+        if self.cfg.port is None:
             return None
-        from nodeagent.server import setup
+        from nodeagent.server import setup  # aiohttp and TLS: only when serving
         try:
             addresses = [a for _, a in self.probe.read().addresses]
         except HostReadError:
             addresses = list(self.cfg.node_ips)
         checks = {"heartbeat": self.healthz, "pleg": self.pods.health}
-        self.kubelet_api = setup.build(self.cfg, self.pods, self.server_api, clock=self.clock,
+        self.kubelet_api = setup.build(self.cfg, self.pods, self.kube, clock=self.clock,
                                        registry=self.registry, addresses=addresses,
                                        health_checks=checks)
         return await self.kubelet_api.start()
@@ -315,18 +375,14 @@ class Agent:
             self.watch.stop()
         if self.kubelet_api:
             await self.kubelet_api.stop()
-        if self.pods:
-            await self.pods.stop()  # pods keep running; a restarted agent adopts them
+        await self.pods.stop()  # pods keep running; a restarted agent adopts them
         await self.renewals.stop()
         await self.ticker.stop()
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await asyncio.to_thread(self.lease_call.shutdown)
-        await asyncio.to_thread(self.status_call.shutdown)
-        # the watch thread may sit in a long read; its stream was closed above
-        with contextlib.suppress(Exception):
-            self.watch_call.executor.shutdown(wait=False, cancel_futures=True)
+        for pool in (self.pools.lease, self.pools.status):
+            await asyncio.to_thread(pool.shutdown, wait=True, cancel_futures=True)
         if self.health:
             self.health.stop()
         log.info("stopped")

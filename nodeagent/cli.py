@@ -27,9 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def _serve(cfg: config.AgentConfig, flags: dict[str, object]) -> None:
-    from nodeagent.agent import Agent, host_probe  # the heavy imports only when running
+    from nodeagent.agent import Agent, Parts  # the heavy imports only when running
     from nodeagent.api.clock import RealClock
-    from nodeagent.pods import Pods, host_ip
+    from nodeagent.api.kube import RestKube
 
     # retries=0: every caller retries with its own deadline (tenacity for the Lease)
     api = new_api_client(cfg.kubeconfig, component="agent", retries=0,
@@ -39,9 +39,8 @@ async def _serve(cfg: config.AgentConfig, flags: dict[str, object]) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
-        clock = RealClock()
-        pods = Pods.from_config(cfg, api, clock, host_ip=host_ip(cfg, host_probe(cfg)))
-        await Agent(cfg, api, clock=clock, flags=flags, env=os.environ, pods=pods).run(stop)
+        parts = Parts(RestKube(api), RealClock(), flags=flags, env=os.environ)
+        await Agent(cfg, parts).run(stop)
     finally:
         api.close()
 

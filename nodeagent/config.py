@@ -21,8 +21,9 @@ from typing import Any
 import yaml
 
 from nodeagent.api.policy import Heartbeat, PolicyError, parse_heartbeat
+from nodeagent.api.quantity import QuantityError, parse_quantity
 from nodeagent.node.host import parse_overrides
-from nodeagent.node.quantity import QuantityError, Threshold, parse_quantity, parse_thresholds
+from nodeagent.node.quantity import Threshold, parse_thresholds
 
 ENV_PREFIX = "NODEPULSE_"
 DEFAULT_EVICTION_HARD = "memory.available<100Mi,nodefs.available<10%,pid.available<5%"

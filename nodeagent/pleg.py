@@ -243,34 +243,42 @@ def pleg_metrics(registry: CollectorRegistry) -> PlegMetrics:
 
 # --- the PLEG -----------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class PlegConfig:
+    relist_period: float = 1.0         # the kubelet's relistPeriod
+    relist_timeout: float = 30.0       # one runtime list
+    inspect_timeout: float = 10.0      # one pod's status call
+    inspect_concurrency: int = 8
+    health_threshold: float = 180.0    # no relist for this long: PLEG is not healthy
+    channel_capacity: int = 1000       # events waiting for the sync loops
+    runtime_failure_threshold: int = 2  # failed relists in a row before the runtime is
+    # reported down (one failure may be a blip)
+
+
 class Pleg:
-    def __init__(self, runtime: Runtime, clock: Clock, *, node: str = "",
-                 relist_period: float = 1.0, relist_timeout: float = 30.0,
-                 inspect_timeout: float = 10.0, inspect_concurrency: int = 8,
-                 health_threshold: float = 180.0, channel_capacity: int = 1000,
-                 runtime_failure_threshold: int = 2,
-                 cache: PodCache | None = None,
+    def __init__(self, runtime: Runtime, clock: Clock, config: PlegConfig = PlegConfig(), *,
+                 node: str = "", cache: PodCache | None = None,
                  registry: CollectorRegistry = REGISTRY) -> None:
-        """`runtime_failure_threshold`: this many failed relists in a row make
-        `runtime_problem()` report the runtime down (one failure may be a blip)."""
+        """`node` labels the metrics (the agent's id when one PLEG serves many nodes)."""
+        c = config
         self.runtime = runtime
         self.clock = clock
         self.node = node
-        self.relist_period = relist_period
-        self.relist_timeout = relist_timeout
-        self.inspect_timeout = inspect_timeout
-        self.health_threshold = health_threshold
+        self.relist_period = c.relist_period
+        self.relist_timeout = c.relist_timeout
+        self.inspect_timeout = c.inspect_timeout
+        self.health_threshold = c.health_threshold
         self.cache = cache or PodCache()
-        self.events: asyncio.Queue[PodLifecycleEvent] = asyncio.Queue(channel_capacity)
+        self.events: asyncio.Queue[PodLifecycleEvent] = asyncio.Queue(c.channel_capacity)
         self.last_result: RelistResult | None = None  # for housekeeping and adoption
         self.last_result_at = -math.inf  # monotonic start of the relist that made it
         self.relists = 0
-        self.runtime_failure_threshold = max(1, runtime_failure_threshold)
+        self.runtime_failure_threshold = max(1, c.runtime_failure_threshold)
         self.relist_failures = 0  # in a row; 0 after a relist that worked
         self.relist_error = ""    # the last failure, for runtime_problem()
         self._failing_since = dt.datetime.min  # wall time of the first failure in a row
         self._records: dict[str, dict[str, str]] = {}
-        self._sem = asyncio.Semaphore(inspect_concurrency)
+        self._sem = asyncio.Semaphore(c.inspect_concurrency)
         self._inspecting: dict[str, asyncio.Task[None]] = {}
         self._again: dict[str, tuple[float, list[PodLifecycleEvent]]] = {}
         self._reinspect: set[str] = set()  # failed inspections: retry next relist

@@ -4,7 +4,9 @@ the API's pods/status subresource only when it changed.
 `compute_pod_status` is a pure function (spec + runtime records + what the worker
 decided -> the API's PodStatus JSON). `StatusManager` remembers what the API last
 accepted per pod and PATCHes only differences, one sender per pod, latest wins,
-retrying with backoff on API errors.
+retrying with backoff on API errors; a backoff under way ends when the API server
+answers again (the ApiAnswered signal: the pod watch reconnected, a Lease renewal went
+through, or a static pod's mirror pod was created).
 """
 
 from __future__ import annotations
@@ -14,21 +16,21 @@ import contextlib
 import datetime as dt
 import logging
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
-from kubernetes import client as k8s
 from prometheus_client import REGISTRY, CollectorRegistry, Counter
 
-from nodeagent.api.client import is_retriable, status_of
-from nodeagent.api.clock import Clock, Wakeup
+from nodeagent.api.answered import ApiAnswered
+from nodeagent.api.client import brief, is_retriable, status_of
+from nodeagent.api.clock import Clock
+from nodeagent.api.kube import PODS, Kube, describe
 from nodeagent.runtime.base import Container, ContainerState, PodRuntimeStatus
-from nodeagent.sources.types import is_static
+from nodeagent.sources.types import Pod, is_static
 
 log = logging.getLogger(__name__)
 
-Pod = dict[str, Any]
 Status = dict[str, Any]
 
 # The status fields this agent owns; others (qosClass, nominatedNodeName, conditions of
@@ -257,57 +259,6 @@ def owned(status: Mapping[str, Any] | None) -> Status:
 
 # --- writing to the API -------------------------------------------------------------
 
-class PodStatusWriter(Protocol):
-    async def patch_status(self, pod: Pod, status: Status) -> None:
-        """PATCH pods/<name>/status. Raises the API error (kubernetes ApiException)."""
-
-    async def delete_pod(self, pod: Pod) -> None:
-        """Finish a graceful deletion: DELETE with grace 0 and a uid precondition."""
-
-
-class ApiStatusWriter:
-    """PodStatusWriter over a kubernetes ApiClient (built by nodeagent.api.client).
-    A node's credentials may patch status of, and delete, pods bound to it."""
-
-    def __init__(self, api_client: k8s.ApiClient, request_timeout: float = 30.0) -> None:
-        self.core = k8s.CoreV1Api(api_client)
-        self.request_timeout = request_timeout
-
-    async def patch_status(self, pod: Pod, status: Status) -> None:
-        meta = pod["metadata"]
-        body: dict[str, Any] = {"status": status}
-        if not is_static(pod):
-            # the uid makes the patch fail on a new pod that reuses the name; a static
-            # pod's status goes to its mirror pod, which has a uid of its own
-            body["metadata"] = {"uid": meta["uid"]}
-        await asyncio.to_thread(
-            _unused, self.core.patch_namespaced_pod_status, meta["name"],
-            meta.get("namespace", "default"), body,
-            _content_type="application/strategic-merge-patch+json",
-            _preload_content=False, _request_timeout=self.request_timeout)
-
-    async def delete_pod(self, pod: Pod) -> None:
-        meta = pod["metadata"]
-        opts = k8s.V1DeleteOptions(grace_period_seconds=0,
-                                   preconditions=k8s.V1Preconditions(uid=meta["uid"]))
-        await asyncio.to_thread(
-            _unused, self.core.delete_namespaced_pod, meta["name"],
-            meta.get("namespace", "default"), grace_period_seconds=0, body=opts,
-            _preload_content=False, _request_timeout=self.request_timeout)
-
-
-def _unused(call: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
-    """Make an API call whose answer is not needed (unparsed: `_preload_content=False`),
-    then read the body to its end and give the connection back to the pool. Left
-    unread, the response holds its connection until garbage collection closes it: every
-    write would open a new TLS connection, and the API server logs an aborted request."""
-    resp = call(*args, **kwargs)
-    try:
-        resp.drain_conn()
-    finally:
-        resp.release_conn()
-
-
 @dataclass
 class _Entry:
     pod: Pod
@@ -333,17 +284,23 @@ def _writes_counter(registry: CollectorRegistry) -> Counter:
 
 
 class StatusManager:
-    def __init__(self, writer: PodStatusWriter, clock: Clock, *, node: str = "",
-                 retry_initial: float = 1.0, retry_max: float = 60.0,
+    """Writes pods' status to the pods/status subresource, and finishes graceful
+    deletions (DELETE with grace 0 and a uid precondition): what a node's credentials
+    may do to the pods bound to it."""
+
+    REQUEST_TIMEOUT = 30.0
+
+    def __init__(self, kube: Kube, clock: Clock, *, answered: ApiAnswered | None = None,
+                 node: str = "", retry_initial: float = 1.0, retry_max: float = 60.0,
                  registry: CollectorRegistry = REGISTRY) -> None:
-        self.writer = writer
+        self.kube = kube
         self.clock = clock
+        self.answered = answered or ApiAnswered(clock)
         self.node = node
         self.retry_initial = retry_initial
         self.retry_max = retry_max
         self._pods: dict[str, _Entry] = {}
         self._writes = _writes_counter(registry)
-        self._wake = Wakeup()  # retry_now ends the backoffs under way
 
     def status(self, uid: str) -> Status | None:
         """The latest status computed for a pod (the `previous` for the next one)."""
@@ -390,11 +347,6 @@ class StatusManager:
         if e and e.task:
             e.task.cancel()
 
-    def retry_now(self) -> None:
-        """The API server answers again (the pod watch reconnected): writes waiting out
-        a backoff go now, from the initial delay, rather than up to retry_max later."""
-        self._wake.wake()
-
     def dirty(self, uid: str) -> bool:
         e = self._pods.get(uid)
         return e is not None and (e.sent != owned(e.status) or (e.delete and not e.deleted))
@@ -424,10 +376,10 @@ class StatusManager:
             kind = "delete" if want == e.sent and e.delete else "patch"
             try:
                 if kind == "patch":
-                    await self.writer.patch_status(e.pod, e.status)
+                    await self._patch(e.pod, e.status)
                     e.sent = want
                 else:
-                    await self.writer.delete_pod(e.pod)
+                    await self._delete(e.pod)
                     e.deleted = True
                 self._writes.labels(node=self.node, kind=kind, result="ok").inc()
                 delay = self.retry_initial
@@ -441,20 +393,36 @@ class StatusManager:
                     # manager may not have created yet: keep trying
                     self._writes.labels(node=self.node, kind=kind, result="error").inc()
                     log.info("pod %s: no mirror pod yet for its status; retry in %.0fs",
-                             uid, delay)
+                             describe(e.pod), delay)
                 elif code in (404, 409, 422):
                     # the pod is gone or was replaced by a new one with the same name
-                    log.info("pod %s: status %s gave %s; the pod is gone", uid, kind, code)
+                    log.info("pod %s: status %s gave %s; the pod is gone", describe(e.pod),
+                             kind, code)
                     self._writes.labels(node=self.node, kind=kind, result="gone").inc()
                     e.sent = want
                     e.deleted = True
                     return
                 else:
                     self._writes.labels(node=self.node, kind=kind, result="error").inc()
-                    log.warning("pod %s: status %s failed (%s), retry in %.0fs%s", uid,
-                                kind, exc, delay,
+                    log.warning("pod %s: status %s failed (%s), retry in %.0fs%s", describe(e.pod),
+                                kind, brief(exc), delay,
                                 "" if is_retriable(exc) else " (not retriable?)")
-            if await self._wake.wait(self.clock, delay):
-                delay = self.retry_initial  # retry_now: the API server is back
-            else:
-                delay = min(delay * 2, self.retry_max)
+            back = await self.answered.wait(delay)  # the API server answers again
+            delay = self.retry_initial if back else min(delay * 2, self.retry_max)
+
+    async def _patch(self, pod: Pod, status: Status) -> None:
+        meta = pod["metadata"]
+        body: dict[str, Any] = {"status": status}
+        if not is_static(pod):
+            # the uid makes the patch fail on a new pod that reuses the name; a static
+            # pod's status goes to its mirror pod, which has a uid of its own
+            body["metadata"] = {"uid": meta["uid"]}
+        await self.kube.patch(PODS, meta["name"], body, namespace=meta.get("namespace", "default"),
+                              subresource="status", timeout=self.REQUEST_TIMEOUT, parse=False)
+
+    async def _delete(self, pod: Pod) -> None:
+        meta = pod["metadata"]
+        await self.kube.delete(PODS, meta["name"], namespace=meta.get("namespace", "default"),
+                               options={"gracePeriodSeconds": 0,
+                                        "preconditions": {"uid": meta["uid"]}},
+                               timeout=self.REQUEST_TIMEOUT, parse=False)

@@ -1,14 +1,17 @@
-"""The sync loop: the one place where pod updates, PLEG events, resyncs and
-housekeeping meet and turn into pod worker updates.
+"""The sync loops: where pod updates, PLEG events, resyncs and housekeeping meet and
+turn into pod worker updates.
 
-    sources' PodUpdates ──┐
-    PLEG events ──────────┼─> SyncLoop ─> PodWorkers ─> runtime
-    1 s tick: due resyncs ┤                   └─> StatusManager ─> API (pods/status)
+    merge's PodUpdates ─> NodeLoops ─┬─> SyncLoop (node a) ─> PodWorkers ─> runtime
+    PLEG events ────────>  (routing) ├─> SyncLoop (node b)        └─> StatusManager ─> API
+    1 s tick: due resyncs ┤          └─> ...
     housekeeping ─────────┘  (orphans in the runtime are removed once sources are ready)
 
-`SyncLoop` is also the composition root for this layer: hand it a runtime, a clock,
-the merge's update queue and SourcesReady, and an ApiClient (or any PodStatusWriter);
-it builds the PLEG, pod cache, status manager, syncer and workers itself.
+`NodeLoops` runs one PLEG over the runtime for every node of the process (a host agent
+is the case N=1): it routes each update to the SyncLoop of the pod's `spec.nodeName`
+and each PLEG event to the loop of the node that owns the pod, ticks every loop's
+resyncs from one timer, and does the housekeeping once for all (a pod of one node is
+never an orphan of another). A `SyncLoop` is one node's: its pods, workers, syncer and
+status manager, built from the SyncLoopConfig all nodes share.
 """
 
 from __future__ import annotations
@@ -17,40 +20,48 @@ import asyncio
 import contextlib
 import logging
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
-from kubernetes import client as k8s
 from prometheus_client import REGISTRY, CollectorRegistry, Counter
 
+from nodeagent.api.answered import ApiAnswered
 from nodeagent.api.clock import Clock
-from nodeagent.pleg import EventType, Pleg, PodLifecycleEvent
-from nodeagent.podstatus import ApiStatusWriter, PodStatusWriter, StatusManager
+from nodeagent.api.kube import Kube, describe
+from nodeagent.pleg import EventType, Pleg, PodCache, PodLifecycleEvent
+from nodeagent.podstatus import StatusManager
 from nodeagent.runtime.base import LABEL_POD_NAME, LABEL_POD_NAMESPACE, Runtime
-from nodeagent.sources.types import Op, PodUpdate, SourcesReady, pod_node_name
-from nodeagent.workers import CrashBackoff, PodSyncer, PodWorkers, UpdateKind
+from nodeagent.sources.types import Op, Pod, PodUpdate, SourcesReady, pod_node_name
+from nodeagent.syncer import CrashBackoff, PodSyncer
+from nodeagent.workers import PodWorkers, UpdateKind
 
 log = logging.getLogger(__name__)
 
-Pod = dict[str, Any]
 
-
-@dataclass
+@dataclass(frozen=True)
 class SyncLoopConfig:
-    relist_period: float = 1.0         # PLEG relistPeriod
-    relist_timeout: float = 30.0
-    inspect_timeout: float = 10.0      # one pod's runtime status call
-    inspect_concurrency: int = 8
-    pleg_health_threshold: float = 180.0
+    """What every node's SyncLoop of a process shares."""
+
+    runtime: Runtime
+    clock: Clock
+    kube: Kube                         # pod status writes
+    answered: ApiAnswered              # their backoffs end when the API answers again
+    host_ip: str = ""
+    registry: CollectorRegistry = REGISTRY
     sync_frequency: float = 60.0       # periodic resync of each pod
-    housekeeping_period: float = 2.0
-    orphan_grace: float = 10.0         # stop timeout for containers of unknown pods
-    call_timeout: float = 60.0         # any other runtime call
+    call_timeout: float = 60.0         # any runtime call but the PLEG's
     log_root: str = ""                 # container logs (runtimes that write files)
     crash_backoff_initial: float = 10.0
     crash_backoff_max: float = 300.0
     crash_backoff_reset: float = 600.0
+
+
+@dataclass(frozen=True)
+class NodeLoopsConfig:
+    node_names: tuple[str, ...]
+    loop: SyncLoopConfig
+    housekeeping_period: float = 2.0
+    orphan_grace: float = 10.0         # stop timeout for containers of unknown pods
 
 
 # per registry object (not id(): ids of dead registries are reused)
@@ -68,82 +79,34 @@ def _housekeeping_counter(registry: CollectorRegistry) -> Counter:
 
 
 class SyncLoop:
-    def __init__(self, *, runtime: Runtime, clock: Clock, node_name: str,
-                 updates: asyncio.Queue[PodUpdate], sources_ready: SourcesReady,
-                 api_client: k8s.ApiClient | None = None,
-                 status_writer: PodStatusWriter | None = None, host_ip: str = "",
-                 config: SyncLoopConfig | None = None,
-                 registry: CollectorRegistry = REGISTRY,
-                 pleg: Pleg | None = None,
-                 events: asyncio.Queue[PodLifecycleEvent] | None = None) -> None:
-        """Give `api_client` (status goes to pods/status through it) or, in tests, any
-        `status_writer`. `pleg` and `events`: a PLEG shared by several nodes (NodeLoops
-        runs it, routes its events to `events` and does the housekeeping)."""
-        if (api_client is None) == (status_writer is None):
-            raise ValueError("SyncLoop: give exactly one of api_client or status_writer")
-        self.config = cfg = config or SyncLoopConfig()
-        self.runtime = runtime
-        self.clock = clock
+    """One node's loop: takes that node's updates and PLEG events from its queues (its
+    NodeLoops fills them) and turns them into pod worker updates."""
+
+    def __init__(self, node_name: str, config: SyncLoopConfig, cache: PodCache) -> None:
+        c = config
         self.node_name = node_name
-        self.updates = updates
-        self.sources_ready = sources_ready
-        writer: PodStatusWriter
-        if status_writer is not None:
-            writer = status_writer
-        else:
-            assert api_client is not None
-            writer = ApiStatusWriter(api_client)
-        self.shared = pleg is not None
-        self.pleg = pleg or new_pleg(runtime, clock, node_name, cfg, registry)
-        self.events = events if events is not None else self.pleg.events
-        self.status = StatusManager(writer, clock, node=node_name, registry=registry)
-        self.syncer = PodSyncer(runtime, self.status, clock, node_name=node_name,
-                                host_ip=host_ip, call_timeout=cfg.call_timeout,
-                                log_root=cfg.log_root,
-                                backoff=CrashBackoff(clock, cfg.crash_backoff_initial,
-                                                     cfg.crash_backoff_max,
-                                                     cfg.crash_backoff_reset))
-        self.workers = PodWorkers(self.syncer, self.pleg.cache, clock, node=node_name,
-                                  sync_frequency=cfg.sync_frequency, registry=registry)
+        self.clock = c.clock
+        self.updates: asyncio.Queue[PodUpdate] = asyncio.Queue()
+        self.events: asyncio.Queue[PodLifecycleEvent] = asyncio.Queue()
+        self.status = StatusManager(c.kube, c.clock, answered=c.answered, node=node_name,
+                                    registry=c.registry)
+        self.syncer = PodSyncer(c.runtime, self.status, c.clock, node_name=node_name,
+                                host_ip=c.host_ip, call_timeout=c.call_timeout,
+                                log_root=c.log_root,
+                                backoff=CrashBackoff(c.clock, c.crash_backoff_initial,
+                                                     c.crash_backoff_max,
+                                                     c.crash_backoff_reset))
+        self.workers = PodWorkers(self.syncer, cache, c.clock, node=node_name,
+                                  sync_frequency=c.sync_frequency, registry=c.registry)
         self.pods: dict[str, Pod] = {}   # uid -> latest pod from the sources
-        self._orphans = _housekeeping_counter(registry).labels(node=node_name)
-        self._task: asyncio.Task[None] | None = None
-        self._next_housekeeping = 0.0
-
-    # --- health, for HealthServer.health_checks -------------------------------------
-
-    def health(self) -> str | None:
-        return self.pleg.health()
-
-    # --- lifecycle ------------------------------------------------------------------
-
-    def start(self) -> asyncio.Task[None]:
-        self._task = asyncio.create_task(self.run(), name=f"syncloop-{self.node_name}")
-        return self._task
-
-    def retry_writes_now(self) -> None:
-        """The API server answers again: pod status writes in backoff go now."""
-        self.status.retry_now()
-
-    async def stop(self) -> None:
-        """Stop the loops. Pods keep running in the runtime (a new agent adopts them)."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        self._orphans = _housekeeping_counter(c.registry).labels(node=node_name)
 
     async def run(self) -> None:
-        if not self.shared:
-            self.pleg.start()
         get_update = asyncio.ensure_future(self.updates.get())
         get_event = asyncio.ensure_future(self.events.get())
-        # Loops sharing a PLEG are ticked by their NodeLoops: one timer, not one per node.
-        tick = asyncio.ensure_future(self.clock.sleep(1.0) if not self.shared
-                                     else asyncio.Event().wait())
         try:
             while True:
-                done, _ = await asyncio.wait({get_update, get_event, tick},
+                done, _ = await asyncio.wait({get_update, get_event},
                                              return_when=asyncio.FIRST_COMPLETED)
                 if get_update in done:
                     self.handle_update(get_update.result())
@@ -151,20 +114,11 @@ class SyncLoop:
                 if get_event in done:
                     self.handle_event(get_event.result())
                     get_event = asyncio.ensure_future(self.events.get())
-                if tick in done:
-                    self.workers.sync_due()
-                    if self.clock.monotonic() >= self._next_housekeeping:
-                        self._next_housekeeping = (self.clock.monotonic()
-                                                   + self.config.housekeeping_period)
-                        self.housekeeping()
-                    tick = asyncio.ensure_future(self.clock.sleep(1.0))
         finally:
-            for f in (get_update, get_event, tick):
+            for f in (get_update, get_event):
                 f.cancel()
             await self.workers.stop()
             await self.status.close()
-            if not self.shared:
-                await self.pleg.stop()
 
     # --- inputs ---------------------------------------------------------------------
 
@@ -177,11 +131,10 @@ class SyncLoop:
                 continue
             node = pod_node_name(pod)
             if node and node != self.node_name:
-                log.warning("pod %s is bound to node %s, not %s; ignored", uid, node,
+                log.warning("pod %s is bound to node %s, not %s; ignored", describe(pod), node,
                             self.node_name)
                 continue
-            log.debug("pod %s (%s): %s from %s", uid, (pod.get("metadata") or {}).get("name"),
-                      u.op, u.source)
+            log.debug("pod %s: %s from %s", describe(pod), u.op, u.source)
             if u.op in (Op.ADD, Op.UPDATE):
                 self.pods[uid] = pod
                 if (pod.get("metadata") or {}).get("deletionTimestamp"):
@@ -212,33 +165,23 @@ class SyncLoop:
             self.workers.update(pod, UpdateKind.SYNC)
         # events of pods no source knows are left to housekeeping
 
-    # --- housekeeping ---------------------------------------------------------------
-
-    def housekeeping(self) -> list[str]:
-        """Send REMOVE for runtime pods that no source knows. Only once every source has
-        delivered its first full set: before that, absence proves nothing."""
-        return housekeeping(self.pleg, self.sources_ready, [self])
-
-    def known_uids(self) -> set[str]:
+    def known_uids(self, relisted_at: float) -> set[str]:
         """Pods this loop is responsible for: from the sources, in work, just cleaned up
-        (forgotten before the PLEG's last relist started are dropped: stale records)."""
+        (forgotten before the PLEG's last relist started at `relisted_at` are dropped:
+        stale records)."""
         forgotten = self.workers.forgotten
-        for uid in [u for u, t in forgotten.items() if t < self.pleg.last_result_at]:
+        for uid in [u for u, t in forgotten.items() if t < relisted_at]:
             del forgotten[uid]
         return set(self.pods.keys() | self.workers.uids() | forgotten.keys())
 
 
-def new_pleg(runtime: Runtime, clock: Clock, node: str, cfg: SyncLoopConfig,
-             registry: CollectorRegistry) -> Pleg:
-    return Pleg(runtime, clock, node=node, relist_period=cfg.relist_period,
-                relist_timeout=cfg.relist_timeout, inspect_timeout=cfg.inspect_timeout,
-                inspect_concurrency=cfg.inspect_concurrency,
-                health_threshold=cfg.pleg_health_threshold, registry=registry)
 
-
-def housekeeping(pleg: Pleg, sources_ready: SourcesReady, loops: Sequence[SyncLoop]) -> list[str]:
+def housekeeping(pleg: Pleg, sources_ready: SourcesReady, loops: Sequence[SyncLoop],
+                 orphan_grace: float) -> list[str]:
     """REMOVE for runtime pods that none of `loops` knows (all loops on one runtime:
-    a pod of another node is not an orphan). The first loop's workers remove them."""
+    a pod of another node is not an orphan), only once every source has delivered its
+    first full set (before that, absence proves nothing). The first loop's workers
+    remove them."""
     if not sources_ready.all_ready():
         return []
     result = pleg.last_result
@@ -246,7 +189,7 @@ def housekeeping(pleg: Pleg, sources_ready: SourcesReady, loops: Sequence[SyncLo
         return []
     known: set[str] = set()
     for loop in loops:
-        known |= loop.known_uids()
+        known |= loop.known_uids(pleg.last_result_at)
     first = loops[0]
     names: dict[str, tuple[str, str]] = {}
     for s in result.sandboxes:
@@ -257,77 +200,45 @@ def housekeeping(pleg: Pleg, sources_ready: SourcesReady, loops: Sequence[SyncLo
     orphans = sorted(names.keys() - known)
     for uid in orphans:
         name, ns = names[uid]
-        log.info("housekeeping: pod %s (%s/%s) runs but no source has it; removing",
-                 uid, ns, name)
+        log.info("housekeeping: pod %s/%s (uid %s) runs but no source has it; removing",
+                 ns, name, uid)
         first._orphans.inc()
         first.workers.update({"metadata": {"uid": uid, "name": name or uid,
                                            "namespace": ns or "default"},
-                              "spec": {"terminationGracePeriodSeconds":
-                                       first.config.orphan_grace}},
+                              "spec": {"terminationGracePeriodSeconds": orphan_grace}},
                              UpdateKind.REMOVE)
     return orphans
 
 
-async def route_updates(updates: asyncio.Queue[PodUpdate],
-                        targets: Mapping[str, asyncio.Queue[PodUpdate]]) -> None:
-    """Virtual-node mode: one merge serves many nodes, one SyncLoop per node. Splits
-    each PodUpdate by `spec.nodeName` onto that node's queue, keeping the order."""
-    while True:
-        u = await updates.get()
-        by_node: dict[str, list[Pod]] = {}
-        for pod in u.pods:
-            node = pod_node_name(pod)
-            if node in targets:
-                by_node.setdefault(node, []).append(pod)
-            else:
-                log.warning("pod %s: node %r is not served here; ignored",
-                            (pod.get("metadata") or {}).get("uid"), node)
-        for node, pods in by_node.items():
-            targets[node].put_nowait(PodUpdate(u.op, tuple(pods), u.source))
-
-
 class NodeLoops:
-    """Virtual-node mode: one PLEG over the shared runtime, one SyncLoop per node.
+    """One PLEG over the runtime, one SyncLoop per node (see the module docstring).
 
     The merge's updates are split per node by spec.nodeName; the PLEG's events go to
-    the loop of the node that owns the pod (learnt from those updates); housekeeping
-    runs once for all loops, so a pod of one node is never an orphan of another.
-    Same interface as SyncLoop for Pods: start(), stop(), health().
+    the loop of the node that owns the pod (learnt from those updates).
     """
 
-    def __init__(self, *, runtime: Runtime, clock: Clock, node_names: Sequence[str],
-                 updates: asyncio.Queue[PodUpdate], sources_ready: SourcesReady,
-                 api_client: k8s.ApiClient | None = None,
-                 status_writer: PodStatusWriter | None = None, host_ip: str = "",
-                 config: SyncLoopConfig | None = None, label: str = "",
-                 registry: CollectorRegistry = REGISTRY) -> None:
-        self.config = cfg = config or SyncLoopConfig()
-        self.clock = clock
+    def __init__(self, config: NodeLoopsConfig, pleg: Pleg, updates: asyncio.Queue[PodUpdate],
+                 sources_ready: SourcesReady) -> None:
+        self.config = config
+        self.clock = config.loop.clock
+        self.pleg = pleg
         self.updates = updates
         self.sources_ready = sources_ready
-        self.pleg = new_pleg(runtime, clock, label, cfg, registry)
-        self.loops: dict[str, SyncLoop] = {}
+        self.loops = {name: SyncLoop(name, config.loop, pleg.cache)
+                      for name in config.node_names}
         self.owner: dict[str, str] = {}  # pod uid -> node, from the routed updates
-        for name in node_names:
-            self.loops[name] = SyncLoop(
-                runtime=runtime, clock=clock, node_name=name, updates=asyncio.Queue(),
-                sources_ready=sources_ready, api_client=api_client,
-                status_writer=status_writer, host_ip=host_ip, config=cfg,
-                registry=registry, pleg=self.pleg, events=asyncio.Queue())
         self._task: asyncio.Task[None] | None = None
 
     def health(self) -> str | None:
+        """None when healthy; a HealthServer check (PLEG's)."""
         return self.pleg.health()
-
-    def retry_writes_now(self) -> None:
-        for loop in self.loops.values():
-            loop.retry_writes_now()
 
     def start(self) -> asyncio.Task[None]:
         self._task = asyncio.create_task(self.run(), name="syncloops")
         return self._task
 
     async def stop(self) -> None:
+        """Stop the loops. Pods keep running in the runtime (a new agent adopts them)."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -340,19 +251,21 @@ class NodeLoops:
                  asyncio.create_task(self._route_events(), name="route-events"),
                  asyncio.create_task(self._housekeeping(), name="housekeeping"),
                  asyncio.create_task(self._tick(), name="resync-tick"),
-                 *(loop.start() for loop in self.loops.values())]
-        own = tasks[:4]
+                 *(asyncio.create_task(loop.run(), name=f"syncloop-{name}")
+                   for name, loop in self.loops.items())]
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             for t in done:
                 t.result()  # a loop that ends is a failure: raise it
         finally:
-            for t in own:
+            for t in tasks:
                 t.cancel()
-            await asyncio.gather(*own, return_exceptions=True)
-            await asyncio.gather(*(loop.stop() for loop in self.loops.values()),
-                                 return_exceptions=True)
+            await asyncio.gather(*tasks, return_exceptions=True)
             await self.pleg.stop()
+
+    def housekeeping(self) -> list[str]:
+        return housekeeping(self.pleg, self.sources_ready, list(self.loops.values()),
+                            self.config.orphan_grace)
 
     async def _route_updates(self) -> None:
         while True:
@@ -364,7 +277,7 @@ class NodeLoops:
             node = pod_node_name(pod)
             uid = str((pod.get("metadata") or {}).get("uid") or "")
             if node not in self.loops:
-                log.warning("pod %s: node %r is not served here; ignored", uid, node)
+                log.warning("pod %s: node %r is not served here; ignored", describe(pod), node)
                 continue
             by_node.setdefault(node, []).append(pod)
             if uid:
@@ -386,7 +299,7 @@ class NodeLoops:
     async def _housekeeping(self) -> None:
         while True:
             await self.clock.sleep(self.config.housekeeping_period)
-            housekeeping(self.pleg, self.sources_ready, list(self.loops.values()))
+            self.housekeeping()
 
     async def _tick(self) -> None:
         """Every loop's 1 s resync tick, from one timer."""

@@ -17,7 +17,6 @@ import socket
 from typing import Any
 
 import kopf
-from kubernetes import client
 from nodeoperator.election import KubeLeaseBackend, LeaderElector
 from nodeoperator.events import NodeEvents
 from nodeoperator.kube import KubeWriter
@@ -28,6 +27,7 @@ from nodeoperator.watch import LeaseWatch
 
 from nodeagent.api.client import load_configuration, new_api_client
 from nodeagent.api.clock import Clock, RealClock
+from nodeagent.api.kube import RestKube
 from nodeagent.api.policy import GROUP, PLURAL, VERSION
 from nodeagent.api.serve import HealthServer
 
@@ -97,15 +97,17 @@ async def run(opts: Options, clock: Clock | None = None) -> None:
     store = Store(clock)
     api = new_api_client(opts.kubeconfig, opts.context, component="operator",
                          pool_size=opts.writers + 2)
-    elector = LeaderElector(KubeLeaseBackend(api, opts.election_namespace, opts.election_name),
+    kube = RestKube(api)
+    elector = LeaderElector(KubeLeaseBackend(kube, opts.election_namespace,
+                                             opts.election_name),
                             clock, opts.identity, duration=opts.lease_duration,
                             renew_deadline=opts.renew_deadline, retry=opts.retry_period)
-    writer = KubeWriter(api, workers=opts.writers)
+    writer = KubeWriter(kube, workers=opts.writers)
     events = NodeEvents(writer, clock, instance=opts.identity)
-    leases = LeaseWatch(client.CoordinationV1Api(api), store, clock)
+    leases = LeaseWatch(kube, store, clock)
     # The monitor's first period waits for complete views: kopf's first lists of Nodes
     # and policies (sync.py) and the first Lease list.
-    synced = InitialSync(client.CoreV1Api(api), client.CustomObjectsApi(api), store, clock)
+    synced = InitialSync(kube, store, clock)
     monitor = Monitor(store, clock, writer, period=opts.monitor_period,
                       is_leader=lambda: elector.leading,
                       api_ok_since=lambda: elector.api_ok_since, parallel=opts.writers,

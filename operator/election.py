@@ -9,7 +9,6 @@ so the old leader has stopped before the new one starts.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import datetime as dt
 import logging
@@ -19,6 +18,7 @@ from prometheus_client import Gauge
 
 from nodeagent.api.client import status_of
 from nodeagent.api.clock import Clock
+from nodeagent.api.kube import LEASES, MERGE, Kube
 
 log = logging.getLogger("nodeoperator.election")
 
@@ -143,17 +143,18 @@ def _ts(t: dt.datetime) -> str:
 
 
 class KubeLeaseBackend:
-    """The Lease through the kubernetes client, each call in a thread."""
+    """The Lease through the one API layer (nodeagent.api.kube)."""
 
-    def __init__(self, api_client: Any, namespace: str, name: str) -> None:
-        from kubernetes import client
-        self.api = client.CoordinationV1Api(api_client)
+    TIMEOUT = 5  # seconds per request; see the module docstring for why it is short
+
+    def __init__(self, kube: Kube, namespace: str, name: str) -> None:
+        self.kube = kube
         self.namespace, self.name = namespace, name
 
     async def get(self) -> LeaseRecord | None:
         try:
-            body = await asyncio.to_thread(self._call, "read_namespaced_lease",
-                                           self.name, self.namespace)
+            body = await self.kube.get(LEASES, self.name, namespace=self.namespace,
+                                       timeout=self.TIMEOUT)
         except Exception as e:
             if status_of(e) == 404:
                 return None
@@ -166,15 +167,14 @@ class KubeLeaseBackend:
                            body["metadata"]["resourceVersion"])
 
     async def create(self, record: LeaseRecord) -> LeaseRecord:
-        await asyncio.to_thread(self._call, "create_namespaced_lease", self.namespace,
-                                self._body(record))
+        await self.kube.create(LEASES, self._body(record), timeout=self.TIMEOUT)
         return record
 
     async def update(self, record: LeaseRecord) -> LeaseRecord:
         # A merge patch carrying the resourceVersion we read: refused (409) if the
         # Lease changed since, like a replace, and the body is sent as we wrote it.
-        await asyncio.to_thread(self._call, "patch_namespaced_lease", self.name,
-                                self.namespace, self._body(record))
+        await self.kube.patch(LEASES, self.name, self._body(record), namespace=self.namespace,
+                              content_type=MERGE, timeout=self.TIMEOUT)
         return record
 
     def _body(self, r: LeaseRecord) -> dict[str, Any]:
@@ -185,11 +185,3 @@ class KubeLeaseBackend:
                 "spec": {"holderIdentity": r.holder, "leaseDurationSeconds": r.duration,
                          "renewTime": r.renew_time, "acquireTime": r.acquire_time,
                          "leaseTransitions": r.transitions}}
-
-    def _call(self, method: str, *args: Any) -> dict[str, Any]:
-        import json
-        extra = ({"_content_type": "application/merge-patch+json"}
-                 if method.startswith("patch") else {})
-        resp = getattr(self.api, method)(*args, _preload_content=False, _request_timeout=5,
-                                         **extra)
-        return dict(json.loads(resp.data))

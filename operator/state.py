@@ -22,9 +22,10 @@ from typing import Any
 from nodeoperator import selector, taints
 
 from nodeagent.api.clock import Clock
+from nodeagent.api.kube import NODE_LEASE_NAMESPACE
 from nodeagent.api.policy import HEARTBEAT_ANNOTATION, PolicyError, PolicySpec, parse_spec
 
-LEASE_NAMESPACE = "kube-node-lease"
+LEASE_NAMESPACE = NODE_LEASE_NAMESPACE
 UNREACHABLE_TAINT = taints.UNREACHABLE
 # Conditions the agent posts that go Unknown together when it falls silent.
 AGENT_CONDITIONS = ("Ready", "MemoryPressure", "DiskPressure", "PIDPressure")

@@ -16,27 +16,24 @@ thousands of Nodes costs no lookups).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from nodeoperator.state import Store
 
 from nodeagent.api.client import status_of
 from nodeagent.api.clock import Clock
-from nodeagent.api.policy import GROUP, PLURAL, VERSION
+from nodeagent.api.kube import NODE_STATUS_POLICIES, NODES, Kube
 
 log = logging.getLogger("nodeoperator.sync")
 
 
 class InitialSync:
-    def __init__(self, core: Any, custom: Any, store: Store, clock: Clock, *,
+    def __init__(self, kube: Kube, store: Store, clock: Clock, *,
                  page: int = 500, poll: float = 0.2, recheck: float = 5.0,
                  backoff: float = 1.0, lookups: int = 20) -> None:
-        """`core`, `custom`: a kubernetes CoreV1Api and CustomObjectsApi (or fakes with
-        list_node and list_cluster_custom_object)."""
-        self.core, self.custom, self.store, self.clock = core, custom, store, clock
+        self.kube, self.store, self.clock = kube, store, clock
         self.page, self.poll, self.recheck, self.backoff = page, poll, recheck, backoff
         self.lookups = lookups  # at most this many lookups per kind per recheck
         self.done = asyncio.Event()
@@ -46,8 +43,8 @@ class InitialSync:
         delay = self.backoff
         while True:
             try:
-                nodes = await asyncio.to_thread(self._names, self._list_nodes)
-                policies = await asyncio.to_thread(self._names, self._list_policies)
+                nodes = await self._names(self._list_nodes)
+                policies = await self._names(self._list_policies)
                 break
             except Exception as e:  # the API server is away: try again, then slower
                 log.warning("listing Nodes and policies: %s; retrying in %.0f s", e, delay)
@@ -81,7 +78,7 @@ class InitialSync:
         for kind, fetch in (("node", self._list_nodes), ("policy", self._list_policies)):
             for name in sorted(self.pending[kind])[:self.lookups]:
                 try:
-                    found = await asyncio.to_thread(fetch, None, f"metadata.name={name}")
+                    found = await fetch(None, f"metadata.name={name}")
                 except Exception as e:
                     log.info("looking up %s %s: %s", kind, name, e)
                     continue
@@ -90,30 +87,28 @@ class InitialSync:
         log.info("waiting for the watches to deliver %s",
                  ", ".join(f"{len(v)} {k}(s)" for k, v in self.pending.items() if v) or "-")
 
-    def _names(self, fetch: Callable[[str | None], dict[str, Any]]) -> set[str]:
+    async def _names(self, fetch: Callable[[str | None], Awaitable[dict[str, Any]]]
+                     ) -> set[str]:
         names: set[str] = set()
         token: str | None = None
         while True:
-            body = fetch(token)
+            body = await fetch(token)
             names.update(obj["metadata"]["name"] for obj in body.get("items") or [])
             token = (body.get("metadata") or {}).get("continue")
             if not token:
                 return names
 
-    def _list_nodes(self, token: str | None, field_selector: str = "") -> dict[str, Any]:
-        resp = self.core.list_node(limit=self.page, _continue=token,
-                                   field_selector=field_selector, _preload_content=False,
-                                   _request_timeout=(5, 60))
-        return dict(json.loads(resp.data))
+    async def _list_nodes(self, token: str | None, field_selector: str = "") -> dict[str, Any]:
+        return await self.kube.list(NODES, limit=self.page, cont=token or "",
+                                    field_selector=field_selector, timeout=(5, 60))
 
-    def _list_policies(self, token: str | None, field_selector: str = "") -> dict[str, Any]:
+    async def _list_policies(self, token: str | None,
+                             field_selector: str = "") -> dict[str, Any]:
         try:
-            resp = self.custom.list_cluster_custom_object(
-                GROUP, VERSION, PLURAL, limit=self.page, _continue=token,
-                field_selector=field_selector, _preload_content=False,
-                _request_timeout=(5, 60))
+            return await self.kube.list(NODE_STATUS_POLICIES, limit=self.page,
+                                        cont=token or "", field_selector=field_selector,
+                                        timeout=(5, 60))
         except Exception as e:
             if status_of(e) == 404:  # no CRD (yet): no policies to wait for
                 return {}
             raise
-        return dict(json.loads(resp.data))

@@ -4,95 +4,29 @@ containerRuntimeVersion, readiness) and /healthz shows PLEG's health."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
 
 from nodeagent import config
-from nodeagent.agent import Agent
-from nodeagent.api.client import new_api_client
-from nodeagent.api.clock import FakeClock, settle
-from nodeagent.node.fakekube import FakeKube, InlineExecutor
-from nodeagent.pods import Pods, build_runtime, host_ip
+from nodeagent.agent import Agent, Parts, build_runtime, host_ip
+from nodeagent.api.clock import FakeClock
+from nodeagent.api.kube import PODS
 from nodeagent.runtime import RelistResult, RuntimeVersion, Unavailable
 from nodeagent.runtime.fake import FakeRuntime
-from nodeagent.sources.bundle import PodSources
 from nodeagent.sources.file import FileSource
 from nodeagent.sources.http import HTTPSource
-from nodeagent.sources.types import Op, PodUpdate, Source, SourcesReady
-from nodeagent.syncloop import SyncLoopConfig
-from tests.test_node_host import fake_proc
-from tests.test_podstatus import FakeWriter
-from tests.test_runtime_fake import aio
-from tests.test_sources_api import kubeconfig
-
-
-def load(tmp_path: Path, *argv: str) -> config.AgentConfig:
-    parser = argparse.ArgumentParser()
-    config.add_flags(parser)
-    proc = tmp_path / "proc"
-    flags = vars(parser.parse_args(["--node-name", "n1", "--proc-path",
-                                    str(proc if proc.exists() else fake_proc(tmp_path)),
-                                    "--root-dir", str(tmp_path), *argv]))
-    return config.load(flags, {})
-
-
-class Rig:
-    def __init__(self, tmp_path: Path, *argv: str, health: str = "",
-                 pleg_threshold: float = 180.0) -> None:
-        self.cfg = load(tmp_path, "--healthz-bind-address", health, *argv)
-        self.clock = FakeClock()
-        self.kube = FakeKube(now=self.clock.monotonic)
-        self.rt = FakeRuntime(self.clock, images=["localhost/busybox:1", "localhost/pause:1"])
-        self.updates: asyncio.Queue[PodUpdate] = asyncio.Queue()
-        self.ready = SourcesReady({Source.API})
-        self.ready.mark(Source.API)
-        self.writer = FakeWriter()
-        reg = CollectorRegistry()
-        self.pods = Pods(runtime=self.rt, clock=self.clock, node_name="n1",
-                         updates=self.updates, sources_ready=self.ready,
-                         status_writer=self.writer, host_ip="192.0.2.10", registry=reg,
-                         config=SyncLoopConfig(pleg_health_threshold=pleg_threshold))
-        inline = InlineExecutor()
-        self.agent = Agent(self.cfg, kube=self.kube, clock=self.clock, registry=reg,
-                           flags={}, env={}, lease_executor=inline, status_executor=inline,
-                           watch_executor=inline, pods=self.pods)
-        self.stop = asyncio.Event()
-        self.task: asyncio.Task[None] | None = None
-
-    async def start(self) -> None:
-        self.task = asyncio.create_task(self.agent.run(self.stop))
-        await settle()
-
-    async def finish(self) -> None:
-        self.stop.set()
-        assert self.task is not None
-        await self.task
-
-    def node(self) -> dict[str, Any]:
-        return self.kube.nodes["n1"]
-
-    def ready_condition(self) -> dict[str, Any]:
-        return next(c for c in self.node()["status"]["conditions"] if c["type"] == "Ready")
-
-
-def mkpod(uid: str = "u1") -> dict[str, Any]:
-    return {"metadata": {"name": "web", "namespace": "ns", "uid": uid},
-            "spec": {"nodeName": "n1", "restartPolicy": "Always",
-                     "containers": [{"name": "c", "image": "localhost/busybox:1",
-                                     "command": ["sleep", "3600"]}]},
-            "status": {"phase": "Pending"}}
+from tests.conftest import AgentRig, agent_config, aio, mkpod, until
+from tests.fakekube import FakeKube
 
 
 @aio
 async def test_pod_runs_and_node_status_carries_the_runtime(tmp_path: Path) -> None:
-    rig = Rig(tmp_path, "--register-with-taints", "nodepulse.dev/pods=e2e:NoSchedule")
+    rig = AgentRig(tmp_path, "--register-with-taints", "nodepulse.dev/pods=e2e:NoSchedule")
     await rig.start()
     node = rig.node()
     assert node["spec"]["taints"] == [{"key": "nodepulse.dev/pods", "value": "e2e",
@@ -102,18 +36,19 @@ async def test_pod_runs_and_node_status_carries_the_runtime(tmp_path: Path) -> N
                                                               ["localhost/pause:1"]]
     assert rig.ready_condition()["status"] == "True"
 
-    rig.updates.put_nowait(PodUpdate(Op.ADD, (mkpod(),), Source.API))
+    rig.kube.put(PODS, mkpod(uid="u1"))  # bound to n1 (by the scheduler): the pod watch brings it
     for _ in range(3):
         await rig.clock.advance(1)
     assert len(rig.rt.running("u1")) == 1
-    assert [st for uid, st in rig.writer.patches if uid == "u1"][-1]["phase"] == "Running"
+    assert rig.status("u1")["phase"] == "Running"
+    assert rig.kube.obj(PODS, "web", "ns")["status"]["phase"] == "Running"
 
     # a container dies: PLEG sees it on the next relist and the worker restarts it
     cid = rig.rt.running("u1")[0].id
     rig.rt.exit_container(cid, 1)
     for _ in range(2):
         await rig.clock.advance(1)
-    st = [st for uid, st in rig.writer.patches if uid == "u1"][-1]
+    st = rig.status("u1")
     assert st["containerStatuses"][0]["lastState"]["terminated"]["exitCode"] == 1
 
     await rig.finish()
@@ -126,7 +61,7 @@ async def test_pod_runs_and_node_status_carries_the_runtime(tmp_path: Path) -> N
 
 @aio
 async def test_runtime_down_makes_node_not_ready_and_back(tmp_path: Path) -> None:
-    rig = Rig(tmp_path)
+    rig = AgentRig(tmp_path)
     await rig.start()
     assert rig.ready_condition()["status"] == "True"
     images = rig.node()["status"]["images"]
@@ -149,7 +84,8 @@ async def test_runtime_down_makes_node_not_ready_and_back(tmp_path: Path) -> Non
 
 @aio
 async def test_stuck_pleg_fails_healthz_and_readiness(tmp_path: Path) -> None:
-    rig = Rig(tmp_path, health="127.0.0.1:0", pleg_threshold=30.0)
+    rig = AgentRig(tmp_path, health="127.0.0.1:0")
+    rig.pods.loops.pleg.health_threshold = 30.0
     hang = asyncio.Event()
 
     async def stuck() -> RelistResult:
@@ -173,11 +109,13 @@ async def test_stuck_pleg_fails_healthz_and_readiness(tmp_path: Path) -> None:
 
 
 def test_config_flags_for_pods(tmp_path: Path) -> None:
-    cfg = load(tmp_path, "--pod-manifest-path", str(tmp_path), "--file-check-frequency",
-               "5s", "--manifest-url", "http://127.0.0.1:1/p.yaml", "--manifest-url-header",
-               "Authorization:Bearer x,X-Node:n1", "--http-check-frequency", "1m",
-               "--runtime", "process", "--container-runtime-endpoint", "unix:///nope.sock",
-               "--register-with-taints", "a=b:NoSchedule,c:NoExecute")
+    cfg = agent_config(tmp_path, "--node-name", "n1", "--pod-manifest-path", str(tmp_path),
+                       "--file-check-frequency", "5s", "--manifest-url",
+                       "http://127.0.0.1:1/p.yaml", "--manifest-url-header",
+                       "Authorization:Bearer x,X-Node:n1", "--http-check-frequency", "1m",
+                       "--runtime", "process", "--container-runtime-endpoint",
+                       "unix:///nope.sock", "--register-with-taints",
+                       "a=b:NoSchedule,c:NoExecute")
     assert cfg.pod_manifest_path == str(tmp_path) and cfg.file_check_frequency == 5
     assert cfg.manifest_url_headers == {"Authorization": "Bearer x", "X-Node": "n1"}
     assert cfg.http_check_frequency == 60 and cfg.runtime == "process"
@@ -186,30 +124,50 @@ def test_config_flags_for_pods(tmp_path: Path) -> None:
     (tmp_path / "agent.yaml").write_text(
         "staticPodPath: /etc/pods\nregisterWithTaints: [{key: k, effect: NoSchedule}]\n"
         "staticPodURLHeader: {X-A: [one, two]}\n")
-    cfg = load(tmp_path, "--config", str(tmp_path / "agent.yaml"))
+    cfg = agent_config(tmp_path, "--node-name", "n1", "--config", str(tmp_path / "agent.yaml"))
     assert cfg.pod_manifest_path == "/etc/pods"
     assert cfg.register_with_taints == ({"key": "k", "effect": "NoSchedule"},)
     assert cfg.manifest_url_headers == {"X-A": "one,two"}
-    assert host_ip(load(tmp_path, "--node-ip", "192.0.2.7"), None) == "192.0.2.7"  # type: ignore[arg-type]
+    assert host_ip(agent_config(tmp_path, "--node-name", "n1", "--node-ip", "192.0.2.7"), None) == "192.0.2.7"  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("allow", [False, True])
 def test_allow_privileged_reaches_the_static_sources(tmp_path: Path, allow: bool) -> None:
-    cfg = load(tmp_path, "--pod-manifest-path", str(tmp_path), "--manifest-url",
-               "http://127.0.0.1:1/p.yaml", *(["--allow-privileged"] if allow else []))
-    api = new_api_client(str(kubeconfig(tmp_path, "http://127.0.0.1:9")), component="test")
+    cfg = agent_config(tmp_path, "--node-name", "n1", "--pod-manifest-path", str(tmp_path),
+                       "--manifest-url", "http://127.0.0.1:1/p.yaml",
+                       *(["--allow-privileged"] if allow else []))
+    clock = FakeClock()
+    agent = Agent(cfg, Parts(FakeKube(), clock, runtime=FakeRuntime(clock),
+                             registry=CollectorRegistry()))
+    static = [p for p in agent.pods.sources if isinstance(p, FileSource | HTTPSource)]
+    assert len(static) == 2 and all(p.allow_privileged is allow for p in static)
 
-    async def main() -> None:
-        pods = Pods.from_config(cfg, api, FakeClock(), registry=CollectorRegistry(),
-                                runtime=FakeRuntime(FakeClock()))
-        sources = getattr(pods.run_sources, "__self__", None)
-        assert isinstance(sources, PodSources)
-        static = [p for p in sources.parts if isinstance(p, FileSource | HTTPSource)]
-        assert len(static) == 2 and all(p.allow_privileged is allow for p in static)
-    try:
-        asyncio.run(main())
-    finally:
-        api.close()
+
+@aio
+async def test_a_static_pod_runs_and_gets_its_mirror_pod(tmp_path: Path) -> None:
+    """The sources the config names, wired to one merge: the API watch always, the
+    manifest folder, and the mirror pods (owned by the Node the agent registered)."""
+    manifests = tmp_path / "manifests"
+    manifests.mkdir(mode=0o755)
+    (manifests / "a.yaml").write_text(
+        "apiVersion: v1\nkind: Pod\nmetadata: {name: a}\n"
+        "spec: {containers: [{name: c, image: localhost/busybox:1}]}\n")
+    rig = AgentRig(tmp_path, "--pod-manifest-path", str(manifests))
+    assert [type(p).__name__ for p in rig.pods.sources] == ["APISource", "FileSource",
+                                                           "MirrorManager"]
+    await rig.start()
+    for _ in range(3):  # the folder is read (off the event loop), the mirror created
+        await rig.clock.advance(1)
+    await until(lambda: rig.kube.has(PODS, "a-n1", "default"))
+    mirror = rig.kube.obj(PODS, "a-n1", "default")
+    assert mirror["metadata"]["ownerReferences"][0]["uid"] == rig.node()["metadata"]["uid"]
+    assert rig.kube.count("get nodes") == 1  # the registration's: the UID is not fetched again
+    for _ in range(3):
+        await rig.clock.advance(1)
+    static_uid = mirror["metadata"]["annotations"]["kubernetes.io/config.mirror"]
+    assert len(rig.rt.running(static_uid)) == 1
+    assert rig.kube.obj(PODS, "a-n1", "default")["status"]["phase"] == "Running"
+    await rig.finish()
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -221,19 +179,21 @@ def test_allow_privileged_reaches_the_static_sources(tmp_path: Path, allow: bool
 ])
 def test_bad_pod_settings_are_refused(tmp_path: Path, argv: list[str], message: str) -> None:
     with pytest.raises(config.ConfigError, match=message.replace("(", r"\(")):
-        load(tmp_path, *argv)
+        agent_config(tmp_path, "--node-name", "n1", *argv)
 
 
 @aio
 async def test_runtime_choice(tmp_path: Path) -> None:
-    rt = build_runtime(load(tmp_path, "--runtime", "auto", "--container-runtime-endpoint",
-                            f"unix://{tmp_path}/missing.sock"), "192.0.2.1")
+    rt = build_runtime(agent_config(tmp_path, "--node-name", "n1", "--runtime", "auto",
+                                    "--container-runtime-endpoint",
+                                    f"unix://{tmp_path}/missing.sock"), "192.0.2.1")
     try:
         assert rt.scheme == "process"
         assert (tmp_path / "process" / "lock").exists()  # state under --root-dir
     finally:
         await rt.close()
-    assert isinstance(build_runtime(load(tmp_path, "--runtime", "fake")), FakeRuntime)
+    fake = agent_config(tmp_path, "--node-name", "n1", "--runtime", "fake")
+    assert isinstance(build_runtime(fake), FakeRuntime)
 
 
 @aio
@@ -241,16 +201,14 @@ async def test_lease_through_again_ends_the_watch_backoffs(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A Lease renewal that goes through after attempts that could not reach the API
     server tells the node watch and the pod sources (each then ends its backoff)."""
-    rig = Rig(tmp_path)
-    told: list[str] = []
-    rig.pods.on_api_answered.append(lambda: told.append("pods"))
+    rig = AgentRig(tmp_path)
     await rig.start()
     assert rig.agent.watch is not None
-    monkeypatch.setattr(rig.agent.watch, "api_answered", lambda: told.append("watch"))
+    assert rig.agent.watch.reflector.answered is rig.agent.answered  # the node watch's
     await rig.clock.advance(12)  # a renewal that went through the first time
-    assert told == []
-    rig.kube.fail("update_lease", ConnectionError("refused"), ConnectionError("refused"))
+    assert rig.agent.answered.delivered == 0
+    rig.kube.fail("update leases", ConnectionError("refused"), ConnectionError("refused"))
     await rig.clock.advance(12)
-    assert rig.kube.count("update_lease") >= 4
-    assert sorted(told) == ["pods", "watch"]
+    assert rig.kube.count("update leases") >= 4
+    assert rig.agent.answered.delivered == 1
     await rig.finish()

@@ -5,9 +5,8 @@ containerd is exercised in e2e/test_runtime_cri.py."""
 from __future__ import annotations
 
 import asyncio
-import functools
 import itertools
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -39,13 +38,7 @@ from nodeagent.runtime.cri import CriRuntime
 from nodeagent.runtime.cri.client import ANNOTATION_HOST_NETWORK, LABEL_ATTEMPT
 from nodeagent.runtime.cri.gen import api_pb2 as pb
 from nodeagent.runtime.cri.gen import api_pb2_grpc as pb_grpc
-
-
-def aio(fn: Callable[..., Coroutine[Any, Any, None]]) -> Callable[..., None]:
-    @functools.wraps(fn)
-    def run(*args: Any, **kwargs: Any) -> None:
-        asyncio.run(fn(*args, **kwargs))
-    return run
+from tests.conftest import aio, mkpod
 
 
 class FakeCri(pb_grpc.RuntimeServiceServicer, pb_grpc.ImageServiceServicer):
@@ -217,14 +210,12 @@ async def served(tmp_path: Path, **kw: Any) -> AsyncIterator[tuple[FakeCri, CriR
 
 
 def pod(uid: str = "u1", name: str = "p", host_network: bool = False) -> dict:
-    return {"metadata": {"name": name, "namespace": "ns", "uid": uid, "labels": {"app": "a"}},
-            "spec": {"hostNetwork": host_network,
-                     "containers": [{"name": "c", "image": "localhost/busybox:1",
-                                     "command": ["sleep"], "args": ["60"],
-                                     "env": [{"name": "A", "value": "1"}],
-                                     "resources": {"requests": {"cpu": "100m"},
-                                                   "limits": {"cpu": "250m",
-                                                              "memory": "64Mi"}}}]}}
+    return mkpod(name, uid, node=None, policy=None, phase=None, labels={"app": "a"},
+                 hostNetwork=host_network, containers=[{
+                     "name": "c", "image": "localhost/busybox:1", "command": ["sleep"],
+                     "args": ["60"], "env": [{"name": "A", "value": "1"}],
+                     "resources": {"requests": {"cpu": "100m"},
+                                   "limits": {"cpu": "250m", "memory": "64Mi"}}}])
 
 
 async def start(rt: CriRuntime, p: dict, attempt: int = 0,

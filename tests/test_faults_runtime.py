@@ -15,9 +15,7 @@ from nodeagent.pleg import Pleg
 from nodeagent.runtime import ContainerState, RelistResult, Unavailable
 from nodeagent.runtime.fake import FakeRuntime
 from nodeagent.sources.types import Op
-from tests.test_agent_pods import Rig
-from tests.test_runtime_fake import aio
-from tests.test_syncloop import mkpod, started
+from tests.conftest import AgentRig, aio, mkpod, started
 
 
 class Switch:
@@ -77,7 +75,7 @@ async def test_failing_relists_make_the_node_not_ready_within_one_status_period(
     """Only the relist fails (the version/image reading that runs every 10 s still
     works, as when containerd stops and starts between two of them): the Node still
     goes Ready=False at the next status computation, and back."""
-    rig = Rig(tmp_path)
+    rig = AgentRig(tmp_path)
     sw = Switch(rig.rt)
     await rig.start()
     assert rig.ready_condition()["status"] == "True"
@@ -99,7 +97,7 @@ async def test_runtime_reading_is_retried_every_second_while_down(tmp_path: Path
     """Once the version reading failed, it is retried at once-a-second, so Ready comes
     back at the first status computation after the runtime does (not an image period
     later)."""
-    rig = Rig(tmp_path)
+    rig = AgentRig(tmp_path)
     await rig.start()
     real = rig.rt.version
 
@@ -148,13 +146,13 @@ async def test_stopping_lets_a_runtime_call_in_flight_finish() -> None:
                                            {"node": "n1"})
 
     assert in_flight() == 1
-    stop = asyncio.create_task(a.loop.stop())
+    stop = asyncio.create_task(a.loops.stop())
     await settle()
     assert not stop.done()  # waiting for the start in flight
     rt.gate.set()
     await settle()
     assert stop.done() and in_flight() == 0
-    assert [c.state for c in rt.find("u1", "c0")] == [ContainerState.RUNNING]
+    assert [c.state for c in rt.find("u1", "c")] == [ContainerState.RUNNING]
 
 
 @aio
@@ -165,10 +163,10 @@ async def test_stopping_gives_up_on_a_hung_runtime_call() -> None:
     a.loop.workers.drain_timeout = 15
     a.send(Op.ADD, mkpod("web", "u1"))
     await a.run_for(2)
-    stop = asyncio.create_task(a.loop.stop())
+    stop = asyncio.create_task(a.loops.stop())
     await settle()
     await clock.advance(14)
     assert not stop.done()
     await clock.advance(1)
     assert stop.done() and stop.exception() is None  # the hung start was cancelled
-    assert [c.state for c in rt.find("u1", "c0")] == [ContainerState.CREATED]
+    assert [c.state for c in rt.find("u1", "c")] == [ContainerState.CREATED]

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import time
-from collections.abc import Callable, Coroutine
 from typing import Any
 
 import pytest
@@ -19,28 +17,14 @@ from nodeagent.sources.types import (
     PodUpdate,
     Source,
 )
-
-
-def aio(coro: Coroutine[Any, Any, Any]) -> Any:
-    return asyncio.run(coro)
-
-
-async def until(pred: Callable[[], bool], timeout: float = 5.0) -> None:
-    """Yield to the event loop (no sleeping) until `pred()` holds, for at most `timeout`
-    seconds of real time: for things other threads or the kernel deliver."""
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not reached")
-        await asyncio.sleep(0)
+from tests.conftest import Sink, mkpod
 
 
 def pod(name: str, uid: str | None = None, ns: str = "ns", **spec: Any) -> dict:
-    return {"metadata": {"name": name, "namespace": ns, "uid": uid or f"uid-{name}",
-                         "resourceVersion": "1"},
-            "spec": {"containers": [{"name": "c", "image": spec.pop("image", "img")}],
-                     "nodeName": "n1", **spec},
-            "status": {"phase": "Pending"}}
+    """As the API server holds it, at resourceVersion 1."""
+    p = mkpod(name, uid, ns=ns, policy=None, image=spec.pop("image", "img"), **spec)
+    p["metadata"]["resourceVersion"] = "1"
+    return p
 
 
 def drain(m: Merge) -> list[PodUpdate]:
@@ -52,14 +36,6 @@ def drain(m: Merge) -> list[PodUpdate]:
 
 def ops(m: Merge) -> list[tuple[Op, Source, list[str]]]:
     return [(u.op, u.source, sorted(p["metadata"]["name"] for p in u.pods)) for u in drain(m)]
-
-
-class Sink:
-    def __init__(self) -> None:
-        self.events: list[tuple[str, str]] = []
-
-    def warning(self, reason: str, message: str) -> None:
-        self.events.append((reason, message))
 
 
 def test_classify() -> None:
@@ -104,7 +80,7 @@ def test_set_emits_only_differences() -> None:
         assert ops(m) == [(Op.REMOVE, Source.API, ["b"])]
         assert sorted(p["metadata"]["name"] for p in m.pods()) == ["a", "c"]
         assert m.pod("uid-c") is c and m.pod("uid-b") is None
-    aio(main())
+    asyncio.run(main())
 
 
 def test_incremental_and_graceful_delete() -> None:
@@ -130,7 +106,7 @@ def test_incremental_and_graceful_delete() -> None:
         m.remove(Source.API, d2)
         assert ops(m) == [(Op.REMOVE, Source.API, ["a"])]
         assert m.pods() == []
-    aio(main())
+    asyncio.run(main())
 
 
 def test_same_name_new_uid_is_remove_then_add() -> None:
@@ -142,7 +118,7 @@ def test_same_name_new_uid_is_remove_then_add() -> None:
         ups = drain(m)
         assert [(u.op, u.pods[0]["metadata"]["uid"]) for u in ups] == [
             (Op.REMOVE, "u1"), (Op.ADD, "u2")]
-    aio(main())
+    asyncio.run(main())
 
 
 def test_sources_ready_only_after_each_first_set() -> None:
@@ -162,7 +138,7 @@ def test_sources_ready_only_after_each_first_set() -> None:
         assert m.ready.all_ready()
         with pytest.raises(ValueError, match="not configured"):
             Merge([Source.FILE]).set(Source.API, [])
-    aio(main())
+    asyncio.run(main())
 
 
 def test_name_conflict_is_resolved_by_precedence_and_reported() -> None:
@@ -191,7 +167,7 @@ def test_name_conflict_is_resolved_by_precedence_and_reported() -> None:
         m.set(Source.HTTP, [])
         assert ops(m) == [(Op.REMOVE, Source.HTTP, ["x"]), (Op.ADD, Source.API, ["x"])]
         assert m.pods() == [changed]
-    aio(main())
+    asyncio.run(main())
 
 
 def test_mirror_pods_are_kept_apart() -> None:
@@ -214,33 +190,4 @@ def test_mirror_pods_are_kept_apart() -> None:
         m.remove(Source.API, mirror)
         assert m.mirrors == {} and ev.is_set()
         assert m.pod("static-uid") is static
-    aio(main())
-
-
-def test_bundle_wires_the_configured_sources(tmp_path: Any) -> None:
-    from nodeagent.api.clock import FakeClock
-    from nodeagent.sources.bundle import PodSources, SourcesConfig
-
-    async def main() -> None:
-        cfg = SourcesConfig(node_names=("n1",), pod_manifest_path=str(tmp_path),
-                            watch_api=False)
-        s = PodSources(None, cfg, FakeClock())
-        assert [type(p).__name__ for p in s.parts] == ["FileSource"]
-        (tmp_path / "a.yaml").write_text(
-            "apiVersion: v1\nkind: Pod\nmetadata: {name: a}\n"
-            "spec: {containers: [{name: c, image: i}]}\n")
-        task = asyncio.create_task(s.run())
-        try:
-            await asyncio.wait_for(s.ready.wait(), 5)
-            u = await asyncio.wait_for(s.updates.get(), 5)
-            assert (u.op, u.pods[0]["metadata"]["name"]) == (Op.ADD, "a-n1")
-        finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-        with pytest.raises(ValueError, match="exactly one node name"):
-            PodSources(None, SourcesConfig(node_names=("n1", "n2"),
-                                           manifest_url="http://127.0.0.1/x",
-                                           watch_api=False), FakeClock())
-        with pytest.raises(ValueError, match="needs an API client"):
-            PodSources(None, SourcesConfig(node_names=("n1",)), FakeClock())
-    aio(main())
+    asyncio.run(main())

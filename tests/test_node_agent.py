@@ -3,7 +3,6 @@ file, stops cleanly."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
 import os
@@ -15,27 +14,16 @@ from prometheus_client import CollectorRegistry
 from nodeagent import __version__, config
 from nodeagent.agent import Agent
 from nodeagent.api.clock import FakeClock, settle
+from nodeagent.api.kube import LEASES, NODE_LEASE_NAMESPACE, NODES
 from nodeagent.api.serve import HealthServer
 from nodeagent.node.controller import NodeSpec
-from nodeagent.node.fakekube import FakeKube, InlineExecutor
-from tests.test_node_host import fake_proc
+from tests.conftest import AgentRig
+from tests.fakekube import FakeKube
 
 
 def make_agent(tmp_path, argv: list[str]) -> tuple[Agent, FakeClock, FakeKube]:
-    parser = argparse.ArgumentParser()
-    config.add_flags(parser)
-    flags = vars(parser.parse_args(["--node-name", "n1", "--healthz-bind-address", "",
-                                    "--proc-path", str(fake_proc(tmp_path)),
-                                    "--root-dir", str(tmp_path), *argv]))
-    cfg = config.load(flags, {})
-    clock = FakeClock()
-    kube = FakeKube(now=clock.monotonic)
-    inline = InlineExecutor()
-    agent = Agent(cfg, kube=kube, clock=clock, registry=CollectorRegistry(), flags=flags,
-                  env={}, lease_executor=inline, status_executor=inline,
-                  watch_executor=inline,
-                  images=lambda: [{"names": ["localhost/pause:1"], "sizeBytes": 700_000}])
-    return agent, clock, kube
+    rig = AgentRig(tmp_path, *argv, images=["localhost/pause:1"], image_size=700_000)
+    return rig.agent, rig.clock, rig.kube
 
 
 def test_runs_reports_health_and_stops(tmp_path):
@@ -45,14 +33,14 @@ def test_runs_reports_health_and_stops(tmp_path):
         task = asyncio.create_task(agent.run(stop))
         await settle()
         assert agent.readyz() is None and agent.healthz() is None
-        node = kube.nodes["n1"]
+        node = kube.obj(NODES, "n1")
         assert node["status"]["images"] == [{"names": ["localhost/pause:1"],
                                              "sizeBytes": 700_000}]
         assert node["status"]["nodeInfo"]["kubeletVersion"] == f"v{__version__}-nodepulse"
-        assert "n1" in kube.leases
+        assert kube.has(LEASES, "n1", NODE_LEASE_NAMESPACE)
         await clock.advance(30)
         assert agent.healthz() is None
-        kube.fail("update_lease", *[ConnectionError("down")] * 1000)
+        kube.fail("update leases", *[ConnectionError("down")] * 1000)
         await clock.advance(45)
         assert "lease n1" in (agent.healthz() or "")
         stop.set()
@@ -71,13 +59,13 @@ def test_condition_follows_config_file_threshold_change(tmp_path, caplog):
         stop = asyncio.Event()
         task = asyncio.create_task(agent.run(stop))
         await settle()
-        disk = {c["type"]: c["status"] for c in kube.nodes["n1"]["status"]["conditions"]}
+        disk = {c["type"]: c["status"] for c in kube.obj(NODES, "n1")["status"]["conditions"]}
         assert disk["DiskPressure"] == "False"
         await clock.advance(5)
         path.write_text("evictionHard: {nodefs.available: '100%'}\n")  # any fs is below 100%
         os.utime(path, (1, 1))
         await clock.advance(10)
-        disk = {c["type"]: c["status"] for c in kube.nodes["n1"]["status"]["conditions"]}
+        disk = {c["type"]: c["status"] for c in kube.obj(NODES, "n1")["status"]["conditions"]}
         assert disk["DiskPressure"] == "True"
         path.write_text("evictionHard: {nodefs.available: 'lots'}\n")  # refused, kept
         os.utime(path, (2, 2))
@@ -88,7 +76,9 @@ def test_condition_follows_config_file_threshold_change(tmp_path, caplog):
         os.utime(path, (3, 3))
         await clock.advance(10)
         assert not agent.cfg.allow_privileged
-        assert "allow_privileged only take effect on restart" in caplog.text
+        restart = [r.getMessage() for r in caplog.records if "take effect on restart" in
+                   r.getMessage()]
+        assert restart and "allow_privileged" in restart[-1]  # (and the rig's own port)
         stop.set()
         await task
     asyncio.run(main())
@@ -104,11 +94,13 @@ def test_many_nodes_share_one_watch_and_two_schedulers(tmp_path):
         task = asyncio.create_task(agent.run(stop))
         await settle()
         await clock.advance(60)
-        assert sorted(kube.leases) == ["n1", "n2", "n3", "n4", "n5"]
-        assert kube.count("list_nodes") == 1
-        assert {c[2] for c in kube.calls if c[1] == "list_nodes"} == {""}  # label selector
-        assert kube.count("update_lease") >= 5 * 5
-        assert kube.count("patch_node_status") == 5  # registration reports only
+        assert sorted(kube.items(LEASES)) == ["n1", "n2", "n3", "n4", "n5"]
+        assert kube.count("list nodes") == 1
+        listed = kube.calls_of("list nodes")[0].query  # by label, not by name
+        assert listed["labelSelector"] == "nodepulse.dev/agent=pool-a"
+        assert "fieldSelector" not in listed
+        assert kube.count("update leases") >= 5 * 5
+        assert kube.count("patch nodes/status") == 5  # registration reports only
         stop.set()
         await task
     asyncio.run(main())

@@ -5,18 +5,7 @@ from __future__ import annotations
 import pytest
 
 from nodeagent.node.host import HostProbe, HostReadError, parse_overrides
-
-
-def fake_proc(tmp_path, mem_avail_kb=4_000_000, tasks=345):
-    proc = tmp_path / "proc"
-    (proc / "sys/kernel/random").mkdir(parents=True)
-    (proc / "meminfo").write_text(
-        f"MemTotal:        8000000 kB\nMemFree:         1000 kB\n"
-        f"MemAvailable:    {mem_avail_kb} kB\n")
-    (proc / "sys/kernel/pid_max").write_text("32768\n")
-    (proc / "loadavg").write_text(f"0.10 0.20 0.30 2/{tasks} 12345\n")
-    (proc / "sys/kernel/random/boot_id").write_text("boot-1\n")
-    return proc
+from tests.conftest import fake_proc
 
 
 def test_reads_proc_statvfs_and_uname(tmp_path):

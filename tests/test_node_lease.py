@@ -8,12 +8,14 @@ import random
 import pytest
 from prometheus_client import CollectorRegistry
 
+from nodeagent.api.answered import ApiAnswered
 from nodeagent.api.clock import FakeClock, settle
+from nodeagent.api.kube import LEASES, NODE_LEASE_NAMESPACE
 from nodeagent.api.policy import Heartbeat
-from nodeagent.node.fakekube import FakeKube, InlineExecutor, api_error
 from nodeagent.node.lease import LeaseRenewer, renew_delay
 from nodeagent.node.metrics import NodeMetrics
-from nodeagent.node.scheduler import Blocking, DueScheduler
+from nodeagent.node.scheduler import DueScheduler
+from tests.fakekube import FakeKube, api_error
 
 HB = Heartbeat()  # 40 s duration, 10 s interval
 
@@ -28,8 +30,9 @@ class Rig:
         self.kube = FakeKube(now=self.clock.monotonic)
         self.registry = CollectorRegistry()
         self.metrics = NodeMetrics(self.registry)
-        self.renewer = LeaseRenewer("n1", self.kube, self.clock, self.metrics,
-                                    Blocking(InlineExecutor()), hb, jitter=jitter,
+        self.answered = ApiAnswered(self.clock)
+        self.renewer = LeaseRenewer("n1", self.kube, self.clock, self.metrics, hb,
+                                    answered=self.answered, jitter=jitter,
                                     rng=random.Random(seed))
         self.renewer.owner_uid = "uid-n1"
         self.sched: DueScheduler[str] = DueScheduler(self.clock,
@@ -63,21 +66,21 @@ def test_creates_then_renews_on_jittered_interval_with_one_put_each():
     async def main():
         rig = Rig()
         task = await rig.start()
-        assert rig.kube.count("create_lease") == 1
-        lease = rig.kube.leases["n1"]
+        assert rig.kube.count("create leases") == 1
+        lease = rig.kube.obj(LEASES, "n1", NODE_LEASE_NAMESPACE)
         assert lease["spec"]["holderIdentity"] == "n1"
         assert lease["spec"]["leaseDurationSeconds"] == 40
         assert lease["metadata"]["ownerReferences"][0] == {
             "apiVersion": "v1", "kind": "Node", "name": "n1", "uid": "uid-n1"}
         await rig.clock.advance(60.5)
-        puts = rig.kube.times("update_lease")
+        puts = rig.kube.times("update leases")
         gaps = [b - a for a, b in zip([0.0, *puts], puts, strict=False)]
         assert len(puts) in (5, 6)
         assert all(9.6 <= g <= 10.4 for g in gaps), gaps
-        assert rig.kube.count("get_lease") == 1  # only before the first create
+        assert rig.kube.count("get leases") == 1  # only before the first create
         assert rig.metric("success") == len(puts)
         last = rig.clock.now() - __import__("datetime").timedelta(seconds=60.5 - puts[-1])
-        assert rig.kube.leases["n1"]["spec"]["renewTime"] == last.strftime(
+        assert rig.kube.obj(LEASES, "n1", NODE_LEASE_NAMESPACE)["spec"]["renewTime"] == last.strftime(
             "%Y-%m-%dT%H:%M:%S.%fZ")
         await rig.finish(task)
     run(main())
@@ -90,14 +93,15 @@ def test_retry_ceiling_never_lands_after_the_lease_expires():
         renewed = rig.renewer.last_renewed
         assert renewed == 0.0
         # the server answers, but only with errors, for a long while
-        rig.kube.fail("update_lease", *[api_error(503)] * 30)
+        rig.kube.fail("update leases", *[api_error(503)] * 30)
         await rig.clock.advance(39.99)
         assert rig.metric("failed") == 1  # gave up before the lease ran out
-        attempts = [c for c in rig.kube.calls if c[1] == "update_lease"]
+        attempts = rig.kube.calls_of("update leases")
         assert len(attempts) >= 5  # it kept trying
-        for at, _, _, timeout in attempts:
-            assert at + timeout <= renewed + 40  # an attempt cannot land after expiry
-        assert attempts[-1][0] > renewed + 30  # ...and used the time there was
+        for c in attempts:
+            assert isinstance(c.timeout, float)
+            assert c.at + c.timeout <= renewed + 40  # an attempt cannot land after expiry
+        assert attempts[-1].at > renewed + 30  # ...and used the time there was
         await rig.clock.advance(0.02)
         assert rig.renewer.health() is not None  # /healthz goes red
         await rig.clock.advance(60)  # the server recovers: renewals resume
@@ -110,9 +114,9 @@ def test_transient_errors_are_retried_quickly():
     async def main():
         rig = Rig()
         task = await rig.start()
-        rig.kube.fail("update_lease", api_error(500), api_error(429), ConnectionError("reset"))
+        rig.kube.fail("update leases", api_error(500), api_error(429), ConnectionError("reset"))
         await rig.clock.advance(15)
-        times = rig.kube.times("update_lease")
+        times = rig.kube.times("update leases")
         assert len(times) == 4
         assert times[-1] - times[0] < 5  # short backoff, not another interval
         assert rig.metric("retried") == 3 and rig.metric("success") == 1
@@ -125,12 +129,12 @@ def test_refusal_is_not_retried():
     async def main():
         rig = Rig()
         task = await rig.start()
-        rig.kube.fail("update_lease", api_error(403, "Forbidden"))
+        rig.kube.fail("update leases", api_error(403, "Forbidden"))
         await rig.clock.advance(10.5)
-        assert rig.kube.count("update_lease") == 1
+        assert rig.kube.count("update leases") == 1
         assert rig.metric("failed") == 1
         await rig.clock.advance(2.5)  # tried again soon, as a new renewal
-        assert rig.kube.count("update_lease") == 2 and rig.metric("success") == 1
+        assert rig.kube.count("update leases") == 2 and rig.metric("success") == 1
         await rig.finish(task)
     run(main())
 
@@ -139,11 +143,11 @@ def test_conflict_rereads_and_retries_at_once():
     async def main():
         rig = Rig()
         task = await rig.start()
-        rig.kube.touch_lease("n1")  # someone else wrote it
+        rig.kube.touch(LEASES, "n1", NODE_LEASE_NAMESPACE)  # someone else wrote it
         await rig.clock.advance(10.5)
-        methods = [c[1] for c in rig.kube.calls]
-        assert methods[-3:] == ["update_lease", "get_lease", "update_lease"]
-        t_conflict, t_ok = rig.kube.times("update_lease")[-2:]
+        methods = [c.key for c in rig.kube.calls]
+        assert methods[-3:] == ["update leases", "get leases", "update leases"]
+        t_conflict, t_ok = rig.kube.times("update leases")[-2:]
         assert t_ok == t_conflict
         assert rig.metric("conflict") == 1 and rig.metric("success") == 1
         await rig.finish(task)
@@ -154,13 +158,13 @@ def test_deleted_lease_is_recreated():
     async def main():
         rig = Rig()
         task = await rig.start()
-        del rig.kube.leases["n1"]
+        rig.kube.remove(LEASES, "n1", NODE_LEASE_NAMESPACE)
         await rig.clock.advance(10.5)
-        assert rig.kube.count("create_lease") == 2
-        assert rig.kube.leases["n1"]["spec"]["holderIdentity"] == "n1"
+        assert rig.kube.count("create leases") == 2
+        assert rig.kube.obj(LEASES, "n1", NODE_LEASE_NAMESPACE)["spec"]["holderIdentity"] == "n1"
         assert rig.metric("created") == 2
         await rig.clock.advance(10)
-        assert rig.kube.count("update_lease") >= 1
+        assert rig.kube.count("update leases") >= 1
         await rig.finish(task)
     run(main())
 
@@ -173,31 +177,38 @@ def test_settings_change_takes_effect_at_once():
         rig.renewer.heartbeat = Heartbeat(renewIntervalSeconds=2)
         rig.sched.schedule("n1", rig.renewer.replan())
         await settle()
-        assert rig.kube.times("update_lease") == [3.0]  # 2 s after the last renewal had passed
+        assert rig.kube.times("update leases") == [3.0]  # 2 s after the last renewal had passed
         await rig.clock.advance(4)
-        assert rig.kube.times("update_lease") == [3.0, 5.0, 7.0]
+        assert rig.kube.times("update leases") == [3.0, 5.0, 7.0]
         await rig.finish(task)
     run(main())
 
 
 def test_a_renewal_after_unreachable_attempts_tells_once():
-    """on_recovered (the agent then ends its watches' backoffs) is called when a renewal
-    goes through after attempts that could not reach the API server, and only then: not
-    for renewals that went through the first time, nor after a refusal (an answer)."""
+    """The API-answers-again signal (the watches and writes waiting out a backoff then go)
+    fires when a renewal goes through after attempts that could not reach the API server,
+    and only then: not for renewals that went through the first time, nor after a
+    refusal (an answer)."""
     async def main():
         rig = Rig()
         told: list[float] = []
-        rig.renewer.on_recovered = lambda: told.append(rig.clock.monotonic())
+
+        async def listen() -> None:
+            while True:
+                if await rig.answered.wait(1000):
+                    told.append(rig.clock.monotonic())
+        listener = asyncio.create_task(listen())
         task = await rig.start()
         await rig.clock.advance(20.5)  # created, then two renewals
         assert told == [] and rig.metric("success") == 2
-        rig.kube.fail("update_lease", api_error(503), ConnectionError("refused"),
+        rig.kube.fail("update leases", api_error(503), ConnectionError("refused"),
                       api_error(504))
         await rig.clock.advance(15)
         assert rig.metric("retried") == 3 and rig.metric("success") == 3
-        assert told == [rig.kube.times("update_lease")[-1]]  # once, at the success
-        rig.kube.fail("update_lease", api_error(403, "Forbidden"), api_error(409))
+        assert told == [rig.kube.times("update leases")[-1]]  # once, at the success
+        rig.kube.fail("update leases", api_error(403, "Forbidden"), api_error(409))
         await rig.clock.advance(30)
         assert rig.metric("failed") == 1 and len(told) == 1
+        listener.cancel()
         await rig.finish(task)
     run(main())

@@ -7,30 +7,19 @@ import datetime as dt
 
 import pytest
 
-from nodeagent.node.fakekube import merge_patch
+from nodeagent.api.quantity import QuantityError, parse_quantity
 from nodeagent.node.host import HostReadError, HostReadings
-from nodeagent.node.quantity import QuantityError, parse_quantity, parse_thresholds
+from nodeagent.node.quantity import parse_thresholds
 from nodeagent.node.status import (
-    StatusSettings,
     build_patch,
     compute_status,
     meaningful_changes,
     report_reason,
 )
+from tests.conftest import GI, READINGS, SETTINGS
+from tests.fakekube import strategic_merge as merge_patch
 
 T0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
-GI = 2**30
-
-READINGS = HostReadings(
-    cpu=4, memoryTotal=8 * GI, memoryAvailable=4 * GI, fsTotal=100 * GI, fsAvailable=50 * GI,
-    inodesTotal=1_000_000, inodesFree=900_000, pidMax=4_194_304, pidsRunning=300,
-    kernelVersion="6.1.0", osImage="Debian GNU/Linux 12", operatingSystem="linux",
-    architecture="amd64", hostname="h1",
-    addresses=(("InternalIP", "10.0.0.5"), ("Hostname", "h1")), machineID="m", bootID="b")
-SETTINGS = StatusSettings(
-    max_pods=110, agent_version="v0.1.0",
-    thresholds=parse_thresholds("memory.available<100Mi,nodefs.available<10%,pid.available<5%"),
-    system_reserved={"cpu": 0.5, "memory": GI})
 IMAGES = [{"names": ["localhost/a:1"], "sizeBytes": 10},
           {"names": ["localhost/b:1"], "sizeBytes": 30},
           {"names": ["localhost/c:1"], "sizeBytes": 20}]

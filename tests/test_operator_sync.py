@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import datetime as dt
-import json
-from collections.abc import Callable
 from typing import Any
 
 from kubernetes.client.exceptions import ApiException
@@ -17,70 +15,54 @@ from nodeoperator.state import UNREACHABLE_TAINT, Store
 from nodeoperator.sync import InitialSync
 
 from nodeagent.api.clock import FakeClock, settle
+from nodeagent.api.kube import NODE_STATUS_POLICIES, NODES
 from nodeagent.api.policy import HEARTBEAT_ANNOTATION, Heartbeat, encode_heartbeat_annotation
+from tests.conftest import until
+from tests.fakekube import Call, FakeKube
 from tests.test_operator_monitor import FakeApi, _post_ready, spec
 
 
-async def until(cond: Callable[[], bool], what: str) -> None:
-    """Let the event loop (and the worker threads) run until cond holds."""
-    for _ in range(200_000):
-        if cond():
-            return
-        await asyncio.sleep(0)
-    raise AssertionError(f"never: {what}")
-
-
-class Resp:
-    def __init__(self, body: Any) -> None:
-        self.data = json.dumps(body).encode()
-
-
 class ListApi:
-    """list_node and list_cluster_custom_object over a FakeApi's objects, in pages or
-    by metadata.name; `fail` makes the next full lists raise; `calls` records every call."""
+    """The in-memory API holding a FakeApi's Nodes and policies (as they are at each
+    list), for the initial sync's lists; `fail` makes the next full lists raise; `calls`
+    names the lists made, as (list_node, continue) and (lookup_node, name)."""
 
-    def __init__(self, api: FakeApi, page: int = 1) -> None:
-        self.api, self.page = api, page
+    def __init__(self, api: FakeApi) -> None:
+        self.api = api
+        self.kube = FakeKube()
         self.fail: list[Exception] = []
-        self.calls: list[tuple[str, Any]] = []
         self.no_crd = False
+        self.kube.intercept("list nodes", self._answer)
+        self.kube.intercept("list nodestatuspolicies", self._answer)
 
-    def _page(self, objs: dict[str, dict[str, Any]], limit: int, token: str | None) -> Resp:
-        names = sorted(objs)
-        start = int(token or 0)
-        body: dict[str, Any] = {"items": [copy.deepcopy(objs[n])
-                                          for n in names[start:start + limit]],
-                                "metadata": {"resourceVersion": str(self.api.rv)}}
-        if start + limit < len(names):
-            body["metadata"]["continue"] = str(start + limit)
-        return Resp(body)
+    def _answer(self, call: Call) -> BaseException | None:
+        for res, objs in ((NODES, self.api.nodes), (NODE_STATUS_POLICIES, self.api.policies)):
+            held = self.kube.items(res)
+            for name in held.keys() - objs.keys():
+                self.kube.remove(res, name)
+            for name, obj in objs.items():
+                if held.get(name, {}).get("metadata", {}).get("resourceVersion") != \
+                        obj["metadata"]["resourceVersion"]:
+                    self.kube.put(res, obj)
+        if call.resource == "nodestatuspolicies" and self.no_crd:
+            return ApiException(status=404, reason="Not Found")
+        if call.resource == "nodes" and "fieldSelector" not in call.query and self.fail:
+            return self.fail.pop(0)
+        return None
 
-    def _lookup(self, objs: dict[str, dict[str, Any]], field_selector: str) -> Resp:
-        """A LIST by metadata.name: the one object, or none."""
-        name = field_selector.removeprefix("metadata.name=")
-        return Resp({"items": [copy.deepcopy(objs[name])] if name in objs else [],
-                     "metadata": {"resourceVersion": str(self.api.rv)}})
-
-    def list_node(self, *, limit: int, _continue: str | None, field_selector: str = "",
-                  **kw: Any) -> Resp:
-        if field_selector:
-            self.calls.append(("lookup_node", field_selector.removeprefix("metadata.name=")))
-            return self._lookup(self.api.nodes, field_selector)
-        self.calls.append(("list_node", _continue))
-        if self.fail:
-            raise self.fail.pop(0)
-        return self._page(self.api.nodes, min(limit, self.page), _continue)
-
-    def list_cluster_custom_object(self, group: str, version: str, plural: str, *,
-                                   limit: int, _continue: str | None, field_selector: str = "",
-                                   **kw: Any) -> Resp:
-        if self.no_crd:
-            raise ApiException(status=404, reason="Not Found")
-        if field_selector:
-            self.calls.append(("lookup_policy", field_selector.removeprefix("metadata.name=")))
-            return self._lookup(self.api.policies, field_selector)
-        self.calls.append(("list_policies", _continue))
-        return self._page(self.api.policies, min(limit, self.page), _continue)
+    @property
+    def calls(self) -> list[tuple[str, Any]]:
+        out: list[tuple[str, Any]] = []
+        for c in self.kube.calls:
+            kind = "node" if c.resource == "nodes" else "policy"
+            if "fieldSelector" in c.query:
+                out.append((f"lookup_{kind}", c.query["fieldSelector"].removeprefix(
+                    "metadata.name=")))
+            else:
+                cont = c.query.get("cont")
+                out.append(("list_node" if kind == "node" else "list_policies",
+                            cont.partition(":")[2] if cont else None))
+        return out
 
 
 def kopf_delivers(store: Store, api: FakeApi, nodes: bool = True, policies: bool = True) -> None:
@@ -102,9 +84,9 @@ def test_sync_waits_for_every_listed_name_and_not_for_deleted_ones() -> None:
             api.add_node(n)
         api.add_policy("p", spec())
         store = Store(clock)
-        lists = ListApi(api, page=2)
+        lists = ListApi(api)
         lists.fail = [ConnectionError("refused")]
-        sync = InitialSync(lists, lists, store, clock, page=2, poll=0.5, recheck=5)
+        sync = InitialSync(lists.kube, store, clock, page=2, poll=0.5, recheck=5)
         task = asyncio.create_task(sync.run())
         await until(lambda: clock.sleepers > 0, "the retry wait")
         await clock.advance(1)  # first retry after 1 s
@@ -126,7 +108,7 @@ def test_sync_waits_for_every_listed_name_and_not_for_deleted_ones() -> None:
         # no progress for `recheck`, it is looked up, found gone, and not waited for;
         # one that exists is.
         store2 = Store(clock)
-        sync2 = InitialSync(lists, lists, store2, clock, page=2, poll=0.5, recheck=5)
+        sync2 = InitialSync(lists.kube, store2, clock, page=2, poll=0.5, recheck=5)
         task2 = asyncio.create_task(sync2.run())
         await until(lambda: bool(sync2.pending), "the lists")
         del api.nodes["n3"]
@@ -148,7 +130,7 @@ def test_sync_waits_for_every_listed_name_and_not_for_deleted_ones() -> None:
         # No CRD: no policies to wait for.
         lists.no_crd = True
         store3 = Store(clock)
-        sync3 = InitialSync(lists, lists, store3, clock, poll=0.5)
+        sync3 = InitialSync(lists.kube, store3, clock, poll=0.5)
         task3 = asyncio.create_task(sync3.run())
         await until(lambda: bool(sync3.pending), "the lists")
         kopf_delivers(store3, api, policies=False)
@@ -203,8 +185,8 @@ def test_a_new_operator_on_a_settled_cluster_writes_nothing() -> None:
         store = Store(clock)
         api.store = store
         api.writes.clear()
-        lists = ListApi(api, page=10)
-        sync = InitialSync(lists, lists, store, clock, poll=0.5)
+        lists = ListApi(api)
+        sync = InitialSync(lists.kube, store, clock, poll=0.5)
         # The Lease watch's first list: the silent node's Lease is a minute old.
         for body in leases_of(api, clock, ["a1", "b1", "other"], 1) + leases_of(
                 api, clock, ["silent"], 60):

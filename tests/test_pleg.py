@@ -10,6 +10,7 @@ from nodeagent.api.clock import FakeClock, settle
 from nodeagent.pleg import (
     EventType,
     Pleg,
+    PlegConfig,
     PodCache,
     PodLifecycleEvent,
     clock_timeout,
@@ -17,17 +18,15 @@ from nodeagent.pleg import (
 )
 from nodeagent.runtime import ContainerConfig, PodRuntimeStatus, RelistResult, SandboxConfig
 from nodeagent.runtime.fake import FakeRuntime
-from tests.test_runtime_fake import aio
+from tests.conftest import aio, mkpod
 
 
-def mkpod(uid: str, containers: int = 1) -> dict:
-    return {"metadata": {"name": f"p-{uid}", "namespace": "ns", "uid": uid},
-            "spec": {"containers": [{"name": f"c{i}", "image": "img"}
-                                    for i in range(containers)]}}
+def pod_of(uid: str, containers: int = 1) -> dict:
+    return mkpod(f"p-{uid}", uid, image="img", containers=[f"c{i}" for i in range(containers)])
 
 
 async def start_pod(rt: FakeRuntime, uid: str, containers: int = 1) -> list[str]:
-    p = mkpod(uid, containers)
+    p = pod_of(uid, containers)
     sc = SandboxConfig.from_pod(p)
     sid = await rt.run_sandbox(sc)
     ids = []
@@ -101,7 +100,7 @@ async def test_relist_emits_events_and_refreshes_only_changed_pods() -> None:
 async def test_one_hung_pod_does_not_stall_others_or_the_period() -> None:
     clock = FakeClock()
     rt = FakeRuntime(clock)
-    pleg = Pleg(rt, clock, inspect_timeout=10, registry=CollectorRegistry())
+    pleg = Pleg(rt, clock, PlegConfig(inspect_timeout=10), registry=CollectorRegistry())
     for uid in ("hung", "b", "c"):
         await start_pod(rt, uid)
     rt.hang_pod_status.add("hung")
@@ -140,7 +139,7 @@ async def test_health_turns_bad_when_relist_hangs_and_metrics_show_it() -> None:
     clock = FakeClock()
     rt = FakeRuntime(clock)
     reg = CollectorRegistry()
-    pleg = Pleg(rt, clock, node="n1", relist_timeout=30, registry=reg)
+    pleg = Pleg(rt, clock, PlegConfig(relist_timeout=30), node="n1", registry=reg)
     pleg.start()
     await settle()
     await clock.advance(3)
@@ -171,7 +170,7 @@ async def test_full_channel_discards_and_counts() -> None:
     clock = FakeClock()
     rt = FakeRuntime(clock)
     reg = CollectorRegistry()
-    pleg = Pleg(rt, clock, node="n", channel_capacity=3, registry=reg)
+    pleg = Pleg(rt, clock, PlegConfig(channel_capacity=3), node="n", registry=reg)
     for uid in ("a", "b", "c"):
         await start_pod(rt, uid)
     await pleg.relist()

@@ -5,10 +5,11 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-from kubernetes.client.exceptions import ApiException
 from prometheus_client import CollectorRegistry
 
+from nodeagent.api.answered import ApiAnswered
 from nodeagent.api.clock import FakeClock, settle
+from nodeagent.api.kube import PODS
 from nodeagent.podstatus import StatusManager, Waiting, compute_pod_status
 from nodeagent.runtime import (
     Container,
@@ -17,20 +18,18 @@ from nodeagent.runtime import (
     Sandbox,
     SandboxState,
 )
-from tests.test_runtime_fake import aio
+from tests.conftest import aio, mkpod, pod_deletes, status_patches
+from tests.fakekube import FakeKube, api_error
 
 T0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
 
 
-def mkpod(policy: str = "Always", init: bool = False, **spec: Any) -> dict:
-    p: dict[str, Any] = {
-        "metadata": {"name": "web", "namespace": "ns", "uid": "u1"},
-        "spec": {"restartPolicy": policy,
-                 "containers": [{"name": "a", "image": "img:a"},
-                                {"name": "b", "image": "img:b"}], **spec}}
+def web(policy: str = "Always", init: bool = False, **spec: Any) -> dict:
+    """Pod "web" (uid u1) with containers a and b, and with `init` an init container i."""
     if init:
-        p["spec"]["initContainers"] = [{"name": "i", "image": "img:i"}]
-    return p
+        spec["initContainers"] = [{"name": "i", "image": "img:i"}]
+    return mkpod("web", "u1", policy=policy, node=None, phase=None, containers=[
+        {"name": "a", "image": "img:a"}, {"name": "b", "image": "img:b"}], **spec)
 
 
 def ctr(name: str, state: ContainerState, attempt: int = 0, code: int | None = None,
@@ -57,7 +56,7 @@ def cond(st: dict, ctype: str) -> str:
 
 
 def test_running_pod() -> None:
-    st = status(mkpod(), rs(ctr("a", ContainerState.RUNNING), ctr("b", ContainerState.RUNNING)))
+    st = status(web(), rs(ctr("a", ContainerState.RUNNING), ctr("b", ContainerState.RUNNING)))
     assert st["phase"] == "Running"
     assert [cond(st, t) for t in ("PodScheduled", "Initialized", "ContainersReady",
                                   "Ready")] == ["True"] * 4
@@ -70,12 +69,12 @@ def test_running_pod() -> None:
     assert a["state"] == {"running": {"startedAt": "2026-01-01T00:00:00Z"}}
     assert st["podIP"] == "10.88.0.5" and st["hostIP"] == "192.0.2.1"
     assert st["startTime"] == "2026-01-01T00:00:00Z"
-    hn = status(mkpod(hostNetwork=True), rs(ctr("a", ContainerState.RUNNING)))
+    hn = status(web(hostNetwork=True), rs(ctr("a", ContainerState.RUNNING)))
     assert hn["podIP"] == "192.0.2.1"
 
 
 def test_pending_and_waiting_reasons() -> None:
-    st = status(mkpod(), rs(ctr("a", ContainerState.RUNNING)),
+    st = status(web(), rs(ctr("a", ContainerState.RUNNING)),
                 waiting={"b": Waiting("ErrImageNeverPull", "image img:b is not present")})
     assert st["phase"] == "Pending"
     b = st["containerStatuses"][1]
@@ -90,7 +89,7 @@ def test_crashloop_restart_counts_and_last_state() -> None:
     r = rs(ctr("a", ContainerState.EXITED, attempt=0, code=1, cid="old"),
            ctr("a", ContainerState.EXITED, attempt=1, code=2, cid="new"),
            ctr("b", ContainerState.RUNNING))
-    st = status(mkpod(), r, waiting={"a": Waiting("CrashLoopBackOff", "back-off 10s")})
+    st = status(web(), r, waiting={"a": Waiting("CrashLoopBackOff", "back-off 10s")})
     a = st["containerStatuses"][0]
     assert a["restartCount"] == 1
     assert a["state"]["waiting"]["reason"] == "CrashLoopBackOff"
@@ -101,7 +100,7 @@ def test_crashloop_restart_counts_and_last_state() -> None:
     r2 = rs(ctr("a", ContainerState.EXITED, attempt=1, code=2, cid="new"),
             ctr("a", ContainerState.RUNNING, attempt=2, cid="newer"),
             ctr("b", ContainerState.RUNNING))
-    a2 = status(mkpod(), r2)["containerStatuses"][0]
+    a2 = status(web(), r2)["containerStatuses"][0]
     assert a2["restartCount"] == 2 and "running" in a2["state"]
     assert a2["lastState"]["terminated"]["exitCode"] == 2
 
@@ -109,43 +108,43 @@ def test_crashloop_restart_counts_and_last_state() -> None:
 def test_phases_by_restart_policy() -> None:
     ok = rs(ctr("a", ContainerState.EXITED, code=0), ctr("b", ContainerState.EXITED, code=0))
     bad = rs(ctr("a", ContainerState.EXITED, code=0), ctr("b", ContainerState.EXITED, code=3))
-    assert status(mkpod("Never"), ok)["phase"] == "Succeeded"
-    assert status(mkpod("Never"), bad)["phase"] == "Failed"
-    assert status(mkpod("OnFailure"), ok)["phase"] == "Succeeded"
-    assert status(mkpod("OnFailure"), bad)["phase"] == "Running"
-    assert status(mkpod("Always"), ok)["phase"] == "Running"
+    assert status(web("Never"), ok)["phase"] == "Succeeded"
+    assert status(web("Never"), bad)["phase"] == "Failed"
+    assert status(web("OnFailure"), ok)["phase"] == "Succeeded"
+    assert status(web("OnFailure"), bad)["phase"] == "Running"
+    assert status(web("Always"), ok)["phase"] == "Running"
     # deleted and stopped: terminal whatever the policy
-    assert status(mkpod("Always"), bad, terminal=True)["phase"] == "Failed"
+    assert status(web("Always"), bad, terminal=True)["phase"] == "Failed"
     # a terminal phase never goes back
-    assert status(mkpod("Never"), rs(ctr("a", ContainerState.RUNNING)),
+    assert status(web("Never"), rs(ctr("a", ContainerState.RUNNING)),
                   previous={"phase": "Succeeded"})["phase"] == "Succeeded"
-    done = status(mkpod("Never"), ok)
+    done = status(web("Never"), ok)
     assert next(c for c in done["conditions"] if c["type"] == "Ready")["reason"] == \
         "PodCompleted"
 
 
 def test_init_containers() -> None:
-    st = status(mkpod(init=True), rs(ctr("i", ContainerState.RUNNING)))
+    st = status(web(init=True), rs(ctr("i", ContainerState.RUNNING)))
     assert st["phase"] == "Pending" and cond(st, "Initialized") == "False"
     assert st["containerStatuses"][0]["state"]["waiting"]["reason"] == "PodInitializing"
-    st = status(mkpod(init=True), rs(ctr("i", ContainerState.EXITED, code=0),
+    st = status(web(init=True), rs(ctr("i", ContainerState.EXITED, code=0),
                                      ctr("a", ContainerState.RUNNING),
                                      ctr("b", ContainerState.RUNNING)))
     assert st["phase"] == "Running" and cond(st, "Initialized") == "True"
     assert st["initContainerStatuses"][0]["ready"] is True
-    st = status(mkpod("Never", init=True), rs(ctr("i", ContainerState.EXITED, code=1)))
+    st = status(web("Never", init=True), rs(ctr("i", ContainerState.EXITED, code=1)))
     assert st["phase"] == "Failed"
 
 
 def test_transition_times_kept_while_unchanged() -> None:
     r = rs(ctr("a", ContainerState.RUNNING), ctr("b", ContainerState.RUNNING))
-    first = status(mkpod(), r)
-    later = compute_pod_status(mkpod(), r, host_ip="192.0.2.1", scheme="containerd",
+    first = status(web(), r)
+    later = compute_pod_status(web(), r, host_ip="192.0.2.1", scheme="containerd",
                                now=T0 + dt.timedelta(minutes=5), previous=first)
     assert later == first
     r.containers[1].state = ContainerState.EXITED
     r.containers[1].exit_code = 1
-    changed = compute_pod_status(mkpod(), r, host_ip="192.0.2.1", scheme="containerd",
+    changed = compute_pod_status(web(), r, host_ip="192.0.2.1", scheme="containerd",
                                  now=T0 + dt.timedelta(minutes=5), previous=first)
     ready = next(c for c in changed["conditions"] if c["type"] == "Ready")
     assert ready["status"] == "False" and ready["lastTransitionTime"] == "2026-01-01T00:05:00Z"
@@ -153,126 +152,152 @@ def test_transition_times_kept_while_unchanged() -> None:
     assert sched["lastTransitionTime"] == "2026-01-01T00:00:00Z"
 
 
-class FakeWriter:
-    def __init__(self) -> None:
-        self.patches: list[tuple[str, dict]] = []
-        self.deletes: list[str] = []
-        self.fail: list[BaseException] = []
-
-    async def patch_status(self, pod: dict, st: dict) -> None:
-        if self.fail:
-            raise self.fail.pop(0)
-        self.patches.append((pod["metadata"]["uid"], st))
-
-    async def delete_pod(self, pod: dict) -> None:
-        if self.fail:
-            raise self.fail.pop(0)
-        self.deletes.append(pod["metadata"]["uid"])
+def api(*pods: dict) -> FakeKube:
+    """The in-memory API holding these pods."""
+    kube = FakeKube()
+    for p in pods:
+        kube.put(PODS, p)
+    return kube
 
 
 @aio
 async def test_manager_patches_only_on_change_and_retries() -> None:
     clock = FakeClock()
-    w = FakeWriter()
-    m = StatusManager(w, clock, registry=CollectorRegistry())
-    pod = mkpod()
+    pod = web()
+    kube = api(pod)
+    m = StatusManager(kube, clock, registry=CollectorRegistry())
     r = rs(ctr("a", ContainerState.RUNNING), ctr("b", ContainerState.RUNNING))
     st = status(pod, r)
     m.set_status(pod, st)
     await settle()
-    assert len(w.patches) == 1
+    assert len(status_patches(kube)) == 1
+    assert kube.obj(PODS, "web", "ns")["status"]["phase"] == "Running"
     m.set_status(pod, status(pod, r, previous=m.previous(pod)))
     await settle()
-    assert len(w.patches) == 1  # same status: no write
+    assert len(status_patches(kube)) == 1  # same status: no write
 
     # an API status already equal to ours (agent restart): no write either
-    m2 = StatusManager(FakeWriter(), clock, registry=CollectorRegistry())
+    m2 = StatusManager(api(pod), clock, registry=CollectorRegistry())
     m2.set_status({**pod, "status": {**st, "qosClass": "BestEffort"}}, st)
     await settle()
     assert not m2.dirty("u1")
 
     # a failing API: retried with backoff until it works; latest status wins
-    w.fail = [ApiException(status=503), ApiException(status=503)]
+    kube.fail("patch pods/status", api_error(503), api_error(503))
     r.containers[0].state = ContainerState.EXITED
     r.containers[0].exit_code = 1
     m.set_status(pod, status(pod, r, previous=m.previous(pod)))
     await settle()
-    assert len(w.patches) == 1 and m.dirty("u1")
+    assert len(status_patches(kube)) == 1 and m.dirty("u1")
     await clock.advance(1)   # 2nd try fails, next in 2 s
-    assert len(w.patches) == 1
+    assert len(status_patches(kube)) == 1
     await clock.advance(2)
-    assert len(w.patches) == 2 and not m.dirty("u1")
-    assert w.patches[-1][1]["containerStatuses"][0]["state"]["terminated"]["exitCode"] == 1
+    patches = status_patches(kube)
+    assert len(patches) == 2 and not m.dirty("u1")
+    assert patches[-1][1]["containerStatuses"][0]["state"]["terminated"]["exitCode"] == 1
 
     # someone else overwrote the status: RECONCILE makes us write ours again
     m.reconcile({**pod, "status": {"phase": "Unknown"}})
     await settle()
-    assert len(w.patches) == 3
+    assert len(status_patches(kube)) == 3
 
 
 @aio
-async def test_retry_now_ends_a_long_backoff() -> None:
-    """After an outage, statuses go as soon as the pod watch reconnects, not at the
-    end of a backoff that grew to a minute meanwhile."""
+async def test_the_api_answering_again_ends_a_long_backoff() -> None:
+    """After an outage, statuses go as soon as the API server answers again (the pod
+    watch reconnects), not at the end of a backoff that grew to a minute meanwhile."""
     clock = FakeClock()
-    w = FakeWriter()
-    m = StatusManager(w, clock, registry=CollectorRegistry())
-    pod = mkpod()
-    w.fail = [ApiException(status=503)] * 7
+    pod = web()
+    kube = api(pod)
+    answered = ApiAnswered(clock)
+    m = StatusManager(kube, clock, answered=answered, registry=CollectorRegistry())
+    kube.fail("patch pods/status", *[api_error(503)] * 7)
     m.set_status(pod, status(pod, rs()))
     await settle()
     await clock.advance(1 + 2 + 4 + 8 + 16 + 32)  # 6 more failed tries; next in 60 s
-    assert len(w.fail) == 0 and m.dirty("u1") and w.patches == []
+    assert kube.count("patch pods/status") == 7 and m.dirty("u1")
+    assert status_patches(kube) == []
     await clock.advance(30)
-    assert w.patches == []
-    m.retry_now()
+    assert status_patches(kube) == []
+    answered.fire()
     await settle()
-    assert len(w.patches) == 1 and not m.dirty("u1")
+    assert len(status_patches(kube)) == 1 and not m.dirty("u1")
     # a failure after it backs off from the start again
-    w.fail = [ApiException(status=503)]
+    kube.fail("patch pods/status", api_error(503))
     m.set_status(pod, status(pod, rs(ctr("a", ContainerState.RUNNING))))
     await settle()
-    assert len(w.patches) == 1
+    assert len(status_patches(kube)) == 1
     await clock.advance(1)
-    assert len(w.patches) == 2 and not m.dirty("u1")
+    assert len(status_patches(kube)) == 2 and not m.dirty("u1")
 
 
 @aio
 async def test_manager_finishes_deletion_and_handles_gone_pods() -> None:
     clock = FakeClock()
-    w = FakeWriter()
-    m = StatusManager(w, clock, registry=CollectorRegistry())
-    pod = mkpod()
+    pod = web()
+    kube = api(pod)
+    m = StatusManager(kube, clock, registry=CollectorRegistry())
     m.set_status(pod, status(pod, rs()))
     m.finish_deletion(pod)
     await settle()
-    assert len(w.patches) == 1 and w.deletes == ["u1"]
+    assert len(status_patches(kube)) == 1 and pod_deletes(kube) == ["u1"]
+    assert not kube.has(PODS, "web", "ns")
+    delete = kube.calls_of("delete pods")[0].body
+    assert delete == {"gracePeriodSeconds": 0, "preconditions": {"uid": "u1"}}
     # 404 on patch: the pod is gone; give up quietly
-    w2 = FakeWriter()
-    w2.fail = [ApiException(status=404)]
-    m2 = StatusManager(w2, clock, registry=CollectorRegistry())
+    kube2 = api()
+    m2 = StatusManager(kube2, clock, registry=CollectorRegistry())
     m2.set_status(pod, status(pod, rs()))
     await settle()
-    assert not m2.dirty("u1") and w2.patches == []
+    assert not m2.dirty("u1") and status_patches(kube2) == []
+    assert kube2.count("patch pods/status") == 1
+    # a new pod under the same name: the patch's uid precondition refuses it (409)
+    kube3 = api({**web(), "metadata": {"name": "web", "namespace": "ns", "uid": "u2"}})
+    m3 = StatusManager(kube3, clock, registry=CollectorRegistry())
+    m3.set_status(pod, status(pod, rs()))
+    await settle()
+    assert not m3.dirty("u1") and status_patches(kube3) == []
+    assert "status" not in kube3.obj(PODS, "web", "ns")
     # static pods are not deleted through the API
-    static = mkpod()
+    static = web()
     static["metadata"]["annotations"] = {"kubernetes.io/config.source": "file"}
     static["metadata"]["uid"] = "static1"
     m.finish_deletion(static)
     await settle()
-    assert w.deletes == ["u1"]
+    assert pod_deletes(kube) == ["u1"]
 
 
 @aio
 async def test_static_pod_status_waits_for_its_mirror_pod() -> None:
     clock = FakeClock()
-    w = FakeWriter()
-    m = StatusManager(w, clock, registry=CollectorRegistry())
-    static = mkpod()
+    kube = api()
+    m = StatusManager(kube, clock, registry=CollectorRegistry())
+    static = web()
     static["metadata"]["annotations"] = {"kubernetes.io/config.source": "file"}
-    w.fail = [ApiException(status=404), ApiException(status=404)]
     m.set_status(static, status(static, rs()))
     await settle()
-    assert w.patches == [] and m.dirty("u1")
-    await clock.advance(3)  # retried at 1 s (404 again) and 3 s: the mirror exists now
-    assert len(w.patches) == 1 and not m.dirty("u1")
+    assert status_patches(kube) == [] and m.dirty("u1")  # 404: no mirror pod yet
+    await clock.advance(1)  # retried at 1 s (404 again)
+    assert kube.count("patch pods/status") == 2
+    kube.put(PODS, {"metadata": {"name": "web", "namespace": "ns", "uid": "mirror-uid"}})
+    await clock.advance(2)  # and at 3 s: the mirror exists now
+    assert len(status_patches(kube)) == 1 and not m.dirty("u1")
+    assert status_patches(kube)[0][0] == "ns/web"  # no uid precondition: the mirror's own
+
+
+@aio
+async def test_writes_a_strategic_patch_with_a_uid_precondition() -> None:
+    pod = web()
+    static = web()
+    static["metadata"].update(name="kube-x", uid="hash1",
+                              annotations={"kubernetes.io/config.source": "file"})
+    kube = api(pod, {"metadata": {"name": "kube-x", "namespace": "ns", "uid": "mirror"}})
+    m = StatusManager(kube, FakeClock(), registry=CollectorRegistry())
+    m.set_status(pod, {"phase": "Running"})
+    m.set_status(static, {"phase": "Running"})
+    await settle()
+    first, second = kube.calls_of("patch pods/status")
+    assert first.query["contentType"] == "application/strategic-merge-patch+json"
+    assert first.body == {"status": {"phase": "Running"}, "metadata": {"uid": "u1"}}
+    assert second.body == {"status": {"phase": "Running"}}  # the mirror has its own uid
+    assert first.timeout == second.timeout == 30.0

@@ -13,7 +13,7 @@ from typing import Any
 from nodeagent.runtime import spdy
 from nodeagent.runtime.base import ContainerConfig, SandboxConfig, StreamRequest
 from nodeagent.runtime.process import ProcessRuntime
-from tests.test_runtime_fake import aio
+from tests.conftest import aio
 
 
 def test_the_header_dictionary_is_spdy3s() -> None:

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import functools
-from collections.abc import Callable, Coroutine
 from typing import Any
 
 import pytest
 
 from nodeagent.api.clock import FakeClock, settle
+from nodeagent.api.quantity import parse_quantity
 from nodeagent.runtime import (
     ContainerConfig,
     ContainerState,
@@ -19,28 +18,20 @@ from nodeagent.runtime import (
     SandboxState,
     make_runtime,
 )
-from nodeagent.runtime.base import LABEL_CONTAINER_NAME, LABEL_POD_UID, parse_quantity
+from nodeagent.runtime.base import LABEL_CONTAINER_NAME, LABEL_POD_UID
 from nodeagent.runtime.fake import FakeRuntime
+from tests.conftest import aio, mkpod
+
+SLEEPER = {"name": "c", "image": "localhost/busybox:1", "command": ["sleep"], "args": ["3600"],
+           "env": [{"name": "A", "value": "1"},
+                   {"name": "N", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}],
+           "resources": {"limits": {"cpu": "250m", "memory": "64Mi"}}}
 
 
-def aio(fn: Callable[..., Coroutine[Any, Any, None]]) -> Callable[..., None]:
-    """Run an async test body in a fresh event loop (no pytest-asyncio here)."""
-    @functools.wraps(fn)
-    def run(*args: Any, **kwargs: Any) -> None:
-        asyncio.run(fn(*args, **kwargs))
-    return run
-
-
-def pod(name: str = "p", uid: str = "u1", **spec: object) -> dict:
-    return {"metadata": {"name": name, "namespace": "ns", "uid": uid, "labels": {"app": "x"}},
-            "spec": {"containers": [{"name": "c", "image": "localhost/busybox:1",
-                                     "command": ["sleep"], "args": ["3600"],
-                                     "env": [{"name": "A", "value": "1"},
-                                             {"name": "N", "valueFrom": {"fieldRef": {
-                                                 "fieldPath": "spec.nodeName"}}}],
-                                     "resources": {"limits": {"cpu": "250m",
-                                                              "memory": "64Mi"}}}],
-                     **spec}}
+def pod(name: str = "p", uid: str = "u1", **spec: Any) -> dict:
+    """A pod not bound to a node yet, one container with the fields the configs map."""
+    return mkpod(name, uid, node=None, policy=None, phase=None, labels={"app": "x"},
+                 containers=[SLEEPER], **spec)
 
 
 def test_configs_from_pod() -> None:

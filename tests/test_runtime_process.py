@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import functools
 import json
 import os
 import select
@@ -13,7 +12,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -32,21 +31,15 @@ from nodeagent.runtime import (
 )
 from nodeagent.runtime.base import LABEL_CONTAINER_NAME, LABEL_POD_UID
 from nodeagent.runtime.process import ANNOTATION_PID, WRAPPER, ProcessRuntime
+from tests.conftest import aio, mkpod
 
 WAIT = 20.0  # upper bound on any wait for a process to exit
 
 
-def aio(fn: Callable[..., Coroutine[Any, Any, None]]) -> Callable[..., None]:
-    @functools.wraps(fn)
-    def run(*args: Any, **kwargs: Any) -> None:
-        asyncio.run(fn(*args, **kwargs))
-    return run
-
-
 def pod(command: list[str], uid: str = "u1", name: str = "p", **container: Any) -> dict:
-    return {"metadata": {"name": name, "namespace": "ns", "uid": uid},
-            "spec": {"containers": [{"name": "c", "image": "localhost/busybox:1",
-                                     "command": command, **container}]}}
+    """One container running `command`."""
+    return mkpod(name, uid, node=None, policy=None, phase=None, containers=[{
+        "name": "c", "image": "localhost/busybox:1", "command": command, **container}])
 
 
 @asynccontextmanager

@@ -23,7 +23,7 @@ from nodeagent.runtime.fake import FakeRuntime
 from nodeagent.server.app import KubeletServer, pick_container
 from nodeagent.server.auth import KubeletAuth, User, request_attributes, user_of_certificate
 from nodeagent.server.tls import ServingCert, csr_request, renew_at, self_signed, validity
-from tests.test_runtime_fake import aio
+from tests.conftest import aio
 
 NODE = "n1"
 
@@ -37,21 +37,21 @@ class FakeApi:
         self.token_reviews = 0
         self.access_reviews: list[dict[str, Any]] = []
 
-    def review_token(self, token: str) -> dict[str, Any]:
+    async def review_token(self, token: str) -> dict[str, Any]:
         self.token_reviews += 1
         if token.startswith("good-"):
             return {"authenticated": True, "user": {"username": token[5:], "groups": ["g"]}}
         return {"authenticated": False}
 
-    def review_access(self, spec: dict[str, Any]) -> dict[str, Any]:
+    async def review_access(self, spec: dict[str, Any]) -> dict[str, Any]:
         self.access_reviews.append(spec)
         attrs = spec["resourceAttributes"]
         return {"allowed": (spec["user"], attrs["subresource"]) in self.allowed}
 
-    def create_csr(self, body: dict[str, Any]) -> dict[str, Any]:
+    async def create_csr(self, body: dict[str, Any]) -> dict[str, Any]:
         raise AssertionError("not used")
 
-    def get_csr(self, name: str) -> dict[str, Any]:
+    async def get_csr(self, name: str) -> dict[str, Any]:
         raise AssertionError("not used")
 
 
@@ -362,14 +362,14 @@ async def test_api_server_unreachable_is_401_then_500_and_not_cached(tmp_path: P
         env.api.allowed = {("alice", "proxy")}
         real = env.api.review_token
 
-        def down(token: str) -> dict[str, Any]:
+        async def down(token: str) -> dict[str, Any]:
             raise ConnectionError("connection refused")
         env.api.review_token = down  # type: ignore[method-assign]
         assert (await env.client.get("/healthz", headers=bearer("alice"))).status == 401
         env.api.review_token = real  # type: ignore[method-assign]
         real_review = env.api.review_access
 
-        def review_down(spec: dict[str, Any]) -> dict[str, Any]:
+        async def review_down(spec: dict[str, Any]) -> dict[str, Any]:
             raise ConnectionError("connection refused")
         env.api.review_access = review_down  # type: ignore[method-assign]
         r = await env.client.get("/containerLogs/ns/x/main", headers=bearer("alice"))

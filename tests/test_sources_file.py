@@ -10,7 +10,7 @@ import asyncio
 import errno
 import json
 import os
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ from nodeagent.sources.file import FileSource, _oserror, ignored
 from nodeagent.sources.merge import Merge
 from nodeagent.sources.problems import Problems
 from nodeagent.sources.types import Op, PodUpdate, Source
-from tests.test_merge import until
+from tests.conftest import Sink, until
 
 WAIT = 5.0  # bound on waiting for the kernel to deliver inotify events
 
@@ -33,14 +33,6 @@ def manifest(name: str, image: str = "busybox", fmt: str = "yaml") -> str:
                            "spec": {"containers": [{"name": "c", "image": image}]}})
     return (f"apiVersion: v1\nkind: Pod\nmetadata:\n  name: {name}\nspec:\n"
             f"  containers:\n  - name: c\n    image: {image}\n")
-
-
-class Sink:
-    def __init__(self) -> None:
-        self.events: list[tuple[str, str]] = []
-
-    def warning(self, reason: str, message: str) -> None:
-        self.events.append((reason, message))
 
 
 def errors(reason: str) -> float:
@@ -92,11 +84,7 @@ def run(folder: Path, body: Callable[[Harness], Awaitable[None]], **kw: Any) -> 
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-    aio(main())
-
-
-def aio(coro: Coroutine[Any, Any, Any]) -> Any:
-    return asyncio.run(coro)
+    asyncio.run(main())
 
 
 def test_ignored_names() -> None:

@@ -16,7 +16,7 @@ from nodeagent.sources.http import HTTPSource
 from nodeagent.sources.merge import Merge
 from nodeagent.sources.problems import Problems
 from nodeagent.sources.types import Op, Source
-from tests.test_merge import Sink, aio, until
+from tests.conftest import Sink, until
 
 
 def pod_doc(name: str, image: str = "busybox") -> dict:
@@ -137,7 +137,7 @@ def test_conditional_polls(server: Server) -> None:
         assert ops(merge) == [(Op.REMOVE, ["a-n1", "b-n1"]), (Op.ADD, ["a-n1", "c-n1"])]
         assert {p["metadata"]["annotations"]["kubernetes.io/config.source"]
                 for p in merge.pods()} == {"http"}
-    aio(main())
+    asyncio.run(main())
 
 
 def test_without_validators_unchanged_body_is_not_a_change(server: Server) -> None:
@@ -150,7 +150,7 @@ def test_without_validators_unchanged_body_is_not_a_change(server: Server) -> No
         assert await src.poll() == "unchanged"
         assert "If-None-Match" not in server.requests[1]
         assert ops(merge) == []
-    aio(main())
+    asyncio.run(main())
 
 
 def test_errors_keep_the_last_good_set(server: Server) -> None:
@@ -182,7 +182,7 @@ def test_errors_keep_the_last_good_set(server: Server) -> None:
         server.set([pod_doc("a"), pod_doc("b")], '"v2"')
         assert await src.poll() == "changed"
         assert ops(merge) == [(Op.ADD, ["b-n1"])]
-    aio(main())
+    asyncio.run(main())
 
 
 def test_unreachable_before_first_good_body_is_not_ready() -> None:
@@ -191,7 +191,7 @@ def test_unreachable_before_first_good_body_is_not_ready() -> None:
         assert await src.poll() == "error"
         assert not merge.ready.all_ready()
         assert "GET http://127.0.0.1:9/pods failed" in sink.events[0][1]
-    aio(main())
+    asyncio.run(main())
 
 
 def test_only_http_urls() -> None:
@@ -219,7 +219,7 @@ def test_run_polls_on_the_clock(server: Server) -> None:
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-    aio(main())
+    asyncio.run(main())
 
 
 def test_too_large_bodies_are_not_read(server: Server) -> None:
@@ -243,7 +243,7 @@ def test_too_large_bodies_are_not_read(server: Server) -> None:
                                    "body over the limit of 4096 bytes; keeping the last "
                                    "good set (1 pods)")
         assert merge.pods() == good and ops(merge) == []
-    aio(main())
+    asyncio.run(main())
 
 
 def test_host_access_refused_unless_allowed(server: Server) -> None:
@@ -265,4 +265,4 @@ def test_host_access_refused_unless_allowed(server: Server) -> None:
         merge, src, sink = setup(server.url, allow_privileged=True)
         assert await src.poll() == "changed"
         assert ops(merge) == [(Op.ADD, ["a-n1", "b-n1"])] and sink.events == []
-    aio(main())
+    asyncio.run(main())

@@ -4,69 +4,25 @@ restart with back-off, finish, get deleted; orphans are removed; a new agent ado
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from nodeagent.api.answered import ApiAnswered
 from nodeagent.api.clock import FakeClock, settle
+from nodeagent.pleg import Pleg
 from nodeagent.runtime import ContainerState, RuntimeTimeout, SandboxState
 from nodeagent.runtime.fake import FakeRuntime
 from nodeagent.sources.types import Op, PodUpdate, Source, SourcesReady
-from nodeagent.syncloop import SyncLoop, route_updates
-from tests.test_podstatus import FakeWriter
-from tests.test_runtime_fake import aio
-
-
-def mkpod(name: str, uid: str, *, policy: str = "Always", containers: int = 1,
-          image: str = "localhost/busybox:1", **spec: Any) -> dict:
-    return {"metadata": {"name": name, "namespace": "ns", "uid": uid},
-            "spec": {"nodeName": "n1", "restartPolicy": policy,
-                     "containers": [{"name": f"c{i}", "image": image,
-                                     "command": ["sleep", "3600"]}
-                                    for i in range(containers)], **spec},
-            "status": {"phase": "Pending"}}
-
-
-class Agent:
-    def __init__(self, rt: FakeRuntime, clock: FakeClock, ready: bool = True) -> None:
-        self.rt = rt
-        self.clock = clock
-        self.updates: asyncio.Queue[PodUpdate] = asyncio.Queue()
-        self.ready = SourcesReady({Source.API})
-        if ready:
-            self.ready.mark(Source.API)
-        self.writer = FakeWriter()
-        self.registry = CollectorRegistry()
-        self.loop = SyncLoop(runtime=rt, clock=clock, node_name="n1", updates=self.updates,
-                             sources_ready=self.ready, status_writer=self.writer,
-                             host_ip="192.0.2.10", registry=self.registry)
-
-    def send(self, op: Op, *pods: dict) -> None:
-        self.updates.put_nowait(PodUpdate(op, tuple(pods), Source.API))
-
-    def status(self, uid: str) -> dict:
-        return [st for u, st in self.writer.patches if u == uid][-1]
-
-    def cstatus(self, uid: str, i: int = 0) -> dict:
-        return self.status(uid)["containerStatuses"][i]
-
-    async def run_for(self, seconds: float) -> None:
-        for _ in range(int(seconds)):
-            await self.clock.advance(1)
-
-
-async def started(clock: FakeClock, rt: FakeRuntime | None = None) -> Agent:
-    a = Agent(rt or FakeRuntime(clock), clock)
-    a.loop.start()
-    await settle()
-    return a
+from nodeagent.syncloop import NodeLoops, NodeLoopsConfig, SyncLoopConfig
+from tests.conftest import LoopRig, aio, mkpod, pod_deletes, started
+from tests.fakekube import FakeKube
 
 
 @aio
 async def test_pod_starts_and_reports_running() -> None:
     clock = FakeClock()
     a = await started(clock)
-    a.send(Op.ADD, mkpod("web", "u1", containers=2))
+    a.send(Op.ADD, mkpod("web", "u1", containers=("c0", "c1")))
     await a.run_for(3)
     assert len(a.rt.running("u1")) == 2
     st = a.status("u1")
@@ -74,11 +30,11 @@ async def test_pod_starts_and_reports_running() -> None:
     assert {c["type"]: c["status"] for c in st["conditions"]}["Ready"] == "True"
     assert st["containerStatuses"][0]["containerID"].startswith("fake://")
     assert st["podIP"].startswith("10.88.") and st["hostIP"] == "192.0.2.10"
-    patches = len(a.writer.patches)
+    patches = len(a.patches())
     await a.run_for(120)  # two periodic resyncs, nothing changed: no more writes
-    assert len(a.writer.patches) == patches
+    assert len(a.patches()) == patches
     assert a.rt.calls["run_sandbox"] == 1 and a.rt.calls["create_container"] == 2
-    await a.loop.stop()
+    await a.loops.stop()
 
 
 @aio
@@ -111,8 +67,8 @@ async def test_crash_restarts_with_doubling_backoff() -> None:
     assert [round(t / 10) * 10 for t in restart_times] == [10, 20, 40]
     assert a.rt.running("u1")[0].restart_count == 4
     # old attempts are pruned: the running one plus the newest exited one remain
-    assert len(a.rt.find("u1", "c0")) == 2
-    await a.loop.stop()
+    assert len(a.rt.find("u1", "c")) == 2
+    await a.loops.stop()
 
 
 @aio
@@ -137,7 +93,7 @@ async def test_restart_policies() -> None:
     n_creates = a.rt.calls["create_container"]
     await a.run_for(130)
     assert a.rt.calls["create_container"] == n_creates  # Succeeded pods never restart
-    await a.loop.stop()
+    await a.loops.stop()
 
 
 @aio
@@ -147,7 +103,7 @@ async def test_graceful_delete_within_grace_then_remove() -> None:
     pod = mkpod("web", "u1", terminationGracePeriodSeconds=30)
     a.send(Op.ADD, pod)
     await a.run_for(3)
-    a.rt.ignore_sigterm.add("c0")
+    a.rt.ignore_sigterm.add("c")
     deleted = {**pod, "metadata": {**pod["metadata"], "deletionTimestamp": "2026-01-01T00:00:03Z",
                                    "deletionGracePeriodSeconds": 5}}
     a.send(Op.DELETE, deleted)
@@ -155,18 +111,18 @@ async def test_graceful_delete_within_grace_then_remove() -> None:
     assert len(a.rt.running("u1")) == 1  # still inside its grace period
     await a.run_for(3)
     assert a.rt.running("u1") == []
-    c = a.rt.find("u1", "c0")[-1]
+    c = a.rt.find("u1", "c")[-1]
     assert c.exit_code == 137
     await a.run_for(2)
     st = a.status("u1")
     assert st["phase"] == "Failed"  # killed: terminal
-    assert a.writer.deletes == ["u1"]  # the graceful delete is finished in the API
+    assert pod_deletes(a.kube) == ["u1"]  # the graceful delete is finished in the API
     a.send(Op.REMOVE, deleted)
     await a.run_for(2)
     assert [s for s in a.rt.sandboxes.values() if s.pod_uid == "u1"] == []
-    assert a.rt.find("u1", "c0") == []
+    assert a.rt.find("u1", "c") == []
     assert "u1" not in a.loop.workers
-    await a.loop.stop()
+    await a.loops.stop()
 
 
 @aio
@@ -190,7 +146,7 @@ async def test_image_pull_policy_against_present_images() -> None:
     rt.images = {"localhost/busybox:1", "localhost/missing:1"}  # imported by hand
     await a.run_for(12)
     assert a.status("u1")["phase"] == "Running"
-    await a.loop.stop()
+    await a.loops.stop()
 
 
 @aio
@@ -200,20 +156,20 @@ async def test_housekeeping_waits_for_sources_then_removes_orphans() -> None:
     a1 = await started(clock, rt)
     a1.send(Op.ADD, mkpod("keep", "k"), mkpod("gone", "g"))
     await a1.run_for(3)
-    await a1.loop.stop()
-    a2 = Agent(rt, clock, ready=False)
-    a2.loop.start()
+    await a1.loops.stop()
+    a2 = LoopRig(rt, clock, ready=False)
+    a2.loops.start()
     await settle()
     a2.send(Op.ADD, mkpod("keep", "k"))
     await a2.run_for(10)
     assert len(rt.running("g")) == 1  # sources not ready: absence proves nothing
     a2.ready.mark(Source.API)
     await a2.run_for(4)
-    assert rt.find("g", "c0") == [] and not [s for s in rt.sandboxes.values()
+    assert rt.find("g", "c") == [] and not [s for s in rt.sandboxes.values()
                                              if s.pod_uid == "g"]
     assert len(rt.running("k")) == 1
-    assert a2.writer.patches and all(u != "g" for u, _ in a2.writer.patches)
-    await a2.loop.stop()
+    assert a2.patches() and all(u != "g" for u, _ in a2.patches())
+    await a2.loops.stop()
 
 
 @aio
@@ -221,19 +177,19 @@ async def test_new_agent_adopts_running_pods_without_duplicates() -> None:
     clock = FakeClock()
     rt = FakeRuntime(clock)
     a1 = await started(clock, rt)
-    pods = [mkpod(f"p{i}", f"u{i}", containers=2) for i in range(3)]
+    pods = [mkpod(f"p{i}", f"u{i}", containers=("c0", "c1")) for i in range(3)]
     a1.send(Op.ADD, *pods)
     await a1.run_for(3)
     assert len(rt.running()) == 6
-    await a1.loop.stop()  # like SIGKILL: nothing in the runtime is touched
+    await a1.loops.stop()  # like SIGKILL: nothing in the runtime is touched
     creates, sandboxes = rt.calls["create_container"], rt.calls["run_sandbox"]
     crashed = rt.running("u1")[0]
     rt.exit_container(crashed.id, 1)  # dies while no agent runs
 
-    a2 = Agent(rt, clock)
+    a2 = LoopRig(rt, clock)
     # the API already shows what agent 1 reported
     a2.send(Op.ADD, *[{**p, "status": a1.status(p["metadata"]["uid"])} for p in pods])
-    a2.loop.start()
+    a2.loops.start()
     await a2.run_for(5)
     assert rt.calls["run_sandbox"] == sandboxes
     assert rt.calls["create_container"] == creates + 1  # only the crashed one, restarted
@@ -241,8 +197,8 @@ async def test_new_agent_adopts_running_pods_without_duplicates() -> None:
     restarted = [c for c in rt.running("u1") if c.name == crashed.name][0]
     assert restarted.attempt == crashed.attempt + 1 and restarted.restart_count == 1
     # pods whose status did not change are not written again
-    assert {u for u, _ in a2.writer.patches} == {"u1"}
-    await a2.loop.stop()
+    assert {u for u, _ in a2.patches()} == {"u1"}
+    await a2.loops.stop()
 
 
 @aio
@@ -258,7 +214,7 @@ async def test_burst_of_updates_causes_at_most_two_syncs() -> None:
         a.loop.handle_update(PodUpdate(Op.UPDATE, (p,), Source.API))
     await a.run_for(3)
     assert 1 <= a.loop.workers.syncs("u1") - before <= 2
-    await a.loop.stop()
+    await a.loops.stop()
 
 
 @aio
@@ -275,7 +231,7 @@ async def test_periodic_resync_only_when_due() -> None:
     assert a.loop.workers.syncs("ub") == sb
     await a.run_for(30)
     assert a.loop.workers.syncs("ub") == sb + 1
-    await a.loop.stop()
+    await a.loops.stop()
 
 
 @aio
@@ -288,7 +244,7 @@ async def test_runtime_errors_are_retried_with_backoff() -> None:
     assert a.rt.running("u1") == [] and a.rt.calls["run_sandbox"] == 1
     await a.run_for(3)
     assert len(a.rt.running("u1")) == 1 and a.rt.calls["run_sandbox"] == 2
-    await a.loop.stop()
+    await a.loops.stop()
 
 
 @aio
@@ -306,7 +262,7 @@ async def test_spec_change_replaces_the_container() -> None:
     cur = a.rt.running("u1")
     assert len(cur) == 1 and cur[0].id != old.id and cur[0].image == "localhost/busybox:2"
     assert a.rt.containers[old.id].state == ContainerState.EXITED
-    await a.loop.stop()
+    await a.loops.stop()
 
 
 @aio
@@ -320,8 +276,8 @@ async def test_one_hung_pod_does_not_hold_back_the_others() -> None:
     a.send(Op.ADD, mkpod("b", "ub"), mkpod("c", "uc"))
     await a.run_for(3)
     assert a.status("ub")["phase"] == "Running" and a.status("uc")["phase"] == "Running"
-    assert a.loop.health() is None
-    await a.loop.stop()
+    assert a.loops.health() is None
+    await a.loops.stop()
 
 
 @aio
@@ -331,26 +287,26 @@ async def test_housekeeping_ignores_pods_cleaned_up_after_the_last_relist() -> N
     pod = mkpod("web", "u1")
     a.send(Op.ADD, pod)
     await a.run_for(3)
-    stale = a.loop.pleg.last_result
+    stale = a.loops.pleg.last_result
     a.send(Op.REMOVE, pod)
     await settle()
     for step in (0.1, 0.2, 0.3):  # cache "fresh" for each worker step, but no relist
-        await a.loop.pleg.cache.update_time(clock.monotonic() + step)
+        await a.loops.pleg.cache.update_time(clock.monotonic() + step)
         await settle()
-    assert "u1" not in a.loop.workers and a.rt.find("u1", "c0") == []
-    assert a.loop.pleg.last_result is stale  # no relist since: it still shows u1
-    assert a.loop.housekeeping() == []
+    assert "u1" not in a.loop.workers and a.rt.find("u1", "c") == []
+    assert a.loops.pleg.last_result is stale  # no relist since: it still shows u1
+    assert a.loops.housekeeping() == []
     await a.run_for(2)
-    assert a.loop.housekeeping() == []
+    assert a.loops.housekeeping() == []
     assert a.loop.workers.forgotten == {}  # pruned once a newer relist came
-    await a.loop.stop()
+    await a.loops.stop()
 
 
 @aio
 async def test_unrunnable_spec_is_reported_not_crashed_on() -> None:
     clock = FakeClock()
     a = await started(clock)
-    pod = mkpod("web", "u1", containers=2)
+    pod = mkpod("web", "u1", containers=("c0", "c1"))
     pod["spec"]["containers"][1]["resources"] = {"limits": {"memory": "lots"}}
     a.send(Op.ADD, pod)
     await a.run_for(3)
@@ -358,25 +314,27 @@ async def test_unrunnable_spec_is_reported_not_crashed_on() -> None:
     assert bad["reason"] == "CreateContainerConfigError"
     assert "container c1: resources.limits.memory" in bad["message"]
     assert len(a.rt.running("u1")) == 1  # the good container runs
-    await a.loop.stop()
+    await a.loops.stop()
 
 
-@aio
-async def test_route_updates_splits_by_node() -> None:
-    src: asyncio.Queue[PodUpdate] = asyncio.Queue()
-    q1: asyncio.Queue[PodUpdate] = asyncio.Queue()
-    q2: asyncio.Queue[PodUpdate] = asyncio.Queue()
-    task = asyncio.create_task(route_updates(src, {"n1": q1, "n2": q2}))
+def test_updates_are_split_by_node_in_order() -> None:
+    clock = FakeClock()
+    rt = FakeRuntime(clock)
+    config = SyncLoopConfig(runtime=rt, clock=clock, kube=FakeKube(), answered=ApiAnswered(clock),
+                            registry=CollectorRegistry())
+    loops = NodeLoops(NodeLoopsConfig(("n1", "n2"), config),
+                      Pleg(rt, clock, registry=CollectorRegistry()), asyncio.Queue(),
+                      SourcesReady({Source.API}))
     p1, p2, p3 = mkpod("a", "ua"), mkpod("b", "ub"), mkpod("c", "uc")
     p2["spec"]["nodeName"] = "n2"
     p3["spec"]["nodeName"] = "elsewhere"
-    src.put_nowait(PodUpdate(Op.ADD, (p1, p2, p3), Source.API))
-    src.put_nowait(PodUpdate(Op.REMOVE, (p1,), Source.API))
-    await settle()
+    loops.route(PodUpdate(Op.ADD, (p1, p2, p3), Source.API))
+    loops.route(PodUpdate(Op.REMOVE, (p1,), Source.API))
+    q1, q2 = loops.loops["n1"].updates, loops.loops["n2"].updates
     assert [(u.op, [p["metadata"]["uid"] for p in u.pods]) for u in
             (q1.get_nowait(), q1.get_nowait())] == [(Op.ADD, ["ua"]), (Op.REMOVE, ["ua"])]
     assert q2.get_nowait().pods == (p2,) and q2.empty()
-    task.cancel()
+    assert loops.owner == {"ub": "n2"}  # where the PLEG's events for a pod go
 
 
 @aio
@@ -386,7 +344,7 @@ async def test_replacement_with_same_name_waits_for_the_old_pod_to_stop() -> Non
     old = mkpod("static-web", "old", terminationGracePeriodSeconds=5)
     a.send(Op.ADD, old)
     await a.run_for(3)
-    a.rt.ignore_sigterm.add("c0")  # the old one takes its whole grace period to stop
+    a.rt.ignore_sigterm.add("c")  # the old one takes its whole grace period to stop
     new = mkpod("static-web", "new")
     a.send(Op.REMOVE, old)
     a.send(Op.ADD, new)
@@ -396,4 +354,4 @@ async def test_replacement_with_same_name_waits_for_the_old_pod_to_stop() -> Non
     await a.run_for(4)
     assert a.rt.running("old") == []
     assert len(a.rt.running("new")) == 1
-    await a.loop.stop()
+    await a.loops.stop()

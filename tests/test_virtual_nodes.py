@@ -4,8 +4,8 @@ runtime and one PLEG."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -13,62 +13,42 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from nodeagent import config
-from nodeagent.agent import Agent
-from nodeagent.api.client import new_api_client
+from nodeagent.agent import Agent, Parts, Pools, build_runtime
 from nodeagent.api.clock import FakeClock, settle
+from nodeagent.api.kube import NODES
 from nodeagent.api.policy import (
     AGENT_LABEL,
     HEARTBEAT_ANNOTATION,
     Heartbeat,
     encode_heartbeat_annotation,
 )
-from nodeagent.node.fakekube import FakeKube, InlineExecutor
-from nodeagent.pods import Pods, build_runtime
 from nodeagent.runtime.base import SandboxConfig
 from nodeagent.runtime.fake import FakeRuntime
 from nodeagent.sources.api import APISource
-from nodeagent.sources.bundle import PodSources
-from nodeagent.sources.types import Op, PodUpdate, Source, SourcesReady
-from nodeagent.syncloop import NodeLoops
-from tests.test_node_host import fake_proc
-from tests.test_podstatus import FakeWriter
-from tests.test_runtime_fake import aio
-from tests.test_sources_api import kubeconfig
+from nodeagent.sources.types import Op
+from tests.conftest import InlineExecutor, LoopRig, agent_config, agent_flags, aio, mkpod
+from tests.fakekube import FakeKube
 
 VIRTUAL_TAINT = {"key": "nodepulse.dev/virtual", "value": "true", "effect": "NoSchedule"}
-
-
-def flags_of(tmp_path: Path, *argv: str) -> dict[str, Any]:
-    parser = argparse.ArgumentParser()
-    config.add_flags(parser)
-    proc = tmp_path / "proc"
-    return vars(parser.parse_args(["--healthz-bind-address", "", "--root-dir",
-                                   str(tmp_path), "--proc-path",
-                                   str(proc if proc.exists() else fake_proc(tmp_path)),
-                                   *argv]))
-
-
-def load(tmp_path: Path, *argv: str, env: dict[str, str] | None = None) -> config.AgentConfig:
-    return config.load(flags_of(tmp_path, *argv), env or {})
 
 
 # -- settings --
 
 def test_count_and_prefix_make_the_names(tmp_path: Path) -> None:
-    cfg = load(tmp_path, "--virtual-nodes", "3", "--node-name-prefix", "vn")
+    cfg = agent_config(tmp_path, "--virtual-nodes", "3", "--node-name-prefix", "vn")
     assert cfg.virtual and cfg.node_names == ("vn-0", "vn-1", "vn-2")
     assert cfg.agent_id == "vn"  # the label that finds them
     assert cfg.virtual_node_taints == (VIRTUAL_TAINT,)
-    host = load(tmp_path, "--node-name", "h1")
+    host = agent_config(tmp_path, "--node-name", "h1")
     assert not host.virtual and host.node_names == ("h1",)  # N=1: the host agent
-    env = load(tmp_path, env={"NODEPULSE_VIRTUAL_NODES": "2",
+    env = agent_config(tmp_path, env={"NODEPULSE_VIRTUAL_NODES": "2",
                               "NODEPULSE_NODE_NAME_PREFIX": "e"})
     assert env.node_names == ("e-0", "e-1")
     # the Helm chart passes --node-name-prefix=$(POD_NAME)- and --agent-id=$(POD_NAME)
-    chart = load(tmp_path, "--virtual-nodes", "2", "--node-name-prefix", "np-agent-0-",
+    chart = agent_config(tmp_path, "--virtual-nodes", "2", "--node-name-prefix", "np-agent-0-",
                  "--agent-id", "np-agent-0")
     assert chart.node_names == ("np-agent-0-0", "np-agent-0-1")
-    assert load(tmp_path, "--virtual-nodes", "1", "--node-name-prefix",
+    assert agent_config(tmp_path, "--virtual-nodes", "1", "--node-name-prefix",
                 "np-").agent_id == "np"
 
 
@@ -76,11 +56,11 @@ def test_names_from_the_config_file_and_taint_choices(tmp_path: Path) -> None:
     path = tmp_path / "agent.yaml"
     path.write_text("virtualNodes: [edge-a, edge-b]\nagentID: edge\n"
                     "virtualNodeTaint: 'pool=edge:NoExecute'\n")
-    cfg = load(tmp_path, "--config", str(path))
+    cfg = agent_config(tmp_path, "--config", str(path))
     assert cfg.node_names == ("edge-a", "edge-b") and cfg.agent_id == "edge"
     assert cfg.virtual_node_taints == ({"key": "pool", "value": "edge",
                                         "effect": "NoExecute"},)
-    off = load(tmp_path, "--virtual-nodes", "2", "--virtual-node-taint", "none")
+    off = agent_config(tmp_path, "--virtual-nodes", "2", "--virtual-node-taint", "none")
     assert off.virtual_node_taints == ()
 
 
@@ -101,14 +81,14 @@ def test_names_from_the_config_file_and_taint_choices(tmp_path: Path) -> None:
 def test_bad_virtual_settings_are_refused(tmp_path: Path, argv: list[str],
                                           message: str) -> None:
     with pytest.raises(config.ConfigError, match=message.replace("?", r"\?")):
-        load(tmp_path, *argv)
+        agent_config(tmp_path, *argv)
 
 
 def test_duplicate_names_in_the_file_are_refused(tmp_path: Path) -> None:
     path = tmp_path / "agent.yaml"
     path.write_text("virtualNodes: [a, b, a]\n")
     with pytest.raises(config.ConfigError, match="virtualNodes: node name.s. listed twice: a"):
-        load(tmp_path, "--config", str(path))
+        agent_config(tmp_path, "--config", str(path))
 
 
 def test_help_documents_the_identity(tmp_path: Path) -> None:
@@ -121,14 +101,15 @@ def test_help_documents_the_identity(tmp_path: Path) -> None:
 # -- nodes: registration, leases, one watch --
 
 def make_agent(tmp_path: Path, *argv: str) -> tuple[Agent, FakeClock, FakeKube]:
-    flags = flags_of(tmp_path, *argv)
-    cfg = config.load(flags, {})
+    flags = agent_flags(tmp_path, *argv)
     clock = FakeClock()
     kube = FakeKube(now=clock.monotonic)
     inline = InlineExecutor()
-    agent = Agent(cfg, kube=kube, clock=clock, registry=CollectorRegistry(), flags=flags,
-                  env={}, lease_executor=inline, status_executor=inline,
-                  watch_executor=inline, images=lambda: [])
+    cfg = dataclasses.replace(config.load(flags, {}), port=None)  # no kubelet API here
+    agent = Agent(cfg,
+                  Parts(kube, clock, runtime=FakeRuntime(clock, images=[]),
+                        pools=Pools(inline, inline), registry=CollectorRegistry(),
+                        flags=flags, env={}))
     return agent, clock, kube
 
 
@@ -142,9 +123,9 @@ async def test_n_nodes_register_renew_on_schedule_over_one_watch(tmp_path: Path)
     task = asyncio.create_task(agent.run(stop))
     await settle()
     names = [f"vn-{i}" for i in range(n)]
-    assert sorted(kube.nodes) == sorted(names)
+    assert sorted(kube.items(NODES)) == sorted(names)
     for name in names:
-        meta, spec = kube.nodes[name]["metadata"], kube.nodes[name]["spec"]
+        meta, spec = kube.obj(NODES, name)["metadata"], kube.obj(NODES, name)["spec"]
         assert meta["labels"][AGENT_LABEL] == "vn"
         assert meta["labels"]["nodepulse.dev/virtual"] == "true"
         assert meta["labels"]["kubernetes.io/hostname"] == name
@@ -154,12 +135,13 @@ async def test_n_nodes_register_renew_on_schedule_over_one_watch(tmp_path: Path)
         await clock.advance(1)
     assert agent.readyz() is None and agent.healthz() is None
     # one label-selector watch for all the nodes
-    assert kube.count("list_nodes") == 1 and kube.count("get_node") <= n  # registration
-    assert agent.watch is not None and agent.watch.label_selector == f"{AGENT_LABEL}=vn"
-    assert agent.watch.field_selector == ""
+    assert kube.count("list nodes") == 1 and kube.count("get nodes") <= n  # registration
+    assert agent.watch is not None
+    assert agent.watch.reflector.config.label_selector == f"{AGENT_LABEL}=vn"
+    assert agent.watch.reflector.config.field_selector == ""
     for name in names:
-        renewals = [c[0] for c in kube.calls if c[1] in ("create_lease", "update_lease")
-                    and c[2] == name]
+        renewals = [c.at for c in kube.calls if c.key in ("create leases", "update leases")
+                    and c.name == name]
         assert 11 <= len(renewals) <= 14, (name, renewals)  # every 10 s (jittered)
         gaps = [b - a for a, b in zip(renewals, [*renewals[1:], clock.monotonic()], strict=True)]
         assert max(gaps) < 40  # never older than the lease duration
@@ -177,15 +159,15 @@ async def test_each_virtual_node_follows_its_own_policy(tmp_path: Path) -> None:
     task = asyncio.create_task(agent.run(stop))
     await settle()
     fast = Heartbeat(leaseDurationSeconds=20, renewIntervalSeconds=5)
-    kube.annotate("vn-1", HEARTBEAT_ANNOTATION, encode_heartbeat_annotation("fast", fast))
+    kube.annotate(NODES, "vn-1", HEARTBEAT_ANNOTATION, encode_heartbeat_annotation("fast", fast))
     await settle()
     start = clock.monotonic()
     for _ in range(60):
         await clock.advance(1)
 
     def renewals(name: str) -> int:
-        return sum(1 for c in kube.calls if c[1] == "update_lease" and c[2] == name
-                   and c[0] > start)
+        return sum(1 for c in kube.calls_of("update leases") if c.name == name
+                   and c.at > start)
     assert agent.nodes["vn-1"].heartbeat.renewIntervalSeconds == 5
     assert agent.nodes["vn-0"].heartbeat.renewIntervalSeconds == 10
     assert renewals("vn-1") >= 10 and renewals("vn-0") <= 7 and renewals("vn-2") <= 7
@@ -200,7 +182,7 @@ def test_no_taint_when_disabled(tmp_path: Path) -> None:
         stop = asyncio.Event()
         task = asyncio.create_task(agent.run(stop))
         await settle()
-        assert all("taints" not in (n.get("spec") or {}) for n in kube.nodes.values())
+        assert all("taints" not in (n.get("spec") or {}) for n in kube.items(NODES).values())
         stop.set()
         await task
     asyncio.run(main())
@@ -209,43 +191,24 @@ def test_no_taint_when_disabled(tmp_path: Path) -> None:
 # -- pods: one watch, one runtime, one PLEG, routed per node --
 
 def vpod(uid: str, node: str) -> dict[str, Any]:
-    return {"metadata": {"name": f"p-{uid}", "namespace": "ns", "uid": uid},
-            "spec": {"nodeName": node, "restartPolicy": "Always",
-                     "containers": [{"name": "c", "image": "localhost/busybox:1",
-                                     "command": ["sleep", "3600"]}]},
-            "status": {"phase": "Pending"}}
+    return mkpod(f"p-{uid}", uid, node=node)
 
 
-class Rig:
-    def __init__(self, names: list[str]) -> None:
-        self.clock = FakeClock()
-        self.rt = FakeRuntime(self.clock, images=["localhost/busybox:1"])
-        self.updates: asyncio.Queue[PodUpdate] = asyncio.Queue()
-        self.ready = SourcesReady({Source.API})
-        self.ready.mark(Source.API)
-        self.writer = FakeWriter()
-        self.pods = Pods(runtime=self.rt, clock=self.clock, node_name=names[0],
-                         node_names=names, label="vn", updates=self.updates,
-                         sources_ready=self.ready, status_writer=self.writer,
-                         host_ip="192.0.2.10", registry=CollectorRegistry())
-        assert isinstance(self.pods.loop, NodeLoops)
-        self.loops: NodeLoops = self.pods.loop
-
-    def phase(self, uid: str) -> str:
-        return [st for u, st in self.writer.patches if u == uid][-1]["phase"]
+def rig_of(names: list[str]) -> LoopRig:
+    clock = FakeClock()
+    return LoopRig(FakeRuntime(clock, images=["localhost/busybox:1"]), clock, nodes=names)
 
 
 @aio
 async def test_pods_run_on_their_node_loop_with_one_pleg() -> None:
-    rig = Rig(["vn-0", "vn-1", "vn-2"])
+    rig = rig_of(["vn-0", "vn-1", "vn-2"])
     await rig.pods.start()
     await settle()
-    rig.updates.put_nowait(PodUpdate(Op.ADD, (vpod("a", "vn-0"), vpod("b", "vn-2"),
-                                              vpod("x", "elsewhere")), Source.API))
+    rig.send(Op.ADD, vpod("a", "vn-0"), vpod("b", "vn-2"), vpod("x", "elsewhere"))
     relists = rig.rt.calls.get("relist", 0)
     for _ in range(10):
         await rig.clock.advance(1)
-    assert rig.phase("a") == "Running" and rig.phase("b") == "Running"
+    assert rig.status("a")["phase"] == "Running" and rig.status("b")["phase"] == "Running"
     assert not rig.rt.running("x")  # not one of ours
     assert set(rig.loops.loops["vn-0"].pods) == {"a"}
     assert set(rig.loops.loops["vn-2"].pods) == {"b"}
@@ -257,14 +220,14 @@ async def test_pods_run_on_their_node_loop_with_one_pleg() -> None:
     rig.rt.exit_container(cid, 3)
     for _ in range(3):
         await rig.clock.advance(1)
-    st = [st for u, st in rig.writer.patches if u == "b"][-1]
+    st = [st for u, st in rig.patches() if u == "b"][-1]
     assert st["containerStatuses"][0]["lastState"]["terminated"]["exitCode"] == 3
     assert len(rig.rt.running("b")) == 1 and len(rig.rt.running("a")) == 1
     # housekeeping across all nodes: another node's pod is no orphan; an unknown one is
     for _ in range(5):
         await rig.clock.advance(1)
     assert rig.rt.running("a") and rig.rt.running("b")
-    rig.updates.put_nowait(PodUpdate(Op.REMOVE, (vpod("a", "vn-0"),), Source.API))
+    rig.send(Op.REMOVE, vpod("a", "vn-0"))
     for _ in range(5):
         await rig.clock.advance(1)
     assert not rig.rt.running("a") and rig.rt.running("b")
@@ -278,9 +241,9 @@ async def test_pods_run_on_their_node_loop_with_one_pleg() -> None:
 
 @aio
 async def test_orphans_unknown_to_every_node_are_removed() -> None:
-    rig = Rig(["vn-0", "vn-1"])
+    rig = rig_of(["vn-0", "vn-1"])
     await rig.pods.start()
-    rig.updates.put_nowait(PodUpdate(Op.ADD, (vpod("a", "vn-1"),), Source.API))
+    rig.send(Op.ADD, vpod("a", "vn-1"))
     for _ in range(4):
         await rig.clock.advance(1)
     assert rig.rt.running("a")
@@ -295,37 +258,27 @@ async def test_orphans_unknown_to_every_node_are_removed() -> None:
 
 
 def test_one_pod_watch_for_all_nodes_and_the_runtime(tmp_path: Path) -> None:
-    cfg = load(tmp_path, "--virtual-nodes", "4", "--node-name-prefix", "vn")
+    cfg = agent_config(tmp_path, "--virtual-nodes", "4", "--node-name-prefix", "vn")
     assert isinstance(build_runtime(cfg), FakeRuntime)  # auto: fake for virtual nodes
-    api = new_api_client(str(kubeconfig(tmp_path, "http://127.0.0.1:9")), component="test")
-
-    async def main() -> None:
-        pods = Pods.from_config(cfg, api, FakeClock(), registry=CollectorRegistry())
-        sources = getattr(pods.run_sources, "__self__", None)
-        assert isinstance(sources, PodSources)
-        watches = [p for p in sources.parts if isinstance(p, APISource)]
-        assert len(sources.parts) == 1 and len(watches) == 1
-        assert watches[0].nodes == {"vn-0", "vn-1", "vn-2", "vn-3"}
-        assert isinstance(pods.loop, NodeLoops) and len(pods.loop.loops) == 4
-        assert isinstance(pods.runtime, FakeRuntime)
-    try:
-        asyncio.run(main())
-    finally:
-        api.close()
+    agent = Agent(cfg, Parts(FakeKube(), FakeClock(), registry=CollectorRegistry()))
+    watches = [p for p in agent.pods.sources if isinstance(p, APISource)]
+    assert len(agent.pods.sources) == 1 and len(watches) == 1
+    assert watches[0].nodes == {"vn-0", "vn-1", "vn-2", "vn-3"}
+    assert len(agent.pods.loops.loops) == 4
+    assert isinstance(agent.pods.runtime, FakeRuntime)
 
 
 @aio
 async def test_resyncs_of_every_node_come_from_one_timer() -> None:
     names = [f"vn-{i}" for i in range(20)]
-    rig = Rig(names)
+    rig = rig_of(names)
     await rig.pods.start()
     await settle()
     idle = rig.clock.sleepers
-    rig.updates.put_nowait(PodUpdate(Op.ADD, (vpod("a", "vn-3"), vpod("b", "vn-17")),
-                                     Source.API))
+    rig.send(Op.ADD, vpod("a", "vn-3"), vpod("b", "vn-17"))
     for _ in range(5):
         await rig.clock.advance(1)
-    assert rig.phase("a") == "Running" and rig.phase("b") == "Running"
+    assert rig.status("a")["phase"] == "Running" and rig.status("b")["phase"] == "Running"
     a, b = rig.loops.loops["vn-3"].workers, rig.loops.loops["vn-17"].workers
     before = a.syncs("a"), b.syncs("b")
     for _ in range(65):  # past the 1 min resync period: each pod is synced once more

@@ -1,29 +1,19 @@
-"""Pod workers and the syncer in isolation: back-off arithmetic, pull policy defaults,
-latest-wins, kill during a sync, init container order, the API status writer."""
+"""Pod workers (workers.py) and the syncer (syncer.py) in isolation: back-off
+arithmetic, pull policy defaults, latest-wins, kill during a sync, init container order."""
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any, cast
 
 from prometheus_client import CollectorRegistry
 
 from nodeagent.api.clock import FakeClock, settle
 from nodeagent.pleg import CacheEntry, PodCache
-from nodeagent.podstatus import ApiStatusWriter
 from nodeagent.runtime import PodRuntimeStatus
 from nodeagent.sources.types import Op
-from nodeagent.workers import (
-    CrashBackoff,
-    Phase,
-    PodWorkers,
-    SyncResult,
-    UpdateKind,
-    grace_of,
-    pull_policy,
-)
-from tests.test_runtime_fake import aio
-from tests.test_syncloop import mkpod, started
+from nodeagent.syncer import CrashBackoff, SyncResult, grace_of, pull_policy
+from nodeagent.workers import Phase, PodWorkers, UpdateKind
+from tests.conftest import aio, mkpod, started
 
 
 def test_crash_backoff_doubles_caps_and_resets() -> None:
@@ -189,13 +179,13 @@ async def test_init_containers_run_in_order_before_containers() -> None:
     assert [c.name for c in a.rt.running("u1")] == ["i2"]
     a.rt.exit_container(a.rt.running("u1")[0].id, 0)
     await a.run_for(3)
-    assert [c.name for c in a.rt.running("u1")] == ["c0"]
+    assert [c.name for c in a.rt.running("u1")] == ["c"]
     await a.run_for(2)
     st = a.status("u1")
     assert st["phase"] == "Running"
     assert {c["type"]: c["status"] for c in st["conditions"]}["Initialized"] == "True"
     assert [s["state"]["terminated"]["exitCode"] for s in st["initContainerStatuses"]] == [0, 0]
-    await a.loop.stop()
+    await a.loops.stop()
 
 
 @aio
@@ -209,65 +199,8 @@ async def test_failed_init_container_with_never_fails_the_pod() -> None:
     a.rt.exit_container(a.rt.running("u1")[0].id, 3)
     await a.run_for(4)
     assert a.status("u1")["phase"] == "Failed"
-    assert a.rt.find("u1", "c0") == []  # the main container never ran
-    await a.loop.stop()
-
-
-class FakeResponse:
-    """What a call with _preload_content=False returns (urllib3's HTTPResponse)."""
-
-    def __init__(self) -> None:
-        self.drained = self.released = False
-
-    def drain_conn(self) -> None:
-        self.drained = True
-
-    def release_conn(self) -> None:
-        assert self.drained, "released with the body unread: the connection is not reusable"
-        self.released = True
-
-
-class FakeCore:
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
-        self.responses: list[FakeResponse] = []
-
-    def _answer(self) -> FakeResponse:
-        self.responses.append(FakeResponse())
-        return self.responses[-1]
-
-    def patch_namespaced_pod_status(self, *args: Any, **kw: Any) -> FakeResponse:
-        self.calls.append(("patch", args, kw))
-        return self._answer()
-
-    def delete_namespaced_pod(self, *args: Any, **kw: Any) -> FakeResponse:
-        self.calls.append(("delete", args, kw))
-        return self._answer()
-
-
-@aio
-async def test_api_writer_sends_strategic_patch_with_uid_precondition() -> None:
-    from kubernetes.client import ApiClient, Configuration
-    w = ApiStatusWriter(ApiClient(Configuration()))
-    core = FakeCore()
-    w.core = cast(Any, core)
-    pod = mkpod("web", "u1")
-    await w.patch_status(pod, {"phase": "Running"})
-    kind, args, kw = core.calls[0]
-    assert args == ("web", "ns", {"status": {"phase": "Running"}, "metadata": {"uid": "u1"}})
-    assert kw["_content_type"] == "application/strategic-merge-patch+json"
-    static = mkpod("kube-x", "hash1")
-    static["metadata"]["annotations"] = {"kubernetes.io/config.source": "file"}
-    await w.patch_status(static, {"phase": "Running"})
-    assert "metadata" not in core.calls[1][1][2]  # the mirror pod has its own uid
-    await w.delete_pod(pod)
-    kind, args, kw = core.calls[2]
-    assert kind == "delete" and kw["grace_period_seconds"] == 0
-    assert kw["body"].preconditions.uid == "u1"
-    # every unparsed answer is read to its end and its connection goes back to the pool
-    # (left unread, each write would cost a new TLS connection)
-    assert len(core.responses) == 3
-    assert all(r.drained and r.released for r in core.responses)
+    assert a.rt.find("u1", "c") == []  # the main container never ran
+    await a.loops.stop()
 
 
 def test_cache_entry_for_unknown_pod_is_empty() -> None:

@@ -5,6 +5,8 @@ Everything else in nodepulse is handed an ApiClient built here.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 from pathlib import Path
 
@@ -73,3 +75,15 @@ def is_retriable(exc: BaseException) -> bool:
     if isinstance(exc, ApiException):
         return exc.status in (0, 429, 500, 502, 503, 504)
     return isinstance(exc, (urllib3.exceptions.HTTPError, ConnectionError, TimeoutError))
+
+
+def brief(exc: BaseException) -> str:
+    """How a log line or an Event names an error: "HTTP 404 NotFound: <the Status
+    message>" for the API server's answers, "<type>: <text>" for the rest."""
+    if isinstance(exc, ApiException):
+        message = ""
+        with contextlib.suppress(ValueError, AttributeError, TypeError):
+            message = str(json.loads(exc.body or b"{}").get("message") or "")
+        text = f"HTTP {exc.status} {exc.reason}"
+        return f"{text}: {message}" if message and message != exc.reason else text
+    return f"{type(exc).__name__}: {exc}"

@@ -98,24 +98,3 @@ async def clock_timeout(clock: Clock, aw: Awaitable[T], seconds: float, what: st
             await task
         raise TimeoutError(what)
     return task.result()
-
-
-class Wakeup:
-    """Cuts waits short: `wake()` ends the waits under way, not later ones (a backoff
-    that should end because the API server answers again, while the next failure still
-    backs off)."""
-
-    def __init__(self) -> None:
-        self._event = asyncio.Event()
-
-    def wake(self) -> None:
-        self._event.set()
-        self._event = asyncio.Event()
-
-    async def wait(self, clock: Clock, seconds: float) -> bool:
-        """Wait `seconds` on `clock`; True if woken before."""
-        try:
-            await clock_timeout(clock, self._event.wait(), seconds, "wait")
-        except TimeoutError:
-            return False
-        return True

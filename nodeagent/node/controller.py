@@ -2,20 +2,25 @@
 
 A NodeController owns no loop and no thread: the shared schedulers call `tick` (status)
 and `renew` (lease) at the node's own due times, and the shared node watch hands it
-its Node. A process speaking for one node is just the case N=1.
+its Node. A process speaking for one node is just the case N=1. Everything the nodes of
+a process share comes in one NodeControllerConfig, which the agent builds once.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from kubernetes.client.exceptions import ApiException
 
+from nodeagent.api.answered import ApiAnswered
+from nodeagent.api.client import brief
 from nodeagent.api.clock import Clock
+from nodeagent.api.kube import NODES, Kube, Obj
 from nodeagent.api.policy import (
     AGENT_LABEL,
     HEARTBEAT_ANNOTATION,
@@ -24,8 +29,7 @@ from nodeagent.api.policy import (
     decode_heartbeat_annotation,
 )
 from nodeagent.node.host import HostReadError, HostReadings
-from nodeagent.node.kube import Kube, Obj, body_size
-from nodeagent.node.lease import Call, LeaseRenewer, _brief
+from nodeagent.node.lease import LeaseRenewer
 from nodeagent.node.metrics import NodeMetrics
 from nodeagent.node.scheduler import DueScheduler
 from nodeagent.node.status import (
@@ -41,6 +45,7 @@ log = logging.getLogger(__name__)
 
 ImageLister = Callable[[], Sequence[Mapping[str, Any]]]
 Readiness = Callable[[], str | None]
+Blocking = Callable[..., Awaitable[Any]]  # runs a blocking call on a thread pool
 
 
 @dataclasses.dataclass
@@ -53,34 +58,53 @@ class NodeSpec:
     taints: Sequence[Mapping[str, str]] = ()
 
 
+@dataclasses.dataclass(frozen=True)
+class NodeControllerConfig:
+    """What every node of a process shares."""
+
+    kube: Kube            # registration and status
+    lease_kube: Kube      # Lease writes, on threads of their own: never behind status work
+    clock: Clock
+    metrics: NodeMetrics
+    heartbeat: Heartbeat  # from flags and config; a node's policy annotation overrides it
+    status: StatusSettings
+    probe: Callable[[], HostReadings]
+    status_call: Blocking  # host readings and the status computation, off the event loop
+    renewals: DueScheduler[str]
+    ticker: DueScheduler[str]
+    answered: ApiAnswered  # fired by a Lease renewal that goes through after failures
+    uids: dict[str, str]  # node name -> its Node's UID once registered (mirror pods,
+    # Events point at the Node by UID: read here, not fetched again)
+    images: ImageLister | None = None
+    readiness: Readiness | None = None
+    legacy: bool = False  # --heartbeat-mode=legacy: full status every period, no Lease
+
+
 class NodeController:
     REQUEST_TIMEOUT = 10.0
 
-    def __init__(self, spec: NodeSpec, kube: Kube, clock: Clock, metrics: NodeMetrics, *,
-                 heartbeat: Heartbeat, settings: StatusSettings,
-                 probe: Callable[[], HostReadings],
-                 lease_call: Call, status_call: Call,
-                 renewals: DueScheduler[str], ticker: DueScheduler[str],
-                 images: ImageLister | None = None, readiness: Readiness | None = None,
-                 legacy: bool = False, rng: random.Random | None = None) -> None:
+    def __init__(self, spec: NodeSpec, config: NodeControllerConfig,
+                 rng: random.Random | None = None) -> None:
+        c = config
         self.spec = spec
         self.name = spec.name
-        self.kube = kube
-        self.clock = clock
-        self.metrics = metrics
-        self.base = heartbeat  # from flags/config; the annotation overrides it
-        self.heartbeat = heartbeat
+        self.config = c
+        self.kube = c.kube
+        self.clock = c.clock
+        self.metrics = c.metrics
+        self.base = c.heartbeat  # from flags/config; the annotation overrides it
+        self.heartbeat = c.heartbeat
         self.policy_name: str | None = None
-        self.settings = settings
-        self.probe = probe
-        self.images = images
-        self.readiness = readiness
-        self.legacy = legacy
-        self.status_call = status_call
-        self.renewals = renewals
-        self.ticker = ticker
-        self.lease = LeaseRenewer(self.name, kube, clock, metrics, lease_call, heartbeat,
-                                  rng=rng)
+        self.settings = c.status  # the agent replaces it when the config file changes
+        self.probe = c.probe
+        self.images = c.images
+        self.readiness = c.readiness
+        self.legacy = c.legacy
+        self.status_call = c.status_call
+        self.renewals = c.renewals
+        self.ticker = c.ticker
+        self.lease = LeaseRenewer(self.name, c.lease_kube, c.clock, c.metrics, c.heartbeat,
+                                  answered=c.answered, rng=rng)
         self.registered = False
         self.uid: str | None = None
         self.reported: Status | None = None  # what the server has, as we last wrote it
@@ -89,7 +113,7 @@ class NodeController:
         self.last_full_report: float | None = None
         self.last_status_write: float | None = None
         self._next_tick: float | None = None
-        self.started = clock.monotonic()
+        self.started = c.clock.monotonic()
 
     # -- lifecycle, driven by the agent --
     def start(self) -> None:
@@ -97,6 +121,14 @@ class NodeController:
 
     def stop(self) -> None:
         self.ticker.cancel(self.name)
+        self.renewals.cancel(self.name)
+
+    def deleted(self) -> None:
+        """The Node was deleted (by someone else): register it again."""
+        log.warning("node %s: deleted; it will be registered again", self.name)
+        self.registered = False
+        self.uid = None
+        self.config.uids.pop(self.name, None)
         self.renewals.cancel(self.name)
 
     def health(self) -> str | None:
@@ -126,26 +158,28 @@ class NodeController:
                 "kubernetes.io/arch": arch, AGENT_LABEL: self.spec.agent_id,
                 **self.spec.labels}
 
-    def _register(self) -> Obj:
-        """Blocking: create the Node, or adopt the one there (our labels win)."""
+    async def _register(self) -> Obj:
+        """Create the Node, or adopt the one there (our labels win)."""
         t = self.REQUEST_TIMEOUT
         try:
-            node = self.kube.get_node(self.name, timeout=t)
+            node = await self.kube.get(NODES, self.name, timeout=t)
         except ApiException as e:
             if e.status != 404:
                 raise
             try:
-                node = self.kube.create_node(self.node_object(), timeout=t)
+                body = await self.status_call(self.node_object)  # reads the host
+                node = await self.kube.create(NODES, body, timeout=t)
                 log.info("node %s: registered", self.name)
                 return node
             except ApiException as e2:
                 if e2.status != 409:
                     raise
-                node = self.kube.get_node(self.name, timeout=t)
-        want = self.labels()
+                node = await self.kube.get(NODES, self.name, timeout=t)
+        want = await self.status_call(self.labels)
         have = (node.get("metadata") or {}).get("labels") or {}
         if any(have.get(k) != v for k, v in want.items()):
-            node = self.kube.patch_node(self.name, {"metadata": {"labels": want}}, timeout=t)
+            node = await self.kube.patch(NODES, self.name, {"metadata": {"labels": want}},
+                                         timeout=t)
         log.info("node %s: adopted existing Node", self.name)
         return node
 
@@ -155,16 +189,15 @@ class NodeController:
         every = self.heartbeat.statusUpdateFrequencySeconds
         if not self.registered:
             try:
-                node = await self.status_call(self._register)
+                node = await self._register()
             except Exception as e:
-                log.warning("node %s: registration failed, retrying: %s", self.name, _brief(e))
+                log.warning("node %s: registration failed, retrying: %s", self.name, brief(e))
                 return self.clock.monotonic() + min(every, 5.0)
             self.registered = True
             self.reported = self.reported_version = None
             self.last_full_report = None
-            self.uid = node["metadata"].get("uid")
-            self.lease.owner_uid = self.uid
-            self.on_node(node)
+            self.uid = None
+            self.on_node(node)  # its UID among the rest
             if not self.legacy:
                 self.renewals.schedule(self.name, self.clock.monotonic())
         await self._report()
@@ -215,8 +248,8 @@ class NodeController:
             if reason == "change":
                 log.info("node %s: status changed: %s", self.name, ", ".join(changes))
         try:
-            written = await self.status_call(self.kube.patch_node_status, self.name, body,
-                                             timeout=self.REQUEST_TIMEOUT)
+            written = await self.kube.patch(NODES, self.name, body, subresource="status",
+                                            timeout=self.REQUEST_TIMEOUT)
         except ApiException as e:
             self.metrics.status_errors.inc()
             if e.status == 404:
@@ -224,14 +257,14 @@ class NodeController:
                 self.registered = False
                 self.renewals.cancel(self.name)
                 return
-            log.warning("node %s: status patch failed: %s", self.name, _brief(e))
+            log.warning("node %s: status patch failed: %s", self.name, brief(e))
             return
         except Exception as e:
             self.metrics.status_errors.inc()
-            log.warning("node %s: status patch failed: %s", self.name, _brief(e))
+            log.warning("node %s: status patch failed: %s", self.name, brief(e))
             return
         self.metrics.status_reports.labels(reason).inc()
-        self.metrics.status_patch_bytes.observe(body_size(body))
+        self.metrics.status_patch_bytes.observe(len(json.dumps(body).encode()))
         self.reported = new
         self.reported_version = (written.get("metadata") or {}).get("resourceVersion")
         self.last_status_write = now
@@ -246,9 +279,19 @@ class NodeController:
 
     # -- policy: the node watch hands us our Node --
     def on_node(self, node: Obj) -> None:
-        annotations = (node.get("metadata") or {}).get("annotations") or {}
-        self.apply_annotation(annotations.get(HEARTBEAT_ANNOTATION))
+        meta = node.get("metadata") or {}
+        self._follow_uid(meta.get("uid"))
+        self.apply_annotation((meta.get("annotations") or {}).get(HEARTBEAT_ANNOTATION))
         self._follow_api_conditions(node)
+
+    def _follow_uid(self, uid: str | None) -> None:
+        """The Node's UID, for what points at the Node (the Lease, mirror pods, Events):
+        learnt at registration, and followed here should the Node be re-created by
+        someone else between two of the watch's events."""
+        if not uid or uid == self.uid or not self.registered:
+            return
+        self.uid = self.lease.owner_uid = uid
+        self.config.uids[self.name] = uid
 
     def _follow_api_conditions(self, node: Obj) -> None:
         """Others write our conditions too: the operator sets Ready=Unknown when our

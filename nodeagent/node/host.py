@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from nodeagent.node.quantity import QuantityError, parse_quantity
+from nodeagent.api.quantity import QuantityError, parse_quantity
 
 _ARCH = {"x86_64": "amd64", "aarch64": "arm64", "armv7l": "arm", "ppc64le": "ppc64le",
          "s390x": "s390x", "riscv64": "riscv64", "i686": "386"}

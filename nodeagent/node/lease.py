@@ -1,7 +1,9 @@
 """A node's Lease in kube-node-lease: created if missing, renewed on a jittered interval.
 
 One LeaseRenewer per node; the shared DueScheduler decides when each one runs, and
-its API calls go through the lease thread pool (never the status one).
+its API calls go through the lease threads (a Kube of their own, never the status
+one's). A renewal that goes through after attempts that could not reach the API server
+fires the ApiAnswered signal: the watches and writes waiting out a backoff go now.
 """
 
 from __future__ import annotations
@@ -9,22 +11,19 @@ from __future__ import annotations
 import copy
 import logging
 import random
-from collections.abc import Awaitable, Callable
-from typing import Any
 
 from kubernetes.client.exceptions import ApiException
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception
 
-from nodeagent.api.client import is_retriable, status_of
+from nodeagent.api.answered import ApiAnswered
+from nodeagent.api.client import brief, is_retriable, status_of
 from nodeagent.api.clock import Clock
+from nodeagent.api.kube import LEASES, NODE_LEASE_NAMESPACE, Kube, Obj
 from nodeagent.api.policy import Heartbeat
-from nodeagent.node.kube import LEASE_NAMESPACE, Kube, Obj
 from nodeagent.node.metrics import NodeMetrics
 from nodeagent.node.status import api_microtime
 
 log = logging.getLogger(__name__)
-
-Call = Callable[..., Awaitable[Any]]
 
 
 def renew_delay(interval: float, duration: float, jitter: float, u: float) -> float:
@@ -38,13 +37,13 @@ class LeaseRenewer:
     REQUEST_TIMEOUT = 10.0  # one attempt never waits longer than this
 
     def __init__(self, node: str, kube: Kube, clock: Clock, metrics: NodeMetrics,
-                 call: Call, heartbeat: Heartbeat, *, jitter: float = 0.04,
-                 rng: random.Random | None = None) -> None:
+                 heartbeat: Heartbeat, *, answered: ApiAnswered | None = None,
+                 jitter: float = 0.04, rng: random.Random | None = None) -> None:
         self.node = node
         self.kube = kube
         self.clock = clock
         self.metrics = metrics
-        self.call = call
+        self.answered = answered or ApiAnswered(clock)
         self.heartbeat = heartbeat
         self.jitter = jitter
         self.rng = rng or random.Random()
@@ -54,10 +53,9 @@ class LeaseRenewer:
         self.started = clock.monotonic()
         self._u = self.rng.uniform(-1, 1)
         self._due: float | None = None
-        # an attempt could not reach the API server since the last renewal; when one
-        # goes through again, on_recovered is called
+        # an attempt could not reach the API server since the last renewal (when one
+        # goes through again, the ApiAnswered signal fires)
         self.failing = False
-        self.on_recovered: Callable[[], None] | None = None
 
     # -- timing --
     def next_due(self) -> float:
@@ -122,16 +120,15 @@ class LeaseRenewer:
                 with attempt:
                     timeout = max(0.05, min(self.REQUEST_TIMEOUT,
                                             deadline - self.clock.monotonic()))
-                    result = await self.call(self._write_once, timeout)
+                    result = await self._write_once(timeout)
         except Exception as e:
             self.metrics.lease_renewals.labels("failed").inc()
-            log.warning("lease %s: renewal failed, retrying soon: %s", self.node, _brief(e))
+            log.warning("lease %s: renewal failed, retrying soon: %s", self.node, brief(e))
             self._due = self.clock.monotonic() + min(2.0, self.heartbeat.renewIntervalSeconds)
             return self._due
         if self.failing:
             self.failing = False
-            if self.on_recovered is not None:
-                self.on_recovered()
+            self.answered.fire()
         now = self.clock.monotonic()
         self.metrics.lease_renewals.labels(result).inc()
         self.metrics.lease_latency.observe(max(0.0, now - due))
@@ -145,19 +142,19 @@ class LeaseRenewer:
         self._due = self.next_due()
         return self._due
 
-    def _write_once(self, timeout: float) -> str:
-        """Blocking: one attempt. Keeps the last Lease seen, so a renewal is one PUT."""
+    async def _write_once(self, timeout: float) -> str:
+        """One attempt. Keeps the last Lease seen, so a renewal is one PUT."""
         if self.lease is None:
             try:
-                self.lease = self.kube.get_lease(self.node, timeout=timeout)
+                self.lease = await self.kube.get(LEASES, self.node,
+                                                 namespace=NODE_LEASE_NAMESPACE, timeout=timeout)
             except ApiException as e:
                 if e.status != 404:
                     raise
-                self.lease = self.kube.create_lease(self._body(None), timeout=timeout)
+                self.lease = await self.kube.create(LEASES, self._body(None), timeout=timeout)
                 return "created"
         try:
-            self.lease = self.kube.update_lease(self.node, self._body(self.lease),
-                                                timeout=timeout)
+            self.lease = await self.kube.update(LEASES, self._body(self.lease), timeout=timeout)
         except ApiException as e:
             if e.status in (404, 409):
                 self.lease = None  # deleted or changed under us: re-read on the next try
@@ -167,7 +164,7 @@ class LeaseRenewer:
     def _body(self, current: Obj | None) -> Obj:
         lease: Obj = copy.deepcopy(current) if current else {
             "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-            "metadata": {"name": self.node, "namespace": LEASE_NAMESPACE}}
+            "metadata": {"name": self.node, "namespace": NODE_LEASE_NAMESPACE}}
         lease.setdefault("apiVersion", "coordination.k8s.io/v1")
         lease.setdefault("kind", "Lease")
         meta = lease.setdefault("metadata", {})
@@ -180,9 +177,3 @@ class LeaseRenewer:
         spec["leaseDurationSeconds"] = self.heartbeat.leaseDurationSeconds
         spec["renewTime"] = api_microtime(self.clock.now())
         return lease
-
-
-def _brief(e: BaseException) -> str:
-    if isinstance(e, ApiException):
-        return f"{e.status} {e.reason}"
-    return f"{type(e).__name__}: {e}"

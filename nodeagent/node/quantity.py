@@ -1,46 +1,10 @@
-"""Resource quantities and eviction thresholds in the forms the kubelet accepts."""
+"""Eviction thresholds in the forms the kubelet accepts (quantities: nodeagent.api.quantity)."""
 
 from __future__ import annotations
 
 import dataclasses
-import re
 
-_SUFFIX = {
-    "": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
-    "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
-}
-_QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(m|k|Ki|[MGTPE]i?|)$")
-
-
-class QuantityError(ValueError):
-    pass
-
-
-def parse_quantity(text: str | int | float, what: str = "quantity") -> float:
-    """'100Mi' -> 104857600, '250m' -> 0.25, 4 -> 4."""
-    if isinstance(text, bool):
-        raise QuantityError(f"{what}: expected a quantity, got {text!r}")
-    if isinstance(text, (int, float)):
-        return float(text)
-    m = _QUANTITY.match(str(text).strip())
-    if not m:
-        raise QuantityError(f"{what}: {text!r} is not a quantity (e.g. 100Mi, 2, 500m)")
-    number, suffix = float(m.group(1)), m.group(2)
-    return number / 1000 if suffix == "m" else number * _SUFFIX[suffix]
-
-
-def format_bytes(n: int) -> str:
-    """Whole bytes as the API server would canonicalise them: largest exact binary unit."""
-    for suffix in ("Ei", "Pi", "Ti", "Gi", "Mi", "Ki"):
-        if n and n % _SUFFIX[suffix] == 0:
-            return f"{n // _SUFFIX[suffix]}{suffix}"
-    return str(n)
-
-
-def format_cpu(cores: float) -> str:
-    milli = round(cores * 1000)
-    return str(milli // 1000) if milli % 1000 == 0 else f"{milli}m"
-
+from nodeagent.api.quantity import QuantityError, format_bytes, parse_quantity
 
 # Signals the agent measures, and what their percentages are taken of.
 SIGNALS = ("memory.available", "nodefs.available", "nodefs.inodesFree",

@@ -11,8 +11,9 @@ import datetime as dt
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from nodeagent.api.quantity import format_bytes, format_cpu
 from nodeagent.node.host import HostReadError, HostReadings
-from nodeagent.node.quantity import Threshold, format_bytes, format_cpu
+from nodeagent.node.quantity import Threshold
 
 CONDITION_TYPES = ("MemoryPressure", "DiskPressure", "PIDPressure", "Ready")
 

@@ -22,11 +22,13 @@ import datetime as dt
 import enum
 import hashlib
 import json
-import re
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from nodeagent.api.quantity import parse_quantity
 
 # Labels that identify our objects in the runtime (same keys the kubelet uses, so tools
 # like crictl show them sensibly).
@@ -455,21 +457,6 @@ def container_spec_hash(container: Mapping[str, Any]) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-_QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)([a-zA-Z]*)$")
-_SUFFIX = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15,
-           "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "m": 1e-3}
-
-
-def parse_quantity(value: object, where: str = "quantity") -> float:
-    """A Kubernetes resource quantity ("100m", "1.5", "128Mi") as a plain number."""
-    if isinstance(value, (int, float)):
-        return float(value)
-    m = _QUANTITY.match(str(value).strip())
-    if not m or m.group(2) not in _SUFFIX:
-        raise ValueError(f"{where}: {value!r} is not a resource quantity")
-    return float(m.group(1)) * _SUFFIX[m.group(2)]
-
-
 def resources_of(container: Mapping[str, Any], where: str = "container") -> Resources:
     res = container.get("resources") or {}
     req = res.get("requests") or {}
@@ -479,8 +466,8 @@ def resources_of(container: Mapping[str, Any], where: str = "container") -> Reso
         return None if "cpu" not in d else round(
             parse_quantity(d["cpu"], f"{where}: resources.{kind}.cpu") * 1000)
 
-    def mem(d: Mapping[str, Any], kind: str) -> int | None:
-        return None if "memory" not in d else int(
+    def mem(d: Mapping[str, Any], kind: str) -> int | None:  # whole bytes, rounded up
+        return None if "memory" not in d else math.ceil(
             parse_quantity(d["memory"], f"{where}: resources.{kind}.memory"))
 
     return Resources(cpu_request_millis=cpu(req, "requests"), cpu_limit_millis=cpu(lim, "limits"),

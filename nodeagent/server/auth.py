@@ -19,7 +19,6 @@ in flight at once share one API call.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
 import functools
 import hashlib
@@ -153,18 +152,13 @@ class TtlCache(Generic[K, V]):
 
 
 class KubeletAuth:
-    def __init__(self, api: ServerApi, clock: Clock, *, anonymous: bool = False,
-                 executor: concurrent.futures.Executor | None = None) -> None:
+    def __init__(self, api: ServerApi, clock: Clock, *, anonymous: bool = False) -> None:
         self.api = api
         self.anonymous = anonymous
-        self.executor = executor
         self.tokens: TtlCache[str, User | None] = TtlCache(
             clock, lambda u: TOKEN_TTL if u is not None else TOKEN_REFUSED_TTL)
         self.reviews: TtlCache[str, tuple[bool, str]] = TtlCache(
             clock, lambda r: ALLOWED_TTL if r[0] else DENIED_TTL)
-
-    async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
     async def authenticate(self, authorization: str | None,
                            peercert: Mapping[str, Any] | None) -> User:
@@ -187,7 +181,7 @@ class KubeletAuth:
 
     async def _review_token(self, token: str) -> User | None:
         try:
-            status = await self._call(self.api.review_token, token)
+            status = await self.api.review_token(token)
         except Exception as e:  # noqa: BLE001 - the kubelet answers 401 and logs why
             log.warning("kubelet API: TokenReview failed: %s", e)
             raise Unauthorized(f"the token could not be reviewed: {e}") from e
@@ -221,7 +215,7 @@ class KubeletAuth:
 
     async def _review(self, spec: dict[str, Any]) -> tuple[bool, str]:
         try:
-            status = await self._call(self.api.review_access, spec)
+            status = await self.api.review_access(spec)
         except Exception as e:  # noqa: BLE001 - not cached; the next request asks again
             attrs = spec["resourceAttributes"]
             log.warning("kubelet API: SubjectAccessReview failed: %s", e)

@@ -2,54 +2,53 @@
 SubjectAccessReview (webhook authentication and authorization), and the
 CertificateSigningRequest calls of serving-certificate rotation.
 
-Blocking calls (the agent's raw-JSON requests, nodeagent.api.rest); the server runs
-them on its own few threads. tests/ replaces this class with an in-memory one.
+Through the one API layer (nodeagent.api.kube), on the server's own few threads
+(setup.py hands it a Kube on them): a TokenReview never waits behind pod status writes.
+tests/ replace this class with an in-memory one.
 """
 
 from __future__ import annotations
 
 from typing import Any, Protocol
 
-from kubernetes import client
+from nodeagent.api.kube import (
+    CERTIFICATE_SIGNING_REQUESTS,
+    SUBJECT_ACCESS_REVIEWS,
+    TOKEN_REVIEWS,
+    Kube,
+)
 
-from nodeagent.api.rest import request_json
-
-TOKEN_REVIEWS = "/apis/authentication.k8s.io/v1/tokenreviews"
-ACCESS_REVIEWS = "/apis/authorization.k8s.io/v1/subjectaccessreviews"
-CSRS = "/apis/certificates.k8s.io/v1/certificatesigningrequests"
 TIMEOUT = 10.0
 Obj = dict[str, Any]
 
 
 class ServerApi(Protocol):
-    def review_token(self, token: str) -> Obj: ...
-    def review_access(self, spec: Obj) -> Obj: ...
-    def create_csr(self, body: Obj) -> Obj: ...
-    def get_csr(self, name: str) -> Obj: ...
+    async def review_token(self, token: str) -> Obj: ...
+    async def review_access(self, spec: Obj) -> Obj: ...
+    async def create_csr(self, body: Obj) -> Obj: ...
+    async def get_csr(self, name: str) -> Obj: ...
 
 
 class RealServerApi:
-    def __init__(self, api: client.ApiClient) -> None:
-        self.api = api
+    def __init__(self, kube: Kube) -> None:
+        self.kube = kube
 
-    def review_token(self, token: str) -> Obj:
+    async def review_token(self, token: str) -> Obj:
         """The TokenReview's status: authenticated, user {username, uid, groups, extra}."""
         body = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview",
                 "spec": {"token": token}}
-        out: Obj = request_json(self.api, "POST", TOKEN_REVIEWS, body=body, timeout=TIMEOUT)
+        out = await self.kube.create(TOKEN_REVIEWS, body, timeout=TIMEOUT)
         return dict(out.get("status") or {})
 
-    def review_access(self, spec: Obj) -> Obj:
+    async def review_access(self, spec: Obj) -> Obj:
         """The SubjectAccessReview's status: allowed, denied, reason."""
         body = {"apiVersion": "authorization.k8s.io/v1", "kind": "SubjectAccessReview",
                 "spec": spec}
-        out: Obj = request_json(self.api, "POST", ACCESS_REVIEWS, body=body, timeout=TIMEOUT)
+        out = await self.kube.create(SUBJECT_ACCESS_REVIEWS, body, timeout=TIMEOUT)
         return dict(out.get("status") or {})
 
-    def create_csr(self, body: Obj) -> Obj:
-        out: Obj = request_json(self.api, "POST", CSRS, body=body, timeout=TIMEOUT)
-        return out
+    async def create_csr(self, body: Obj) -> Obj:
+        return await self.kube.create(CERTIFICATE_SIGNING_REQUESTS, body, timeout=TIMEOUT)
 
-    def get_csr(self, name: str) -> Obj:
-        out: Obj = request_json(self.api, "GET", f"{CSRS}/{name}", timeout=TIMEOUT)
-        return out
+    async def get_csr(self, name: str) -> Obj:
+        return await self.kube.get(CERTIFICATE_SIGNING_REQUESTS, name, timeout=TIMEOUT)

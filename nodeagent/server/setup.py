@@ -6,17 +6,17 @@ import asyncio
 import concurrent.futures
 import contextlib
 import socket
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 from prometheus_client import CollectorRegistry
 
 from nodeagent.api.clock import Clock
+from nodeagent.api.kube import Kube
 from nodeagent.config import AgentConfig, ConfigError
 from nodeagent.server.app import HealthCheck, KubeletServer, PodHost
 from nodeagent.server.auth import KubeletAuth
-from nodeagent.server.kubeapi import ServerApi
+from nodeagent.server.kubeapi import RealServerApi, ServerApi
 from nodeagent.server.tls import CertError, ServingCert
 
 
@@ -25,6 +25,7 @@ class ServerBundle:
 
     def __init__(self, server: KubeletServer, cert: ServingCert, api: ServerApi,
                  executor: concurrent.futures.ThreadPoolExecutor, rotate: bool) -> None:
+        """`executor`: the threads the server's API calls run on (`api` is on them)."""
         self.server = server
         self.cert = cert
         self.api = api
@@ -33,12 +34,9 @@ class ServerBundle:
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
-    async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
-
     async def start(self) -> int:
         if self.rotate:
-            self._task = asyncio.create_task(self.cert.rotate(self.api, self._call, self._stop),
+            self._task = asyncio.create_task(self.cert.rotate(self.api, self._stop),
                                              name="serving-cert")
             # the interim (or saved) certificate is in the context before we listen
             await asyncio.sleep(0)
@@ -59,7 +57,7 @@ class ServerBundle:
         self.executor.shutdown(wait=False, cancel_futures=True)
 
 
-def build(cfg: AgentConfig, host: PodHost, api: ServerApi, *, clock: Clock,
+def build(cfg: AgentConfig, host: PodHost, kube: Kube, *, clock: Clock,
           registry: CollectorRegistry, addresses: Sequence[str],
           health_checks: Mapping[str, HealthCheck]) -> ServerBundle:
     assert cfg.port is not None
@@ -79,7 +77,8 @@ def build(cfg: AgentConfig, host: PodHost, api: ServerApi, *, clock: Clock,
         raise ConfigError(str(e)) from None
     # our own threads: the API's TokenReviews must not wait behind pod status writes
     executor = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="kubelet-api")
-    auth = KubeletAuth(api, clock, anonymous=cfg.anonymous_auth, executor=executor)
+    api = RealServerApi(kube.using(executor))
+    auth = KubeletAuth(api, clock, anonymous=cfg.anonymous_auth)
     server = KubeletServer(host, auth, cert, node_names=cfg.node_names, clock=clock,
                            registry=registry, address=cfg.address, port=cfg.port,
                            health_checks=health_checks)

@@ -24,9 +24,8 @@ import logging
 import os
 import random
 import ssl
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -191,8 +190,7 @@ class ServingCert:
         self.not_after = after
         return before, after
 
-    async def rotate(self, api: ServerApi, call: Callable[..., Any],
-                     stop: asyncio.Event) -> None:
+    async def rotate(self, api: ServerApi, stop: asyncio.Event) -> None:
         """Keep a CSR-signed certificate in place until `stop` (the interim one is
         self-signed)."""
         current = self.load_current()
@@ -208,7 +206,7 @@ class ServingCert:
                     if await _wait(stop, self.clock, wait):
                         return
             try:
-                got = await self._request(api, call, stop)
+                got = await self._request(api, stop)
             except Exception as e:  # noqa: BLE001 - logged; tried again after RETRY
                 log.warning("kubelet API: serving certificate request failed: %s; trying "
                             "again in %.0f s", e, RETRY)
@@ -224,19 +222,18 @@ class ServingCert:
             log.info("kubelet API: new serving certificate, valid until %s",
                      current[1].isoformat())
 
-    async def _request(self, api: ServerApi, call: Callable[..., Any],
-                       stop: asyncio.Event) -> tuple[bytes, bytes] | None:
+    async def _request(self, api: ServerApi, stop: asyncio.Event) -> tuple[bytes, bytes] | None:
         csr, key = csr_request(self.node, self.names)
         body = {"apiVersion": "certificates.k8s.io/v1", "kind": "CertificateSigningRequest",
                 "metadata": {"generateName": f"csr-{self.node}-"},
                 "spec": {"request": base64.b64encode(csr).decode(), "signerName": SIGNER,
                          "usages": ["digital signature", "server auth"]}}
-        created = await call(api.create_csr, body)
+        created = await api.create_csr(body)
         name = created["metadata"]["name"]
         log.info("kubelet API: CertificateSigningRequest %s sent (signer %s); waiting for "
                  "approval and signing", name, SIGNER)
         while True:
-            obj = await call(api.get_csr, name)
+            obj = await api.get_csr(name)
             status = obj.get("status") or {}
             for c in status.get("conditions") or []:
                 if c.get("type") in ("Denied", "Failed") and c.get("status", "True") == "True":

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge
 
+from nodeagent.api.reflector import WatchMetrics
+
 MANIFEST_ERRORS = Counter(
     "nodepulse_source_manifest_errors_total",
     "Manifests (files, URL bodies) refused, by source and reason.", ["source", "reason"])
@@ -29,6 +31,7 @@ API_RESUMES = Counter(
     "Watches restarted from the last resourceVersion seen, without a relist.", ["reason"])
 API_EVENTS = Counter(
     "nodepulse_source_api_watch_events_total", "Watch events received, by type.", ["type"])
+API_WATCH = WatchMetrics(API_LISTS, API_RELISTS, API_RESUMES, API_EVENTS)
 
 FILE_SCANS = Counter(
     "nodepulse_source_file_scans_total",

@@ -14,22 +14,27 @@ the API source sees (the watch covers every pod bound to the node, mirrors inclu
 
 Runs when the merge reports a change to static or mirror pods, and every `resync`
 seconds, once the API source has listed what exists (so an agent restart does not
-create mirrors blindly); nothing changed means no API call. Failures retry with backoff.
+create mirrors blindly); nothing changed means no API call. Failures retry with backoff,
+which ends when the API server answers again (the ApiAnswered signal). A mirror pod
+created fires that signal: its static pod's status writes, refused with 404 until the
+mirror existed, go at once.
+
+The Node's UID (a mirror pod is owned by its Node) comes from the node's registration,
+not from a request of its own.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Callable
 
-from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from nodeagent.api.client import is_retriable
+from nodeagent.api.answered import ApiAnswered
+from nodeagent.api.client import brief, is_retriable
 from nodeagent.api.clock import Clock
-from nodeagent.api.rest import request_json
+from nodeagent.api.kube import PODS, Kube, describe
 from nodeagent.sources import metrics
 from nodeagent.sources.merge import Merge
 from nodeagent.sources.problems import Problems
@@ -52,33 +57,29 @@ def _ann(pod: Pod, key: str) -> str | None:
 
 
 class MirrorManager:
-    def __init__(self, api: client.ApiClient, node_name: str, merge: Merge, clock: Clock, *,
+    def __init__(self, kube: Kube, node_name: str, merge: Merge, clock: Clock, *,
+                 node_uid: Callable[[], str | None], answered: ApiAnswered | None = None,
                  problems: Problems | None = None, resync: float = 60.0,
                  backoff_initial: float = 1.0, backoff_max: float = 60.0) -> None:
-        self.api = api
+        """`node_uid`: the Node's UID once it is registered (None before)."""
+        self.kube = kube
         self.node_name = node_name
+        self.node_uid = node_uid
         self.merge = merge
         self.clock = clock
+        self.answered = answered or ApiAnswered(clock)
         self.problems = problems or merge.problems
         self.resync = resync
         self.backoff_initial = backoff_initial
         self.backoff_max = backoff_max
-        self._node_uid: str | None = None
         self._created: dict[str, str] = {}   # name -> hash created, not yet seen by the watch
         self._deleted: dict[str, str] = {}   # name -> UID deleted, maybe still seen
         self._refused: dict[str, str] = {}   # name -> problem reported
         self.creates = 0
-        # called after a mirror pod is created: its static pod's status, retried on 404
-        # until now, can go at once
-        self.on_created: list[Callable[[], None]] = []
         self.deletes = 0
         self.passes = 0
         self._pass_cond = asyncio.Condition()
         self._changed = merge.listen()
-
-    def resync_now(self) -> None:
-        """Make a pass now rather than at the next change or resync."""
-        self._changed.set()
 
     async def run(self) -> None:
         changed = self._changed
@@ -103,9 +104,10 @@ class MirrorManager:
             await self._pass_cond.wait_for(lambda: self.passes >= n)
 
     async def _wait(self, changed: asyncio.Event, timeout: float) -> None:
-        waiter = asyncio.ensure_future(changed.wait())
-        sleeper = asyncio.ensure_future(self.clock.sleep(timeout))
-        _, pending = await asyncio.wait({waiter, sleeper}, return_when=asyncio.FIRST_COMPLETED)
+        """Until a change, the API server answering again, or `timeout`."""
+        waits = {asyncio.ensure_future(changed.wait()),
+                 asyncio.ensure_future(self.answered.wait(timeout))}
+        _, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         for t in pending:
             t.cancel()
 
@@ -150,13 +152,6 @@ class MirrorManager:
                     ok = await self._delete(have, "orphaned") and ok
         return ok
 
-    async def _uid_of_node(self) -> str:
-        if self._node_uid is None:
-            node = await asyncio.to_thread(request_json, self.api, "GET",
-                                           f"/api/v1/nodes/{self.node_name}", timeout=10.0)
-            self._node_uid = node["metadata"]["uid"]
-        return self._node_uid
-
     async def _create(self, name: str, static: Pod) -> bool:
         problem = mirror_problem(static)
         source = Source(_ann(static, ANN_CONFIG_SOURCE) or "file")
@@ -167,20 +162,19 @@ class MirrorManager:
                                      f"static pod {name} gets no mirror pod: it {problem}, "
                                      "which a node may not create; it runs without one")
             return True
-        ns = static["metadata"]["namespace"]
+        uid = self.node_uid()
+        if uid is None:
+            log.info("mirror pods: %s waits for its Node to be registered", name)
+            return False
         try:
-            body = mirror_pod(static, await self._uid_of_node())
-            await asyncio.to_thread(request_json, self.api, "POST",
-                                    f"/api/v1/namespaces/{ns}/pods", body=body, timeout=30.0)
+            await self.kube.create(PODS, mirror_pod(static, uid), timeout=30.0, parse=False)
         except ApiException as e:
             metrics.MIRROR_WRITES.labels("create", "error").inc()
             if e.status == 409:
                 return True  # already there: the watch will show what it is
-            if e.status == 404:
-                self._node_uid = None  # the Node (or namespace) is missing
-            if e.status == 403 and "UID mismatch" in str(e.body):
-                self._node_uid = None  # the Node was re-created
-            message = f"creating mirror pod {name}: HTTP {e.status}: {_message(e)}"
+            # 404: the Node or the namespace is missing; 403 "UID mismatch": the Node was
+            # re-created (its registration learns the new UID): retried
+            message = f"creating mirror pod {name}: {brief(e)}"
             if not is_retriable(e) and self._refused.get(name) != message:
                 self._refused[name] = message
                 self.problems.report(source, "MirrorRefused", message)
@@ -194,26 +188,22 @@ class MirrorManager:
         self.creates += 1
         self._created[name] = _ann(static, ANN_CONFIG_HASH) or ""
         self._refused.pop(name, None)
-        for hook in self.on_created:
-            hook()
+        self.answered.fire()
         return True
 
     async def _delete(self, mirror: Pod, why: str) -> bool:
         meta = mirror["metadata"]
-        name = f"{meta['namespace']}/{meta['name']}"
-        body = {"apiVersion": "v1", "kind": "DeleteOptions", "gracePeriodSeconds": 0,
-                "preconditions": {"uid": meta["uid"]}}
+        name = describe(mirror)
         try:
-            await asyncio.to_thread(request_json, self.api, "DELETE",
-                                    f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}",
-                                    body=body, timeout=30.0)
+            await self.kube.delete(PODS, meta["name"], namespace=meta["namespace"], options={
+                "gracePeriodSeconds": 0, "preconditions": {"uid": meta["uid"]}},
+                timeout=30.0, parse=False)
         except ApiException as e:
             if e.status in (404, 409):  # gone already, or another incarnation
                 self._deleted[name] = meta["uid"]
                 return True
             metrics.MIRROR_WRITES.labels("delete", "error").inc()
-            log.info("mirror pods: deleting %s (%s): HTTP %s: %s", name, why, e.status,
-                     _message(e))
+            log.info("mirror pods: deleting %s (%s): %s", name, why, brief(e))
             return False
         except Exception as e:
             metrics.MIRROR_WRITES.labels("delete", "error").inc()
@@ -224,10 +214,3 @@ class MirrorManager:
         self.deletes += 1
         self._deleted[name] = meta["uid"]
         return True
-
-
-def _message(e: ApiException) -> str:
-    try:
-        return str(json.loads(e.body or b"{}").get("message") or e.reason)
-    except ValueError:
-        return str(e.reason)

@@ -1,0 +1,450 @@
+"""The syncer: what one sync of a pod does, turning its spec into runtime calls.
+
+`PodSyncer` makes the runtime match the pod spec (sandbox, init containers in order,
+containers, restartPolicy, CrashLoopBackOff, imagePullPolicy against present images),
+stops a pod within its grace period, cleans up a removed one, and hands the resulting
+status to the StatusManager. It holds no per-pod state but the crash backoff; the pod
+workers (workers.py) decide when it runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from nodeagent.api.clock import Clock, clock_timeout
+from nodeagent.api.kube import describe
+from nodeagent.pleg import CacheEntry
+from nodeagent.podstatus import StatusManager, Waiting, compute_pod_status
+from nodeagent.runtime.base import (
+    Container,
+    ContainerConfig,
+    ContainerRuntimeError,
+    ContainerState,
+    ImageNotPresent,
+    PodRuntimeStatus,
+    Runtime,
+    Sandbox,
+    SandboxConfig,
+    SandboxState,
+    container_spec_hash,
+)
+from nodeagent.sources.types import Pod
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def grace_of(pod: Pod, override: float | None = None) -> float:
+    """Grace period for stopping a pod: the delete's, else the spec's, else 30 s."""
+    if override is not None:
+        return max(0.0, float(override))
+    meta = pod.get("metadata") or {}
+    for v in (meta.get("deletionGracePeriodSeconds"),
+              (pod.get("spec") or {}).get("terminationGracePeriodSeconds")):
+        if v is not None:
+            return max(0.0, float(v))
+    return 30.0
+
+
+def pull_policy(container: Mapping[str, Any]) -> str:
+    """imagePullPolicy with the API's default (Always for :latest or no tag)."""
+    p = container.get("imagePullPolicy")
+    if p:
+        return str(p)
+    image = str(container.get("image", ""))
+    last = image.rsplit("/", 1)[-1]
+    if "@" in last:
+        return "IfNotPresent"
+    tag = last.split(":", 1)[1] if ":" in last else "latest"
+    return "Always" if tag == "latest" else "IfNotPresent"
+
+
+# --- CrashLoopBackOff ---------------------------------------------------------------
+
+class CrashBackoff:
+    """Restart delays per (pod uid, container name): the first restart is immediate,
+    then 10 s, 20 s, ... up to 5 min; a container that ran `reset_after` (10 min) since
+    its last restart starts over."""
+
+    def __init__(self, clock: Clock, initial: float = 10.0, maximum: float = 300.0,
+                 reset_after: float = 600.0) -> None:
+        self.clock = clock
+        self.initial = initial
+        self.maximum = maximum
+        self.reset_after = reset_after
+        self._e: dict[tuple[str, str], tuple[float, float]] = {}  # key -> (delay, last)
+
+    def remaining(self, key: tuple[str, str]) -> float:
+        """Seconds until the container may be restarted (0: now)."""
+        e = self._e.get(key)
+        if e is None:
+            return 0.0
+        delay, last = e
+        now = self.clock.monotonic()
+        if now - last >= self.reset_after:
+            return 0.0
+        return max(0.0, last + delay - now)
+
+    def delay(self, key: tuple[str, str]) -> float:
+        e = self._e.get(key)
+        return e[0] if e else 0.0
+
+    def restarted(self, key: tuple[str, str]) -> None:
+        now = self.clock.monotonic()
+        e = self._e.get(key)
+        if e is None or now - e[1] >= self.reset_after:
+            self._e[key] = (self.initial, now)
+        else:
+            self._e[key] = (min(e[0] * 2, self.maximum), now)
+
+    def forget(self, uid: str) -> None:
+        for k in [k for k in self._e if k[0] == uid]:
+            del self._e[k]
+
+
+def _forget_call(inflight: set[asyncio.Future[Any]]) -> Callable[[asyncio.Future[Any]], None]:
+    def done(call: asyncio.Future[Any]) -> None:
+        inflight.discard(call)
+        if not call.cancelled():
+            call.exception()  # retrieved: a caller that was cancelled never will
+    return done
+
+
+# --- what one sync does -------------------------------------------------------------
+
+@dataclass
+class SyncResult:
+    terminal: bool = False              # nothing will run again: move to terminating
+    requeue_after: float | None = None  # sync again this soon (backoff, image wait)
+
+
+@dataclass
+class _Plan:
+    waiting: dict[str, Waiting] = field(default_factory=dict)
+    requeue: float = math.inf
+
+    def again(self, seconds: float) -> None:
+        self.requeue = min(self.requeue, seconds)
+
+
+class PodSyncer:
+    """Drives the runtime for one pod per call. Holds no per-pod state except the
+    crash backoff."""
+
+    IMAGE_RETRY = 10.0
+
+    def __init__(self, runtime: Runtime, status: StatusManager, clock: Clock, *,
+                 node_name: str = "", host_ip: str = "", call_timeout: float = 60.0,
+                 log_root: str = "", backoff: CrashBackoff | None = None) -> None:
+        self.runtime = runtime
+        self.status = status
+        self.clock = clock
+        self.node_name = node_name
+        self.host_ip = host_ip
+        self.call_timeout = call_timeout
+        self.log_root = log_root
+        self.backoff = backoff or CrashBackoff(clock)
+        self._inflight: set[asyncio.Future[Any]] = set()  # runtime calls under way
+
+    async def _rt(self, aw: Awaitable[T], what: str, extra: float = 0.0) -> T:
+        """One runtime call, bounded by the call timeout. Cancelling the caller (the
+        agent stopping) does not cancel the call itself: a CRI StartContainer whose
+        client goes away is aborted by containerd half-way, as a StartError, and the
+        next agent has to restart that container. `drain` lets calls in flight end."""
+        call = asyncio.ensure_future(aw)
+        self._inflight.add(call)
+        call.add_done_callback(_forget_call(self._inflight))
+        secs = self.call_timeout + extra
+        try:
+            return await clock_timeout(self.clock, asyncio.shield(call), secs,
+                                       f"runtime {what}: no answer within {secs:.0f}s")
+        except TimeoutError:
+            call.cancel()  # timed out: the call itself is abandoned
+            raise
+
+    def in_flight(self) -> int:
+        return sum(1 for c in self._inflight if not c.done())
+
+    async def drain(self, timeout: float) -> int:
+        """Wait up to `timeout` s for the runtime calls in flight, then cancel the rest.
+        Returns how many had to be cancelled."""
+        pending = {c for c in self._inflight if not c.done()}
+        if not pending:
+            return 0
+        log.info("waiting up to %.0fs for %d runtime call(s) in flight", timeout,
+                 len(pending))
+        with contextlib.suppress(TimeoutError):
+            await clock_timeout(self.clock, asyncio.wait(pending), timeout,
+                                "runtime calls in flight")
+        left = [c for c in pending if not c.done()]
+        for c in left:
+            c.cancel()
+        if left:
+            log.warning("%d runtime call(s) still running after %.0fs; cancelled",
+                        len(left), timeout)
+            await asyncio.gather(*left, return_exceptions=True)
+        return len(left)
+
+    def _publish(self, pod: Pod, rs: PodRuntimeStatus, waiting: Mapping[str, Waiting],
+                 terminal: bool = False) -> dict[str, Any]:
+        st = compute_pod_status(pod, rs, host_ip=self.host_ip, scheme=self.runtime.scheme,
+                                now=self.clock.now(), waiting=waiting,
+                                previous=self.status.previous(pod), terminal=terminal)
+        self.status.set_status(pod, st)
+        return st
+
+    async def sync_pod(self, pod: Pod, entry: CacheEntry) -> SyncResult:
+        """Make the runtime match the spec. Raises on a runtime failure (retried)."""
+        if entry.error is not None:
+            raise ContainerRuntimeError(f"runtime state of the pod is unknown: {entry.error}")
+        rs = entry.status
+        spec = pod.get("spec") or {}
+        policy = spec.get("restartPolicy") or "Always"
+        plan = _Plan()
+
+        previous = self.status.previous(pod)
+        if previous.get("phase") in ("Succeeded", "Failed"):
+            return SyncResult(terminal=True)
+
+        ready = sorted((s for s in rs.sandboxes if s.state == SandboxState.READY),
+                       key=lambda s: s.attempt, reverse=True)
+        for extra in ready[1:]:  # duplicates (e.g. an earlier crash mid-start)
+            await self._rt(self.runtime.stop_sandbox(extra.id), "stop_sandbox")
+        sandbox = ready[0] if ready else None
+        if sandbox is None:
+            if rs.containers and policy == "Never" and any(
+                    c.state == ContainerState.EXITED for c in rs.containers):
+                # the sandbox died after containers ran; Never means no second run
+                self._publish(pod, rs, plan.waiting)
+                return SyncResult(terminal=True)
+            sandbox = await self._new_sandbox(pod, rs)
+            current: list[Container] = []
+        else:
+            current = [c for c in rs.containers if c.sandbox_id == sandbox.id]
+        sc = SandboxConfig.from_pod(pod, attempt=sandbox.attempt, log_root=self.log_root)
+        pod_ip = self.host_ip if spec.get("hostNetwork") else sandbox.ip
+        fields = {"spec.nodeName": self.node_name, "status.hostIP": self.host_ip,
+                  "status.hostIPs": self.host_ip, "status.podIP": pod_ip,
+                  "status.podIPs": pod_ip}
+
+        def latest(name: str, among: list[Container]) -> Container | None:
+            cs = [c for c in among if c.name == name]
+            return max(cs, key=lambda c: c.attempt) if cs else None
+
+        def next_attempt(name: str) -> tuple[int, int]:
+            prev = latest(name, rs.containers)
+            return (0, 0) if prev is None else (prev.attempt + 1, prev.restart_count + 1)
+
+        # init containers: one at a time, in order, each to success
+        init_blocked = False
+        for ic in spec.get("initContainers") or []:
+            cur = latest(ic["name"], current)
+            if cur is not None and cur.state == ContainerState.EXITED and cur.exit_code == 0:
+                continue
+            init_blocked = True
+            if cur is None:
+                attempt, restarts = next_attempt(ic["name"])
+                await self._start(pod, ic, sandbox, sc, attempt, restarts, fields, plan,
+                                  init=True)
+            elif cur.state == ContainerState.EXITED:
+                if policy == "Never":
+                    self._publish(pod, rs, plan.waiting)
+                    return SyncResult(terminal=True)
+                await self._restart(pod, ic, cur, sandbox, sc, fields, plan, init=True)
+            elif cur.state == ContainerState.CREATED:
+                await self._start_created(pod, cur, plan)
+            break
+        if not init_blocked:
+            for c in spec.get("containers") or []:
+                cur = latest(c["name"], current)
+                if cur is None:
+                    attempt, restarts = next_attempt(c["name"])
+                    await self._start(pod, c, sandbox, sc, attempt, restarts, fields, plan)
+                elif cur.state == ContainerState.RUNNING:
+                    if cur.spec_hash and cur.spec_hash != container_spec_hash(c):
+                        log.info("pod %s container %s: spec changed, restarting",
+                                 describe(pod), c["name"])
+                        await self._rt(self.runtime.stop_container(cur.id, grace_of(pod)),
+                                       "stop_container", grace_of(pod))
+                        await self._restart(pod, c, cur, sandbox, sc, fields, plan,
+                                            backoff=False)
+                elif cur.state == ContainerState.CREATED:
+                    await self._start_created(pod, cur, plan)
+                elif cur.state == ContainerState.EXITED:
+                    code = cur.exit_code or 0
+                    if policy == "Always" or (policy == "OnFailure" and code != 0):
+                        await self._restart(pod, c, cur, sandbox, sc, fields, plan)
+        await self._prune(rs, sandbox)
+
+        terminal = self._all_done(pod, rs, current, init_blocked)
+        self._publish(pod, rs, plan.waiting)
+        return SyncResult(terminal=terminal,
+                          requeue_after=None if math.isinf(plan.requeue) else plan.requeue)
+
+    def _all_done(self, pod: Pod, rs: PodRuntimeStatus, current: list[Container],
+                  init_blocked: bool) -> bool:
+        """Every container exited and none will be restarted."""
+        spec = pod.get("spec") or {}
+        policy = spec.get("restartPolicy") or "Always"
+        if policy == "Always" or init_blocked:
+            return False
+        for c in spec.get("containers") or []:
+            cs = [x for x in current if x.name == c["name"]]
+            if not cs:
+                return False
+            cur = max(cs, key=lambda x: x.attempt)
+            if cur.state != ContainerState.EXITED:
+                return False
+            if policy == "OnFailure" and (cur.exit_code or 0) != 0:
+                return False
+        return True
+
+    async def _new_sandbox(self, pod: Pod, rs: PodRuntimeStatus) -> Sandbox:
+        # anything left of an earlier sandbox is stopped first: containers never run
+        # in two sandboxes of one pod at once
+        for c in rs.containers:
+            if c.state in (ContainerState.RUNNING, ContainerState.CREATED,
+                           ContainerState.UNKNOWN):
+                await self._rt(self.runtime.stop_container(c.id, grace_of(pod)),
+                               "stop_container", grace_of(pod))
+        attempt = max((s.attempt for s in rs.sandboxes), default=-1) + 1
+        sc = SandboxConfig.from_pod(pod, attempt=attempt, log_root=self.log_root)
+        sid = await self._rt(self.runtime.run_sandbox(sc), "run_sandbox")
+        # the new sandbox's ip comes from the runtime; read it back once
+        fresh = await self._rt(self.runtime.pod_status(sc.uid), "pod_status")
+        for s in fresh.sandboxes:
+            if s.id == sid:
+                return s
+        return Sandbox(id=sid, pod_uid=sc.uid, name=sc.name, namespace=sc.namespace,
+                       attempt=attempt, state=SandboxState.READY,
+                       host_network=sc.host_network)
+
+    async def _restart(self, pod: Pod, spec: Mapping[str, Any], cur: Container,
+                       sandbox: Sandbox, sc: SandboxConfig, fields: Mapping[str, str],
+                       plan: _Plan, *, init: bool = False, backoff: bool = True) -> None:
+        uid = pod["metadata"]["uid"]
+        key = (uid, str(spec["name"]))
+        if backoff:
+            wait = self.backoff.remaining(key)
+            if wait > 0:
+                meta = pod["metadata"]
+                plan.waiting[spec["name"]] = Waiting(
+                    "CrashLoopBackOff",
+                    f"back-off {self.backoff.delay(key):.0f}s restarting failed "
+                    f"container={spec['name']} pod={meta['name']}_"
+                    f"{meta.get('namespace', 'default')}({uid})")
+                plan.again(wait)
+                return
+            self.backoff.restarted(key)
+        await self._start(pod, spec, sandbox, sc, cur.attempt + 1, cur.restart_count + 1,
+                          fields, plan, init=init)
+
+    async def _start(self, pod: Pod, spec: Mapping[str, Any], sandbox: Sandbox,
+                     sc: SandboxConfig, attempt: int, restarts: int,
+                     fields: Mapping[str, str], plan: _Plan, *, init: bool = False) -> None:
+        name = str(spec["name"])
+        image = str(spec.get("image", ""))
+        policy = pull_policy(spec)
+        if not await self._rt(self.runtime.image_present(image), "image_present"):
+            self._image_missing(name, image, policy, plan)
+            return
+        try:
+            cfg = ContainerConfig.from_pod(pod, spec, attempt=attempt,
+                                           restart_count=restarts, init=init,
+                                           field_values=fields)
+        except ValueError as e:  # a spec we cannot run (bad quantity, ...): say so
+            plan.waiting[name] = Waiting("CreateContainerConfigError", str(e))
+            plan.again(self.IMAGE_RETRY)
+            return
+        try:
+            cid = await self._rt(self.runtime.create_container(sandbox.id, cfg, sc),
+                                 "create_container")
+        except ImageNotPresent:
+            self._image_missing(name, image, policy, plan)
+            return
+        except ContainerRuntimeError as e:
+            plan.waiting[name] = Waiting("CreateContainerError", str(e))
+            plan.again(self.IMAGE_RETRY)
+            return
+        try:
+            await self._rt(self.runtime.start_container(cid), "start_container")
+        except ContainerRuntimeError as e:
+            # counts as a crash: the next attempt waits for the back-off
+            plan.waiting[name] = Waiting("RunContainerError", str(e))
+            self.backoff.restarted((sc.uid, name))
+            plan.again(max(1.0, self.backoff.remaining((sc.uid, name))))
+
+    def _image_missing(self, name: str, image: str, policy: str, plan: _Plan) -> None:
+        if policy == "Never":
+            plan.waiting[name] = Waiting(
+                "ErrImageNeverPull",
+                f'Container image "{image}" is not present with pull policy of Never')
+        else:
+            plan.waiting[name] = Waiting(
+                "ErrImagePull",
+                f'Container image "{image}" is not present and this node does not pull '
+                f"images (pull policy {policy}); import it into the container runtime")
+        plan.again(self.IMAGE_RETRY)
+
+    async def _start_created(self, pod: Pod, cur: Container, plan: _Plan) -> None:
+        try:
+            await self._rt(self.runtime.start_container(cur.id), "start_container")
+        except ContainerRuntimeError as e:
+            plan.waiting[cur.name] = Waiting("RunContainerError", str(e))
+            await self._rt(self.runtime.remove_container(cur.id), "remove_container")
+            key = (pod["metadata"]["uid"], cur.name)
+            self.backoff.restarted(key)
+            plan.again(max(1.0, self.backoff.remaining(key)))
+
+    async def _prune(self, rs: PodRuntimeStatus, sandbox: Sandbox) -> None:
+        """Keep the newest exited attempt of each container (its lastState), remove
+        older ones and containers of old, stopped sandboxes."""
+        by_name: dict[str, list[Container]] = {}
+        for c in rs.containers:
+            by_name.setdefault(c.name, []).append(c)
+        for cs in by_name.values():
+            cs.sort(key=lambda c: c.attempt, reverse=True)
+            exited = [c for c in cs if c.state == ContainerState.EXITED]
+            keep = {cs[0].id} | ({exited[0].id} if exited else set())
+            for c in exited:
+                if c.id not in keep:
+                    await self._rt(self.runtime.remove_container(c.id), "remove_container")
+        for s in rs.sandboxes:
+            if s.id != sandbox.id and s.state == SandboxState.NOTREADY and not any(
+                    c.sandbox_id == s.id for c in rs.containers):
+                await self._rt(self.runtime.remove_sandbox(s.id), "remove_sandbox")
+
+    async def terminate_pod(self, pod: Pod, grace: float) -> None:
+        """Stop every container (SIGTERM, SIGKILL after `grace`) and the sandboxes."""
+        uid = pod["metadata"]["uid"]
+        rs = await self._rt(self.runtime.pod_status(uid), "pod_status")
+        live = [c for c in rs.containers if c.state != ContainerState.EXITED]
+        await asyncio.gather(*(self._rt(self.runtime.stop_container(c.id, grace),
+                                        "stop_container", grace) for c in live))
+        for s in rs.sandboxes:
+            if s.state == SandboxState.READY:
+                await self._rt(self.runtime.stop_sandbox(s.id), "stop_sandbox")
+
+    def sync_terminated(self, pod: Pod, entry: CacheEntry) -> None:
+        """Final status; a gracefully deleted API pod is then deleted for good."""
+        self._publish(pod, entry.status, {}, terminal=True)
+        if (pod.get("metadata") or {}).get("deletionTimestamp"):
+            self.status.finish_deletion(pod)
+
+    async def cleanup_pod(self, uid: str) -> None:
+        """The pod is gone from every source: remove all its runtime objects."""
+        rs = await self._rt(self.runtime.pod_status(uid), "pod_status")
+        for c in rs.containers:
+            await self._rt(self.runtime.remove_container(c.id), "remove_container")
+        for s in rs.sandboxes:
+            await self._rt(self.runtime.stop_sandbox(s.id), "stop_sandbox")
+            await self._rt(self.runtime.remove_sandbox(s.id), "remove_sandbox")
+        self.backoff.forget(uid)
+        self.status.forget(uid)

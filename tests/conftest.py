@@ -1,0 +1,269 @@
+"""What the unit tests share, in one place: running async bodies, waiting on other
+threads, the builders of what they feed in (pods, agent settings, host readings), what
+they read back from the in-memory API (tests/fakekube.py), and the rigs more than one
+test module drives (the sync loops; the whole agent). Test modules import from here,
+not from each other."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import dataclasses
+import functools
+import time
+from collections.abc import Callable, Coroutine, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from nodeagent import config
+from nodeagent.agent import Agent, Parts, Pools
+from nodeagent.api.answered import ApiAnswered
+from nodeagent.api.clock import FakeClock, settle
+from nodeagent.api.kube import NODES, PODS
+from nodeagent.node.host import HostReadings
+from nodeagent.node.quantity import parse_thresholds
+from nodeagent.node.status import StatusSettings
+from nodeagent.pleg import Pleg
+from nodeagent.pods import Pods
+from nodeagent.runtime.fake import FakeRuntime
+from nodeagent.sources.types import Op, Pod, PodUpdate, Source, SourcesReady
+from nodeagent.syncloop import NodeLoops, NodeLoopsConfig, SyncLoopConfig
+from tests.fakekube import FakeKube
+
+# -- running and waiting ----------------------------------------------------------------
+
+
+def aio(fn: Callable[..., Coroutine[Any, Any, None]]) -> Callable[..., None]:
+    """Run an async test body in a fresh event loop (no pytest-asyncio here)."""
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> None:
+        asyncio.run(fn(*args, **kwargs))
+    return run
+
+
+async def until(pred: Callable[[], bool], what: str = "the condition",
+                timeout: float = 5.0) -> None:
+    """Yield to the event loop (no sleeping) until `pred()` holds, for at most `timeout`
+    seconds of real time: for things other threads or the kernel deliver."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"never: {what}")
+        await asyncio.sleep(0)
+
+
+class InlineExecutor(concurrent.futures.Executor):
+    """Runs each call at once in the caller's thread: blocking work under a FakeClock
+    finishes within the test's own steps."""
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any,
+               **kwargs: Any) -> concurrent.futures.Future[Any]:
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        try:
+            fut.set_result(fn(*args, **kwargs))
+        except BaseException as e:  # delivered to the awaiting coroutine
+            fut.set_exception(e)
+        return fut
+
+
+# -- builders ---------------------------------------------------------------------------
+
+def mkpod(name: str = "web", uid: str | None = None, *, ns: str = "ns",
+          node: str | None = "n1", policy: str | None = "Always",
+          containers: Sequence[str | Mapping[str, Any]] = ("c",),
+          image: str = "localhost/busybox:1", labels: Mapping[str, str] | None = None,
+          phase: str | None = "Pending", **spec: Any) -> Pod:
+    """A pod as the API server holds it: uid "uid-<name>" unless given, bound to `node`
+    (None: no nodeName), restartPolicy `policy` (None: unset). Each of `containers` is a
+    name (a container running `image`: sleep 3600) or a whole container spec; `spec`
+    adds spec fields; `phase` None leaves the status out."""
+    body: dict[str, Any] = {
+        "containers": [{"name": c, "image": image, "command": ["sleep", "3600"]}
+                       if isinstance(c, str) else dict(c) for c in containers], **spec}
+    if node is not None:
+        body["nodeName"] = node
+    if policy is not None:
+        body["restartPolicy"] = policy
+    meta: dict[str, Any] = {"name": name, "namespace": ns, "uid": uid or f"uid-{name}"}
+    if labels:
+        meta["labels"] = dict(labels)
+    pod: Pod = {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": body}
+    if phase is not None:
+        pod["status"] = {"phase": phase}
+    return pod
+
+
+class Sink:
+    """Takes the Warning Events the sources report (an EventSink)."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str]] = []
+
+    def warning(self, reason: str, message: str) -> None:
+        self.events.append((reason, message))
+
+
+def fake_proc(tmp_path: Path, mem_avail_kb: int = 4_000_000, tasks: int = 345) -> Path:
+    """A /proc with what the host readings read."""
+    proc = tmp_path / "proc"
+    (proc / "sys/kernel/random").mkdir(parents=True)
+    (proc / "meminfo").write_text(
+        f"MemTotal:        8000000 kB\nMemFree:         1000 kB\n"
+        f"MemAvailable:    {mem_avail_kb} kB\n")
+    (proc / "sys/kernel/pid_max").write_text("32768\n")
+    (proc / "loadavg").write_text(f"0.10 0.20 0.30 2/{tasks} 12345\n")
+    (proc / "sys/kernel/random/boot_id").write_text("boot-1\n")
+    return proc
+
+
+GI = 2**30
+READINGS = HostReadings(
+    cpu=4, memoryTotal=8 * GI, memoryAvailable=4 * GI, fsTotal=100 * GI, fsAvailable=50 * GI,
+    inodesTotal=1_000_000, inodesFree=900_000, pidMax=4_194_304, pidsRunning=300,
+    kernelVersion="6.1.0", osImage="Debian GNU/Linux 12", operatingSystem="linux",
+    architecture="amd64", hostname="h1",
+    addresses=(("InternalIP", "10.0.0.5"), ("Hostname", "h1")), machineID="m", bootID="b")
+SETTINGS = StatusSettings(
+    max_pods=110, agent_version="v0.1.0",
+    thresholds=parse_thresholds("memory.available<100Mi,nodefs.available<10%,pid.available<5%"),
+    system_reserved={"cpu": 0.5, "memory": GI})
+
+
+def agent_flags(tmp_path: Path, *argv: str) -> dict[str, Any]:
+    """The agent's flags as its command line parses them: no health server, state under
+    tmp_path, a fake /proc; `argv` adds or overrides."""
+    parser = argparse.ArgumentParser()
+    config.add_flags(parser)
+    proc = tmp_path / "proc"
+    return vars(parser.parse_args(["--healthz-bind-address", "", "--root-dir", str(tmp_path),
+                                   "--proc-path",
+                                   str(proc if proc.exists() else fake_proc(tmp_path)),
+                                   *argv]))
+
+
+def agent_config(tmp_path: Path, *argv: str,
+                 env: Mapping[str, str] | None = None) -> config.AgentConfig:
+    return config.load(agent_flags(tmp_path, *argv), env or {})
+
+
+# -- reading back from the in-memory API ------------------------------------------------
+
+def status_patches(kube: FakeKube) -> list[tuple[str, dict[str, Any]]]:
+    """(pod, status) of each pod status PATCH that went through, in order. The pod is
+    named by the uid its patch carries (a precondition), or by namespace/name (a static
+    pod's status goes to its mirror pod, whose uid is its own)."""
+    out = []
+    for c in kube.calls_of("patch pods/status", ok=True):
+        body = c.body or {}
+        who = (body.get("metadata") or {}).get("uid") or f"{c.namespace}/{c.name}"
+        out.append((str(who), body["status"]))
+    return out
+
+
+def pod_deletes(kube: FakeKube) -> list[str]:
+    """The uids of the pods whose deletion was finished in the API (DELETE, grace 0)."""
+    return [str(((c.body or {}).get("preconditions") or {}).get("uid"))
+            for c in kube.calls_of("delete pods", ok=True)]
+
+
+# -- rigs -------------------------------------------------------------------------------
+
+class LoopRig:
+    """The sync loops of the given nodes on a fake runtime and FakeClock, fed as the
+    merge feeds them; the in-memory API holds the pods sent (status is written there)."""
+
+    def __init__(self, rt: FakeRuntime, clock: FakeClock, ready: bool = True,
+                 nodes: Sequence[str] = ("n1",)) -> None:
+        self.rt = rt
+        self.clock = clock
+        self.updates: asyncio.Queue[PodUpdate] = asyncio.Queue()
+        self.ready = SourcesReady({Source.API})
+        if ready:
+            self.ready.mark(Source.API)
+        self.kube = FakeKube(now=clock.monotonic)
+        self.registry = CollectorRegistry()
+        config = SyncLoopConfig(runtime=rt, clock=clock, kube=self.kube,
+                                answered=ApiAnswered(clock), host_ip="192.0.2.10",
+                                registry=self.registry)
+        label = nodes[0] if len(nodes) == 1 else "vn"
+        self.loops = NodeLoops(NodeLoopsConfig(tuple(nodes), config),
+                               Pleg(rt, clock, node=label, registry=self.registry),
+                               self.updates, self.ready)
+        self.loop = self.loops.loops[nodes[0]]  # the first node's own
+        self.pods = Pods(rt, clock, self.loops)  # with the runtime's readings, no sources
+
+    def send(self, op: Op, *pods: Pod) -> None:
+        """What the API source would deliver; the API server holds the same pods."""
+        for pod in pods:
+            meta = pod["metadata"]
+            if op != Op.REMOVE:
+                self.kube.put(PODS, pod)
+            elif self.kube.has(PODS, meta["name"], meta["namespace"]):
+                self.kube.remove(PODS, meta["name"], meta["namespace"])
+        self.updates.put_nowait(PodUpdate(op, tuple(pods), Source.API))
+
+    def patches(self) -> list[tuple[str, dict[str, Any]]]:
+        return status_patches(self.kube)
+
+    def status(self, uid: str) -> dict[str, Any]:
+        return [st for u, st in self.patches() if u == uid][-1]
+
+    def cstatus(self, uid: str, i: int = 0) -> dict[str, Any]:
+        return self.status(uid)["containerStatuses"][i]
+
+    async def run_for(self, seconds: float) -> None:
+        for _ in range(int(seconds)):
+            await self.clock.advance(1)
+
+
+async def started(clock: FakeClock, rt: FakeRuntime | None = None) -> LoopRig:
+    a = LoopRig(rt or FakeRuntime(clock), clock)
+    a.loops.start()
+    await settle()
+    return a
+
+
+class AgentRig:
+    """The agent as its composition root builds it, on the in-memory API, the fake
+    runtime and FakeClock (blocking work inline): pods reach it through the API source,
+    as they would from the API server."""
+
+    def __init__(self, tmp_path: Path, *argv: str, health: str = "",
+                 images: Sequence[str] = ("localhost/busybox:1", "localhost/pause:1"),
+                 image_size: int = 5_000_000) -> None:
+        self.flags = agent_flags(tmp_path, "--node-name", "n1", "--healthz-bind-address",
+                                 health, *argv)
+        # no kubelet API here (tests/test_server_*.py test it): nothing listens on 10250
+        self.cfg = dataclasses.replace(config.load(self.flags, {}), port=None)
+        self.clock = FakeClock()
+        self.kube = FakeKube(now=self.clock.monotonic)
+        self.rt = FakeRuntime(self.clock, images=images, image_size=image_size)
+        inline = InlineExecutor()
+        self.agent = Agent(self.cfg, Parts(self.kube, self.clock, runtime=self.rt,
+                                           pools=Pools(inline, inline), host_ip="192.0.2.10",
+                                           registry=CollectorRegistry(), flags=self.flags,
+                                           env={}))
+        self.pods = self.agent.pods
+        self.stop = asyncio.Event()
+        self.task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self.task = asyncio.create_task(self.agent.run(self.stop))
+        await settle()
+
+    async def finish(self) -> None:
+        self.stop.set()
+        assert self.task is not None
+        await self.task
+
+    def node(self, name: str = "n1") -> dict[str, Any]:
+        return self.kube.obj(NODES, name)
+
+    def ready_condition(self) -> dict[str, Any]:
+        return next(c for c in self.node()["status"]["conditions"] if c["type"] == "Ready")
+
+    def status(self, uid: str) -> dict[str, Any]:
+        return [st for u, st in status_patches(self.kube) if u == uid][-1]
