@@ -53,7 +53,8 @@ class Stack:
         bindir = Path(sys.executable).parent
         self._spawn("operator", [str(bindir / "nodepulse-operator"),
                                  f"--kubeconfig={c.kubeconfig}",
-                                 f"--metrics-port={OPERATOR_METRICS_PORT}"])
+                                 f"--metrics-port={OPERATOR_METRICS_PORT}",
+                                 *c.node_lifecycle_args()])
         runtime = ["--runtime=process"]
         self.runtime = "the process runtime (containerd is not installed)"
         if shutil.which("containerd"):

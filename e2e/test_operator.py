@@ -70,7 +70,8 @@ class Operator:
                 "--identity", identity,
                 "--leader-election-namespace", creds.election_namespace,
                 "--leader-election-name", creds.election_name,
-                "--metrics-port", str(self.port), "--monitor-period", "1"]
+                "--metrics-port", str(self.port), "--monitor-period", "1",
+                *cluster.node_lifecycle_args()]
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
 
