@@ -273,6 +273,8 @@ def test_install_upgrade_uninstall(tools: Tools, namespace: str) -> None:
                      *values(**ALL_ON))
     print(out.stdout)
     assert "STATUS: deployed" in out.stdout
+    assert "Node lifecycle mode: coexist (kube-controller-manager's node-lifecycle " \
+        "controller runs, grace 50s:" in out.stdout  # NOTES
     installed = _manifest_objects(tools, release, namespace)
     for kind, ns, name in installed:
         assert _exists(tools, kind, ns, name), (kind, ns, name)
