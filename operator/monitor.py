@@ -351,7 +351,7 @@ class Monitor:
             whose = f"policy {g}" if g else "the default policy"
             share = (f"{group.stale} of {group.matched} node(s) unreachable, "
                      f"{{}} maxUnreachableFraction {group.failure.maxUnreachableFraction:g}")
-            if group.guarded and group.failure.taintUnreachable:
+            if group.guarded and group.failure.taintUnreachable and group.acts:
                 told = self._guard_told.setdefault(g, set())
                 for name in sorted(stale):
                     node = self.store.nodes[name]
@@ -536,7 +536,12 @@ class Monitor:
             conflict = cond("Conflict", "False", "NoConflict",
                             "no other policy of the same priority matches these nodes")
         f = p.spec.failure
-        if group.guarded:
+        if not group.acts:
+            guard = cond("PartitionGuard", "False", "LeftToControllerManager",
+                         f"{group.stale} of {group.matched} node(s) unreachable; the controller "
+                         "manager marks this policy's silent nodes and evicts their pods by its "
+                         "own zone rules (node lifecycle mode coexist)")
+        elif group.guarded:
             guard = cond("PartitionGuard", "True", "TooManyUnreachable",
                          f"{group.stale} of {group.matched} node(s) unreachable, more than "
                          f"maxUnreachableFraction {f.maxUnreachableFraction:g}: NoExecute "

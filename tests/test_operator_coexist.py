@@ -473,6 +473,23 @@ def test_no_noexecute_when_the_policy_forbids_it_or_the_guard_holds() -> None:
     run(t)
 
 
+def test_the_partition_guard_of_a_policy_left_to_the_controller_manager() -> None:
+    """Three of four lax nodes silent: the guard is not the operator's to trip (it adds
+    no NoExecute for them), and the status says whose rules apply."""
+    async def t(env: Env) -> None:
+        clock, store, api, mon, cm = env
+        api.add_policy("lax", spec(grace=90, lease=40, sel=LAX, maxUnreachableFraction=0.5))
+        for i in range(4):
+            api.add_node(f"l{i}", {"pool": "lax"})
+        await second(env, {f"l{i}" for i in range(4)})
+        await second(env, {"l3"}, 60)
+        guard = condition(api, "lax", "PartitionGuard")
+        assert (guard["status"], guard["reason"]) == ("False", "LeftToControllerManager")
+        assert "3 of 4" in guard["message"]
+        assert not [e for e in api.events if e["reason"].startswith("PartitionGuard")]
+    run(t)
+
+
 def test_condition_taints_are_the_controller_managers() -> None:
     """Admission's not-ready on a Ready node, a cordon, DiskPressure: in coexist mode
     none is the operator's to add or remove."""
