@@ -6,13 +6,16 @@ The pins are the `require` of each gomod/<folder>/go.mod; binaries land in
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import os
 import re
 import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 GOMOD = Path(__file__).parent / "gomod"
@@ -97,16 +100,33 @@ def ensure(names: list[str] | None = None, log=print) -> dict[str, Path]:
     if missing and not shutil.which("go"):
         raise RuntimeError("the Go toolchain is needed to build "
                            + ", ".join(t.name for t in missing) + " (`go` not on PATH)")
-    for tool in missing:
-        tool.path.parent.mkdir(parents=True, exist_ok=True)
-        partial = tool.path.with_suffix(".partial")
-        log(f"building {tool.name} {tool.version} (once; cached in {tool.path.parent})")
-        started = time.monotonic()
-        subprocess.run(["go", "build", "-ldflags", _ldflags(tool), "-o", str(partial),
-                        tool.package], cwd=GOMOD / tool.gomod, env=go_env(), check=True)
-        partial.rename(tool.path)  # only a finished build is ever seen as cached
-        log(f"built {tool.name} in {time.monotonic() - started:.0f} s")
+    with _build_lock() if missing else contextlib.nullcontext():
+        for tool in missing:
+            if not tool.path.is_file():  # built by another process while we waited
+                _build(tool, log)
     return {t.name: t.path for t in tools}
+
+
+@contextlib.contextmanager
+def _build_lock() -> Iterator[None]:
+    """One Go build at a time on this machine: two `make setup`s (or test runs) at once
+    would each build the same binaries, on the same few cores, twice as slowly."""
+    root = cache_root()
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / "build.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+def _build(tool: Tool, log) -> None:
+    tool.path.parent.mkdir(parents=True, exist_ok=True)
+    partial = tool.path.with_suffix(".partial")
+    log(f"building {tool.name} {tool.version} (once; cached in {tool.path.parent})")
+    started = time.monotonic()
+    subprocess.run(["go", "build", "-ldflags", _ldflags(tool), "-o", str(partial),
+                    tool.package], cwd=GOMOD / tool.gomod, env=go_env(), check=True)
+    partial.rename(tool.path)  # only a finished build is ever seen as cached
+    log(f"built {tool.name} in {time.monotonic() - started:.0f} s")
 
 
 if __name__ == "__main__":
