@@ -648,7 +648,8 @@ def test_operator_and_agent_work_under_the_chart_identities(
             print(table)
             row = _columns(table)
             assert list(row) == ["NAME", "SELECTOR", "PRIORITY", "NODES", "READY", "UNREACHABLE",
-                                 "AGE"]
+                                 "EFFECTIVE", "AGE"]
+            assert row["EFFECTIVE"] == "True"  # exclusive mode: all of the policy applies
             assert row["NAME"] == release.policy and row["SELECTOR"] == "<all nodes>"
             assert row["PRIORITY"] == "-1000"
             assert (row["NODES"], row["READY"]) == (str(st["nodes"]), str(st["readyNodes"]))
