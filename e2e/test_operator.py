@@ -381,7 +381,7 @@ def test_explain_and_printer_columns(cluster: Cluster, kube: client.ApiClient) -
     header = kubectl(cluster, "get", "nsp").stdout.splitlines()
     if header:  # no policies yet prints nothing on stdout
         assert header[0].split() == ["NAME", "SELECTOR", "PRIORITY", "NODES", "READY",
-                                     "UNREACHABLE", "AGE"]
+                                     "UNREACHABLE", "EFFECTIVE", "AGE"]
 
 
 def test_two_pools_grace_15_and_60(kube: client.ApiClient, operators: list[Operator],
