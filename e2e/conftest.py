@@ -4,6 +4,7 @@ or an existing cluster when NODEPULSE_E2E_KUBECONFIG names its admin kubeconfig.
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from collections.abc import Generator, Iterator
 from pathlib import Path
@@ -11,8 +12,13 @@ from pathlib import Path
 import pytest
 
 from e2e.cluster import Cluster, LocalCluster
+from e2e.cluster.registry import Registry, start_registry
 
 _clusters: list[Cluster] = []
+
+# Every agent the suite starts serves the kubelet API; many run at once, so each takes
+# a free port (and says which in its Node's daemonEndpoints) unless a test says --port.
+os.environ.setdefault("NODEPULSE_PORT", "0")
 
 
 @pytest.fixture(scope="session")
@@ -34,6 +40,20 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
             print(f"\ncontrol plane state and logs kept in {local.workdir}")
         else:
             local.remove()
+
+
+@pytest.fixture(scope="session")
+def registry() -> Iterator[Registry]:
+    """An image registry on loopback (TLS with its own CA, basic auth), shared by the
+    tests that pull images: push with `registry.push(tar, "repo:tag")`, let a
+    containerd trust it with `ctd.trust_registry(registry.host, registry.ca)`, pull
+    with `registry.auth`. Stopped by PID at the end of the session."""
+    reg = start_registry()
+    try:
+        yield reg
+    finally:
+        reg.stop()
+        shutil.rmtree(reg.workdir, ignore_errors=True)
 
 
 @pytest.hookimpl(wrapper=True)

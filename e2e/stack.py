@@ -30,8 +30,16 @@ OPERATOR_METRICS_PORT = 8081
 
 
 class Stack:
-    def __init__(self, node_name: str) -> None:
+    """require_containerd: fail instead of falling back to the process runtime (the
+    upstream conformance run needs a CRI node). The addresses default to `make run`'s."""
+
+    def __init__(self, node_name: str, *, health_address: str = AGENT_HEALTH,
+                 operator_metrics_port: int = OPERATOR_METRICS_PORT,
+                 require_containerd: bool = False) -> None:
         self.node_name = node_name
+        self.health_address = health_address
+        self.operator_metrics_port = operator_metrics_port
+        self.require_containerd = require_containerd
         self.cluster = LocalCluster()
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.ctd: Any = None  # e2e.cluster.containerd.Containerd when containerd runs
@@ -53,7 +61,7 @@ class Stack:
         bindir = Path(sys.executable).parent
         self._spawn("operator", [str(bindir / "nodepulse-operator"),
                                  f"--kubeconfig={c.kubeconfig}",
-                                 f"--metrics-port={OPERATOR_METRICS_PORT}",
+                                 f"--metrics-port={self.operator_metrics_port}",
                                  *c.node_lifecycle_args()])
         runtime = ["--runtime=process"]
         self.runtime = "the process runtime (containerd is not installed)"
@@ -62,17 +70,26 @@ class Stack:
             try:
                 self.ctd = start_containerd()
             except RuntimeError as e:
+                if self.require_containerd:
+                    raise
                 self.runtime = f"the process runtime (containerd did not start: {e})"
             else:
                 self.runtime = f"containerd (pid {self.ctd.pid}, {self.ctd.endpoint})"
                 runtime = ["--runtime=cri",
                            f"--container-runtime-endpoint={self.ctd.endpoint}"]
+        if self.require_containerd and self.ctd is None:
+            raise RuntimeError("containerd is not installed (apt package containerd)")
         self.manifests.mkdir(exist_ok=True)
+        # the kubelet API (kubectl logs, exec, ...): the API server dials the node's
+        # InternalIP and verifies a serving certificate from the cluster CA
+        crt, key = c.node_serving_cert(self.node_name)
         self._spawn("agent", [str(bindir / "nodepulse-agent"), f"--node-name={self.node_name}",
                               f"--kubeconfig={c.node_kubeconfig(self.node_name)}",
                               f"--root-dir={self.agent_root}",
                               f"--pod-manifest-path={self.manifests}",
-                              f"--healthz-bind-address={AGENT_HEALTH}", *runtime])
+                              f"--healthz-bind-address={self.health_address}", "--node-ip=127.0.0.1",
+                              f"--tls-cert-file={crt}", f"--tls-private-key-file={key}",
+                              f"--client-ca-file={c.ca_file()}", *runtime])
 
     def _spawn(self, name: str, args: list[str]) -> None:
         with open(self.cluster.log_dir / f"{name}.log", "ab") as log:
@@ -143,6 +160,7 @@ its pods on {stack.runtime}.
   {kubectl} get nodestatuspolicies         # policies (kubectl get nsp)
   {kubectl} run demo --image={BUSYBOX_IMAGE} --image-pull-policy=Never -- sleep 3600
                                            # a pod on the agent's node (images are local)
+  {kubectl} logs demo; {kubectl} exec -it demo -- sh   # through the agent's kubelet API
   static pods: put manifests in {stack.manifests}
   curl -s http://{AGENT_HEALTH}/metrics     # agent metrics; /healthz too
   curl -s http://127.0.0.1:{OPERATOR_METRICS_PORT}/metrics      # operator metrics

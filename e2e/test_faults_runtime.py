@@ -727,7 +727,7 @@ class InProcessAgent:
         self.flags = vars(parser.parse_args([
             f"--node-name={name}", f"--kubeconfig={kubeconfig}", f"--root-dir={root}",
             f"--healthz-bind-address=127.0.0.1:{self.port}",
-            "--node-status-update-frequency=2s", "--runtime=process",
+            "--node-status-update-frequency=2s", "--runtime=process", "--port=0",
             f"--register-with-taints={TAINT_KEY}={name}:NoSchedule"]))
         self.cfg = config.load(self.flags, {})
         self.name = name

@@ -429,9 +429,12 @@ class Agent:
                                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
     def listening(self) -> set[tuple[str, int]]:
+        """Where the agent's health server listens: every socket but the kubelet API's,
+        which listens on every address (--address 0.0.0.0, like the kubelet's)."""
         assert self.proc.poll() is None, \
             f"agent exited {self.proc.returncode}: {self.log.read_text()[-2000:]}"
-        return listening(self.proc.pid)
+        return {(host, port) for host, port in listening(self.proc.pid)
+                if host not in ("0.0.0.0", "::")}
 
     def stop(self) -> None:
         stop_process(self.proc)

@@ -36,6 +36,8 @@ from nodeagent.node.watch import NodeWatch
 
 if TYPE_CHECKING:
     from nodeagent.pods import Pods
+    from nodeagent.server.kubeapi import ServerApi
+    from nodeagent.server.setup import ServerBundle
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +107,7 @@ class Agent:
                  lease_executor: concurrent.futures.Executor | None = None,
                  status_executor: concurrent.futures.Executor | None = None,
                  watch_executor: concurrent.futures.Executor | None = None,
-                 pods: Pods | None = None) -> None:
+                 pods: Pods | None = None, server_api: ServerApi | None = None) -> None:
         """`pods`: the node's pod machinery (nodeagent.pods); it also supplies the
         image list, the runtime version and readiness unless those are given."""
         if kube is None:
@@ -138,6 +140,12 @@ class Agent:
         self._api_answered_at = -math.inf
         self.health: HealthServer | None = None
         self._config_mtime = self._mtime()
+        # the kubelet API (nodeagent.server), when cfg.port is set and pods run here
+        self.server_api = server_api
+        if server_api is None and api is not None:
+            from nodeagent.server.kubeapi import RealServerApi
+            self.server_api = RealServerApi(api)
+        self.kubelet_api: ServerBundle | None = None
 
     # -- nodes --
     def add_node(self, spec: NodeSpec, probe: Callable[[], HostReadings] | None = None) -> NodeController:
@@ -268,6 +276,9 @@ class Agent:
             await self.pods.start()  # the runtime's version is in the first NodeStatus
             self.settings = dataclasses.replace(self.settings,
                                                 runtime_version=self.pods.runtime_version)
+            api_port = await self._serve_kubelet_api()
+            if api_port is not None:  # in the first NodeStatus too
+                self.settings = dataclasses.replace(self.settings, kubelet_port=api_port)
             for node in self.nodes.values():
                 node.settings = self.settings
             tasks.append(asyncio.create_task(self.pods.wait(), name="pods"))
@@ -282,11 +293,28 @@ class Agent:
                 log.error("agent loop %s ended: %r", t.get_name(), t.exception())
         await self.shutdown(tasks + [waiter])
 
+    async def _serve_kubelet_api(self) -> int | None:
+        """Start the kubelet API; its port, or None when it is not served."""
+        if self.cfg.port is None or self.pods is None or self.server_api is None:
+            return None
+        from nodeagent.server import setup
+        try:
+            addresses = [a for _, a in self.probe.read().addresses]
+        except HostReadError:
+            addresses = list(self.cfg.node_ips)
+        checks = {"heartbeat": self.healthz, "pleg": self.pods.health}
+        self.kubelet_api = setup.build(self.cfg, self.pods, self.server_api, clock=self.clock,
+                                       registry=self.registry, addresses=addresses,
+                                       health_checks=checks)
+        return await self.kubelet_api.start()
+
     async def shutdown(self, tasks: Sequence[asyncio.Task[Any]]) -> None:
         """No new work; writes already sent finish before the pools close."""
         log.info("stopping")
         if self.watch:
             self.watch.stop()
+        if self.kubelet_api:
+            await self.kubelet_api.stop()
         if self.pods:
             await self.pods.stop()  # pods keep running; a restarted agent adopts them
         await self.renewals.stop()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import re
 import socket
@@ -67,6 +68,17 @@ class AgentConfig:
     # virtual-node mode: these Nodes instead of node_name (empty: a host agent)
     virtual_node_names: tuple[str, ...] = ()
     virtual_node_taints: tuple[Mapping[str, str], ...] = (dict(VIRTUAL_TAINT),)
+    # the kubelet API (nodeagent.server); None: not served (the loader's default is
+    # 10250, so only an embedding program or a test goes without)
+    port: int | None = None
+    address: str = "0.0.0.0"
+    tls_cert_file: str | None = None
+    tls_private_key_file: str | None = None
+    rotate_server_certificates: bool = False
+    client_ca_file: str | None = None
+    anonymous_auth: bool = False
+    container_log_max_size: int = 10 * 1024 * 1024
+    container_log_max_files: int = 5
 
     @property
     def legacy(self) -> bool:
@@ -104,6 +116,8 @@ def parse_duration(value: Any, where: str) -> float:
                 raise ConfigError(f"{where}: {value!r} is not a duration "
                                   "(e.g. 10s, 1m30s, 500ms)") from None
             seconds = sum(float(n) * _UNIT[u] for n, u in parts)
+    if not math.isfinite(seconds):
+        raise ConfigError(f"{where}: {value!r} is not a duration (e.g. 10s, 1m30s, 500ms)")
     if seconds < 0:
         raise ConfigError(f"{where}: must not be negative, got {value!r}")
     return seconds
@@ -333,6 +347,25 @@ def _virtual_nodes(value: Any, where: str) -> int | tuple[str, ...]:
     return _int(0, MAX_VIRTUAL_NODES)(value, where)
 
 
+def _address(value: Any, where: str) -> str:
+    text = _str(value, where).strip().strip("[]")
+    try:
+        socket.inet_pton(socket.AF_INET6 if ":" in text else socket.AF_INET, text)
+    except (OSError, ValueError):
+        raise ConfigError(f"{where}: {value!r} is not an IP address to listen on") from None
+    return text
+
+
+def _log_size(value: Any, where: str) -> int:
+    try:
+        size = int(parse_quantity(str(value), where))
+    except QuantityError as e:
+        raise ConfigError(str(e)) from None
+    if size < 1024:
+        raise ConfigError(f"{where}: must be at least 1Ki, got {value!r}")
+    return size
+
+
 def _taints_or_none(value: Any, where: str) -> tuple[dict[str, str], ...]:
     if value is None or (isinstance(value, str) and value.strip() in ("", "none")):
         return ()
@@ -430,6 +463,29 @@ OPTIONS: tuple[Option, ...] = (
            "taints of virtual Nodes, key=value:Effect,... "
            "(nodepulse.dev/virtual=true:NoSchedule; 'none' or empty: no taint). Virtual "
            "Nodes are also labelled nodepulse.dev/virtual=true and nodepulse.dev/agent=<id>"),
+    Option("port", "port", "port", _int(0, 65535),
+           "port of the kubelet API (logs, exec, attach, port-forward, stats) over TLS "
+           "(10250; 0 picks a free one; the Node's daemonEndpoints say which)"),
+    Option("address", "address", "address", _address,
+           "IP address the kubelet API listens on (0.0.0.0: all)"),
+    Option("tls_cert_file", "tls-cert-file", "tlsCertFile", _opt_str,
+           "serving certificate of the kubelet API (PEM); without it and without "
+           "--rotate-server-certificates a self-signed one is made under --root-dir/pki"),
+    Option("tls_private_key_file", "tls-private-key-file", "tlsPrivateKeyFile", _opt_str,
+           "private key of --tls-cert-file"),
+    Option("rotate_server_certificates", "rotate-server-certificates", "serverTLSBootstrap",
+           _bool, "get the serving certificate through a CertificateSigningRequest (signer "
+           "kubernetes.io/kubelet-serving; someone must approve it) and renew it before it "
+           "expires"),
+    Option("client_ca_file", "client-ca-file", "clientCAFile", _opt_str,
+           "CA bundle that client certificates of kubelet API callers must chain to"),
+    Option("anonymous_auth", "anonymous-auth", "anonymousAuth", _bool,
+           "let requests without credentials through as system:anonymous (still "
+           "authorized through SubjectAccessReview; default false: 401)"),
+    Option("container_log_max_size", "container-log-max-size", "containerLogMaxSize",
+           _log_size, "a container's log file is rotated once it is this big (10Mi)"),
+    Option("container_log_max_files", "container-log-max-files", "containerLogMaxFiles",
+           _int(2, 1000), "log files kept per container, the current one included (5)"),
 )
 _IGNORED_KEYS = {"apiVersion", "kind"}  # a KubeletConfiguration-style header
 
@@ -506,7 +562,24 @@ def load(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Agen
         raise ConfigError(f"agent id {values['agent_id']!r} is not a valid label value "
                           "(set --agent-id)")
     values["config_file"] = Path(config_path) if config_path else None
+    values.setdefault("port", 10250)
+    _check_serving(values)
     return AgentConfig(**values)
+
+
+def _check_serving(values: Mapping[str, Any]) -> None:
+    cert, key = values.get("tls_cert_file"), values.get("tls_private_key_file")
+    if bool(cert) != bool(key):
+        given, missing = (("--tls-cert-file", "--tls-private-key-file") if cert
+                          else ("--tls-private-key-file", "--tls-cert-file"))
+        raise ConfigError(f"{given} is set but {missing} is not: both or neither")
+    if cert and values.get("rotate_server_certificates"):
+        raise ConfigError("--rotate-server-certificates: cannot be used with "
+                          "--tls-cert-file (choose where the certificate comes from)")
+    if values.get("rotate_server_certificates") and values.get("virtual_node_names"):
+        raise ConfigError("--rotate-server-certificates: not supported with "
+                          "--virtual-nodes (a kubelet-serving certificate names one node); "
+                          "use --tls-cert-file")
 
 
 def _check_virtual(values: Mapping[str, Any]) -> None:

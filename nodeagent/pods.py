@@ -25,7 +25,14 @@ from nodeagent.api.clock import Clock
 from nodeagent.config import AgentConfig
 from nodeagent.node.host import HostProbe, HostReadError
 from nodeagent.podstatus import PodStatusWriter
-from nodeagent.runtime import ContainerRuntimeError, Runtime, make_runtime
+from nodeagent.runtime import (
+    ContainerRuntimeError,
+    ContainerState,
+    PodRuntimeStatus,
+    Runtime,
+    make_runtime,
+)
+from nodeagent.runtime.logs import LogRotation
 from nodeagent.sources.bundle import PodSources, SourcesConfig
 from nodeagent.sources.events import NodeEvents
 from nodeagent.sources.types import PodUpdate, SourcesReady
@@ -76,9 +83,11 @@ class Pods:
                  config: SyncLoopConfig | None = None,
                  registry: CollectorRegistry = REGISTRY,
                  image_refresh: float = IMAGE_REFRESH,
-                 node_names: Sequence[str] = (), label: str = "") -> None:
+                 node_names: Sequence[str] = (), label: str = "",
+                 log_rotation: tuple[int, int] | None = None) -> None:
         """`node_names`: more than one is virtual-node mode: one PLEG for the runtime,
-        one SyncLoop per node (NodeLoops); `label` names the shared PLEG in metrics."""
+        one SyncLoop per node (NodeLoops); `label` names the shared PLEG in metrics.
+        `log_rotation`: (max size, max files) of container logs; None: not rotated."""
         self.runtime = runtime
         self.clock = clock
         self.node_name = node_name
@@ -101,6 +110,9 @@ class Pods:
         self.runtime_problem: str | None = None
         self._images: list[dict[str, Any]] = []
         self._tasks: list[asyncio.Task[Any]] = []
+        self.log_rotation = None if log_rotation is None else LogRotation(
+            runtime, self.running_logs, clock, max_size=log_rotation[0],
+            max_files=log_rotation[1])
         # called when the node's own requests reach the API server again after failing
         self.on_api_answered: list[Callable[[], None]] = []
 
@@ -124,7 +136,8 @@ class Pods:
                    updates=sources.updates, sources_ready=sources.ready,
                    run_sources=sources.run, api_client=api, host_ip=host_ip,
                    config=SyncLoopConfig(log_root=str(logs.resolve())), registry=registry,
-                   node_names=cfg.node_names, label=cfg.agent_id)
+                   node_names=cfg.node_names, label=cfg.agent_id,
+                   log_rotation=(cfg.container_log_max_size, cfg.container_log_max_files))
         sources.on_api_reconnect.append(pods.loop.retry_writes_now)
         sources.on_mirror_created.append(pods.loop.retry_writes_now)
         pods.on_api_answered.append(sources.api_answered)
@@ -146,6 +159,31 @@ class Pods:
 
     def health(self) -> str | None:
         return self.loop.health()
+
+    # -- what the kubelet API reads (nodeagent.server.app.PodHost) --
+    def _loops(self) -> list[SyncLoop]:
+        return list(self.loop.loops.values()) if isinstance(self.loop, NodeLoops) \
+            else [self.loop]
+
+    def find_pod(self, namespace: str, name: str) -> tuple[str, dict[str, Any]] | None:
+        for loop in self._loops():
+            for pod in loop.pods.values():
+                meta = pod.get("metadata") or {}
+                if meta.get("name") == name and (meta.get("namespace") or "default") == namespace:
+                    return loop.node_name, pod
+        return None
+
+    def all_pods(self) -> list[dict[str, Any]]:
+        return [pod for loop in self._loops() for pod in loop.pods.values()]
+
+    def runtime_pod(self, uid: str) -> PodRuntimeStatus:
+        return self.loop.pleg.cache.get(uid).status
+
+    def running_logs(self) -> list[tuple[str, str]]:
+        """(container id, log path) of every running container, for log rotation."""
+        cache = self.loop.pleg.cache
+        return [(c.id, c.log_path) for uid in cache.uids() for c in cache.get(uid).status.containers
+                if c.state == ContainerState.RUNNING and c.log_path]
 
     # -- running --
     async def refresh(self) -> None:
@@ -174,6 +212,8 @@ class Pods:
                        asyncio.create_task(self._refresh_loop(), name="runtime-refresh")]
         if self.run_sources is not None:
             self._tasks.append(asyncio.create_task(self.run_sources(), name="pod-sources"))
+        if self.log_rotation is not None:
+            self._tasks.append(asyncio.create_task(self.log_rotation.run(), name="log-rotation"))
 
     async def _refresh_loop(self) -> None:
         while True:

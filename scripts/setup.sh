@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 APT_PACKAGES=(containerd runc containernetworking-plugins busybox-static iptables iproute2
-              gcc libc6-dev)
+              gcc libc6-dev curl)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")

@@ -15,6 +15,9 @@ def test_versions_come_from_the_go_modules() -> None:
     assert build.TOOLS["etcd"].version.startswith("v3.")
     assert build.TOOLS["helm"].version.startswith("v3.")
     assert build.TOOLS["kwok"].version.startswith("v0.")
+    assert build.TOOLS["e2e.test"].version == build.kubernetes_version()
+    assert build.TOOLS["registry"].version.startswith("v3.")
+    assert build.TOOLS["crane"].version.startswith("v0.")
 
 
 def test_cached_binaries_are_not_rebuilt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -45,3 +48,18 @@ def test_a_missing_binary_is_built_under_its_version(tmp_path: Path,
     assert path.read_text() == "built"
     assert calls[0][-1] == "k8s.io/kubernetes/cmd/kubectl"
     assert f"gitVersion={build.kubernetes_version()}" in calls[0][calls[0].index("-ldflags") + 1]
+
+
+def test_a_test_binary_is_built_with_go_test_c(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NODEPULSE_CACHE", str(tmp_path))
+    calls: list[list[str]] = []
+
+    def fake_go(cmd: list[str], **kwargs: object) -> None:
+        calls.append(cmd)
+        Path(cmd[cmd.index("-o") + 1]).write_text("built")
+
+    monkeypatch.setattr(subprocess, "run", fake_go)
+    build.ensure(["e2e.test"], log=lambda _: None)
+    assert calls[0][:3] == ["go", "test", "-c"]
+    assert calls[0][-1] == "k8s.io/kubernetes/test/e2e"

@@ -25,6 +25,10 @@ OFFICIAL: dict[str, dict[str, int]] = {
     "Int64Value": {"value": 1},
     "KeyValue": {"key": 1, "value": 2},
     "ImageSpec": {"image": 1, "annotations": 2},
+    "AuthConfig": {"username": 1, "password": 2, "auth": 3, "server_address": 4,
+                   "identity_token": 5, "registry_token": 6},
+    "PullImageRequest": {"image": 1, "auth": 2, "sandbox_config": 3},
+    "PullImageResponse": {"image_ref": 1},
     "LinuxSandboxSecurityContext": {"namespace_options": 1, "run_as_user": 3,
                                     "readonly_rootfs": 4, "privileged": 6,
                                     "run_as_group": 8},
@@ -86,6 +90,26 @@ OFFICIAL: dict[str, dict[str, int]] = {
     "ListImagesResponse": {"images": 1},
     "ImageStatusRequest": {"image": 1, "verbose": 2},
     "ImageStatusResponse": {"image": 1, "info": 2},
+    "ReopenContainerLogRequest": {"container_id": 1},
+    "ExecRequest": {"container_id": 1, "cmd": 2, "tty": 3, "stdin": 4, "stdout": 5,
+                    "stderr": 6},
+    "ExecResponse": {"url": 1},
+    "AttachRequest": {"container_id": 1, "stdin": 2, "tty": 3, "stdout": 4, "stderr": 5},
+    "AttachResponse": {"url": 1},
+    "PortForwardRequest": {"pod_sandbox_id": 1, "port": 2},
+    "PortForwardResponse": {"url": 1},
+    "UInt64Value": {"value": 1},
+    "ContainerStatsFilter": {"id": 1, "pod_sandbox_id": 2, "label_selector": 3},
+    "ListContainerStatsRequest": {"filter": 1},
+    "ContainerAttributes": {"id": 1, "metadata": 2, "labels": 3, "annotations": 4},
+    "CpuUsage": {"timestamp": 1, "usage_core_nano_seconds": 2, "usage_nano_cores": 3},
+    "MemoryUsage": {"timestamp": 1, "working_set_bytes": 2, "available_bytes": 3,
+                    "usage_bytes": 4, "rss_bytes": 5, "page_faults": 6,
+                    "major_page_faults": 7},
+    "FilesystemIdentifier": {"mountpoint": 1},
+    "FilesystemUsage": {"timestamp": 1, "fs_id": 2, "used_bytes": 3, "inodes_used": 4},
+    "ContainerStats": {"attributes": 1, "cpu": 2, "memory": 3, "writable_layer": 4},
+    "ListContainerStatsResponse": {"stats": 1},
 }
 
 OFFICIAL_ENUMS: dict[str, dict[str, int]] = {
@@ -119,8 +143,10 @@ def test_services_and_methods_are_the_official_names() -> None:
     assert set(methods) == {"Version", "RunPodSandbox", "StopPodSandbox", "RemovePodSandbox",
                             "PodSandboxStatus", "ListPodSandbox", "CreateContainer",
                             "StartContainer", "StopContainer", "RemoveContainer",
-                            "ListContainers", "ContainerStatus", "Status"}
-    assert {m.name for m in img.methods} == {"ListImages", "ImageStatus"}
+                            "ListContainers", "ContainerStatus", "Status",
+                            "ReopenContainerLog", "Exec", "Attach", "PortForward",
+                            "ListContainerStats"}
+    assert {m.name for m in img.methods} == {"ListImages", "ImageStatus", "PullImage"}
 
 
 def test_map_fields_have_string_keys_and_values() -> None:

@@ -1,7 +1,9 @@
-"""Builds the pinned control-plane programs from their Go modules, once per version.
+"""Builds the pinned control-plane programs (and the test programs: the upstream e2e
+suite, its agnhost, an image registry) from their Go modules, once per version.
 
 The pins are the `require` of each gomod/<folder>/go.mod; binaries land in
-~/.cache/nodepulse/bin/<version>/, so a second run builds nothing.
+~/.cache/nodepulse/bin/<version>/, so a second run builds nothing. Builds run one at a
+time on the machine (the build lock), since a Go build takes every core.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class Tool:
     gomod: str  # folder under gomod/
     package: str  # Go package path of its main
     module: str  # the Go module whose pinned version names the cache folder
+    test: bool = False  # a test binary of `package` (`go test -c`), not a main
 
     @property
     def version(self) -> str:
@@ -48,8 +51,24 @@ TOOLS = {t.name: t for t in [
     Tool("helm", "helm", "helm.sh/helm/v3/cmd/helm", "helm.sh/helm/v3"),
     # only the scale benchmark needs KWOK, so tests and setup do not build it
     Tool("kwok", "kwok", "sigs.k8s.io/kwok/cmd/kwok", "sigs.k8s.io/kwok"),
+    # `kubectl top` on nodepulse nodes (e2e/test_kubelet_api.py)
+    Tool("metrics-server", "metrics-server", "sigs.k8s.io/metrics-server/cmd/metrics-server",
+         "sigs.k8s.io/metrics-server"),
+    # the upstream e2e suite and the programs of the images its node tests run
+    # (e2e/conformance); built when those tests first run, not by setup
+    Tool("e2e.test", "kubernetes", "k8s.io/kubernetes/test/e2e", "k8s.io/kubernetes",
+         test=True),
+    Tool("agnhost", "kubernetes", "k8s.io/kubernetes/test/images/agnhost", "k8s.io/kubernetes"),
+    Tool("nonewprivs", "kubernetes", "k8s.io/kubernetes/test/images/nonewprivs",
+         "k8s.io/kubernetes"),
+    # an image registry and a client that pushes to it (e2e/cluster/registry.py)
+    Tool("registry", "registry", "github.com/distribution/distribution/v3/cmd/registry",
+         "github.com/distribution/distribution/v3"),
+    Tool("crane", "registry", "github.com/google/go-containerregistry/cmd/crane",
+         "github.com/google/go-containerregistry"),
 ]}
-FOR_TESTS = [n for n in TOOLS if n != "kwok"]
+ON_DEMAND = {"kwok", "e2e.test", "agnhost", "nonewprivs", "registry", "crane"}
+FOR_TESTS = [n for n in TOOLS if n not in ON_DEMAND]
 
 
 def pinned_version(gomod: str, module: str) -> str:
@@ -94,7 +113,7 @@ def go_env() -> dict[str, str]:
 
 def ensure(names: list[str] | None = None, log=print) -> dict[str, Path]:
     """Paths of the named binaries (those the tests need by default), building those
-    not cached yet."""
+    not cached yet, one build at a time."""
     tools = [TOOLS[n] for n in (names or FOR_TESTS)]
     missing = [t for t in tools if not t.path.is_file()]
     if missing and not shutil.which("go"):
@@ -123,7 +142,8 @@ def _build(tool: Tool, log) -> None:
     partial = tool.path.with_suffix(".partial")
     log(f"building {tool.name} {tool.version} (once; cached in {tool.path.parent})")
     started = time.monotonic()
-    subprocess.run(["go", "build", "-ldflags", _ldflags(tool), "-o", str(partial),
+    verb = ["test", "-c"] if tool.test else ["build"]
+    subprocess.run(["go", *verb, "-ldflags", _ldflags(tool), "-o", str(partial),
                     tool.package], cwd=GOMOD / tool.gomod, env=go_env(), check=True)
     partial.rename(tool.path)  # only a finished build is ever seen as cached
     log(f"built {tool.name} in {time.monotonic() - started:.0f} s")

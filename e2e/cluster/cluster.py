@@ -25,6 +25,10 @@ from e2e.cluster import build, pki
 from nodeagent.api.client import new_api_client
 
 SERVICE_CIDR = "10.96.0.0/16"
+KUBELET_CLIENT = "kube-apiserver-kubelet-client"
+FRONT_PROXY_CLIENT = "front-proxy-client"
+# nodes are reached at their InternalIP (e2e agents say --node-ip=127.0.0.1)
+KUBELET_ADDRESS_TYPES = "InternalIP,Hostname,InternalDNS,ExternalDNS,ExternalIP"
 SERVICE_IP = "10.96.0.1"
 # By default the operator takes the node lifecycle controller's role (conditions,
 # taints) in exclusive mode, so the controller manager must not fight it. Taint-based
@@ -75,6 +79,24 @@ def write_kubeconfig(path: Path, server: str, ca: Path, cert: Path | bytes,
     path.write_text(yaml.safe_dump(cfg))
     path.chmod(0o600)
     return path
+
+
+def approve_csr(certs: client.CertificatesV1Api, name: str) -> None:
+    """Approve a CertificateSigningRequest as an admin would."""
+    approved = client.V1CertificateSigningRequestCondition(
+        type="Approved", status="True", reason="NodepulseE2E", message="approved by e2e")
+    for _ in range(10):  # the controller manager may approve or sign it meanwhile
+        body = certs.read_certificate_signing_request(name)
+        conditions = body.status.conditions or []
+        if any(c.type == "Approved" for c in conditions):
+            return
+        body.status.conditions = [*conditions, approved]
+        try:
+            certs.replace_certificate_signing_request_approval(name, body)
+            return
+        except client.ApiException as e:
+            if e.status != 409:
+                raise
 
 
 class Cluster:
@@ -129,20 +151,7 @@ class Cluster:
                 request=base64.b64encode(csr).decode(),
                 signer_name="kubernetes.io/kube-apiserver-client-kubelet",
                 usages=["digital signature", "client auth"])))
-        approved = client.V1CertificateSigningRequestCondition(
-            type="Approved", status="True", reason="NodepulseE2E", message="e2e node identity")
-        for _ in range(10):  # the controller manager may approve or sign it meanwhile
-            body = certs.read_certificate_signing_request(csr_name)
-            conditions = body.status.conditions or []
-            if any(c.type == "Approved" for c in conditions):
-                break  # its approver grants node client certs to an admin on its own
-            body.status.conditions = [*conditions, approved]
-            try:
-                certs.replace_certificate_signing_request_approval(csr_name, body)
-                break
-            except client.ApiException as e:
-                if e.status != 409:
-                    raise
+        approve_csr(certs, csr_name)  # its approver grants node client certs on its own too
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             cert = certs.read_certificate_signing_request(csr_name).status.certificate
@@ -153,6 +162,48 @@ class Cluster:
                                                 ["certificate-authority-data"]))
                 return write_kubeconfig(path, self.server, ca, base64.b64decode(cert), key,
                                         f"system:node:{name}")
+            time.sleep(0.5)
+        raise TimeoutError(f"CertificateSigningRequest {csr_name} was approved but not "
+                           "signed within 60 s (is the cluster's signer running?)")
+
+    def node_serving_cert(self, name: str, addresses: tuple[str, ...] = ("127.0.0.1",)
+                          ) -> tuple[Path, Path]:
+        """(certificate, key) files for the node's kubelet API, from the cluster's
+        kubelet-serving signer through an approved CertificateSigningRequest."""
+        crt, key_path = self.workdir / f"node-{name}-serving.crt", \
+            self.workdir / f"node-{name}-serving.key"
+        if crt.exists():
+            return crt, key_path
+        csr, key = pki.csr_pem(f"system:node:{name}", ("system:nodes",), names=(*addresses, name))
+        cert = self._signed(csr, f"nodepulse-e2e-serving-{name}", "kubernetes.io/kubelet-serving",
+                            ["digital signature", "server auth"])
+        crt.write_bytes(cert)
+        key_path.write_bytes(key)
+        key_path.chmod(0o600)
+        return crt, key_path
+
+    def ca_file(self) -> Path:
+        """The cluster CA (what nodes' serving certificates chain to)."""
+        ca = self.workdir / "cluster-ca.crt"
+        cfg = yaml.safe_load(self.kubeconfig.read_text())
+        ca.write_bytes(base64.b64decode(cfg["clusters"][0]["cluster"]
+                                        ["certificate-authority-data"]))
+        return ca
+
+    def _signed(self, csr: bytes, prefix: str, signer: str, usages: list[str]) -> bytes:
+        """Create, approve and wait for a CertificateSigningRequest; its certificate."""
+        certs = client.CertificatesV1Api(self.api_client())
+        csr_name = f"{prefix}-{int(time.time())}"
+        certs.create_certificate_signing_request(client.V1CertificateSigningRequest(
+            metadata=client.V1ObjectMeta(name=csr_name),
+            spec=client.V1CertificateSigningRequestSpec(
+                request=base64.b64encode(csr).decode(), signer_name=signer, usages=usages)))
+        approve_csr(certs, csr_name)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            cert = certs.read_certificate_signing_request(csr_name).status.certificate
+            if cert:
+                return base64.b64decode(cert)
             time.sleep(0.5)
         raise TimeoutError(f"CertificateSigningRequest {csr_name} was approved but not "
                            "signed within 60 s (is the cluster's signer running?)")
@@ -368,6 +419,17 @@ class LocalCluster(Cluster):
                              f"system:node:{name}")
         return path
 
+    def node_serving_cert(self, name: str, addresses: tuple[str, ...] = ("127.0.0.1",)
+                          ) -> tuple[Path, Path]:
+        crt = self.pki_dir / f"node-{name}-serving.crt"
+        if crt.exists():
+            return crt, crt.with_suffix(".key")
+        return self._ca().issue(f"node-{name}-serving", f"system:node:{name}",
+                                ("system:nodes",), server_names=(*addresses, name))
+
+    def ca_file(self) -> Path:
+        return self._ca().cert_path
+
     @property
     def server(self) -> str:
         return f"https://127.0.0.1:{self.ports['kube-apiserver']}"
@@ -387,6 +449,11 @@ class LocalCluster(Cluster):
             "127.0.0.1", "localhost", SERVICE_IP, "kubernetes", "kubernetes.default",
             "kubernetes.default.svc", "kubernetes.default.svc.cluster.local"))
         pki.service_account_keys(self.pki_dir)
+        # the API server's identity toward nodes' kubelet APIs (logs, exec, ...)
+        ca.issue("apiserver-kubelet-client", KUBELET_CLIENT, ("system:masters",))
+        # the aggregation layer (metrics-server): a CA of its own for the front proxy
+        front = pki.CertificateAuthority(self.pki_dir / "front-proxy")
+        front.issue("front-proxy-client", FRONT_PROXY_CLIENT)
         for stem, cn, orgs in [("admin", "nodepulse-admin", ("system:masters",)),
                                ("kube-controller-manager", "system:kube-controller-manager", ()),
                                ("kube-scheduler", "system:kube-scheduler", ())]:
@@ -425,7 +492,21 @@ class LocalCluster(Cluster):
                 f"--audit-log-path={self.workdir / 'audit.log'}", "--audit-log-format=json",
                 # The API server listens on loopback only, and Endpoints may not hold a
                 # loopback address; nothing here reaches it through the Service IP.
-                "--endpoint-reconciler-type=none"]
+                "--endpoint-reconciler-type=none",
+                # nodes' kubelet APIs: the API server's client certificate, and the CA
+                # their serving certificates must chain to
+                f"--kubelet-client-certificate={p / 'apiserver-kubelet-client.crt'}",
+                f"--kubelet-client-key={p / 'apiserver-kubelet-client.key'}",
+                f"--kubelet-certificate-authority={p / 'ca.crt'}",
+                f"--kubelet-preferred-address-types={KUBELET_ADDRESS_TYPES}",
+                # the aggregation layer, for metrics-server's metrics.k8s.io
+                f"--requestheader-client-ca-file={p / 'front-proxy' / 'ca.crt'}",
+                f"--requestheader-allowed-names={FRONT_PROXY_CLIENT}",
+                "--requestheader-username-headers=X-Remote-User",
+                "--requestheader-group-headers=X-Remote-Group",
+                "--requestheader-extra-headers-prefix=X-Remote-Extra-",
+                f"--proxy-client-cert-file={p / 'front-proxy' / 'front-proxy-client.crt'}",
+                f"--proxy-client-key-file={p / 'front-proxy' / 'front-proxy-client.key'}"]
 
     def _extra_args(self, name: str) -> list[str]:
         if name != "kube-controller-manager":

@@ -63,6 +63,10 @@ plugin_dir = ""
   stream_server_port = "0"
   enable_selinux = false
 
+  # one folder per registry host (hosts.toml: its CA, ...), read at each pull
+  [plugins."io.containerd.grpc.v1.cri".registry]
+    config_path = "{base}/certs.d"
+
   [plugins."io.containerd.grpc.v1.cri".cni]
     bin_dir = "{cni_bin}"
     conf_dir = "{cni_conf}"
@@ -150,6 +154,19 @@ class Containerd:
 
     def import_image(self, tar: Path, image: str) -> None:
         images.import_image(tar, image, address=str(self.socket))
+
+    def tag_image(self, image: str, *names: str) -> None:
+        """Give an imported image more names (as the upstream tests expect them)."""
+        images.tag_image(image, *names, address=str(self.socket))
+
+    def trust_registry(self, host: str, ca: Path) -> None:
+        """Pulls from https://`host` (as "127.0.0.1:5000") trust the CA certificate `ca`.
+        containerd reads this at each pull: no restart."""
+        folder = self.base / "certs.d" / host
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "hosts.toml").write_text(
+            f'server = "https://{host}"\n\n[host."https://{host}"]\n'
+            f'  capabilities = ["pull", "resolve"]\n  ca = "{ca}"\n')
 
     def remove_all_sandboxes(self, timeout: float = 30.0) -> None:
         """Stop and remove every sandbox (this stops their containers and shims)."""

@@ -182,17 +182,14 @@ def build_pause_tar(cache: Path = CACHE) -> Path:
     return out
 
 
-def build_busybox_tar(cache: Path = CACHE, busybox: Path = Path("/bin/busybox")) -> Path:
-    """Wrap busybox-static as BUSYBOX_IMAGE, one symlink per applet."""
+def busybox_rootfs(busybox: Path = Path("/bin/busybox")) -> Rootfs:
+    """busybox-static (/bin/busybox) with a symlink per applet, and a root user."""
     if not busybox.exists():
         raise RuntimeError(f"{busybox} not found: install the apt package busybox-static")
     data = busybox.read_bytes()
     # busybox-static is a static binary; a dynamic one would not run in the image.
     if b"/lib64/ld-linux" in data[:4096]:
         raise RuntimeError(f"{busybox} is dynamically linked: install busybox-static")
-    out = cache / f"busybox-{hashlib.sha256(data).hexdigest()[:12]}.tar"
-    if out.exists():
-        return out
     applets = subprocess.run([str(busybox), "--list"], capture_output=True, text=True,
                              check=True, timeout=30).stdout.split()
     rootfs = Rootfs(files={"bin/busybox": (data, 0o755)},
@@ -200,8 +197,23 @@ def build_busybox_tar(cache: Path = CACHE, busybox: Path = Path("/bin/busybox"))
                     dirs={"tmp", "etc", "proc", "sys", "dev", "root"})
     rootfs.files["etc/passwd"] = (b"root:x:0:0:root:/root:/bin/sh\n", 0o644)
     rootfs.files["etc/group"] = (b"root:x:0:\n", 0o644)
-    build_oci_tar(out, rootfs, ref=_split(BUSYBOX_IMAGE)[1], cmd=["sh"])
+    return rootfs
+
+
+def build_busybox_tar(cache: Path = CACHE, busybox: Path = Path("/bin/busybox")) -> Path:
+    """Wrap busybox-static as BUSYBOX_IMAGE, one symlink per applet."""
+    out = cache / f"busybox-{file_hash(busybox)}.tar"
+    if not out.exists():
+        build_oci_tar(out, busybox_rootfs(busybox), ref=_split(BUSYBOX_IMAGE)[1], cmd=["sh"])
     return out
+
+
+def file_hash(*paths: Path) -> str:
+    """A short content hash of files (names cached image tars after their inputs)."""
+    h = hashlib.sha256()
+    for p in paths:
+        h.update(p.read_bytes() if p.exists() else b"")
+    return h.hexdigest()[:12]
 
 
 def import_image(tar: Path, image: str, *, address: str, namespace: str = "k8s.io",
@@ -219,6 +231,16 @@ def import_image(tar: Path, image: str, *, address: str, namespace: str = "k8s.i
                             capture_output=True, text=True, timeout=60).stdout.split()
     if image not in listed:
         raise RuntimeError(f"ctr imported {tar} but {image} is not listed (have: {listed})")
+
+
+def tag_image(image: str, *names: str, address: str, namespace: str = "k8s.io",
+              ctr: str = "ctr") -> None:
+    """Give the imported `image` the other fully qualified `names` too."""
+    res = subprocess.run([ctr, "--address", address, "-n", namespace, "images", "tag",
+                          "--force", image, *names], capture_output=True, text=True, timeout=60)
+    if res.returncode != 0:
+        raise RuntimeError(f"ctr images tag {image} {' '.join(names)} failed: "
+                           f"{(res.stderr or res.stdout).strip()}")
 
 
 def build_all(cache: Path = CACHE) -> dict[str, Path]:

@@ -63,13 +63,8 @@ class CertificateAuthority:
                    .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
                    .add_extension(x509.ExtendedKeyUsage([usage]), critical=False))
         if server_names:
-            sans: list[x509.GeneralName] = []
-            for n in server_names:
-                try:
-                    sans.append(x509.IPAddress(ipaddress.ip_address(n)))
-                except ValueError:
-                    sans.append(x509.DNSName(n))
-            builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
+            builder = builder.add_extension(x509.SubjectAlternativeName(_sans(server_names)),
+                                            critical=False)
         assert isinstance(self.key, ec.EllipticCurvePrivateKey)
         cert = builder.sign(self.key, hashes.SHA256())
         crt, keyp = self.dir / f"{stem}.crt", self.dir / f"{stem}.key"
@@ -88,11 +83,25 @@ def service_account_keys(directory: Path) -> tuple[Path, Path]:
     return priv, pub
 
 
-def csr_pem(cn: str, orgs: tuple[str, ...]) -> tuple[bytes, bytes]:
-    """(CSR PEM, private key PEM) for a CertificateSigningRequest to an existing cluster."""
+def _sans(names: tuple[str, ...]) -> list[x509.GeneralName]:
+    sans: list[x509.GeneralName] = []
+    for n in names:
+        try:
+            sans.append(x509.IPAddress(ipaddress.ip_address(n)))
+        except ValueError:
+            sans.append(x509.DNSName(n))
+    return sans
+
+
+def csr_pem(cn: str, orgs: tuple[str, ...], names: tuple[str, ...] = ()) -> tuple[bytes, bytes]:
+    """(CSR PEM, private key PEM) for a CertificateSigningRequest to an existing cluster;
+    `names`: the subject alternative names of a serving certificate."""
     key = ec.generate_private_key(ec.SECP256R1())
-    csr = x509.CertificateSigningRequestBuilder().subject_name(_name(cn, orgs)).sign(
-        key, hashes.SHA256())
+    builder = x509.CertificateSigningRequestBuilder().subject_name(_name(cn, orgs))
+    if names:
+        builder = builder.add_extension(x509.SubjectAlternativeName(_sans(names)),
+                                        critical=False)
+    csr = builder.sign(key, hashes.SHA256())
     key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                 serialization.NoEncryption())
     return csr.public_bytes(serialization.Encoding.PEM), key_pem

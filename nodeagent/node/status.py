@@ -38,6 +38,7 @@ class StatusSettings:
     max_images: int = 50
     agent_version: str = ""
     runtime_version: str = ""
+    kubelet_port: int = 0  # where the kubelet API listens; 0: not served
 
 
 def _signal(readings: HostReadings, signal: str) -> tuple[float, float]:
@@ -128,6 +129,8 @@ def compute_status(readings: HostReadings | HostReadError, settings: StatusSetti
         else:
             statuses["Ready"] = ("True", "AgentReady", "nodepulse agent is posting ready status")
     status["images"] = _images(images, settings.max_images)
+    if settings.kubelet_port:
+        status["daemonEndpoints"] = {"kubeletEndpoint": {"Port": settings.kubelet_port}}
     conditions = []
     for ctype in CONDITION_TYPES:
         st, reason, message = statuses[ctype]
@@ -154,6 +157,7 @@ def _projection(status: Status) -> dict[str, Any]:
     out["addresses"] = [(a.get("type"), a.get("address")) for a in status.get("addresses", [])]
     out["images"] = [(tuple(i.get("names", [])), i.get("sizeBytes"))
                      for i in status.get("images", [])]
+    out["daemonEndpoints"] = status.get("daemonEndpoints") or {}
     return out
 
 
@@ -202,4 +206,6 @@ def build_patch(old: Status | None, new: Status, changes: Sequence[str], full: b
         body["addresses"] = [{"$patch": "replace"}, *new.get("addresses", [])]
     if "images" in changed:
         body["images"] = new.get("images", [])  # atomic list
+    if "daemonEndpoints" in changed:
+        body["daemonEndpoints"] = new.get("daemonEndpoints") or {}
     return {"status": body}

@@ -12,6 +12,7 @@ from nodeagent.runtime.base import (
     ContainerConfig,
     ContainerRuntimeError,
     ContainerState,
+    ContainerStats,
     ImageInfo,
     ImageNotPresent,
     NotFound,
@@ -23,14 +24,17 @@ from nodeagent.runtime.base import (
     Sandbox,
     SandboxConfig,
     SandboxState,
+    StreamRequest,
     Unavailable,
+    Unsupported,
 )
 
 __all__ = [
     "DEFAULT_CONTAINERD_SOCKET", "Container", "ContainerConfig", "ContainerRuntimeError",
-    "ContainerState", "ImageInfo", "ImageNotPresent", "NotFound", "PodRuntimeStatus",
+    "ContainerState", "ContainerStats", "ImageInfo", "ImageNotPresent", "NotFound", "PodRuntimeStatus",
     "RelistResult", "Runtime", "RuntimeTimeout", "RuntimeVersion", "Sandbox",
-    "SandboxConfig", "SandboxState", "Unavailable", "make_runtime", "socket_path",
+    "SandboxConfig", "SandboxState", "StreamRequest", "Unavailable", "Unsupported",
+    "make_runtime", "socket_path",
 ]
 
 KINDS = ("auto", "cri", "process", "fake")

@@ -67,6 +67,10 @@ class Unavailable(ContainerRuntimeError):
     """The runtime cannot be reached at all (socket missing, connection refused)."""
 
 
+class Unsupported(ContainerRuntimeError):
+    """This runtime cannot do what was asked (the message says which runtime and why)."""
+
+
 # --- records ------------------------------------------------------------------------
 
 class ContainerState(enum.StrEnum):
@@ -165,6 +169,10 @@ class ContainerConfig:
     log_path: str = ""  # relative to the sandbox's log_directory
     labels: dict[str, str] = field(default_factory=dict)
     annotations: dict[str, str] = field(default_factory=dict)
+    # the spec's stdin, stdinOnce and tty: what `kubectl attach -i/-t` talks to
+    stdin: bool = False
+    stdin_once: bool = False
+    tty: bool = False
 
     @classmethod
     def from_pod(cls, pod: Mapping[str, Any], container: Mapping[str, Any], *,
@@ -229,6 +237,8 @@ class ContainerConfig:
                                                     f"container {cname}"),
             spec_hash=h, log_path=f"{cname}/{attempt}.log",
             labels=labels, annotations=annotations,
+            stdin=bool(container.get("stdin")), stdin_once=bool(container.get("stdinOnce")),
+            tty=bool(container.get("tty")),
         )
 
 
@@ -268,6 +278,7 @@ class Container:
     init: bool = False
     labels: dict[str, str] = field(default_factory=dict)
     annotations: dict[str, str] = field(default_factory=dict)
+    log_path: str = ""  # absolute path of its log file; "" when it writes none (pod_status)
 
 
 @dataclass
@@ -298,6 +309,27 @@ class ImageInfo:
     id: str
     names: list[str]
     size_bytes: int
+
+
+@dataclass(frozen=True)
+class ContainerStats:
+    """One running container's usage, as the runtime measured it at `timestamp`."""
+    container_id: str
+    timestamp: dt.datetime
+    cpu_usage_core_seconds: float | None = None  # cumulative
+    memory_working_set_bytes: int | None = None
+    memory_usage_bytes: int | None = None
+    memory_rss_bytes: int | None = None
+    writable_layer_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class StreamRequest:
+    """What an exec or attach asks for (the kubelet API's query parameters)."""
+    stdin: bool = False
+    stdout: bool = True
+    stderr: bool = True
+    tty: bool = False
 
 
 @dataclass(frozen=True)
@@ -373,6 +405,34 @@ class Runtime(ABC):
 
     async def close(self) -> None:  # noqa: B027 (optional hook, nothing to do by default)
         """Release connections; the runtime's objects keep running."""
+
+    # --- what the kubelet API serves (optional: the defaults refuse, naming the runtime)
+
+    # How container log files are written: "cri" (`<time> <stream> <P|F> <text>` lines,
+    # as containerd writes them) or "raw" (the program's bytes as they came, no times).
+    log_format: str = "cri"
+
+    async def exec_url(self, container_id: str, cmd: list[str], req: StreamRequest) -> str:
+        """URL of the runtime's streaming server where this exec waits (CRI Exec); the
+        caller proxies the client's upgraded connection to it."""
+        raise Unsupported(f"the {self.scheme} runtime cannot exec into containers")
+
+    async def attach_url(self, container_id: str, req: StreamRequest) -> str:
+        """URL where an attach to the container's main process waits (CRI Attach)."""
+        raise Unsupported(f"the {self.scheme} runtime cannot attach to containers")
+
+    async def port_forward_url(self, sandbox_id: str, ports: list[int]) -> str:
+        """URL where a port forward into the pod's network waits (CRI PortForward)."""
+        raise Unsupported(f"the {self.scheme} runtime cannot forward ports into pods")
+
+    async def container_stats(self) -> list[ContainerStats]:
+        """Usage of every running container of ours (CRI ListContainerStats)."""
+        raise Unsupported(f"the {self.scheme} runtime measures no container usage")
+
+    async def rotate_container_log(self, container_id: str, path: str, rotated: str) -> None:
+        """Move the running container's log file `path` to `rotated` and have the
+        container write to a fresh `path` (CRI: rename, then ReopenContainerLog)."""
+        raise Unsupported(f"the {self.scheme} runtime cannot rotate container logs")
 
 
 # --- helpers shared by implementations and the layers above -------------------------

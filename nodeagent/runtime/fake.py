@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import itertools
+import os
+import shutil
 from collections import Counter
 from collections.abc import Iterable
 from typing import TypeVar
@@ -65,6 +67,7 @@ class FakeRuntime(Runtime):
         self._by_pod: dict[str, set[str]] = {}
         self._ids = itertools.count(1)
         self._ips = itertools.count(2)
+        self._log_dirs: dict[str, str] = {}  # sandbox id -> its log directory
 
     # --- test helpers --------------------------------------------------------------
 
@@ -74,6 +77,19 @@ class FakeRuntime(Runtime):
         if c.state != ContainerState.RUNNING:
             raise ValueError(f"fake: container {container_id} is {c.state}, not RUNNING")
         self._finish(c, code, reason or ("Completed" if code == 0 else "Error"))
+
+    def write_log(self, container_id: str, text: str, stream: str = "stdout") -> None:
+        """The container "prints" `text`: one CRI log line per line of it, stamped with
+        the clock, in its log file (none when its sandbox has no log directory)."""
+        c = self.containers[container_id]
+        if not c.log_path:
+            return
+        stamp = self.clock.now().strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        lines = text.split("\n")
+        body = "".join(f"{stamp} {stream} F {line}\n" for line in
+                       (lines[:-1] if text.endswith("\n") else lines))
+        with open(c.log_path, "a") as f:
+            f.write(body)
 
     def running(self, pod_uid: str | None = None) -> list[Container]:
         return [c for c in self.containers.values() if c.state == ContainerState.RUNNING
@@ -100,6 +116,8 @@ class FakeRuntime(Runtime):
         c.exit_code = code
         c.reason = reason
         c.finished_at = self.clock.now()
+        self.write_log(c.id, f"fake runtime: container {c.name} exited with code {code} "
+                             f"({reason})", "stderr")
 
     def _forget(self, uid: str, rid: str) -> None:
         ids = self._by_pod.get(uid)
@@ -146,6 +164,8 @@ class FakeRuntime(Runtime):
             labels={**config.labels, LABEL_POD_UID: config.uid},
             annotations=dict(config.annotations))
         self._by_pod.setdefault(config.uid, set()).add(sid)
+        if config.log_directory:
+            self._log_dirs[sid] = config.log_directory
         return sid
 
     async def stop_sandbox(self, sandbox_id: str) -> None:
@@ -168,6 +188,9 @@ class FakeRuntime(Runtime):
                 self._forget(uid, cid)
                 del self.containers[cid]
         del self.sandboxes[sandbox_id]
+        log_dir = self._log_dirs.pop(sandbox_id, None)
+        if log_dir and log_dir not in self._log_dirs.values():
+            shutil.rmtree(log_dir, ignore_errors=True)  # the pod is gone, its logs too
         self._forget(uid, sandbox_id)
 
     async def create_container(self, sandbox_id: str, config: ContainerConfig,
@@ -189,6 +212,12 @@ class FakeRuntime(Runtime):
             image_id="sha256:" + hashlib.sha256(config.image.encode()).hexdigest(),
             spec_hash=config.spec_hash, init=config.init,
             labels=dict(config.labels), annotations=dict(config.annotations))
+        log_dir = self._log_dirs.get(sandbox_id)
+        if log_dir and config.log_path:
+            path = os.path.join(log_dir, config.log_path)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            open(path, "a").close()  # noqa: SIM115 - the runtime creates the file, like containerd
+            self.containers[cid].log_path = path
         self._by_pod.setdefault(sb.pod_uid, set()).add(cid)
         return cid
 
@@ -201,6 +230,8 @@ class FakeRuntime(Runtime):
             raise NotFound(f"start_container: container {container_id} is {c.state}")
         c.state = ContainerState.RUNNING
         c.started_at = self.clock.now()
+        self.write_log(c.id, f"fake runtime: container {c.name} started (image {c.image}); "
+                             "nothing runs in a fake container")
         if c.name in self.exit_on_start:
             code = self.exit_on_start[c.name]
             self._finish(c, code, "Completed" if code == 0 else "Error")
@@ -225,6 +256,13 @@ class FakeRuntime(Runtime):
         c = self.containers.pop(container_id, None)
         if c is not None:
             self._forget(c.pod_uid, container_id)
+
+    async def rotate_container_log(self, container_id: str, path: str, rotated: str) -> None:
+        self._call("rotate_container_log")
+        if container_id not in self.containers:
+            raise NotFound(f"rotate_container_log: container {container_id} not found")
+        os.rename(path, rotated)
+        open(path, "a").close()  # noqa: SIM115 - reopened, as CRI ReopenContainerLog does
 
     async def image_present(self, ref: str) -> bool:
         self._call("image_present")

@@ -64,7 +64,9 @@ from nodeagent.runtime.base import (
     Sandbox,
     SandboxConfig,
     SandboxState,
+    StreamRequest,
 )
+from nodeagent.runtime.execserver import ExecSpec, StreamingServer
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -168,6 +170,7 @@ class ProcessRuntime(Runtime):
     network); `kill_wait` bounds the wait after SIGKILL."""
 
     scheme = "process"
+    log_format = "raw"  # the program writes straight to the file: no times, no streams
 
     def __init__(self, state_dir: str | Path | None = None, *, clock: Clock | None = None,
                  host_ip: str = "", kill_wait: float = 10.0) -> None:
@@ -181,6 +184,7 @@ class ProcessRuntime(Runtime):
         self._children: dict[str, subprocess.Popen[bytes]] = {}  # ours to reap
         self._starting: set[str] = set()  # between fork and the saved RUNNING record
         self._boot = _boot_id()
+        self._streaming: StreamingServer | None = None  # exec, started at the first one
         # Our own threads, not the event loop's default pool: the pod status writes and
         # the API source use that one, and while the API server is down each of their
         # calls holds a thread for up to its timeout; relists must not queue behind them.
@@ -413,7 +417,8 @@ class ProcessRuntime(Runtime):
             exit_code=c.exit_code, reason=c.reason, message=c.message,
             created_at=_parse(c.created_at), started_at=_parse(c.started_at),
             finished_at=_parse(c.finished_at), image_id=c.image, spec_hash=c.spec_hash,
-            init=c.init, labels=dict(c.labels), annotations=annotations)
+            init=c.init, labels=dict(c.labels), annotations=annotations,
+            log_path=c.log_path)
 
     # --- synchronous bodies (run in threads) ------------------------------------------
 
@@ -459,6 +464,10 @@ class ProcessRuntime(Runtime):
         if not argv:
             raise ContainerRuntimeError(f"{where}: command and args are both empty (the "
                                         "process runtime has no image entrypoint)")
+        if config.stdin or config.tty:
+            field_name = "tty" if config.tty else "stdin"
+            raise ContainerRuntimeError(f"{where}: {field_name}: the process runtime cannot "
+                                        "give a process a terminal or keep its stdin open")
         with self._lock:
             sb = self._sandboxes.get(sandbox_id)
             if sb is None:
@@ -689,6 +698,42 @@ class ProcessRuntime(Runtime):
         return [ImageInfo(id="sha256:" + hashlib.sha256(r.encode()).hexdigest(), names=[r],
                           size_bytes=0) for r in refs]
 
+    async def exec_url(self, container_id: str, cmd: list[str], req: StreamRequest) -> str:
+        """A command run beside the container's process, with its environment and
+        working directory (no namespaces to enter: it is a local process too), served by
+        this runtime's own streaming server (execserver.py)."""
+        with self._lock:
+            c = self._containers.get(container_id)
+            if c is None:
+                raise NotFound(f"process exec: container {container_id} not found")
+            self._refresh(c)
+            if c.state != ContainerState.RUNNING.value:
+                raise ContainerRuntimeError(f"process exec: container {c.name} is {c.state}, "
+                                            "not running")
+            env = dict((k, v) for k, v in c.env)
+            cwd = c.working_dir or str(self.state_dir / "pods" / c.sandbox_id)
+        if not cmd:
+            raise ContainerRuntimeError("process exec: no command")
+        if self._streaming is None:
+            self._streaming = StreamingServer()
+        return await self._streaming.url(ExecSpec(
+            argv=list(cmd), env=env, cwd=cwd, stdin=req.stdin, stdout=req.stdout,
+            stderr=req.stderr, tty=req.tty))
+
+    async def rotate_container_log(self, container_id: str, path: str, rotated: str) -> None:
+        """Copy, then truncate: the process keeps its file open in append mode, so its
+        next write lands at the start of the emptied file. What it writes between the
+        copy and the truncate is lost (a few bytes at most, at each rotation)."""
+        def rotate() -> None:
+            with self._lock:
+                c = self._containers.get(container_id)
+                if c is None:
+                    raise NotFound(f"process rotate_container_log: container {container_id} "
+                                   "not found")
+            shutil.copyfile(path, rotated)
+            os.truncate(path, 0)
+        await self._call(rotate)
+
     async def wait_container(self, container_id: str, timeout: float) -> bool:
         """Wait up to `timeout` s for a running container to exit; True once it has.
         For tests and tools; the agent learns of exits from the relist."""
@@ -709,6 +754,8 @@ class ProcessRuntime(Runtime):
     async def close(self) -> None:
         """Release the state dir lock; processes keep running (a new runtime on the
         same dir adopts them)."""
+        if self._streaming is not None:
+            await self._streaming.close()
         self._pool.shutdown(wait=False)
         with self._lock:
             if self._lockfile is not None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
+import os
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -33,6 +34,7 @@ from nodeagent.runtime.base import (
     ContainerConfig,
     ContainerRuntimeError,
     ContainerState,
+    ContainerStats,
     ImageInfo,
     ImageNotPresent,
     NotFound,
@@ -45,6 +47,7 @@ from nodeagent.runtime.base import (
     Sandbox,
     SandboxConfig,
     SandboxState,
+    StreamRequest,
     Unavailable,
     int_or,
 )
@@ -159,6 +162,7 @@ def container_config_pb(c: ContainerConfig, sandbox: SandboxConfig) -> pb.Contai
         envs=[pb.KeyValue(key=k, value=v) for k, v in c.env],
         labels=labels, annotations=annotations,
         log_path=c.log_path if sandbox.log_directory else "",
+        stdin=c.stdin, stdin_once=c.stdin_once, tty=c.tty,
         linux=pb.LinuxContainerConfig(
             resources=linux_resources(c.resources),
             security_context=pb.LinuxContainerSecurityContext(namespace_options=ns)),
@@ -198,6 +202,7 @@ def _container(c: pb.Container, st: pb.ContainerStatus | None = None) -> Contain
         out.finished_at = _time(st.finished_at)
         out.reason, out.message = st.reason, st.message
         out.image_id = st.image_ref or out.image_id
+        out.log_path = st.log_path
         if out.state == ContainerState.EXITED:
             out.exit_code = st.exit_code
     return out
@@ -377,6 +382,65 @@ class CriRuntime(Runtime):
         r = await self._call("ListImages", img.ListImages, pb.ListImagesRequest())
         return [ImageInfo(id=i.id, names=list(i.repo_tags) or list(i.repo_digests),
                           size_bytes=i.size) for i in r.images]
+
+
+    # --- the kubelet API ---------------------------------------------------------------
+
+    async def exec_url(self, container_id: str, cmd: list[str], req: StreamRequest) -> str:
+        rt, _ = self._stubs()
+        r = await self._call(f"Exec {container_id}", rt.Exec, pb.ExecRequest(
+            container_id=container_id, cmd=cmd, tty=req.tty, stdin=req.stdin,
+            stdout=req.stdout, stderr=req.stderr))
+        return r.url
+
+    async def attach_url(self, container_id: str, req: StreamRequest) -> str:
+        rt, _ = self._stubs()
+        r = await self._call(f"Attach {container_id}", rt.Attach, pb.AttachRequest(
+            container_id=container_id, tty=req.tty, stdin=req.stdin, stdout=req.stdout,
+            stderr=req.stderr))
+        return r.url
+
+    async def port_forward_url(self, sandbox_id: str, ports: list[int]) -> str:
+        rt, _ = self._stubs()
+        r = await self._call(f"PortForward {sandbox_id}", rt.PortForward,
+                             pb.PortForwardRequest(pod_sandbox_id=sandbox_id, port=ports))
+        return r.url
+
+    async def container_stats(self) -> list[ContainerStats]:
+        rt, _ = self._stubs()
+        r = await self._call("ListContainerStats", rt.ListContainerStats,
+                             pb.ListContainerStatsRequest())
+        out = []
+        for st in r.stats:
+            if LABEL_POD_UID not in st.attributes.labels:
+                continue  # not ours
+            cpu, mem = st.cpu, st.memory
+
+            def value(msg: Any, name: str) -> int | None:
+                return getattr(msg, name).value if msg.HasField(name) else None
+
+            core_ns = value(cpu, "usage_core_nano_seconds")
+            out.append(ContainerStats(
+                container_id=st.attributes.id,
+                timestamp=_time(cpu.timestamp or mem.timestamp) or dt.datetime.now(dt.UTC),
+                cpu_usage_core_seconds=None if core_ns is None else core_ns / 1e9,
+                memory_working_set_bytes=value(mem, "working_set_bytes"),
+                memory_usage_bytes=value(mem, "usage_bytes"),
+                memory_rss_bytes=value(mem, "rss_bytes"),
+                writable_layer_bytes=value(st.writable_layer, "used_bytes")))
+        return out
+
+    async def rotate_container_log(self, container_id: str, path: str, rotated: str) -> None:
+        rt, _ = self._stubs()
+        await asyncio.to_thread(os.rename, path, rotated)
+        try:
+            await self._call(f"ReopenContainerLog {container_id}", rt.ReopenContainerLog,
+                             pb.ReopenContainerLogRequest(container_id=container_id))
+        except ContainerRuntimeError:
+            # put it back, so the next round tries again and nothing is lost
+            with contextlib.suppress(OSError):
+                await asyncio.to_thread(os.rename, rotated, path)
+            raise
 
 
 _EPOCH = dt.datetime.fromtimestamp(0, dt.UTC)

@@ -1,0 +1,149 @@
+"""The images the upstream node e2e tests run, built here (no registry is reachable)
+and named as the tests expect them.
+
+The names come from the pinned module's test/utils/image/manifest.go, so they follow
+the Kubernetes pin. What each image holds:
+
+- busybox, pause: this project's own images (e2e/cluster/images.py), tagged with the
+  upstream names; the upstream busybox is busybox too, the upstream pause a program
+  that does what ours does.
+- agnhost: the agnhost program built from the same module (test/images/agnhost), in a
+  rootfs laid out as its Dockerfile lays it out (/agnhost, /agnhost-2, /localhost.crt
+  and .key from porter/, /uploads, the user 1000 and the group 50000, /var/registry
+  with the pause image under the tag "testing" for fake-registry-server), with
+  busybox-static in place of Alpine's shell tools, and Debian's curl and bash with
+  the libraries they load (the lifecycle hooks exec `sh -c "curl ..."` in it, the
+  sidecar probe specs run `/bin/bash -c`). Alpine's bind-tools, iproute2, iperf and
+  coredns are not there: a test that needs them fails, and docs/conformance.md says so.
+- nonewprivs: the nnp program from the module (test/images/nonewprivs), setuid root
+  in /usr/local/bin as its Dockerfile makes it, on busybox.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import tarfile
+from pathlib import Path
+
+from e2e.cluster import build, images
+from e2e.cluster.images import CACHE, Rootfs, build_oci_tar, file_hash
+
+MODULE_DIR = "k8s.io/kubernetes@{version}"
+
+
+def module_source() -> Path:
+    """The pinned k8s.io/kubernetes module's source (downloaded by its build)."""
+    return build.cache_root() / "gomod" / MODULE_DIR.format(version=build.kubernetes_version())
+
+
+def upstream_names() -> dict[str, str]:
+    """ImageID (as manifest.go names it: "Agnhost", "BusyBox", "Pause", ...) -> the
+    image name the tests use, read from the pinned module's manifest.go."""
+    text = (module_source() / "test/utils/image/manifest.go").read_text()
+    registries = dict(re.findall(r'^\s*(\w+Registry):\s*"([^"]+)"', text, re.M))
+    names = {m[0]: f"{registries[m[1]]}/{m[2]}:{m[3]}" for m in re.findall(
+        r'configs\[(\w+)\] = Config\{list\.(\w+), "([^"]+)", "([^"]+)"\}', text)}
+    if "Agnhost" not in names or "Pause" not in names:
+        raise RuntimeError("test/utils/image/manifest.go of the pinned module no longer "
+                           "reads as expected (no configs[Agnhost] or configs[Pause])")
+    return names
+
+
+def _ldd_closure(binary: Path) -> dict[str, bytes]:
+    """The shared libraries (and the loader) a dynamic binary needs, by path."""
+    out = subprocess.run(["ldd", str(binary)], capture_output=True, text=True, check=True,
+                         timeout=30).stdout
+    libs = {}
+    for path in re.findall(r"(/\S+) \(0x", out):
+        libs[path.lstrip("/")] = Path(path).read_bytes()
+    return libs
+
+
+# Debian's programs in the agnhost image (apt packages curl and bash)
+FROM_DEBIAN = (Path("/usr/bin/curl"), Path("/bin/bash"))
+
+
+def build_agnhost_tar(tag: str, cache: Path = CACHE) -> Path:
+    """The agnhost image; `tag` is the ref its index records (what import names it)."""
+    agnhost = build.ensure(["agnhost"])["agnhost"]
+    for program in FROM_DEBIAN:
+        if not program.exists():
+            raise RuntimeError(f"{program} not found: install the apt package {program.name}")
+    porter = module_source() / "test/images/agnhost/porter"
+    pause_tar = images.build_pause_tar(cache)
+    inputs = file_hash(agnhost, pause_tar, Path("/bin/busybox"), *FROM_DEBIAN)
+    out = cache / f"agnhost-{tag}-{inputs}.tar"
+    if out.exists():
+        return out
+    rootfs = images.busybox_rootfs()
+    rootfs.files["agnhost"] = (agnhost.read_bytes(), 0o755)
+    rootfs.symlinks["agnhost-2"] = "agnhost"
+    for name in ("localhost.crt", "localhost.key"):
+        rootfs.files[name] = ((porter / name).read_bytes(), 0o644)
+    for program in FROM_DEBIAN:
+        rootfs.symlinks.pop(str(program).lstrip("/"), None)  # not busybox's applet
+        rootfs.files[str(program).lstrip("/")] = (program.read_bytes(), 0o755)
+        for path, data in _ldd_closure(program).items():
+            rootfs.files[path] = (data, 0o755)
+    rootfs.dirs |= {"uploads", "home/user-defined-in-image"}
+    rootfs.files["etc/passwd"] = (
+        b"root:x:0:0:root:/root:/bin/sh\n"
+        b"user-defined-in-image:x:1000:1000::/home/user-defined-in-image:/bin/sh\n", 0o644)
+    rootfs.files["etc/group"] = (
+        b"root:x:0:\nuser-defined-in-image:x:1000:\n"
+        b"group-defined-in-image:x:50000:user-defined-in-image\n", 0o644)
+    _add_fake_registry(rootfs, pause_tar, "pause", "testing")
+    build_oci_tar(out, rootfs, ref=tag, entrypoint=["/agnhost"], cmd=["pause"])
+    return out
+
+
+def _add_fake_registry(rootfs: Rootfs, oci_tar: Path, name: str, tag: str) -> None:
+    """Lay out an image as agnhost's fake-registry-server serves it from /var/registry:
+    manifests/<digest> (the index, each manifest), manifests/<tag> holding the index's
+    digest, blobs/<digest>."""
+    base = f"var/registry/{name}"
+    with tarfile.open(oci_tar) as tar:
+        def read(member: str) -> bytes:
+            f = tar.extractfile(member)
+            assert f is not None, member
+            return f.read()
+
+        index = json.loads(read("index.json"))
+        for m in index["manifests"]:
+            m.pop("annotations", None)
+        index_b = json.dumps(index, sort_keys=True).encode()
+        index_digest = images._sha(index_b)
+        rootfs.files[f"{base}/manifests/{index_digest}"] = (index_b, 0o644)
+        rootfs.files[f"{base}/manifests/{tag}"] = (index_digest.encode() + b"\n", 0o644)
+        for m in index["manifests"]:
+            digest = m["digest"]
+            manifest_b = read("blobs/sha256/" + digest.removeprefix("sha256:"))
+            rootfs.files[f"{base}/manifests/{digest}"] = (manifest_b, 0o644)
+            manifest = json.loads(manifest_b)
+            for blob in [manifest["config"], *manifest["layers"]]:
+                rootfs.files[f"{base}/blobs/{blob['digest']}"] = (
+                    read("blobs/sha256/" + blob["digest"].removeprefix("sha256:")), 0o644)
+
+
+def build_nonewprivs_tar(tag: str, cache: Path = CACHE) -> Path:
+    nnp = build.ensure(["nonewprivs"])["nonewprivs"]
+    out = cache / f"nonewprivs-{tag}-{file_hash(nnp, Path('/bin/busybox'))}.tar"
+    if not out.exists():
+        rootfs = images.busybox_rootfs()
+        rootfs.files["usr/local/bin/nnp"] = (nnp.read_bytes(), 0o4755)  # setuid root
+        build_oci_tar(out, rootfs, ref=tag, cmd=["nnp"])
+    return out
+
+
+def import_all(ctd) -> dict[str, str]:
+    """Build (cached) and import into the containerd `ctd` (e2e.cluster.containerd) every
+    upstream image the node tests can have here; return ImageID -> name."""
+    names = upstream_names()
+    ctd.tag_image(images.BUSYBOX_IMAGE, names["BusyBox"])
+    ctd.tag_image(images.PAUSE_IMAGE, names["Pause"])
+    for image_id, builder in (("Agnhost", build_agnhost_tar),
+                              ("Nonewprivs", build_nonewprivs_tar)):
+        ctd.import_image(builder(names[image_id].rpartition(":")[2]), names[image_id])
+    return {k: names[k] for k in ("BusyBox", "Pause", "Agnhost", "Nonewprivs")}

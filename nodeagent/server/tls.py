@@ -1,0 +1,260 @@
+"""The kubelet API's serving certificate, from one of three places:
+
+- files (--tls-cert-file, --tls-private-key-file), read at start;
+- the CertificateSigningRequest API (--rotate-server-certificates): a key made here, a
+  CSR for signer kubernetes.io/kubelet-serving naming the node (CN system:node:<name>,
+  O system:nodes) and its addresses, the signed certificate saved under
+  <root-dir>/pki and used at once, and a new one requested at a random point between
+  70 % and 90 % of its lifetime (the kubelet's rule); someone (an approver, an admin)
+  must approve each CSR, as for the kubelet;
+- else self-signed, made at start and saved under <root-dir>/pki.
+
+One ssl.SSLContext serves every connection; a renewed certificate is loaded into it,
+so connections made afterwards get the new one. With --client-ca-file the context asks
+for a client certificate and verifies any given against that CA.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import datetime as dt
+import ipaddress
+import logging
+import os
+import random
+import ssl
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from nodeagent.api.clock import Clock
+from nodeagent.server.kubeapi import ServerApi
+
+log = logging.getLogger(__name__)
+
+SIGNER = "kubernetes.io/kubelet-serving"
+SELF_SIGNED_VALIDITY = dt.timedelta(days=365)
+CSR_POLL = 2.0  # seconds between looks at a pending CSR
+RETRY = 30.0    # seconds before a refused or failed CSR is tried again
+
+
+class CertError(ValueError):
+    """A certificate or key that cannot be used; the message names the file."""
+
+
+def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                             serialization.NoEncryption())
+
+
+def _sans(names: Sequence[str]) -> list[x509.GeneralName]:
+    out: list[x509.GeneralName] = []
+    for n in dict.fromkeys(n for n in names if n):
+        try:
+            out.append(x509.IPAddress(ipaddress.ip_address(n)))
+        except ValueError:
+            out.append(x509.DNSName(n))
+    return out
+
+
+def self_signed(node: str, names: Sequence[str], now: dt.datetime) -> tuple[bytes, bytes]:
+    """(certificate PEM, key PEM) for `names`, valid a year."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME,
+                                            f"{node}@{int(now.timestamp())}")])
+    cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - dt.timedelta(minutes=5))
+            .not_valid_after(now + SELF_SIGNED_VALIDITY)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]),
+                           critical=False)
+            .add_extension(x509.SubjectAlternativeName(_sans(names)), critical=False)
+            .sign(key, hashes.SHA256()))
+    return cert.public_bytes(serialization.Encoding.PEM), _key_pem(key)
+
+
+def csr_request(node: str, names: Sequence[str]) -> tuple[bytes, bytes]:
+    """(CSR PEM, key PEM) for the node's serving certificate."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    csr = (x509.CertificateSigningRequestBuilder()
+           .subject_name(x509.Name([
+               x509.NameAttribute(NameOID.ORGANIZATION_NAME, "system:nodes"),
+               x509.NameAttribute(NameOID.COMMON_NAME, f"system:node:{node}")]))
+           .add_extension(x509.SubjectAlternativeName(_sans(names)), critical=False)
+           .sign(key, hashes.SHA256()))
+    return csr.public_bytes(serialization.Encoding.PEM), _key_pem(key)
+
+
+def validity(cert_pem: bytes) -> tuple[dt.datetime, dt.datetime]:
+    cert = x509.load_pem_x509_certificate(cert_pem)
+    return cert.not_valid_before_utc, cert.not_valid_after_utc
+
+
+def renew_at(not_before: dt.datetime, not_after: dt.datetime, rng: random.Random) -> dt.datetime:
+    """A random point between 70 % and 90 % of the certificate's lifetime."""
+    return not_before + (not_after - not_before) * rng.uniform(0.7, 0.9)
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+class ServingCert:
+    """The server's TLS context and where its certificate comes from."""
+
+    def __init__(self, *, node: str, names: Sequence[str], pki_dir: Path,
+                 cert_file: str | None = None, key_file: str | None = None,
+                 client_ca_file: str | None = None, clock: Clock,
+                 rng: random.Random | None = None) -> None:
+        self.node = node
+        self.names = list(names)
+        self.pki_dir = pki_dir
+        self.cert_file = cert_file
+        self.key_file = key_file
+        self.clock = clock
+        self.rng = rng or random.Random()
+        self.context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        self.context.minimum_version = ssl.TLSVersion.TLSv1_2
+        if client_ca_file:
+            try:
+                self.context.load_verify_locations(cafile=client_ca_file)
+            except (OSError, ssl.SSLError) as e:
+                raise CertError(f"--client-ca-file {client_ca_file}: {e}") from None
+            self.context.verify_mode = ssl.CERT_OPTIONAL
+        self.not_after: dt.datetime | None = None
+        self.renewals = 0  # certificates received through CSRs
+
+    # -- loading --
+    def load_files(self) -> None:
+        assert self.cert_file and self.key_file
+        try:
+            self.context.load_cert_chain(self.cert_file, self.key_file)
+            self.not_after = validity(Path(self.cert_file).read_bytes())[1]
+        except (OSError, ssl.SSLError, ValueError) as e:
+            raise CertError(f"--tls-cert-file {self.cert_file} / --tls-private-key-file "
+                            f"{self.key_file}: {e}") from None
+
+    def use(self, cert_pem: bytes, key_pem: bytes, path: Path) -> None:
+        """Save cert + key in one file (0600) and serve them from now on."""
+        self.pki_dir.mkdir(parents=True, exist_ok=True)
+        _write_private(path, cert_pem + key_pem)
+        try:
+            self.context.load_cert_chain(path)
+        except ssl.SSLError as e:
+            raise CertError(f"{path}: {e}") from None
+        self.not_after = validity(cert_pem)[1]
+
+    def load_self_signed(self) -> None:
+        path = self.pki_dir / "kubelet-server-self-signed.pem"
+        if path.exists():
+            try:
+                pem = path.read_bytes()
+                if validity(pem)[1] > self.clock.now() + dt.timedelta(days=1):
+                    self.context.load_cert_chain(path)
+                    self.not_after = validity(pem)[1]
+                    return
+            except (OSError, ssl.SSLError, ValueError):
+                log.warning("%s is unusable; making a new self-signed certificate", path)
+        cert, key = self_signed(self.node, self.names, self.clock.now())
+        self.use(cert, key, path)
+        log.info("kubelet API: serving a self-signed certificate (%s)", path)
+
+    # -- rotation through the CSR API --
+    @property
+    def current_path(self) -> Path:
+        return self.pki_dir / "kubelet-server-current.pem"
+
+    def load_current(self) -> tuple[dt.datetime, dt.datetime] | None:
+        """The certificate an earlier run got, if it is still valid."""
+        try:
+            pem = self.current_path.read_bytes()
+            before, after = validity(pem)
+        except (OSError, ValueError):
+            return None
+        if after <= self.clock.now():
+            return None
+        try:
+            self.context.load_cert_chain(self.current_path)
+        except ssl.SSLError:
+            return None
+        self.not_after = after
+        return before, after
+
+    async def rotate(self, api: ServerApi, call: Callable[..., Any],
+                     stop: asyncio.Event) -> None:
+        """Keep a CSR-signed certificate in place until `stop` (the interim one is
+        self-signed)."""
+        current = self.load_current()
+        if current is None:
+            self.load_self_signed()
+        while not stop.is_set():
+            if current is not None:
+                due = renew_at(*current, self.rng)
+                wait = (due - self.clock.now()).total_seconds()
+                if wait > 0:
+                    log.info("kubelet API: serving certificate valid until %s; renewing "
+                             "at %s", current[1].isoformat(), due.isoformat())
+                    if await _wait(stop, self.clock, wait):
+                        return
+            try:
+                got = await self._request(api, call, stop)
+            except Exception as e:  # noqa: BLE001 - logged; tried again after RETRY
+                log.warning("kubelet API: serving certificate request failed: %s; trying "
+                            "again in %.0f s", e, RETRY)
+                if await _wait(stop, self.clock, RETRY):
+                    return
+                continue
+            if got is None:
+                return
+            cert, key = got
+            self.use(cert, key, self.current_path)
+            current = validity(cert)
+            self.renewals += 1
+            log.info("kubelet API: new serving certificate, valid until %s",
+                     current[1].isoformat())
+
+    async def _request(self, api: ServerApi, call: Callable[..., Any],
+                       stop: asyncio.Event) -> tuple[bytes, bytes] | None:
+        csr, key = csr_request(self.node, self.names)
+        body = {"apiVersion": "certificates.k8s.io/v1", "kind": "CertificateSigningRequest",
+                "metadata": {"generateName": f"csr-{self.node}-"},
+                "spec": {"request": base64.b64encode(csr).decode(), "signerName": SIGNER,
+                         "usages": ["digital signature", "server auth"]}}
+        created = await call(api.create_csr, body)
+        name = created["metadata"]["name"]
+        log.info("kubelet API: CertificateSigningRequest %s sent (signer %s); waiting for "
+                 "approval and signing", name, SIGNER)
+        while True:
+            obj = await call(api.get_csr, name)
+            status = obj.get("status") or {}
+            for c in status.get("conditions") or []:
+                if c.get("type") in ("Denied", "Failed") and c.get("status", "True") == "True":
+                    raise RuntimeError(f"CertificateSigningRequest {name} {c['type'].lower()}: "
+                                       f"{c.get('reason', '')} {c.get('message', '')}".strip())
+            if status.get("certificate"):
+                return base64.b64decode(status["certificate"]), key
+            if await _wait(stop, self.clock, CSR_POLL):
+                return None
+
+
+async def _wait(stop: asyncio.Event, clock: Clock, seconds: float) -> bool:
+    """Sleep up to `seconds`; True when `stop` was set meanwhile."""
+    sleeper = asyncio.ensure_future(clock.sleep(seconds))
+    stopper = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({sleeper, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        sleeper.cancel()
+        stopper.cancel()
+    return stop.is_set()

@@ -1,0 +1,119 @@
+"""The conformance runner's own logic (e2e/conformance/run.py): reading specs.yaml,
+naming a spec exactly for ginkgo, reading ginkgo's JSON report, the ratchet and the
+doc. The run itself is e2e/test_conformance.py."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from e2e.conformance import run
+
+SPEC = "[sig-node] Pods should get a host IP [NodeConformance] [Conformance]"
+
+
+def plan_file(tmp_path: Path, **over: object) -> Path:
+    raw = {"focus_file": "test/e2e/common/node/", "focus": r"\[NodeConformance\]",
+           "skip": r"\[Slow\]", "serial": r"\[Serial\]", "workers": 4,
+           "spec_timeout": 400, "trial_timeout": 100,
+           "cannot_run": {"[sig-node] X pulls from the internet": "no internet here"},
+           "expected_pass": [SPEC], **over}
+    path = tmp_path / "specs.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def test_the_committed_specs_file_is_valid() -> None:
+    plan = run.load_plan()
+    assert plan.expected_pass and plan.workers > 0 and plan.spec_timeout > 0
+
+
+def test_a_bad_specs_file_is_refused_naming_the_key(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="workers must be a int"):
+        run.load_plan(plan_file(tmp_path, workers="four"))
+    with pytest.raises(ValueError, match="skip is not a regular expression"):
+        run.load_plan(plan_file(tmp_path, skip="[Slow"))
+    with pytest.raises(ValueError, match="needs a reason"):
+        run.load_plan(plan_file(tmp_path, cannot_run={SPEC: ""}))
+    with pytest.raises(ValueError, match="in both expected_pass and cannot_run"):
+        run.load_plan(plan_file(tmp_path, cannot_run={SPEC: "why"}))
+
+
+def test_why_not_run_names_the_reason_or_the_skip_tag(tmp_path: Path) -> None:
+    plan = run.load_plan(plan_file(tmp_path))
+    assert plan.why_not_run("[sig-node] X pulls from the internet") == "no internet here"
+    assert "[Slow]" in (plan.why_not_run("[sig-node] Pods backs off [Slow]") or "")
+    assert plan.why_not_run(SPEC) is None
+
+
+def test_a_spec_name_becomes_a_go_regex_that_matches_only_it() -> None:
+    literal = run.go_regex_literal(SPEC + " (a|b) $x *")
+    assert " " in literal and "\\ " not in literal  # RE2 refuses an escaped space
+    # the escaped characters mean the same in Python's re as in RE2
+    assert re.fullmatch(literal, SPEC + " (a|b) $x *")
+    assert not re.fullmatch(literal, SPEC + " a $x *")
+
+
+def ginkgo_report(path: Path, specs: list[tuple[list[str], str, str, str]]) -> Path:
+    path.write_text(json.dumps([{"SpecReports": [
+        {"LeafNodeType": "SynchronizedBeforeSuite", "State": "passed"},
+        *({"LeafNodeType": "It", "ContainerHierarchyTexts": containers, "LeafNodeText": leaf,
+           "State": state, "RunTime": 2_500_000_000,
+           **({"Failure": {"Message": message}} if message else {})}
+          for containers, leaf, state, message in specs)]}]))
+    return path
+
+
+def test_the_json_report_gives_full_names_states_and_failures(tmp_path: Path) -> None:
+    report = ginkgo_report(tmp_path / "r.json", [
+        (["[sig-node] Pods"], "should get a host IP [NodeConformance] [Conformance]",
+         "passed", ""),
+        (["[sig-node] Pods", "when logs"], "should print", "failed",
+         "[FAILED] Timed out after 300s.\n  Expected\n  <bool>: false"),
+    ])
+    got = run._spec_reports(report)
+    assert got[0] == (SPEC, "passed", 2.5, "")
+    assert got[1][0] == "[sig-node] Pods when logs should print"
+    assert run.summarize(got[1][3]) == "Timed out after 300s. Expected <bool>: false"
+    assert len(run.summarize("x" * 1000)) == 300
+    dump = ("expected pod success: Timed out after 300s. expected pod to be Succeeded, got "
+            "instead: <*v1.Pod | 0x3f5d8639a490>: metadata: x\n  state:\n    waiting:\n"
+            "      message: 'pod configmap-1430/p container c: env X:\n"
+            "        valueFrom is not supported'\n      reason: CreateContainerConfigError\n"
+            "  phase: Pending\n")
+    assert run.summarize(dump) == ("container waiting: CreateContainerConfigError: pod "
+                                   "configmap-N/p container c: env X: valueFrom is not supported "
+                                   "(expected pod success: Timed out after 300s. expected pod to "
+                                   "be Succeeded; pod Pending)")
+    assert run.summarize('Get "wss://127.0.0.1:59533/x"') == 'Get "wss://127.0.0.1:PORT/x"'
+    assert run.summarize("pod \"p-3152095a-5680-4273-9975-9cb4306e512c\" <*E | 0x3f5d8639a490>") \
+        == 'pod "p-<uid>" <*E | 0x…>'
+
+
+def test_the_ratchet_fails_on_an_expected_pass_that_did_not_pass(tmp_path: Path) -> None:
+    plan = run.load_plan(plan_file(tmp_path))
+    other = "[sig-node] Pods should be updated [NodeConformance] [Conformance]"
+    not_run = run.Result("[sig-node] X pulls from the internet", run.NOT_RUN, reason="r")
+    assert run.ratchet([run.Result(SPEC, run.PASSED), run.Result(other, run.FAILED),
+                        not_run], plan) == []
+    problems = run.ratchet([run.Result(SPEC, run.FAILED, reason="boom"), not_run], plan)
+    assert problems == [f"expected to pass, failed: {SPEC}: boom"]
+    assert run.ratchet([not_run], plan) == [
+        f"specs.yaml names a spec the suite does not list: {SPEC}"]
+
+
+def test_the_doc_lists_every_spec_with_its_reason(tmp_path: Path) -> None:
+    plan = run.load_plan(plan_file(tmp_path))
+    doc = tmp_path / "conformance.md"
+    run.write_doc([run.Result(SPEC, run.PASSED, 3.2),
+                   run.Result("[sig-node] a | b", run.FAILED, 300, "Timed out | x")],
+                  plan, 660, doc)
+    text = doc.read_text()
+    assert "**1 passed, 1 failed, 0 skipped by the spec, 0 not run** of 2" in text
+    assert f"| {SPEC} | passed (expected pass) | 3 |  |" in text
+    assert "| [sig-node] a \\| b | failed | 300 | Timed out \\| x |" in text
+    assert "11.0 min of wall time" in text and "each other spec 100 s" in text
