@@ -174,11 +174,13 @@ def pools(kube: client.ApiClient, operators: list[op.Operator],
     def settled(n: str) -> bool:
         node = op.node(kube, n)
         ready = op.ready_status(kube, n)
+        policy = json.loads((node.metadata.annotations or {}).get(
+            HEARTBEAT_ANNOTATION, "{}")).get("policy")
         return (ready is not None and ready.status == "True" and not node.spec.taints
-                and HEARTBEAT_ANNOTATION in (node.metadata.annotations or {}))
+                and policy == names[short(n).split("-")[0]])
     eventually(lambda: all(settled(n) for n in nodes),
                "every node Ready, untainted (admission's not-ready taken off by the "
-               "controller manager) and annotated by the operator", 60)
+               "controller manager) and given its policy by the operator", 60)
     return names
 
 
@@ -319,7 +321,7 @@ def test_three_minutes_beside_the_node_lifecycle_controller(
 
     tally: dict[str, int] = {}
     for name, n in nodes.items():
-        hist = [w for w in writes[n] if w.at >= start - 1]  # the window and after
+        hist = [w for w in writes[n] if w.at >= start]  # the window and after
         where = f"{name}, writes since the window began:\n{show(hist, start)}"
         for w in hist:
             tally[w.who] = tally.get(w.who, 0) + 1
