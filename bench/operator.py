@@ -257,7 +257,8 @@ def run_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
         port = free_port()
         log = (workdir / "operator.log").open("wb")
         op = subprocess.Popen([str(OPERATOR), "--kubeconfig", str(cluster.kubeconfig),
-                               "--metrics-port", str(port), "--identity", "bench"],
+                               "--metrics-port", str(port), "--identity", "bench",
+                               *cluster.node_lifecycle_args()],
                               stdout=log, stderr=subprocess.STDOUT)
 
         def status() -> dict[str, Any]:

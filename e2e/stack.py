@@ -61,7 +61,8 @@ class Stack:
         bindir = Path(sys.executable).parent
         self._spawn("operator", [str(bindir / "nodepulse-operator"),
                                  f"--kubeconfig={c.kubeconfig}",
-                                 f"--metrics-port={self.operator_metrics_port}"])
+                                 f"--metrics-port={self.operator_metrics_port}",
+                                 *c.node_lifecycle_args()])
         runtime = ["--runtime=process"]
         self.runtime = "the process runtime (containerd is not installed)"
         if shutil.which("containerd"):

@@ -749,7 +749,8 @@ class Operator:
         args = [str(OPERATOR), "--kubeconfig", str(cluster.kubeconfig),
                 "--identity", f"faults-{RUN}",
                 "--leader-election-name", f"nodepulse-operator-faults-{RUN}",
-                "--metrics-port", str(self.port), "--monitor-period", "1"]
+                "--metrics-port", str(self.port), "--monitor-period", "1",
+                *cluster.node_lifecycle_args()]
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL)

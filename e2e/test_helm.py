@@ -154,6 +154,8 @@ def test_lint_strict_is_clean(tools: Tools) -> None:
      "at '/operator/resources/requests/cpu'"),
     ({"metrics": {"serviceMonitor": {"interval": "often"}}},
      "at '/metrics/serviceMonitor/interval'"),
+    ({"operator": {"nodeLifecycle": {"mode": "both"}}},
+     "at '/operator/nodeLifecycle/mode': value must be one of"),
 ])
 def test_bad_values_fail_lint_and_install_naming_the_field(
         tools: Tools, namespace: str, bad: dict[str, Any], message: str) -> None:
@@ -205,6 +207,22 @@ def test_template_is_accepted_by_the_api_server(tools: Tools, namespace: str) ->
     assert out.stderr.strip() == ""  # no warnings either
 
 
+def test_operator_node_lifecycle_follows_the_values(tools: Tools) -> None:
+    """coexist with the controller manager's default grace unless told otherwise: the
+    safe mode on a cluster whose node-lifecycle controller may run."""
+    def args(*extra: str) -> list[str]:
+        (deploy,) = [d for d in docs(tools.template("np-nl", "nl-test", *values(), *extra))
+                     if d["kind"] == "Deployment"]
+        return list(deploy["spec"]["template"]["spec"]["containers"][0]["args"])
+
+    default = args()
+    assert "--node-lifecycle=coexist" in default
+    assert "--node-monitor-grace-period=50s" in default
+    told = args(*sets({"operator": {"nodeLifecycle": {
+        "mode": "exclusive", "nodeMonitorGracePeriodSeconds": 40}}}))
+    assert "--node-lifecycle=exclusive" in told and "--node-monitor-grace-period=40s" in told
+
+
 def test_service_monitor_only_when_enabled(tools: Tools) -> None:
     """Its CRD (Prometheus Operator) is not in this cluster, so it is checked rendered."""
     off = docs(tools.template("np-sm", "monitoring-test", *values()))
@@ -254,6 +272,8 @@ def test_install_upgrade_uninstall(tools: Tools, namespace: str) -> None:
                      *values(**ALL_ON))
     print(out.stdout)
     assert "STATUS: deployed" in out.stdout
+    assert "Node lifecycle mode: coexist (kube-controller-manager's node-lifecycle " \
+        "controller runs, grace 50s:" in out.stdout  # NOTES
     installed = _manifest_objects(tools, release, namespace)
     for kind, ns, name in installed:
         assert _exists(tools, kind, ns, name), (kind, ns, name)
@@ -376,7 +396,7 @@ def test_kubectl_get_nsp_shows_the_printer_columns(tools: Tools) -> None:
         print(out)
         header, row = out.strip().splitlines()
         assert header.split() == ["NAME", "SELECTOR", "PRIORITY", "NODES", "READY",
-                                  "UNREACHABLE", "AGE"]
+                                  "UNREACHABLE", "EFFECTIVE", "AGE"]
         assert row.split()[0] == name and "7" in row.split()
     finally:
         tools.kubectl("delete", "nsp", name, "--ignore-not-found")

@@ -70,7 +70,8 @@ class Operator:
                 "--identity", identity,
                 "--leader-election-namespace", creds.election_namespace,
                 "--leader-election-name", creds.election_name,
-                "--metrics-port", str(self.port), "--monitor-period", "1"]
+                "--metrics-port", str(self.port), "--monitor-period", "1",
+                *cluster.node_lifecycle_args()]
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
 
@@ -380,7 +381,7 @@ def test_explain_and_printer_columns(cluster: Cluster, kube: client.ApiClient) -
     header = kubectl(cluster, "get", "nsp").stdout.splitlines()
     if header:  # no policies yet prints nothing on stdout
         assert header[0].split() == ["NAME", "SELECTOR", "PRIORITY", "NODES", "READY",
-                                     "UNREACHABLE", "AGE"]
+                                     "UNREACHABLE", "EFFECTIVE", "AGE"]
 
 
 def test_two_pools_grace_15_and_60(kube: client.ApiClient, operators: list[Operator],

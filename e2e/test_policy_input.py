@@ -318,7 +318,8 @@ class Operator:
         log = cluster.log_dir / f"operator-{identity}.log"
         argv = [str(OPERATOR), "--kubeconfig", str(cluster.kubeconfig), "--identity", identity,
                 "--leader-election-name", f"nodepulse-pi-{identity}",
-                "--metrics-port", str(self.port), "--monitor-period", "1"]
+                "--metrics-port", str(self.port), "--monitor-period", "1",
+                *cluster.node_lifecycle_args()]
         with log.open("ab") as out:
             self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
 

@@ -398,11 +398,11 @@ def _pod(cluster: Cluster, namespace: str, node: str) -> str:
 
 
 def _event(node: str, namespace: str = "default", *, kind: str = "Node",
-           source: str | None = None) -> dict[str, Any]:
+           source: str | None = None, api_version: str = "v1") -> dict[str, Any]:
     now = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     body = {"apiVersion": "v1", "kind": "Event",
             "metadata": {"name": f"{node}.{uuid.uuid4().hex[:8]}", "namespace": namespace},
-            "involvedObject": {"apiVersion": "v1", "kind": kind, "name": node},
+            "involvedObject": {"apiVersion": api_version, "kind": kind, "name": node},
             "reason": "E2E", "message": "made up", "type": "Warning",
             "firstTimestamp": now, "lastTimestamp": now, "count": 1}
     if source:
@@ -463,7 +463,14 @@ def test_operator_identity_cannot_read_secrets_or_make_nodes(
     assert status == 403
     status, _ = _status(lambda: core.delete_namespaced_event(made.metadata.name, "default"))
     assert status == 403
-    for ev in (made, theirs):
+    # ...and about a policy the controller manager overrides (coexist mode), which an
+    # Event about a Node cannot be turned into
+    about_policy = core.create_namespaced_event("default", _event(
+        release.policy, kind="NodeStatusPolicy", source=op, api_version="nodepulse.dev/v1alpha1"))
+    status, body = _status(lambda: core.patch_namespaced_event(
+        made.metadata.name, "default", {"involvedObject": {"kind": "NodeStatusPolicy"}}))
+    assert status == 403 and fence in body
+    for ev in (made, theirs, about_policy):
         admin_core.delete_namespaced_event(ev.metadata.name, "default")
 
 
@@ -601,7 +608,8 @@ def test_operator_and_agent_work_under_the_chart_identities(
             [str(BIN / "nodepulse-operator"), "--kubeconfig", str(identities["operator"]),
              "--leader-election-namespace", release.namespace,
              "--leader-election-name", f"{release.name}-nodepulse-operator",
-             "--identity", identity, "--monitor-period", "1", "--metrics-port", str(op_port)],
+             "--identity", identity, "--monitor-period", "1", "--metrics-port", str(op_port),
+             *cluster.node_lifecycle_args()],
             op_log, tmp_path))
         with contextlib.ExitStack() as agent_stack:
             agent = agent_process(agent_stack)
@@ -640,7 +648,8 @@ def test_operator_and_agent_work_under_the_chart_identities(
             print(table)
             row = _columns(table)
             assert list(row) == ["NAME", "SELECTOR", "PRIORITY", "NODES", "READY", "UNREACHABLE",
-                                 "AGE"]
+                                 "EFFECTIVE", "AGE"]
+            assert row["EFFECTIVE"] == "True"  # exclusive mode: all of the policy applies
             assert row["NAME"] == release.policy and row["SELECTOR"] == "<all nodes>"
             assert row["PRIORITY"] == "-1000"
             assert (row["NODES"], row["READY"]) == (str(st["nodes"]), str(st["readyNodes"]))

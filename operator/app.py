@@ -20,6 +20,7 @@ import kopf
 from nodeoperator.election import KubeLeaseBackend, LeaderElector
 from nodeoperator.events import NodeEvents
 from nodeoperator.kube import KubeWriter
+from nodeoperator.lifecycle import Lifecycle
 from nodeoperator.monitor import Monitor
 from nodeoperator.state import Store
 from nodeoperator.sync import InitialSync
@@ -49,6 +50,7 @@ class Options:
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = None  # None: no endpoint
     writers: int = 16
+    lifecycle: Lifecycle = dataclasses.field(default_factory=Lifecycle)
 
 
 def connection_info(kubeconfig: str | None, context: str | None) -> kopf.ConnectionInfo:
@@ -111,7 +113,8 @@ async def run(opts: Options, clock: Clock | None = None) -> None:
     monitor = Monitor(store, clock, writer, period=opts.monitor_period,
                       is_leader=lambda: elector.leading,
                       api_ok_since=lambda: elector.api_ok_since, parallel=opts.writers,
-                      events=events, synced=(synced.done, leases.listed))
+                      events=events, synced=(synced.done, leases.listed),
+                      lifecycle=opts.lifecycle)
     ready = asyncio.Event()
     server = None
     if opts.metrics_port is not None:
@@ -121,8 +124,10 @@ async def run(opts: Options, clock: Clock | None = None) -> None:
             else "the watches have not listed every Node, policy and Lease yet")
         server.start()
         log.info("metrics and health on http://%s:%d", opts.metrics_host, server.port)
-    log.info("starting as %s (leader Lease %s/%s)", opts.identity, opts.election_namespace,
-             opts.election_name)
+    log.info("starting as %s (leader Lease %s/%s), node lifecycle %s", opts.identity,
+             opts.election_namespace, opts.election_name,
+             "exclusive" if opts.lifecycle.exclusive else
+             f"coexist (the controller manager's grace {opts.lifecycle.cluster_grace:g}s)")
     tasks = [asyncio.create_task(elector.run(), name="election"),
              asyncio.create_task(leases.run(), name="lease-watch"),
              asyncio.create_task(synced.run(), name="initial-sync"),

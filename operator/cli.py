@@ -9,6 +9,7 @@ import os
 import sys
 
 from nodeoperator import __version__
+from nodeoperator.lifecycle import CLUSTER_GRACE_DEFAULT, COEXIST, MODES, parse_duration
 
 from nodeagent.api.client import ClientConfigError
 
@@ -47,6 +48,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "port; default: off)")
     parser.add_argument("--metrics-host", default="127.0.0.1",
                         help="address for --metrics-port (default: %(default)s)")
+    parser.add_argument("--node-lifecycle", choices=MODES, default=COEXIST,
+                        help="coexist: kube-controller-manager's node-lifecycle controller "
+                        "runs (managed clusters, kind and kubeadm by default); the operator "
+                        "only marks nodes sooner than it would and never undoes it. "
+                        "exclusive: that controller is off (--controllers=*,-node-lifecycle-"
+                        "controller) and the operator does its work (default: %(default)s)")
+    parser.add_argument("--node-monitor-grace-period", default=f"{CLUSTER_GRACE_DEFAULT:g}s",
+                        metavar="DURATION",
+                        help="coexist mode: the controller manager's --node-monitor-grace-"
+                        "period, e.g. 40s (default: %(default)s, its default since "
+                        "Kubernetes 1.32)")
     parser.add_argument("--writers", type=int, default=16,
                         help="concurrent API writes (default: %(default)s)")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -56,6 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from nodeoperator.app import Options, run
+    from nodeoperator.lifecycle import Lifecycle
+
+    try:
+        lifecycle = Lifecycle(args.node_lifecycle, parse_duration(args.node_monitor_grace_period))
+    except ValueError as e:
+        print(f"nodepulse-operator: --node-monitor-grace-period: {e}", file=sys.stderr)
+        return 2
 
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -69,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
                    retry_period=args.leader_retry_period,
                    monitor_period=args.monitor_period,
                    metrics_host=args.metrics_host, metrics_port=args.metrics_port,
-                   writers=args.writers)
+                   writers=args.writers, lifecycle=lifecycle)
     identity = args.identity or os.environ.get("POD_NAME")
     if identity:
         opts.identity = identity

@@ -4,7 +4,9 @@ Like the controller manager's, they are core/v1 Events in the `default` namespac
 (a Node has none) with the Node as involvedObject (kind, name and uid), which is
 where `kubectl describe node` looks; the agent writes its own the same way. The
 monitor posts one only when it changes something (a taint added or removed, Ready
-set to Unknown, the partition guard tripped or lifted), never per period.
+set to Unknown, the partition guard tripped or lifted), never per period. A policy the
+controller manager overrides (coexist mode) gets one the same way, about the
+NodeStatusPolicy (`kubectl describe nsp`).
 
 The same node, reason and message within `window` seconds is not a new Event: the
 one already written gets its count raised and lastTimestamp moved (a PATCH), as a
@@ -45,11 +47,13 @@ class EventSink(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class NodeEvent:
-    node: str
+    node: str  # the involved object's name: a Node, or a NodeStatusPolicy (`kind`)
     uid: str
     type: str  # Normal | Warning
     reason: str  # CamelCase
     message: str  # a sentence
+    kind: str = "Node"
+    api_version: str = "v1"
 
 
 @dataclasses.dataclass
@@ -107,11 +111,11 @@ class NodeEvents:
     async def post(self, ev: NodeEvent) -> None:
         """Write the Event, or raise the count of the same one written recently. Never
         raises: an Event is a courtesy, the write it reports has been made."""
-        if not self._take(ev.node):
+        if not self._take(f"{ev.kind}/{ev.node}"):
             self.dropped += 1
             EVENTS.labels(ev.reason, "dropped").inc()
             return
-        key = (ev.node, ev.uid, ev.reason, ev.message)
+        key = (f"{ev.kind}/{ev.node}", ev.uid, ev.reason, ev.message)
         now = self.clock.monotonic()
         ts = self.clock.now().strftime("%Y-%m-%dT%H:%M:%SZ")
         seen = self._written.get(key)
@@ -143,8 +147,8 @@ class NodeEvents:
         return {
             "apiVersion": "v1", "kind": "Event",
             "metadata": {"name": name, "namespace": NAMESPACE},
-            "involvedObject": {"apiVersion": "v1", "kind": "Node", "name": ev.node,
-                               "uid": ev.uid},
+            "involvedObject": {"apiVersion": ev.api_version, "kind": ev.kind,
+                               "name": ev.node, "uid": ev.uid},
             "type": ev.type, "reason": ev.reason, "message": ev.message[:1024],
             "source": {"component": COMPONENT},
             "reportingComponent": COMPONENT, "reportingInstance": self.instance,

@@ -6,6 +6,12 @@ Ready=Unknown, and each policy's status. Nothing is written when nothing changed
 NoExecute taints are paced per policy by a token bucket, and stop for a policy whose
 share of stale nodes is above its maxUnreachableFraction (the partition guard): when
 that many nodes fall silent together the likelier cause is the network, not the nodes.
+
+In coexist mode (lifecycle.py) the controller manager's node-lifecycle controller runs
+too: the operator marks only the nodes of policies stricter than it, writes Ready=Unknown
+before its NoExecute taint (that controller takes unreachable:NoExecute off any node
+whose Ready is True), leaves the NoSchedule condition taints to it, and removes only
+the taints it recorded as its own.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from typing import Any, Protocol
 
 from nodeoperator import selector, taints
 from nodeoperator.events import NodeEvent, NodeEvents
+from nodeoperator.lifecycle import OVERRIDDEN, OWNED_ANNOTATION, Lifecycle, encode_owned
 from nodeoperator.resolve import Resolution, resolve
 from nodeoperator.state import AGENT_CONDITIONS, UNREACHABLE_TAINT, NodeInfo, PolicyInfo, Store
 from prometheus_client import Counter, Gauge, Histogram
@@ -26,7 +33,10 @@ from prometheus_client import Counter, Gauge, Histogram
 from nodeagent.api.client import status_of
 from nodeagent.api.clock import Clock
 from nodeagent.api.policy import (
+    GROUP,
     HEARTBEAT_ANNOTATION,
+    KIND,
+    VERSION,
     Failure,
     Heartbeat,
     encode_heartbeat_annotation,
@@ -52,6 +62,11 @@ STALE = Gauge("nodepulse_operator_stale_nodes", "Nodes whose Lease is past their
 TAINT_DELAY = Histogram("nodepulse_operator_taint_delay_seconds",
                         "From a node's grace expiry to its unreachable taint being written",
                         buckets=(0.5, 1, 2, 3, 4, 5, 7.5, 10, 15, 20, 30, 60))
+MODE = Gauge("nodepulse_operator_node_lifecycle_info",
+             "The operator's node lifecycle mode (1 for the one in use)", ["mode"])
+CLUSTER_GRACE = Gauge("nodepulse_operator_cluster_grace_period_seconds",
+                      "The controller manager's node grace period the operator assumes "
+                      "(coexist mode)")
 TICK = Histogram("nodepulse_operator_monitor_tick_seconds", "One monitor period's work",
                  buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
 
@@ -99,6 +114,7 @@ class NodeAction:
     status_patch: dict[str, Any] | None = None  # conditions -> Unknown
     taint_delay: float | None = None  # seconds past grace expiry, for a new taint
     granted: str | None = None  # the policy whose NoExecute token this action spends
+    status_first: bool = False  # write the status before the node (coexist mode)
     events: list[NodeEvent] = dataclasses.field(default_factory=list)  # after node_patch
     status_events: list[NodeEvent] = dataclasses.field(default_factory=list)  # after status
 
@@ -106,8 +122,14 @@ class NodeAction:
 @dataclasses.dataclass
 class GroupState:
     failure: Failure
+    acts: bool = True  # the operator marks these nodes (always, but in coexist mode)
+    grace: float = 50.0  # after how long a silent node is marked (by us or the cluster)
     matched: int = 0
     stale: int = 0
+
+    @classmethod
+    def of(cls, failure: Failure, lifecycle: Lifecycle) -> GroupState:
+        return cls(failure, lifecycle.acts(failure), lifecycle.grace(failure))
 
     @property
     def guarded(self) -> bool:
@@ -122,6 +144,8 @@ class Plan:
     groups: dict[str, GroupState]
     resolution: Resolution
     events: list[NodeEvent] = dataclasses.field(default_factory=list)  # partition guard
+    # policy -> Events to post once its status is written (Effective turned False)
+    policy_events: dict[str, list[NodeEvent]] = dataclasses.field(default_factory=dict)
 
 
 class Monitor:
@@ -129,10 +153,15 @@ class Monitor:
                  period: float = 2.0, is_leader: Callable[[], bool] = lambda: True,
                  api_ok_since: Callable[[], float | None] = lambda: -math.inf,
                  parallel: int = 16, events: NodeEvents | None = None,
-                 synced: Sequence[asyncio.Event] = ()) -> None:
+                 synced: Sequence[asyncio.Event] = (),
+                 lifecycle: Lifecycle | None = None) -> None:
         """`synced`: set once each watch's first list is in the Store; no period runs
         before (a partial view would write defaults over policies, and back)."""
         self.store, self.clock, self.writer = store, clock, writer
+        self.lifecycle = lifecycle or Lifecycle()
+        for mode in ("exclusive", "coexist"):
+            MODE.labels(mode).set(1 if mode == self.lifecycle.mode else 0)
+        CLUSTER_GRACE.set(self.lifecycle.cluster_grace)
         self.synced = tuple(synced)
         self.events = events
         self.period = period
@@ -195,7 +224,8 @@ class Monitor:
         for ev in plan.events:
             self._post(ev)
         await asyncio.gather(*(self._apply_node(a) for a in plan.nodes),
-                             *(self._apply_policy(n, s) for n, s in plan.policies.items()))
+                             *(self._apply_policy(n, s, plan.policy_events.get(n, []))
+                               for n, s in plan.policies.items()))
         TICK.observe(max(0.0, self.clock.monotonic() - started))
         return plan
 
@@ -204,10 +234,10 @@ class Monitor:
         store, now = self.store, self.clock.monotonic()
         policies = store.policies
         res = resolve(policies.values(), {n: i.labels for n, i in store.nodes.items()})
-        groups: dict[str, GroupState] = {DEFAULT_GROUP: GroupState(Failure())}
+        groups = {DEFAULT_GROUP: GroupState.of(Failure(), self.lifecycle)}
         for p in policies.values():
             if p.spec is not None:
-                groups[p.name] = GroupState(p.spec.failure)
+                groups[p.name] = GroupState.of(p.spec.failure, self.lifecycle)
 
         # Staleness first, so each group's stale share is known before any NoExecute.
         # Silence is counted from when we could hear again at the earliest: after an
@@ -229,7 +259,7 @@ class Monitor:
             heard = max(lease.observed, node.status_heard) if lease else node.status_heard
             silent = now - heard
             heard_since = node.posted or (lease is not None and lease.renewed)
-            grace = group.failure.gracePeriodSeconds
+            grace = group.grace
             due = heard + grace  # when it turns stale if nothing is heard meanwhile
             if not heard_since and lease is not None and lease.age is not None:
                 # Not heard from since we first saw it: until then, our own clock only
@@ -254,7 +284,7 @@ class Monitor:
             if (over > 0 and (now - floor > grace or marked)) or (verdict and not heard_since):
                 stale[name] = max(over, 0.0)
                 group.stale += 1
-            else:
+            elif group.acts:  # the others are the controller manager's to mark
                 next_stale = min(next_stale, due if marked else max(due, floor + grace))
         store.stale = set(stale)
         self.next_stale = next_stale if next_stale < math.inf else None
@@ -274,8 +304,12 @@ class Monitor:
                 continue
             g = res.effective[name] or DEFAULT_GROUP
             group = groups[g]
-            if (group.failure.taintUnreachable and not group.guarded
-                    and not _has_taint(store.nodes[name], "NoExecute")
+            node = store.nodes[name]
+            # In coexist mode a NoExecute of ours that someone removed (the controller
+            # manager stops evictions when a whole zone is down) is not put back.
+            if (group.acts and group.failure.taintUnreachable and not group.guarded
+                    and not _has_taint(node, "NoExecute")
+                    and (UNREACHABLE_TAINT, "NoExecute") not in node.owned
                     and self.pacer.take(g, group.failure.noExecuteTaintsPerMinute)):
                 grants.add(name)
 
@@ -284,12 +318,16 @@ class Monitor:
             if name in pending:
                 continue
             pname = res.effective[name]
-            action = self._node_action(node, pname, groups[pname or DEFAULT_GROUP],
-                                       stale.get(name), name in grants)
+            group = groups[pname or DEFAULT_GROUP]
+            over = stale.get(name) if group.acts else None
+            if self.lifecycle.exclusive:
+                action = self._node_action(node, pname, group, over, name in grants)
+            else:
+                action = self._coexist_action(node, pname, group, over, name in grants)
             if action.node_patch or action.status_patch:
                 actions.append(action)
 
-        statuses = {}
+        statuses, policy_events = {}, {}
         for key in [k for k in self._written if k.startswith("policy/")]:
             if key[7:] not in policies:
                 del self._written[key]
@@ -299,7 +337,9 @@ class Monitor:
             status = self._policy_status(p, res, groups.get(p.name), stale)
             if _status_differs(p.status, status):
                 statuses[p.name] = status
-        return Plan(actions, statuses, groups, res, self._guard_events(res, groups, stale))
+                policy_events[p.name] = _overridden_events(p, status)
+        return Plan(actions, statuses, groups, res, self._guard_events(res, groups, stale),
+                    policy_events)
 
     def _guard_events(self, res: Resolution, groups: Mapping[str, GroupState],
                       stale: Mapping[str, float]) -> list[NodeEvent]:
@@ -311,7 +351,7 @@ class Monitor:
             whose = f"policy {g}" if g else "the default policy"
             share = (f"{group.stale} of {group.matched} node(s) unreachable, "
                      f"{{}} maxUnreachableFraction {group.failure.maxUnreachableFraction:g}")
-            if group.guarded and group.failure.taintUnreachable:
+            if group.guarded and group.failure.taintUnreachable and group.acts:
                 told = self._guard_told.setdefault(g, set())
                 for name in sorted(stale):
                     node = self.store.nodes[name]
@@ -336,15 +376,19 @@ class Monitor:
             del self._guard_told[g]  # the policy is gone
         return out
 
+    def _heartbeat_patch(self, node: NodeInfo, policy: str | None) -> dict[str, Any]:
+        """The annotation the agent follows, when it is not what the policy says."""
+        spec = self.store.policies[policy].spec if policy else None
+        want = encode_heartbeat_annotation(policy, spec.heartbeat if spec else Heartbeat())
+        if node.heartbeat == want:
+            return {}
+        return {"metadata": {"annotations": {HEARTBEAT_ANNOTATION: want}}}
+
     def _node_action(self, node: NodeInfo, policy: str | None, group: GroupState,
                      over: float | None, grant: bool) -> NodeAction:
+        """Exclusive mode: the unreachable and condition taints are all ours."""
         action = NodeAction(node.name, node.rv)
-        patch: dict[str, Any] = {}
-        spec = self.store.policies[policy].spec if policy else None
-        heartbeat = spec.heartbeat if spec else Heartbeat()
-        want = encode_heartbeat_annotation(policy, heartbeat)
-        if node.heartbeat != want:
-            patch["metadata"] = {"annotations": {HEARTBEAT_ANNOTATION: want}}
+        patch = self._heartbeat_patch(node, policy)
 
         # Unreachable follows the Lease verdict: NoSchedule while stale, NoExecute
         # (paced, guarded) once granted and kept until the Lease is renewed.
@@ -367,23 +411,63 @@ class Monitor:
         new_taints = _merge(node.taints, unreachable, by_condition)
         if new_taints != node.taints:
             action.events = _taint_events(node, new_taints, over is not None)
-            # The taint list is replaced whole, so only on top of the version we read.
-            patch.setdefault("metadata", {})["resourceVersion"] = node.rv
-            patch["spec"] = {"taints": new_taints}
+            _set_taints(patch, node, new_taints)
+            if node.owned:  # a coexist-mode record: here every such taint is ours
+                _annotate(patch, OWNED_ANNOTATION, None)
             if over is not None and not _has_taint(node, "NoSchedule"):
                 action.taint_delay = over
         action.node_patch = patch or None
-
         if over is not None:
-            conditions = self._unknown_conditions(node, policy, group)
-            if conditions:
-                action.status_patch = {"status": {"conditions": conditions}}
-                if any(c["type"] == "Ready" for c in conditions):
-                    why = conditions[0]["message"].removeprefix("nodepulse-operator: ")
-                    action.status_events.append(NodeEvent(
-                        node.name, node.uid, "Warning", REASON,
-                        f"Set Ready to Unknown: {why}"))
+            self._mark_unknown(action, node, policy, group)
         return action
+
+    def _coexist_action(self, node: NodeInfo, policy: str | None, group: GroupState,
+                        over: float | None, grant: bool) -> NodeAction:
+        """Coexist mode: Ready=Unknown and a NoExecute of ours for the nodes of the
+        policies stricter than the controller manager (`over` is set only for those);
+        the NoSchedule condition taints are the controller manager's. The status goes
+        first: that controller takes unreachable:NoExecute off a node whose Ready is
+        True. Our taints are recorded in OWNED_ANNOTATION, in the same write, and come
+        off when the agent reports Ready=True again (while Ready is Unknown the
+        controller manager would put a NoExecute straight back)."""
+        action = NodeAction(node.name, node.rv, status_first=True)
+        patch = self._heartbeat_patch(node, policy)
+        owned, new_taints = set(node.owned), list(node.taints)
+        ready = (node.conditions.get("Ready") or {}).get("status")
+        if over is not None:
+            self._mark_unknown(action, node, policy, group)
+            if grant:
+                new_taints.append({"key": UNREACHABLE_TAINT, "effect": "NoExecute",
+                                   "timeAdded": _rfc3339(self.clock)})
+                owned.add((UNREACHABLE_TAINT, "NoExecute"))
+                action.granted = policy or DEFAULT_GROUP
+                action.taint_delay = over
+        elif owned and ready == "True":
+            new_taints = [t for t in node.taints
+                          if (t.get("key"), t.get("effect")) not in owned]
+            owned.clear()
+        elif owned and ready != "Unknown" and not any(
+                (t.get("key"), t.get("effect")) in owned for t in node.taints):
+            owned.clear()  # taken off by someone else (e.g. swapped for not-ready)
+        if new_taints != node.taints:
+            action.events = _taint_events(node, new_taints, over is not None)
+            _set_taints(patch, node, new_taints)
+        if owned != node.owned:
+            _annotate(patch, OWNED_ANNOTATION, encode_owned(owned))
+        action.node_patch = patch or None
+        return action
+
+    def _mark_unknown(self, action: NodeAction, node: NodeInfo, policy: str | None,
+                      group: GroupState) -> None:
+        """The status part of a stale node's action: its conditions to Unknown (those
+        not Unknown already: what someone else marked is not written over)."""
+        conditions = self._unknown_conditions(node, policy, group)
+        if conditions:
+            action.status_patch = {"status": {"conditions": conditions}}
+            if any(c["type"] == "Ready" for c in conditions):
+                why = conditions[0]["message"].removeprefix("nodepulse-operator: ")
+                action.status_events.append(NodeEvent(
+                    node.name, node.uid, "Warning", REASON, f"Set Ready to Unknown: {why}"))
 
     def _unknown_conditions(self, node: NodeInfo, policy: str | None,
                             group: GroupState) -> list[dict[str, Any]]:
@@ -423,13 +507,15 @@ class Monitor:
             return {"type": ctype, "status": status, "reason": reason, "message": message,
                     "lastTransitionTime": since or now}
 
-        status: dict[str, Any] = {"observedGeneration": p.generation}
+        status: dict[str, Any] = {"observedGeneration": p.generation,
+                                  "nodeLifecycle": self.lifecycle.mode}
         if p.spec is None or group is None:
             status.update(selector="<invalid>", nodes=0, readyNodes=0, unreachableNodes=0)
             status["conditions"] = [
                 cond("Ready", "False", "InvalidSpec", p.error or "invalid spec"),
                 cond("Conflict", "False", "InvalidSpec", "the policy governs no node"),
-                cond("PartitionGuard", "False", "InvalidSpec", "the policy governs no node")]
+                cond("PartitionGuard", "False", "InvalidSpec", "the policy governs no node"),
+                cond("Effective", "False", "InvalidSpec", "the policy governs no node")]
             return status
         status.update(selector=selector.describe(p.spec.nodeSelector), nodes=group.matched,
                       readyNodes=group.matched - group.stale, unreachableNodes=group.stale)
@@ -450,7 +536,12 @@ class Monitor:
             conflict = cond("Conflict", "False", "NoConflict",
                             "no other policy of the same priority matches these nodes")
         f = p.spec.failure
-        if group.guarded:
+        if not group.acts:
+            guard = cond("PartitionGuard", "False", "LeftToControllerManager",
+                         f"{group.stale} of {group.matched} node(s) unreachable; the controller "
+                         "manager marks this policy's silent nodes and evicts their pods by its "
+                         "own zone rules (node lifecycle mode coexist)")
+        elif group.guarded:
             guard = cond("PartitionGuard", "True", "TooManyUnreachable",
                          f"{group.stale} of {group.matched} node(s) unreachable, more than "
                          f"maxUnreachableFraction {f.maxUnreachableFraction:g}: NoExecute "
@@ -459,39 +550,47 @@ class Monitor:
             guard = cond("PartitionGuard", "False", "WithinLimit",
                          f"{group.stale} of {group.matched} node(s) unreachable, within "
                          f"maxUnreachableFraction {f.maxUnreachableFraction:g}")
-        status["conditions"] = [ready, conflict, guard]
+        effective = cond("Effective", *self.lifecycle.effective(p.spec))
+        status["conditions"] = [ready, conflict, guard, effective]
         return status
 
     # ---- writing
     async def _apply_node(self, a: NodeAction) -> None:
         seen = [a.base_rv]
         posts: list[NodeEvent] = []  # the Events of the writes that went through
+        node_written = False
         async with self._sem:
             try:
-                if a.node_patch and self.is_leader():
-                    seen.append(await self.writer.patch_node(a.name, a.node_patch))
-                    WRITES.labels("node", "ok").inc()
-                    posts += a.events
-                    if a.taint_delay is not None:
-                        TAINT_DELAY.observe(a.taint_delay)
-                if a.status_patch and self.is_leader():
-                    # Only on top of the version judged stale (or our own write on it):
-                    # a status the agent posted meanwhile is not overwritten (409).
-                    body = {**a.status_patch, "metadata": {"resourceVersion": seen[-1]}}
-                    seen.append(await self.writer.patch_node_status(a.name, body))
-                    WRITES.labels("node_status", "ok").inc()
-                    posts += a.status_events
+                for part in ("status", "node") if a.status_first else ("node", "status"):
+                    if part == "node" and a.node_patch and self.is_leader():
+                        patch = a.node_patch
+                        if "resourceVersion" in patch["metadata"]:  # on top of our last
+                            patch = {**patch, "metadata": {**patch["metadata"],
+                                                           "resourceVersion": seen[-1]}}
+                        seen.append(await self.writer.patch_node(a.name, patch))
+                        node_written = True
+                        WRITES.labels("node", "ok").inc()
+                        posts += a.events
+                        if a.taint_delay is not None:
+                            TAINT_DELAY.observe(a.taint_delay)
+                    elif part == "status" and a.status_patch and self.is_leader():
+                        # Only on top of the version judged stale (or our own write on
+                        # it): a status the agent posted meanwhile is not overwritten.
+                        body = {**a.status_patch, "metadata": {"resourceVersion": seen[-1]}}
+                        seen.append(await self.writer.patch_node_status(a.name, body))
+                        WRITES.labels("node_status", "ok").inc()
+                        posts += a.status_events
             except Exception as e:
-                self._written.pop("node/" + a.name, None)
-                if a.granted is not None and len(seen) == 1:
+                if a.granted is not None and not node_written:
                     self.pacer.refund(a.granted)
                 _count_failure("node", e, a.name)
+            # The last version we produced is what the index should settle on; the
+            # versions before it (the one we read, and our first write's) need no
+            # second look. Nothing written (or a first write refused): look again.
+            if len(seen) > 1:
+                self._written["node/" + a.name] = set(seen[:-1])
             else:
-                # The last version we produced is what the index should settle on; the
-                # versions before it (the one we read, and our first write's) need no
-                # second look.
-                if len(seen) > 1:
-                    self._written["node/" + a.name] = set(seen[:-1])
+                self._written.pop("node/" + a.name, None)
         for ev in posts:
             self._post(ev)
 
@@ -500,7 +599,8 @@ class Monitor:
         if self.events is not None and self.is_leader():
             self.events.emit(ev)
 
-    async def _apply_policy(self, name: str, status: dict[str, Any]) -> None:
+    async def _apply_policy(self, name: str, status: dict[str, Any],
+                            events: Sequence[NodeEvent] = ()) -> None:
         base = self.store.policies[name].rv
         async with self._sem:
             if not self.is_leader():
@@ -513,6 +613,33 @@ class Monitor:
                 _count_failure("policy_status", e, name)
                 return
         self._written["policy/" + name] = {base}
+        for ev in events:
+            self._post(ev)
+
+
+def _overridden_events(p: PolicyInfo, status: Mapping[str, Any]) -> list[NodeEvent]:
+    """A Warning Event on the policy when what the controller manager overrides of it
+    changes (its Effective condition turns False, or says something new)."""
+    def effective(s: Mapping[str, Any]) -> dict[str, Any]:
+        return next((c for c in s.get("conditions") or [] if c.get("type") == "Effective"), {})
+
+    new, old = effective(status), effective(p.status)
+    if new.get("reason") != OVERRIDDEN or (
+            old.get("reason") == OVERRIDDEN and old.get("message") == new.get("message")):
+        return []
+    return [NodeEvent(p.name, p.uid, "Warning", OVERRIDDEN, new["message"], kind=KIND,
+                      api_version=f"{GROUP}/{VERSION}")]
+
+
+def _set_taints(patch: dict[str, Any], node: NodeInfo, new: list[dict[str, Any]]) -> None:
+    # The taint list is replaced whole, so only on top of the version we read.
+    patch.setdefault("metadata", {})["resourceVersion"] = node.rv
+    patch["spec"] = {"taints": new}
+
+
+def _annotate(patch: dict[str, Any], key: str, value: str | None) -> None:
+    """Set (or, with None, remove) an annotation in a strategic merge patch."""
+    patch.setdefault("metadata", {}).setdefault("annotations", {})[key] = value
 
 
 def _count_failure(kind: str, exc: BaseException, name: str) -> None:

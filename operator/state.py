@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from nodeoperator import selector, taints
+from nodeoperator.lifecycle import OWNED_ANNOTATION, parse_owned
 
 from nodeagent.api.clock import Clock
 from nodeagent.api.kube import NODE_LEASE_NAMESPACE
@@ -50,6 +51,8 @@ class NodeInfo:
     uid: str = ""  # for Events about the node
     # the Ready lastHeartbeatTime changed since this process first saw the Node
     posted: bool = False
+    # (key, effect) of the taints the operator added in coexist mode (OWNED_ANNOTATION)
+    owned: frozenset[tuple[str, str]] = frozenset()
 
 
 @dataclasses.dataclass
@@ -72,6 +75,7 @@ class PolicyInfo:
     spec: PolicySpec | None  # None when invalid; `error` says why
     error: str | None
     status: dict[str, Any]
+    uid: str = ""  # for Events about the policy
 
 
 def parse_policy(body: Mapping[str, Any]) -> PolicyInfo:
@@ -86,7 +90,7 @@ def parse_policy(body: Mapping[str, Any]) -> PolicyInfo:
         spec, error = None, str(e)
     return PolicyInfo(name=meta.get("name", ""), rv=str(meta.get("resourceVersion", "")),
                       generation=int(meta.get("generation") or 0), spec=spec, error=error,
-                      status=dict(body.get("status") or {}))
+                      status=dict(body.get("status") or {}), uid=str(meta.get("uid") or ""))
 
 
 class Store:
@@ -111,17 +115,19 @@ class Store:
             self.changed.set()
             return
         old = self.nodes.get(name)
+        annotations = meta.get("annotations") or {}
         conditions = {c["type"]: dict(c) for c in (body.get("status") or {}).get("conditions") or []
                       if c.get("type") in KEPT_CONDITIONS}
         info = NodeInfo(
             name=name, rv=str(meta.get("resourceVersion", "")),
             labels=dict(meta.get("labels") or {}),
-            heartbeat=(meta.get("annotations") or {}).get(HEARTBEAT_ANNOTATION),
+            heartbeat=annotations.get(HEARTBEAT_ANNOTATION),
             taints=[dict(t) for t in (body.get("spec") or {}).get("taints") or []],
             conditions=conditions,
             first_seen=old.first_seen if old else self.clock.monotonic(),
             unschedulable=bool((body.get("spec") or {}).get("unschedulable")),
-            uid=str(meta.get("uid") or ""))
+            uid=str(meta.get("uid") or ""),
+            owned=parse_owned(annotations.get(OWNED_ANNOTATION)))
         beat = (conditions.get("Ready") or {}).get("lastHeartbeatTime")
         if old is None or beat != (old.conditions.get("Ready") or {}).get("lastHeartbeatTime"):
             info.status_heard = self.clock.monotonic()

@@ -76,7 +76,7 @@ def test_identity() -> None:
     assert version["name"] == VERSION and version["storage"] and version["served"]
     assert version["subresources"] == {"status": {}}
     cols = [c["name"] for c in version["additionalPrinterColumns"]]
-    assert cols == ["Selector", "Priority", "Nodes", "Ready", "Unreachable", "Age"]
+    assert cols == ["Selector", "Priority", "Nodes", "Ready", "Unreachable", "Effective", "Age"]
 
 
 @pytest.mark.parametrize(("section", "cls"), [("heartbeat", Heartbeat), ("failure", Failure)])

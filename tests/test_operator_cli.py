@@ -85,3 +85,30 @@ def test_kopf_runs_clusterwide_and_standalone(tmp_path: Path,
     settings = seen["settings"]
     assert isinstance(settings, kopf.OperatorSettings)
     assert settings.posting.enabled is False  # kopf's own Events off: ours are the monitor's
+
+
+def test_node_lifecycle_mode_and_cluster_grace(monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """coexist unless told otherwise (the safe choice on a cluster whose controller
+    manager runs its node-lifecycle controller); the grace as the controller manager's
+    flag spells it."""
+    from nodeoperator import app
+
+    seen: list[app.Options] = []
+
+    async def fake_run(opts: app.Options) -> None:
+        seen.append(opts)
+
+    monkeypatch.setattr(app, "run", fake_run)
+    assert cli.main([]) == 0
+    assert seen[-1].lifecycle.mode == "coexist" and seen[-1].lifecycle.cluster_grace == 50
+    assert cli.main(["--node-lifecycle", "exclusive"]) == 0
+    assert seen[-1].lifecycle.exclusive
+    assert cli.main(["--node-monitor-grace-period", "1m30s"]) == 0
+    assert seen[-1].lifecycle.cluster_grace == 90
+    assert cli.main(["--node-monitor-grace-period", "soon"]) == 2
+    assert "--node-monitor-grace-period: not a duration: 'soon'" in capsys.readouterr().err
+    assert cli.main(["--node-monitor-grace-period", "0s"]) == 2
+    with pytest.raises(SystemExit):
+        cli.main(["--node-lifecycle", "both"])
+    assert "invalid choice: 'both'" in capsys.readouterr().err

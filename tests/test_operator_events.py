@@ -14,7 +14,7 @@ from nodeoperator.monitor import Monitor
 from nodeoperator.state import Store
 
 from nodeagent.api.clock import FakeClock
-from tests.test_operator_monitor import FakeApi, spec, step
+from tests.test_operator_monitor import ALONE, FakeApi, spec, step
 from tests.test_operator_taints import post, register
 
 
@@ -78,7 +78,7 @@ def run(test: Any, **events: Any) -> None:
         store = Store(clock)
         api = EventApi(store, clock)
         rec = NodeEvents(api, clock, instance="op-a", **events)
-        await test((clock, store, api, Draining(store, clock, api, period=2, events=rec)))
+        await test((clock, store, api, Draining(store, clock, api, period=2, events=rec, lifecycle=ALONE)))
     asyncio.run(main())
 
 
@@ -253,7 +253,7 @@ def test_the_standby_and_a_failed_write_post_nothing() -> None:
         await standby.tick()
         assert api.events == {} and api.writes == []
 
-        leader = Draining(store, clock, api, period=2, events=rec)
+        leader = Draining(store, clock, api, period=2, events=rec, lifecycle=ALONE)
         api.nodes["n1"]["metadata"]["resourceVersion"] = "stale"  # every write: 409
         await leader.tick()
         assert api.events == {}

@@ -12,12 +12,16 @@ from typing import Any
 
 import pytest
 from kubernetes.client.exceptions import ApiException
+from nodeoperator.lifecycle import EXCLUSIVE, Lifecycle
 from nodeoperator.monitor import Monitor, Pacer
 from nodeoperator.state import UNREACHABLE_TAINT, Store
 from prometheus_client import REGISTRY
 
 from nodeagent.api.clock import FakeClock
 from nodeagent.api.policy import HEARTBEAT_ANNOTATION, Heartbeat, encode_heartbeat_annotation
+
+# the controller manager's node-lifecycle controller off: the operator does it all
+ALONE = Lifecycle(EXCLUSIVE)
 
 
 class FakeApi:
@@ -32,6 +36,7 @@ class FakeApi:
         self.rv = 100
         self.writes: list[tuple[str, str, dict[str, Any]]] = []
         self.auto_deliver = True
+        self.leases: dict[str, str] = {}  # node -> the renewTime of its Lease
 
     def _bump(self, obj: dict[str, Any]) -> str:
         self.rv += 1
@@ -52,9 +57,10 @@ class FakeApi:
         self.store.node_event("ADDED", copy.deepcopy(body))
 
     def renew(self, name: str) -> None:
+        self.leases[name] = self.clock.now().isoformat()
         self.store.lease_event("MODIFIED", {
             "metadata": {"name": name, "namespace": "kube-node-lease"},
-            "spec": {"renewTime": self.clock.now().isoformat()}})
+            "spec": {"renewTime": self.leases[name]}})
 
     def add_policy(self, name: str, spec: dict[str, Any], generation: int = 1) -> None:
         body = {"metadata": {"name": name, "generation": generation}, "spec": spec,
@@ -81,7 +87,12 @@ class FakeApi:
                 "resourceVersion"]:
             raise ApiException(status=409, reason="Conflict")
         self.writes.append(("node", name, patch))
-        node["metadata"].setdefault("annotations", {}).update(meta.get("annotations", {}))
+        annotations = node["metadata"].setdefault("annotations", {})
+        for key, value in meta.get("annotations", {}).items():
+            if value is None:  # strategic merge: null removes the key
+                annotations.pop(key, None)
+            else:
+                annotations[key] = value
         if "spec" in patch:
             node["spec"]["taints"] = patch["spec"]["taints"]
         rv = self._bump(node)
@@ -135,7 +146,7 @@ def run(test: Callable[[Env], Coroutine[Any, Any, None]]) -> None:
         store = Store(clock)
         store.lease_sync(set())  # the Lease watch's first list, empty: Leases come later
         api = FakeApi(store, clock)
-        await test((clock, store, api, Monitor(store, clock, api, period=2)))
+        await test((clock, store, api, Monitor(store, clock, api, lifecycle=ALONE, period=2)))
     asyncio.run(main())
 
 
@@ -209,7 +220,7 @@ def test_the_loop_runs_when_a_grace_runs_out_not_a_period_later() -> None:
     not at 16 s; nodes that renew wake nothing early."""
     async def t(env: Env) -> None:
         clock, store, api, _ = env
-        mon = Monitor(store, clock, api, period=2)
+        mon = Monitor(store, clock, api, lifecycle=ALONE, period=2)
         api.add_policy("p", spec(grace=15))
         for n in ("n1", "n2"):
             api.add_node(n)
@@ -476,7 +487,7 @@ def test_not_leader_writes_nothing_and_run_loop_wakes_on_change() -> None:
     async def t(env: Env) -> None:
         clock, store, api, _ = env
         leading = False
-        mon = Monitor(store, clock, api, period=2, is_leader=lambda: leading)
+        mon = Monitor(store, clock, api, lifecycle=ALONE, period=2, is_leader=lambda: leading)
         task = asyncio.create_task(mon.run())
         api.add_node("n1")
         await clock.advance(60)
@@ -498,7 +509,7 @@ def test_silence_during_an_api_outage_is_not_counted() -> None:
     async def t(env: Env) -> None:
         clock, store, api, _ = env
         since: list[float | None] = [0.0]
-        mon = Monitor(store, clock, api, period=2, api_ok_since=lambda: since[0])
+        mon = Monitor(store, clock, api, lifecycle=ALONE, period=2, api_ok_since=lambda: since[0])
         api.add_policy("p", spec(grace=15))
         api.add_node("n1")
         api.add_node("n2")

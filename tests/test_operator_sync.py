@@ -10,6 +10,7 @@ import datetime as dt
 from typing import Any
 
 from kubernetes.client.exceptions import ApiException
+from nodeoperator.lifecycle import EXCLUSIVE, Lifecycle
 from nodeoperator.monitor import Monitor
 from nodeoperator.state import UNREACHABLE_TAINT, Store
 from nodeoperator.sync import InitialSync
@@ -20,6 +21,9 @@ from nodeagent.api.policy import HEARTBEAT_ANNOTATION, Heartbeat, encode_heartbe
 from tests.conftest import until
 from tests.fakekube import Call, FakeKube
 from tests.test_operator_monitor import FakeApi, _post_ready, spec
+
+# the controller manager's node-lifecycle controller off: the operator does it all
+ALONE = Lifecycle(EXCLUSIVE)
 
 
 class ListApi:
@@ -154,7 +158,7 @@ def settled_cluster() -> tuple[FakeClock, FakeApi]:
         api.add_node("b1", {"pool": "b"})
         api.add_node("silent", {"pool": "a"})
         api.add_node("other")  # the default policy
-        mon = Monitor(store, clock, api, period=2)
+        mon = Monitor(store, clock, api, lifecycle=ALONE, period=2)
         for _ in range(10):
             for n in ("a1", "b1", "other"):
                 api.renew(n)
@@ -194,7 +198,7 @@ def test_a_new_operator_on_a_settled_cluster_writes_nothing() -> None:
         store.lease_sync({"a1", "b1", "other", "silent"})
         listed = asyncio.Event()
         listed.set()
-        mon = Monitor(store, clock, api, period=2, synced=(sync.done, listed))
+        mon = Monitor(store, clock, api, lifecycle=ALONE, period=2, synced=(sync.done, listed))
         tasks = [asyncio.create_task(sync.run()), asyncio.create_task(mon.run())]
         await until(lambda: bool(sync.pending), "the lists")
         kopf_delivers(store, api, policies=False)  # Nodes first, policies later
@@ -232,7 +236,7 @@ def test_without_the_sync_the_new_operator_would_write_defaults() -> None:
         api.store = store
         api.writes.clear()
         store.lease_sync(set())
-        mon = Monitor(store, clock, api, period=2)
+        mon = Monitor(store, clock, api, lifecycle=ALONE, period=2)
         kopf_delivers(store, api, policies=False)
         await mon.tick()
         default = encode_heartbeat_annotation(None, Heartbeat())
@@ -269,7 +273,7 @@ def test_a_marked_node_stays_marked_until_heard_from() -> None:
             for body in leases_of(api, clock, ["n1"], -30):  # 30 s ahead of us
                 store.lease_event("ADDED", body)
             store.lease_sync({"n1"})
-            mon = Monitor(store, clock, api, period=2)
+            mon = Monitor(store, clock, api, lifecycle=ALONE, period=2)
             for _ in range(20):
                 await clock.advance(2)
                 await mon.tick()
@@ -300,7 +304,7 @@ def test_a_long_silent_lease_is_judged_by_its_renew_time_not_a_full_grace() -> N
         for body in leases_of(api, clock, ["dead", "skewed"], 600):
             store.lease_event("ADDED", body)
         store.lease_sync({"dead", "skewed"})
-        mon = Monitor(store, clock, api, period=2)
+        mon = Monitor(store, clock, api, lifecycle=ALONE, period=2)
         await mon.tick()
         assert api.taints("dead") == set()  # watched for less than a lease duration
         assert mon.next_stale == 10  # when the loop runs next: a lease duration watched

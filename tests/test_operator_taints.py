@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from kubernetes.client.exceptions import ApiException
 from nodeoperator import taints
+from nodeoperator.lifecycle import EXCLUSIVE, Lifecycle
 from nodeoperator.monitor import WRITES, Monitor
 from nodeoperator.state import Store
 
@@ -25,6 +26,10 @@ PID = "node.kubernetes.io/pid-pressure"
 NETWORK = "node.kubernetes.io/network-unavailable"
 UNSCHEDULABLE = "node.kubernetes.io/unschedulable"
 ADMISSION = {"key": NOT_READY, "effect": "NoSchedule"}  # what TaintNodesByCondition adds
+
+
+# the controller manager's node-lifecycle controller off: the operator does it all
+ALONE = Lifecycle(EXCLUSIVE)
 
 
 def conds(**statuses: str) -> dict[str, dict[str, Any]]:
@@ -283,7 +288,7 @@ def test_someone_elses_taint_added_meanwhile_is_not_lost() -> None:
 def test_standby_writes_no_condition_taints() -> None:
     async def t(env: Env) -> None:
         clock, store, api, _ = env
-        mon = Monitor(store, clock, api, period=2, is_leader=lambda: False)
+        mon = Monitor(store, clock, api, lifecycle=ALONE, period=2, is_leader=lambda: False)
         register(api, "n1")
         post(api, "n1", Ready="True")
         await mon.tick()

@@ -30,10 +30,13 @@ FRONT_PROXY_CLIENT = "front-proxy-client"
 # nodes are reached at their InternalIP (e2e agents say --node-ip=127.0.0.1)
 KUBELET_ADDRESS_TYPES = "InternalIP,Hostname,InternalDNS,ExternalDNS,ExternalIP"
 SERVICE_IP = "10.96.0.1"
-# The operator takes the node lifecycle controller's role (conditions, taints), so the
-# controller manager must not fight it. Taint-based eviction stays on: it is a
-# separate controller and carries out the operator's NoExecute taints.
+# By default the operator takes the node lifecycle controller's role (conditions,
+# taints) in exclusive mode, so the controller manager must not fight it. Taint-based
+# eviction stays on: it is a separate controller and carries out the NoExecute taints.
 CONTROLLERS = "*,-node-lifecycle-controller"
+# The second configuration (LocalCluster(node_grace=...)) runs every default controller,
+# the node-lifecycle one with a short grace, for the operator's coexist mode.
+ALL_CONTROLLERS = "*"
 # The API server's metrics count requests, not who made them. Its audit log names the
 # user, so tests can tell a node agent's requests from the scheduler's or the controller
 # manager's. Only LISTs of pods and nodes and writes to pods are logged: not the Lease
@@ -45,6 +48,11 @@ AUDIT_POLICY = {
               {"level": "Metadata", "verbs": ["create", "update", "patch", "delete"],
                "resources": [{"group": "", "resources": ["pods", "pods/status"]}]},
               {"level": "None"}]}
+# With the node-lifecycle controller on, every write to a Node is logged too, with the
+# Node as it was written (RequestResponse): who changed which taint or condition when.
+NODE_WRITES_RULE = {"level": "RequestResponse",
+                    "verbs": ["create", "update", "patch", "delete"],
+                    "resources": [{"group": "", "resources": ["nodes", "nodes/status"]}]}
 
 
 class PortTaken(RuntimeError):
@@ -236,14 +244,32 @@ class Cluster:
     def component_logs(self) -> dict[str, Path]:
         return {p.stem: p for p in sorted(self.log_dir.glob("*.log"))}
 
+    def node_lifecycle_args(self) -> list[str]:
+        """The operator's flags for this cluster's controller manager: exclusive when
+        its node-lifecycle controller is off, else coexist with its grace period. An
+        existing cluster says which in NODEPULSE_E2E_NODE_LIFECYCLE (exclusive, as
+        e2e/kind/kind-config.yaml sets it up, or coexist) and, for coexist,
+        NODEPULSE_E2E_NODE_GRACE (seconds; default the controller manager's)."""
+        mode = os.environ.get("NODEPULSE_E2E_NODE_LIFECYCLE", "exclusive")
+        args = [f"--node-lifecycle={mode}"]
+        grace = os.environ.get("NODEPULSE_E2E_NODE_GRACE")
+        if mode == "coexist" and grace:
+            args.append(f"--node-monitor-grace-period={grace}s")
+        return args
+
 
 class LocalCluster(Cluster):
     """etcd, kube-apiserver, kube-scheduler and kube-controller-manager on loopback,
-    with their own PKI and state under `workdir`."""
+    with their own PKI and state under `workdir`.
+
+    `node_grace`: None (the default configuration) runs the controller manager without
+    its node-lifecycle controller, for the operator's exclusive mode. Seconds: the
+    second configuration, for coexist mode: that controller runs, with this
+    --node-monitor-grace-period, and the audit log also has every Node write."""
 
     ORDER = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler")
 
-    def __init__(self, workdir: Path | None = None) -> None:
+    def __init__(self, workdir: Path | None = None, *, node_grace: float | None = None) -> None:
         workdir = workdir or Path(tempfile.mkdtemp(prefix="nodepulse-cluster-"))
         super().__init__(workdir / "admin.kubeconfig", workdir)
         self.pki_dir = workdir / "pki"
@@ -251,9 +277,11 @@ class LocalCluster(Cluster):
         self.pids: dict[str, int] = {}
         self.ports: dict[str, int] = {}
         self._args: dict[str, list[str]] = {}
+        self.node_grace = node_grace
         if self.state_file.exists():  # a cluster started by an earlier process
             state = json.loads(self.state_file.read_text())
             self.pids, self.ports, self._args = state["pids"], state["ports"], state["args"]
+            self.node_grace = state.get("node_grace")
 
     # ---- lifecycle
     def up(self, log=print) -> LocalCluster:
@@ -364,9 +392,15 @@ class LocalCluster(Cluster):
         pid = self.pids.get(name)
         return pid is not None and _process_runs(pid, self._args[name][0])
 
+    def node_lifecycle_args(self) -> list[str]:
+        if self.node_grace is None:
+            return ["--node-lifecycle=exclusive"]
+        return ["--node-lifecycle=coexist", f"--node-monitor-grace-period={self.node_grace:g}s"]
+
     def audit_events(self) -> list[dict[str, Any]]:
         """The API server's audit events so far, each with the user who made the
-        request: LISTs of pods and nodes, writes to pods (see AUDIT_POLICY)."""
+        request: LISTs of pods and nodes, writes to pods (see AUDIT_POLICY), and with
+        the node-lifecycle controller on, every write to a Node with its body."""
         path = self.workdir / "audit.log"
         if not path.exists():
             return []
@@ -405,7 +439,11 @@ class LocalCluster(Cluster):
         return pki.CertificateAuthority(self.pki_dir)
 
     def _pki(self) -> None:
-        (self.workdir / "audit-policy.yaml").write_text(yaml.safe_dump(AUDIT_POLICY))
+        policy = AUDIT_POLICY
+        if self.node_grace is not None:
+            rules = AUDIT_POLICY["rules"]
+            policy = {**AUDIT_POLICY, "rules": [NODE_WRITES_RULE, *rules]}
+        (self.workdir / "audit-policy.yaml").write_text(yaml.safe_dump(policy))
         ca = self._ca()
         ca.issue("apiserver", "kube-apiserver", server_names=(
             "127.0.0.1", "localhost", SERVICE_IP, "kubernetes", "kubernetes.default",
@@ -474,7 +512,10 @@ class LocalCluster(Cluster):
         if name != "kube-controller-manager":
             return []
         p = self.pki_dir
-        return [f"--controllers={CONTROLLERS}",
+        lifecycle = [] if self.node_grace is None else [
+            f"--node-monitor-grace-period={self.node_grace:g}s"]
+        return [f"--controllers={CONTROLLERS if self.node_grace is None else ALL_CONTROLLERS}",
+                *lifecycle,
                 f"--service-account-private-key-file={p / 'sa.key'}",
                 f"--root-ca-file={p / 'ca.crt'}",
                 f"--cluster-signing-cert-file={p / 'ca.crt'}",
@@ -492,7 +533,8 @@ class LocalCluster(Cluster):
 
     def _save(self) -> None:
         self.state_file.write_text(json.dumps(
-            {"pids": self.pids, "ports": self.ports, "args": self._args}, indent=1))
+            {"pids": self.pids, "ports": self.ports, "args": self._args,
+             "node_grace": self.node_grace}, indent=1))
 
     def _stop(self, name: str) -> None:
         pid = self.pids.pop(name, None)
