@@ -387,3 +387,14 @@ def test_constructor_refuses_bad_settings() -> None:
         CriRuntime("")
     with pytest.raises(ValueError, match="request_timeout"):
         CriRuntime("/x.sock", request_timeout=0)
+
+
+def test_mounts_reach_the_container_config() -> None:
+    from nodeagent.runtime.base import ContainerConfig, Mount, SandboxConfig
+    from nodeagent.runtime.cri.client import container_config_pb
+    pod = mkpod("p")
+    config = ContainerConfig.from_pod(pod, pod["spec"]["containers"][0])
+    config.mounts = [Mount("/data", "/var/lib/x/data", read_only=True)]
+    msg = container_config_pb(config, SandboxConfig.from_pod(pod))
+    assert [(m.container_path, m.host_path, m.readonly) for m in msg.mounts] == \
+        [("/data", "/var/lib/x/data", True)]

@@ -429,3 +429,16 @@ async def test_records_from_before_a_reboot_are_not_adopted(tmp_path: Path) -> N
     finally:
         os.killpg(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
+
+
+@aio
+async def test_refuses_mounts_it_cannot_make(tmp_path: Path) -> None:
+    from nodeagent.runtime.base import Mount, Unsupported
+    p = pod(["true"])
+    async with runtime(tmp_path) as rt:
+        sc = SandboxConfig.from_pod(p)
+        sid = await rt.run_sandbox(sc)
+        cc = ContainerConfig.from_pod(p, p["spec"]["containers"][0])
+        cc.mounts = [Mount("/data", str(tmp_path))]
+        with pytest.raises(Unsupported, match="volumeMounts.*/data"):
+            await rt.create_container(sid, cc, sc)

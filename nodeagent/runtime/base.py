@@ -151,6 +151,16 @@ class SandboxConfig:
         )
 
 
+@dataclass(frozen=True)
+class Mount:
+    """A file or directory of the host bind-mounted into a container: what a pod's
+    volumes, its /etc/hosts and its termination-message file become. The syncer resolves
+    them to host paths before it calls the runtime."""
+    container_path: str
+    host_path: str
+    read_only: bool = False
+
+
 @dataclass
 class ContainerConfig:
     """One container of a pod spec, resolved to what the runtime needs."""
@@ -175,6 +185,7 @@ class ContainerConfig:
     stdin: bool = False
     stdin_once: bool = False
     tty: bool = False
+    mounts: list[Mount] = field(default_factory=list)
 
     @classmethod
     def from_pod(cls, pod: Mapping[str, Any], container: Mapping[str, Any], *,

@@ -56,6 +56,7 @@ class FakeRuntime(Runtime):
         self.host_ip = host_ip
         self.sandboxes: dict[str, Sandbox] = {}
         self.containers: dict[str, Container] = {}
+        self.configs: dict[str, ContainerConfig] = {}  # container id -> what created it
         self.calls: Counter[str] = Counter()
         # faults and behaviours a test can set
         self.hang_pod_status: set[str] = set()   # pod uids whose pod_status never returns
@@ -205,6 +206,7 @@ class FakeRuntime(Runtime):
             raise ImageNotPresent(f"create_container {config.name}: image {config.image} "
                                   "is not present")
         cid = self._new_id("c")
+        self.configs[cid] = config
         self.containers[cid] = Container(
             id=cid, sandbox_id=sandbox_id, pod_uid=sb.pod_uid, name=config.name,
             image=config.image, state=ContainerState.CREATED, attempt=config.attempt,
@@ -254,6 +256,7 @@ class FakeRuntime(Runtime):
     async def remove_container(self, container_id: str) -> None:
         self._call("remove_container")
         c = self.containers.pop(container_id, None)
+        self.configs.pop(container_id, None)
         if c is not None:
             self._forget(c.pod_uid, container_id)
 

@@ -65,6 +65,7 @@ from nodeagent.runtime.base import (
     SandboxConfig,
     SandboxState,
     StreamRequest,
+    Unsupported,
 )
 from nodeagent.runtime.execserver import ExecSpec, StreamingServer
 
@@ -468,6 +469,10 @@ class ProcessRuntime(Runtime):
             field_name = "tty" if config.tty else "stdin"
             raise ContainerRuntimeError(f"{where}: {field_name}: the process runtime cannot "
                                         "give a process a terminal or keep its stdin open")
+        if config.mounts:
+            raise Unsupported(f"{where}: volumeMounts: the process runtime runs a process "
+                              f"in the host's filesystem and cannot mount "
+                              f"{config.mounts[0].container_path} into it")
         with self._lock:
             sb = self._sandboxes.get(sandbox_id)
             if sb is None:

@@ -160,6 +160,8 @@ def container_config_pb(c: ContainerConfig, sandbox: SandboxConfig) -> pb.Contai
         image=pb.ImageSpec(image=c.image),
         command=c.command, args=c.args, working_dir=c.working_dir,
         envs=[pb.KeyValue(key=k, value=v) for k, v in c.env],
+        mounts=[pb.Mount(container_path=m.container_path, host_path=m.host_path,
+                         readonly=m.read_only) for m in c.mounts],
         labels=labels, annotations=annotations,
         log_path=c.log_path if sandbox.log_directory else "",
         stdin=c.stdin, stdin_once=c.stdin_once, tty=c.tty,
