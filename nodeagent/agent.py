@@ -32,6 +32,7 @@ from nodeagent.api.clock import Clock
 from nodeagent.api.kube import Kube
 from nodeagent.api.serve import HealthServer
 from nodeagent.config import VIRTUAL_LABEL, AgentConfig, ConfigError, load
+from nodeagent.events import Events
 from nodeagent.node.controller import NodeController, NodeControllerConfig, NodeSpec
 from nodeagent.node.host import HostProbe, HostReadError, HostReadings
 from nodeagent.node.metrics import NodeMetrics
@@ -42,7 +43,6 @@ from nodeagent.pleg import Pleg, PlegConfig
 from nodeagent.pods import Part, Pods, PodsConfig
 from nodeagent.runtime import ContainerRuntimeError, Runtime, make_runtime, socket_path
 from nodeagent.sources.api import APISource
-from nodeagent.sources.events import NodeEvents
 from nodeagent.sources.file import FileSource
 from nodeagent.sources.http import HTTPSource
 from nodeagent.sources.merge import Merge
@@ -217,8 +217,8 @@ class Agent:
         configured = {s for s, on in ((Source.API, True),
                                       (Source.FILE, bool(cfg.pod_manifest_path)),
                                       (Source.HTTP, bool(cfg.manifest_url))) if on}
-        merge = Merge(configured, Problems(NodeEvents(kube, cfg.node_name, clock,
-                                                      node_uid=node_uid)))
+        events = Events(kube, cfg.node_name, clock, node_uid=node_uid)
+        merge = Merge(configured, Problems(events))
         sources: list[Part] = [APISource(kube, cfg.node_names, merge, clock,
                                          answered=self.answered)]
         if cfg.pod_manifest_path:
@@ -236,7 +236,7 @@ class Agent:
         pleg = Pleg(runtime, clock, PlegConfig(), registry=registry,
                     node=cfg.agent_id if cfg.virtual else cfg.node_name)
         loop = SyncLoopConfig(runtime=runtime, clock=clock, kube=kube, answered=self.answered,
-                              host_ip=hip, registry=registry,
+                              events=events, host_ip=hip, registry=registry,
                               log_root=str((Path(cfg.root_dir) / "logs" / "pods").resolve()))
         loops = NodeLoops(NodeLoopsConfig(cfg.node_names, loop), pleg, merge.updates,
                           merge.ready)

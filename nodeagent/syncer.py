@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 from nodeagent.api.clock import Clock, clock_timeout
 from nodeagent.api.kube import describe
+from nodeagent.events import WARNING, Events
 from nodeagent.pleg import CacheEntry
 from nodeagent.podstatus import StatusManager, Waiting, compute_pod_status
 from nodeagent.runtime.base import (
@@ -142,7 +143,8 @@ class PodSyncer:
 
     def __init__(self, runtime: Runtime, status: StatusManager, clock: Clock, *,
                  node_name: str = "", host_ip: str = "", call_timeout: float = 60.0,
-                 log_root: str = "", backoff: CrashBackoff | None = None) -> None:
+                 log_root: str = "", backoff: CrashBackoff | None = None,
+                 events: Events | None = None) -> None:
         self.runtime = runtime
         self.status = status
         self.clock = clock
@@ -151,6 +153,7 @@ class PodSyncer:
         self.call_timeout = call_timeout
         self.log_root = log_root
         self.backoff = backoff or CrashBackoff(clock)
+        self.events = events
         self._inflight: set[asyncio.Future[Any]] = set()  # runtime calls under way
 
     async def _rt(self, aw: Awaitable[T], what: str, extra: float = 0.0) -> T:
@@ -361,6 +364,7 @@ class PodSyncer:
                                            field_values=fields)
         except ValueError as e:  # a spec we cannot run (bad quantity, ...): say so
             plan.waiting[name] = Waiting("CreateContainerConfigError", str(e))
+            self._warn(pod, name, f"Error: {e}")
             plan.again(self.IMAGE_RETRY)
             return
         try:
@@ -371,6 +375,7 @@ class PodSyncer:
             return
         except ContainerRuntimeError as e:
             plan.waiting[name] = Waiting("CreateContainerError", str(e))
+            self._warn(pod, name, f"Error: {e}")
             plan.again(self.IMAGE_RETRY)
             return
         try:
@@ -380,6 +385,11 @@ class PodSyncer:
             plan.waiting[name] = Waiting("RunContainerError", str(e))
             self.backoff.restarted((sc.uid, name))
             plan.again(max(1.0, self.backoff.remaining((sc.uid, name))))
+
+    def _warn(self, pod: Pod, container: str, message: str, reason: str = "Failed") -> None:
+        """A Warning Event on the pod about one container, as the kubelet's."""
+        if self.events is not None:
+            self.events.pod(pod, WARNING, reason, message, container=container)
 
     def _image_missing(self, name: str, image: str, policy: str, plan: _Plan) -> None:
         if policy == "Never":

@@ -28,6 +28,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter
 from nodeagent.api.answered import ApiAnswered
 from nodeagent.api.clock import Clock
 from nodeagent.api.kube import Kube, describe
+from nodeagent.events import Events
 from nodeagent.pleg import EventType, Pleg, PodCache, PodLifecycleEvent
 from nodeagent.podstatus import StatusManager
 from nodeagent.runtime.base import LABEL_POD_NAME, LABEL_POD_NAMESPACE, Runtime
@@ -46,6 +47,7 @@ class SyncLoopConfig:
     clock: Clock
     kube: Kube                         # pod status writes
     answered: ApiAnswered              # their backoffs end when the API answers again
+    events: Events | None = None       # Warning Events about pods (None: none written)
     host_ip: str = ""
     registry: CollectorRegistry = REGISTRY
     sync_frequency: float = 60.0       # periodic resync of each pod
@@ -92,7 +94,7 @@ class SyncLoop:
                                     registry=c.registry)
         self.syncer = PodSyncer(c.runtime, self.status, c.clock, node_name=node_name,
                                 host_ip=c.host_ip, call_timeout=c.call_timeout,
-                                log_root=c.log_root,
+                                log_root=c.log_root, events=c.events,
                                 backoff=CrashBackoff(c.clock, c.crash_backoff_initial,
                                                      c.crash_backoff_max,
                                                      c.crash_backoff_reset))

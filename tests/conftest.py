@@ -23,6 +23,7 @@ from nodeagent.agent import Agent, Parts, Pools
 from nodeagent.api.answered import ApiAnswered
 from nodeagent.api.clock import FakeClock, settle
 from nodeagent.api.kube import NODES, PODS
+from nodeagent.events import Events
 from nodeagent.node.host import HostReadings
 from nodeagent.node.quantity import parse_thresholds
 from nodeagent.node.status import StatusSettings
@@ -185,15 +186,21 @@ class LoopRig:
             self.ready.mark(Source.API)
         self.kube = FakeKube(now=clock.monotonic)
         self.registry = CollectorRegistry()
+        self.events = Events(self.kube, nodes[0], clock, node_uid=lambda: "node-uid")
         config = SyncLoopConfig(runtime=rt, clock=clock, kube=self.kube,
                                 answered=ApiAnswered(clock), host_ip="192.0.2.10",
-                                registry=self.registry)
+                                registry=self.registry, events=self.events)
         label = nodes[0] if len(nodes) == 1 else "vn"
         self.loops = NodeLoops(NodeLoopsConfig(tuple(nodes), config),
                                Pleg(rt, clock, node=label, registry=self.registry),
                                self.updates, self.ready)
         self.loop = self.loops.loops[nodes[0]]  # the first node's own
         self.pods = Pods(rt, clock, self.loops)  # with the runtime's readings, no sources
+
+    def warnings(self) -> list[dict[str, Any]]:
+        """The Warning Events written so far."""
+        return [c.body for c in self.kube.calls_of("create events")
+                if c.body and c.body["type"] == "Warning"]
 
     def send(self, op: Op, *pods: Pod) -> None:
         """What the API source would deliver; the API server holds the same pods."""

@@ -17,7 +17,7 @@ class EventSink(Protocol):
 
 
 class Problems:
-    """Where sources report what they refuse. `sink` is usually a NodeEvents."""
+    """Where sources report what they refuse. `sink` is usually the agent's Events."""
 
     def __init__(self, sink: EventSink | None = None) -> None:
         self.sink = sink

@@ -1,11 +1,11 @@
-"""Warning Events on the Node: shape, and the same problem written once per period."""
+"""Events the agent writes: on the Node (shape, the same problem written once per period) and on pods."""
 
 from __future__ import annotations
 
 import asyncio
 
 from nodeagent.api.clock import FakeClock
-from nodeagent.sources.events import NodeEvents
+from nodeagent.events import Events
 from tests.conftest import aio
 from tests.fakekube import FakeKube
 
@@ -14,7 +14,7 @@ from tests.fakekube import FakeKube
 async def test_events_are_shaped_and_deduplicated() -> None:
     clock = FakeClock()
     kube = FakeKube()
-    ev = NodeEvents(kube, "n1", clock, node_uid=lambda: "node-uid-1", repeat_after=600.0)
+    ev = Events(kube, "n1", clock, node_uid=lambda: "node-uid-1", repeat_after=600.0)
     ev.warning("StaticPodMalformed", "file source: /m/a.yaml: malformed")
     ev.warning("StaticPodMalformed", "file source: /m/a.yaml: malformed")
     ev.warning("StaticPodTooLarge", "file source: /m/b.yaml: too large")
@@ -41,7 +41,7 @@ async def test_events_are_shaped_and_deduplicated() -> None:
 async def test_an_event_failure_is_not_fatal() -> None:
     kube = FakeKube()
     kube.fail("create events", ConnectionRefusedError("refused"))
-    ev = NodeEvents(kube, "n1", FakeClock(), node_uid=lambda: "node-uid-1")
+    ev = Events(kube, "n1", FakeClock(), node_uid=lambda: "node-uid-1")
     ev.warning("StaticPodMalformed", "x")
     await asyncio.wait_for(ev.drain(), 30)
     assert ev.written == 0
@@ -51,7 +51,7 @@ async def test_an_event_failure_is_not_fatal() -> None:
 async def test_an_event_not_written_is_posted_at_the_next_report() -> None:
     kube = FakeKube()
     uids: dict[str, str] = {}
-    ev = NodeEvents(kube, "n1", FakeClock(), node_uid=lambda: uids.get("n1"),
+    ev = Events(kube, "n1", FakeClock(), node_uid=lambda: uids.get("n1"),
                     repeat_after=600.0)
     ev.warning("StaticPodMalformed", "file source: /m/a.yaml: malformed")
     await asyncio.wait_for(ev.drain(), 5)
@@ -60,3 +60,27 @@ async def test_an_event_not_written_is_posted_at_the_next_report() -> None:
     ev.warning("StaticPodMalformed", "file source: /m/a.yaml: malformed")
     await asyncio.wait_for(ev.drain(), 5)
     assert ev.written == 1
+
+
+@aio
+async def test_pod_events_name_the_pod_and_container() -> None:
+    kube = FakeKube()
+    ev = Events(kube, "n1", FakeClock(), node_uid=lambda: "node-uid-1")
+    pod = {"metadata": {"name": "web", "namespace": "shop", "uid": "pod-uid"},
+           "spec": {"nodeName": "vn-7", "initContainers": [{"name": "setup"}],
+                    "containers": [{"name": "app"}]}}
+    ev.pod(pod, "Warning", "Failed", "Error: boom", container="setup")
+    ev.pod(pod, "Warning", "Failed", "Error: boom", container="setup")  # once
+    ev.pod(pod, "Normal", "Started", "Started container app", container="app")
+    await asyncio.wait_for(ev.drain(), 5)
+    bodies = {c.body["reason"]: c for c in kube.calls_of("create events") if c.body}
+    assert set(bodies) == {"Failed", "Started"} and ev.written == 2
+    failed = bodies["Failed"]
+    assert failed.namespace == "shop" and failed.body is not None
+    assert failed.body["involvedObject"] == {
+        "apiVersion": "v1", "kind": "Pod", "name": "web", "namespace": "shop",
+        "uid": "pod-uid", "fieldPath": "spec.initContainers{setup}"}
+    assert failed.body["source"] == {"component": "nodepulse-agent", "host": "vn-7"}
+    started = bodies["Started"].body
+    assert started is not None and started["type"] == "Normal"
+    assert started["involvedObject"]["fieldPath"] == "spec.containers{app}"
