@@ -33,8 +33,8 @@ from nodeagent.api.client import new_api_client
 from nodeagent.api.clock import FakeClock, RealClock, settle
 from nodeagent.api.kube import RestKube
 from nodeagent.api.rest import request_json
+from nodeagent.events import Events
 from nodeagent.sources.api import APISource
-from nodeagent.sources.events import NodeEvents
 from nodeagent.sources.file import FileSource
 from nodeagent.sources.merge import Merge
 from nodeagent.sources.mirror import MirrorManager
@@ -110,7 +110,7 @@ def test_static_manifest_to_mirror_pod_lifecycle(cluster: Cluster, tmp_path: Pat
     async def body() -> None:
         clock = RealClock()
         kube = RestKube(api)
-        events = NodeEvents(kube, node, clock, node_uid=lambda: UIDS[node])
+        events = Events(kube, node, clock, node_uid=lambda: UIDS[node])
         merge = Merge([Source.API, Source.FILE], Problems(events))
         src = FileSource(folder, node, merge, clock, debounce=0.05)
         watch = APISource(kube, [node], merge, clock)
