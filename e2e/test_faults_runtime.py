@@ -56,6 +56,7 @@ from e2e.cluster import Cluster
 from e2e.cluster.images import BUSYBOX_IMAGE
 from e2e.promtext import samples
 from e2e.util import alive, environ, eventually, free_port, marked
+from nodeagent.api.kube import RestKube
 from nodeagent.runtime import PodRuntimeStatus
 from nodeagent.runtime.cri.gen import api_pb2 as pb
 from nodeagent.runtime.cri.gen import api_pb2_grpc as pb_grpc
@@ -733,7 +734,7 @@ class InProcessAgent:
         self.name = name
         self.root = root
         self.registry = CollectorRegistry()
-        self.api: client.ApiClient | None = None
+        self.kube: RestKube | None = None
         self.runtime: HangingRuntime | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
@@ -761,20 +762,20 @@ class InProcessAgent:
         from nodeagent.api.kube import RestKube
 
         cfg = self.cfg
-        api = new_api_client(cfg.kubeconfig, component="agent", retries=0,
-                             pool_size=cfg.lease_concurrency + cfg.status_concurrency + 2)
-        self.api = api
+        api = new_api_client(cfg.kubeconfig, component="agent", retries=0)
+        self.kube = kube = RestKube(api)
         try:
             hip = host_ip(cfg, host_probe(cfg))
             self.runtime = HangingRuntime(Path(cfg.root_dir) / "process", host_ip=hip)
             self.loop = asyncio.get_running_loop()
             self._stop = asyncio.Event()
-            agent = Agent(cfg, Parts(RestKube(api), RealClock(), runtime=self.runtime,
+            agent = Agent(cfg, Parts(kube, RealClock(), runtime=self.runtime,
                                      host_ip=hip, registry=self.registry, flags=self.flags,
                                      env={}))
             self._ready.set()
             await agent.run(self._stop)
         finally:
+            await kube.aclose()
             api.close()
 
     def call(self, fn: Callable[[], None]) -> None:
@@ -891,9 +892,8 @@ def test_hung_pod_status_does_not_stall_pleg_or_other_pods(
         assert agent.error is None
         # pod status writes reuse the API client's connections (an unread response
         # would hold its connection until garbage collection: one TLS connection each)
-        assert agent.api is not None
-        pools = agent.api.rest_client.pool_manager.pools
-        opened = sum(pools[k].num_connections for k in list(pools.keys()))
+        assert agent.kube is not None
+        opened = agent.kube.transport.opened_in_all()
         writes = agent.sample("nodepulse_pod_status_writes_total", kind="patch", result="ok")
         print(f"[fault 7] the agent's API client opened {opened} connections in all; "
               f"{writes:.0f} pod status patches")

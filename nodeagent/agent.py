@@ -3,7 +3,7 @@
     Agent(cfg, Parts(RestKube(api), RealClock(), flags=..., env=...)).run(stop)
 
 Shared, whatever the number of nodes: one API client (Kube), one ApiAnswered signal,
-one renewal scheduler with its own thread pool, one status ticker with another, one
+one renewal scheduler with connections of its own, one status ticker with others, one
 Node watch, one pod watch and pod source merge, one runtime and one PLEG (NodeLoops),
 one health server. A host agent speaks for one node; virtual nodes add more
 NodeControllers and SyncLoops to the same. No other module builds parts of the agent:
@@ -143,17 +143,14 @@ def build_runtime(cfg: AgentConfig, host_ip: str = "") -> Runtime:
 
 @dataclasses.dataclass(frozen=True)
 class Pools:
-    """The threads blocking work runs on: the Lease writes on their own, so a renewal
-    never waits behind status work (host readings, status PATCHes, registration)."""
+    """The threads blocking work runs on: host readings and the status computation (API
+    requests run on the event loop, see nodeagent.api.rest)."""
 
-    lease: concurrent.futures.Executor
     status: concurrent.futures.Executor
 
     @classmethod
     def of(cls, cfg: AgentConfig) -> Pools:
-        return cls(concurrent.futures.ThreadPoolExecutor(cfg.lease_concurrency,
-                                                         thread_name_prefix="lease"),
-                   concurrent.futures.ThreadPoolExecutor(cfg.status_concurrency,
+        return cls(concurrent.futures.ThreadPoolExecutor(cfg.status_concurrency,
                                                          thread_name_prefix="status"))
 
 
@@ -192,7 +189,9 @@ class Agent:
         self.renewals: DueScheduler[str] = DueScheduler(clock, self._renew, "renewals")
         self.ticker: DueScheduler[str] = DueScheduler(clock, self._tick, "status")
         self.node_config = NodeControllerConfig(
-            kube=kube.using(self.pools.status), lease_kube=kube.using(self.pools.lease),
+            # Lease writes over connections of their own: never behind status work
+            kube=kube.separate(cfg.status_concurrency),
+            lease_kube=kube.separate(cfg.lease_concurrency),
             clock=clock, metrics=self.metrics, heartbeat=cfg.heartbeat, status=self.settings,
             # virtual nodes share one reading of the host; a host node reads it every tick
             probe=self.shared_readings.read if cfg.virtual else self.probe.read,
@@ -381,8 +380,7 @@ class Agent:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        for pool in (self.pools.lease, self.pools.status):
-            await asyncio.to_thread(pool.shutdown, wait=True, cancel_futures=True)
+        await asyncio.to_thread(self.pools.status.shutdown, wait=True, cancel_futures=True)
         if self.health:
             self.health.stop()
         log.info("stopped")

@@ -31,17 +31,17 @@ async def _serve(cfg: config.AgentConfig, flags: dict[str, object]) -> None:
     from nodeagent.api.clock import RealClock
     from nodeagent.api.kube import RestKube
 
-    # retries=0: every caller retries with its own deadline (tenacity for the Lease)
-    api = new_api_client(cfg.kubeconfig, component="agent", retries=0,
-                         pool_size=cfg.lease_concurrency + cfg.status_concurrency + 2)
+    api = new_api_client(cfg.kubeconfig, component="agent")
+    kube = RestKube(api)  # every caller retries with its own deadline (tenacity for the Lease)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
-        parts = Parts(RestKube(api), RealClock(), flags=flags, env=os.environ)
+        parts = Parts(kube, RealClock(), flags=flags, env=os.environ)
         await Agent(cfg, parts).run(stop)
     finally:
+        await kube.aclose()
         api.close()
 
 

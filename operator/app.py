@@ -97,8 +97,7 @@ def settings() -> kopf.OperatorSettings:
 async def run(opts: Options, clock: Clock | None = None) -> None:
     clock = clock or RealClock()
     store = Store(clock)
-    api = new_api_client(opts.kubeconfig, opts.context, component="operator",
-                         pool_size=opts.writers + 2)
+    api = new_api_client(opts.kubeconfig, opts.context, component="operator")
     kube = RestKube(api)
     elector = LeaderElector(KubeLeaseBackend(kube, opts.election_namespace,
                                              opts.election_name),
@@ -147,8 +146,8 @@ async def run(opts: Options, clock: Clock | None = None) -> None:
         except TimeoutError:
             log.info("Events not posted at shutdown were dropped")
         await elector.release()
-        writer.close()
         if server:
             server.stop()
+        await kube.aclose()
         api.close()
         log.info("stopped")

@@ -1,9 +1,8 @@
-"""The monitor's writes, through the one API layer (nodeagent.api.kube), on threads of
-their own: the Events' never queue ahead of a taint write."""
+"""The monitor's writes, through the one API layer (nodeagent.api.kube), on connections
+of their own: the Events' never queue ahead of a taint write."""
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from nodeagent.api.kube import (
@@ -25,10 +24,8 @@ def _version(written: Obj) -> str:
 
 class KubeWriter:
     def __init__(self, kube: Kube, workers: int = 16) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="writer")
-        self._events_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="events")
-        self.kube = kube.using(self._pool)
-        self.events = kube.using(self._events_pool)
+        self.kube = kube.separate(workers)
+        self.events = kube.separate(4)
 
     async def patch_node(self, name: str, patch: dict[str, Any]) -> str:
         # Strategic merge: a Node's taint list has no merge key, so it is replaced
@@ -54,6 +51,3 @@ class KubeWriter:
         return _version(await self.events.patch(EVENTS, name, patch, namespace=namespace,
                                                 content_type=MERGE, timeout=TIMEOUT))
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        self._events_pool.shutdown(wait=False, cancel_futures=True)

@@ -16,7 +16,6 @@ Call keys name the verb and the resource, as a test reads them: "update leases",
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import copy
 import dataclasses
 import functools
@@ -210,8 +209,8 @@ class FakeKube:
 
     # -- the verbs --------------------------------------------------------------------
 
-    def using(self, executor: concurrent.futures.Executor | None) -> FakeKube:
-        return self  # no threads here
+    def separate(self, connections: int) -> FakeKube:
+        return self  # no connections here
 
     @_logged
     async def get(self, res: Resource, name: str, *, namespace: str | None = None,

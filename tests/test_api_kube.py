@@ -1,21 +1,22 @@
-"""The API layer: paths from the resource table, the requests RestKube sends through the
-client (recorded at the client's call_api, no server), the watch reader's thread, and
-the in-memory fake's semantics the other tests rely on."""
+"""The API layer: paths from the resource table, the requests RestKube sends (recorded by
+an in-process server on loopback), its watches read on the event loop, its transport
+failures, and the in-memory fake's semantics the other tests rely on."""
 
 from __future__ import annotations
 
 import asyncio
-import io
 import json
-import threading
 from collections.abc import Sequence
 from typing import Any
 
 import pytest
-import urllib3
+import aiohttp
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
-from kubernetes.client.rest import RESTResponse
+
+from nodeagent.api.client import brief, is_retriable
 
 from nodeagent.api.kube import (
     CERTIFICATE_SIGNING_REQUESTS,
@@ -31,7 +32,7 @@ from nodeagent.api.kube import (
     RestKube,
     describe,
 )
-from nodeagent.api.rest import json_lines
+from nodeagent.api.rest import transport_error, client_timeout, json_lines
 from tests.conftest import aio
 from tests.fakekube import FakeKube, api_error
 
@@ -60,48 +61,76 @@ def test_paths_come_from_the_table() -> None:
     assert describe({"metadata": {"name": "n1"}}) == "n1"
 
 
-class Recorder:
-    """An ApiClient whose call_api records what would be sent and answers from a script."""
+Chunk = bytes | asyncio.Event  # an Event: wait until the test sets it
 
-    def __init__(self, answers: Sequence[tuple[int, bytes | list[bytes]]]) -> None:
-        cfg = client.Configuration()
-        cfg.host = "https://127.0.0.1:1"
-        cfg.api_key = {"BearerToken": "t"}
-        cfg.api_key_prefix = {"BearerToken": "Bearer"}
-        self.api = client.ApiClient(cfg)
-        self.api.call_api = self.call_api
+
+class Recorder:
+    """An API server on loopback that records each request and answers from a script:
+    (status, body) or (status, [chunks]) sent one chunk at a time, an Event among them
+    holding the rest back until the test sets it."""
+
+    def __init__(self, answers: Sequence[tuple[int, bytes | list[Chunk]]]) -> None:
         self.answers = list(answers)
         self.sent: list[dict[str, Any]] = []
-        self.responses: list[urllib3.HTTPResponse] = []
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self.handle)
+        self.server = TestServer(app)
 
-    def call_api(self, method: str, url: str, headers: dict[str, str], body: Any,
-                 post: Any, _request_timeout: Any = None) -> RESTResponse:
-        self.sent.append({"method": method, "url": url, "headers": headers, "body": body,
-                          "timeout": _request_timeout})
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        self.sent.append({"method": request.method, "url": str(request.rel_url),
+                          "headers": dict(request.headers),
+                          "body": json.loads(body) if body else None})
         status, data = self.answers.pop(0)
         chunks = data if isinstance(data, list) else [data]
-        resp = urllib3.HTTPResponse(body=io.BytesIO(b"".join(chunks)), status=status,
-                                    preload_content=False)
-        self.responses.append(resp)
-        return RESTResponse(resp)
+        resp = web.StreamResponse(status=status)
+        resp.content_type = "application/json"
+        await resp.prepare(request)
+        for chunk in chunks:
+            if isinstance(chunk, asyncio.Event):
+                await chunk.wait()
+            else:
+                await resp.write(chunk)
+        await resp.write_eof()
+        return resp
+
+    async def __aenter__(self) -> RestKube:
+        await self.server.start_server()
+        cfg = client.Configuration()
+        cfg.host = str(self.server.make_url(""))
+        cfg.api_key = {"BearerToken": "t"}
+        cfg.api_key_prefix = {"BearerToken": "Bearer"}
+        api = client.ApiClient(cfg)
+        api.user_agent = "nodepulse/test"
+        self.kube = RestKube(api, connections=2)
+        return self.kube
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.kube.aclose()
+        await self.server.close()
 
 
 @aio
 async def test_verbs_send_the_paths_queries_and_bodies() -> None:
     node = json.dumps({"metadata": {"name": "n1", "resourceVersion": "7"}}).encode()
     r = Recorder([(200, node)] * 6 + [(404, b'{"message": "nope"}')])
-    kube = RestKube(r.api)
-    assert (await kube.get(NODES, "n1", timeout=10))["metadata"]["resourceVersion"] == "7"
-    await kube.list(PODS, field_selector="spec.nodeName=n1", limit=500, cont="abc")
-    await kube.patch(NODES, "n1", {"status": {}}, subresource="status")
-    await kube.update(LEASES, {"metadata": {"name": "n1", "namespace": NODE_LEASE_NAMESPACE}})
-    assert await kube.patch(NODE_STATUS_POLICIES, "p", {"status": {}}, subresource="status",
-                            content_type=MERGE, parse=False) == {}
-    await kube.delete(PODS, "p", namespace="ns", options={"gracePeriodSeconds": 0})
-    with pytest.raises(ApiException) as e:
-        await kube.create(EVENTS, {"metadata": {"name": "e", "namespace": "default"}})
-    assert e.value.status == 404
-    got = [(s["method"], s["url"].split("127.0.0.1:1", 1)[1]) for s in r.sent]
+    async with r as kube:
+        assert (await kube.get(NODES, "n1", timeout=10))["metadata"]["resourceVersion"] == "7"
+        await kube.list(PODS, field_selector="spec.nodeName=n1", limit=500, cont="abc")
+        await kube.patch(NODES, "n1", {"status": {}}, subresource="status")
+        lease = kube.separate(1)  # connections of its own, the same server and credentials
+        await lease.update(LEASES, {"metadata": {"name": "n1",
+                                                 "namespace": NODE_LEASE_NAMESPACE}})
+        assert await kube.patch(NODE_STATUS_POLICIES, "p", {"status": {}},
+                                subresource="status", content_type=MERGE, parse=False) == {}
+        await kube.delete(PODS, "p", namespace="ns", options={"gracePeriodSeconds": 0})
+        with pytest.raises(ApiException) as e:
+            await kube.create(EVENTS, {"metadata": {"name": "e", "namespace": "default"}})
+        assert e.value.status == 404 and brief(e.value) == "HTTP 404 Not Found: nope"
+        # keep-alive: one connection for the first kube's requests, one for the other's
+        assert (kube.transport.opened, lease.transport.opened) == (1, 1)
+        assert kube.transport.opened_in_all() == 2
+    got = [(s["method"], s["url"]) for s in r.sent]
     assert got == [
         ("GET", "/api/v1/nodes/n1"),
         ("GET", "/api/v1/pods?fieldSelector=spec.nodeName%3Dn1&limit=500&continue=abc"),
@@ -110,37 +139,77 @@ async def test_verbs_send_the_paths_queries_and_bodies() -> None:
         ("PATCH", "/apis/nodepulse.dev/v1alpha1/nodestatuspolicies/p/status"),
         ("DELETE", "/api/v1/namespaces/ns/pods/p"),
         ("POST", "/api/v1/namespaces/default/events")]
-    assert r.sent[0]["timeout"] == 10 and r.sent[0]["headers"]["authorization"] == "Bearer t"
+    assert r.sent[0]["headers"]["Authorization"] == "Bearer t"
+    assert r.sent[0]["headers"]["User-Agent"] == "nodepulse/test"
+    assert "Content-Type" not in r.sent[0]["headers"]  # no body, no type
     assert r.sent[2]["headers"]["Content-Type"] == "application/strategic-merge-patch+json"
     assert r.sent[4]["headers"]["Content-Type"] == "application/merge-patch+json"
     assert r.sent[5]["body"] == {"apiVersion": "v1", "kind": "DeleteOptions",
                                  "gracePeriodSeconds": 0}
-    # every answer was read to its end (the connection can go back to the pool)
-    assert [resp._fp_bytes_read for resp in r.responses] == [len(node)] * 6 + [19]
 
 
 @aio
-async def test_a_watch_is_read_by_its_own_thread_chunk_by_chunk() -> None:
+async def test_transport_failures_are_connection_and_timeout_errors() -> None:
+    cfg = client.Configuration()
+    cfg.host = "http://127.0.0.1:1"  # nothing listens there
+    kube = RestKube(client.ApiClient(cfg))
+    try:
+        with pytest.raises(ConnectionError) as e:
+            await kube.get(NODES, "n1", timeout=5)
+    finally:
+        await kube.aclose()
+    assert is_retriable(e.value) and "GET /api/v1/nodes/n1" in str(e.value)
+    late = transport_error("PUT", "/x", aiohttp.ServerTimeoutError("read"))
+    assert isinstance(late, TimeoutError) and is_retriable(late)
+    # a number bounds the whole request (a Lease write must land before it expires);
+    # (connect, read) bounds connecting and each read (a watch)
+    assert client_timeout(2.5).total == 2.5
+    t = client_timeout((10.0, 330.0))
+    assert (t.total, t.sock_connect, t.sock_read) == (None, 10.0, 330.0)
+    assert client_timeout(None).total is None
+
+
+@aio
+async def test_a_watch_is_read_chunk_by_chunk_on_the_loop() -> None:
     events = [{"type": "ADDED", "object": {"metadata": {"name": f"p{i}"}}} for i in range(3)]
-    data = b"".join(json.dumps(e).encode() + b"\n" for e in events)
-    r = Recorder([(200, data), (410, b'{"code": 410}')])
-    kube = RestKube(r.api)
-    stream = await kube.watch(PODS, resource_version="5", field_selector="spec.nodeName=n1",
-                              timeout_seconds=300)
-    got = [e async for batch in stream for e in batch]
-    assert got == events
-    url = r.sent[0]["url"]
-    for q in ("watch=true", "allowWatchBookmarks=true", "timeoutSeconds=300",
-              "resourceVersion=5", "fieldSelector=spec.nodeName%3Dn1"):
-        assert q in url, url
-    assert r.sent[0]["timeout"] == (10.0, 330.0)
-    await stream.aclose()
-    assert not [t for t in threading.enumerate() if t.name == "watch-pods"]
-    with pytest.raises(ApiException) as e:  # refused: raised by watch() itself
-        await kube.watch(PODS, send_initial_events=True)
-    assert e.value.status == 410
-    assert "sendInitialEvents=true" in r.sent[1]["url"]
-    assert "resourceVersionMatch=NotOlderThan" in r.sent[1]["url"]
+    lines = [json.dumps(e).encode() + b"\n" for e in events]
+    more, rest, hold = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    # the second event cut in two: it comes with the third
+    chunks: list[Chunk] = [lines[0], more, lines[1][:7], rest, lines[1][7:] + lines[2]]
+    r = Recorder([(200, chunks), (410, b'{"code": 410}'), (200, [lines[0], hold])])
+    async with r as kube:
+        stream = await kube.watch(PODS, resource_version="5",
+                                  field_selector="spec.nodeName=n1", timeout_seconds=300)
+        it = aiter(stream)
+        assert [e["object"]["metadata"]["name"] for e in await anext(it)] == ["p0"]
+        more.set()
+        second = asyncio.ensure_future(anext(it))
+        await asyncio.sleep(0)
+        assert not second.done()  # half a line is not an event
+        rest.set()
+        assert [e["object"]["metadata"]["name"] for e in await second] == ["p1", "p2"]
+        with pytest.raises(StopAsyncIteration):
+            await anext(it)
+        url = r.sent[0]["url"]
+        for q in ("watch=true", "allowWatchBookmarks=true", "timeoutSeconds=300",
+                  "resourceVersion=5", "fieldSelector=spec.nodeName%3Dn1"):
+            assert q in url, url
+        await stream.aclose()
+        with pytest.raises(ApiException) as e:  # refused: raised by watch() itself
+            await kube.watch(PODS, send_initial_events=True)
+        assert e.value.status == 410
+        assert "sendInitialEvents=true" in r.sent[1]["url"]
+        assert "resourceVersionMatch=NotOlderThan" in r.sent[1]["url"]
+        # closed from another thread while the server holds the stream open: the read
+        # under way ends (as a network failure would end it)
+        stream = await kube.watch(PODS)
+        it = aiter(stream)
+        assert (await anext(it))[0]["object"]["metadata"]["name"] == "p0"
+        waiting = asyncio.ensure_future(anext(it))
+        await asyncio.to_thread(stream.close)
+        with pytest.raises((ConnectionError, StopAsyncIteration)):
+            await waiting
+        hold.set()
 
 
 def test_stream_lines_split_across_chunks() -> None:

@@ -12,24 +12,21 @@ adding a resource is one line there. Errors are the kubernetes client's ApiExcep
 ConnectionError, TimeoutError or urllib3's errors, as they come.
 
 `Kube` is the interface; `RestKube` is the real one (its HTTP is in rest.py, the only
-module that speaks HTTP). Unit tests use the in-memory fake in tests/fakekube.py. Watches
+module that speaks HTTP, on the event loop). Unit tests use the in-memory fake in tests/fakekube.py. Watches
 are followed by nodeagent.api.reflector, not read directly.
 """
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import dataclasses
-import functools
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any, Protocol
 from urllib.parse import quote
 
 from kubernetes import client
 
 from nodeagent.api import policy
-from nodeagent.api.rest import Timeout, WatchReader, request_json, request_unread
+from nodeagent.api.rest import Timeout, Transport
 
 Obj = dict[str, Any]
 
@@ -122,9 +119,10 @@ class Kube(Protocol):
     (or (connect, read)). `parse=False`: the answer is not needed, so it is not parsed
     and {} is returned (a pod's status PATCH answers with the whole pod)."""
 
-    def using(self, executor: concurrent.futures.Executor | None) -> Kube:
-        """The same API server, its requests on `executor`'s threads: callers that must
-        not wait behind each other (Lease writes, status work) use their own."""
+    def separate(self, connections: int) -> Kube:
+        """The same API server over connections of its own (at most `connections`
+        requests at once): callers that must not wait behind each other (Lease writes,
+        status work, the operator's Events) each use their own."""
 
     async def get(self, res: Resource, name: str, *, namespace: str | None = None,
                   subresource: str | None = None, timeout: Timeout = 30.0) -> Obj: ...
@@ -165,27 +163,27 @@ class Kube(Protocol):
 
 
 class RestKube:
-    """Kube over HTTP through an ApiClient built by nodeagent.api.client. Each request
-    blocks a thread of `executor` (None: the event loop's default one), so callers
-    that must not wait behind each other use RestKubes on separate executors
-    (`using`); a watch is read by a thread of its own."""
+    """Kube over HTTP: rest.Transport, with the credentials of an ApiClient built by
+    nodeagent.api.client. Requests run on the event loop; `separate` gives a RestKube
+    with connections of its own; `aclose` closes the connections of this one."""
 
-    def __init__(self, api: client.ApiClient,
-                 executor: concurrent.futures.Executor | None = None) -> None:
+    def __init__(self, api: client.ApiClient, connections: int = 16,
+                 transport: Transport | None = None) -> None:
         self.api = api
-        self.executor = executor
+        self.transport = transport or Transport(api, connections)
 
-    def using(self, executor: concurrent.futures.Executor | None) -> RestKube:
-        return RestKube(self.api, executor)  # the same connection pool and credentials
+    def separate(self, connections: int) -> RestKube:
+        return RestKube(self.api, transport=self.transport.separate(connections))
+
+    async def aclose(self) -> None:
+        await self.transport.aclose()
 
     async def _call(self, method: str, path: str, *, query: dict[str, Any] | None = None,
                     body: Obj | None = None, content_type: str = JSON,
                     timeout: Timeout, parse: bool = True) -> Obj:
-        send: Callable[..., Any] = request_json if parse else request_unread
-        answer = await asyncio.get_running_loop().run_in_executor(
-            self.executor, functools.partial(send, self.api, method, path, query=query,
-                                             body=body, timeout=timeout,
-                                             content_type=content_type))
+        answer = await self.transport.request(method, path, query=query, body=body,
+                                              timeout=timeout, content_type=content_type,
+                                              parse=parse)
         return answer if parse else {}
 
     async def get(self, res: Resource, name: str, *, namespace: str | None = None,
@@ -212,10 +210,8 @@ class RestKube:
         else:
             query["resourceVersion"] = resource_version
         # the read timeout a little past the server's own end of the watch
-        reader = WatchReader(self.api, res.path(namespace), query,
-                             timeout=(10.0, timeout_seconds + 30.0), name=f"watch-{res.plural}")
-        await reader.open()
-        return reader
+        return await self.transport.watch(res.path(namespace), query,
+                                          timeout=(10.0, timeout_seconds + 30.0))
 
     async def create(self, res: Resource, body: Obj, *, namespace: str | None = None,
                      timeout: Timeout = 30.0, parse: bool = True) -> Obj:

@@ -1,13 +1,20 @@
 """The HTTP transport under nodeagent.api.kube: the only module that speaks HTTP.
 
-Requests go through an ApiClient built by nodeagent.api.client (its authentication,
-serializer and connection pool), and bodies are plain dicts: the generated methods
-turn bodies into models and back, while the agent wants the API's JSON as is (cheap to
-hash and compare, nothing dropped, cheaper when one process speaks for many nodes).
+`Transport` is what the agent and the operator use: requests on the event loop itself
+(aiohttp, keep-alive connections, at most `connections` at once), with the credentials
+of an ApiClient built by nodeagent.api.client (its configuration: server, CA, client
+certificate, bearer token and its refresh). No thread per request: handing each request
+to a thread and its answer back to the loop cost more CPU than the request itself, which
+counts when one process renews the Leases of thousands of nodes. A watch is read on the
+loop too, a chunk at a time.
 
-The client blocks: RestKube runs each request in a thread, and a watch is read by a
-thread of its own (WatchReader) that hands its events to the event loop a chunk at a
-time.
+Bodies are plain dicts in the API's JSON form, in and out (cheap to hash and compare,
+nothing dropped). Non-2xx answers raise the kubernetes client's ApiException (with
+status, reason, body and headers, as its generated methods do); a transport failure
+raises ConnectionError or TimeoutError.
+
+`request`, `request_json` and `request_unread` are the blocking equivalents over the
+ApiClient itself, for scripts and tests that have no event loop.
 """
 
 from __future__ import annotations
@@ -15,13 +22,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import threading
+import ssl
 from collections.abc import Iterator
 from typing import Any
 
+import aiohttp
 import urllib3
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
+from multidict import CIMultiDict
 
 Timeout = float | tuple[float, float] | None  # None: no timeout; (connect, read)
 
@@ -78,106 +87,233 @@ def _q(v: Any) -> str:
     return str(v)
 
 
-def json_lines(chunks: Iterator[bytes]) -> Iterator[list[Any]]:
-    """A watch stream (one JSON object per line) as the objects of each chunk: the
-    caller sees each batch as soon as its last line is complete."""
-    buf = b""
-    for chunk in chunks:
-        buf += chunk
+class JsonLines:
+    """A watch stream (one JSON object per line) cut into the objects of each chunk: a
+    batch is complete as soon as the chunk's last line is."""
+
+    def __init__(self) -> None:
+        self._buf = b""
+
+    def feed(self, chunk: bytes) -> list[Any]:
         if b"\n" not in chunk:
-            continue
-        *lines, buf = buf.split(b"\n")
-        objs = [json.loads(line) for line in lines if line.strip()]
-        if objs:
+            self._buf += chunk
+            return []
+        *lines, self._buf = (self._buf + chunk).split(b"\n")
+        return [json.loads(line) for line in lines if line.strip()]
+
+    def end(self) -> list[Any]:
+        rest, self._buf = self._buf, b""
+        return [json.loads(rest)] if rest.strip() else []
+
+
+def json_lines(chunks: Iterator[bytes]) -> Iterator[list[Any]]:
+    """JsonLines over an iterator of chunks: the non-empty batches."""
+    lines = JsonLines()
+    for chunk in chunks:
+        if objs := lines.feed(chunk):
             yield objs
-    if buf.strip():
-        yield [json.loads(buf)]
+    if objs := lines.end():
+        yield objs
 
 
-_Item = list[dict[str, Any]] | BaseException | None  # a batch, a failure, the end
+class _Answer:
+    """What ApiException.from_response reads of a response."""
+
+    def __init__(self, status: int, reason: str, data: bytes, headers: CIMultiDict[str]) -> None:
+        self.status, self.reason, self.data, self.headers = status, reason, data, headers
 
 
-class WatchReader:
-    """One watch request, read by a daemon thread of its own: `open()` returns once the
-    server has answered the request (or raises its refusal), then iterating yields the
-    events of each chunk as it completes, and ends when the server ends the watch.
-    `close()` (from any thread) shuts the socket, which wakes a read in progress."""
+def api_error(resp: aiohttp.ClientResponse, data: bytes) -> ApiException:
+    """The ApiException (or its subclass for the status) the generated methods raise."""
+    try:
+        ApiException.from_response(http_resp=_Answer(resp.status, resp.reason or "", data,
+                                                     CIMultiDict(resp.headers)),
+                                   body=None, data=None)
+    except ApiException as e:
+        return e
+    raise AssertionError("from_response always raises")  # pragma: no cover
 
-    def __init__(self, api: client.ApiClient, path: str, query: dict[str, Any],
-                 timeout: Timeout, name: str = "watch") -> None:
-        self._api, self._path, self._query, self._timeout = api, path, query, timeout
-        self._queue: asyncio.Queue[_Item] = asyncio.Queue()
-        self._loop = asyncio.get_running_loop()
-        self._lock = threading.Lock()
-        self._resp: urllib3.BaseHTTPResponse | None = None
-        self._closed = False
-        self._thread = threading.Thread(target=self._read, name=name, daemon=True)
 
-    async def open(self) -> None:
-        self._thread.start()
+def client_timeout(timeout: Timeout) -> aiohttp.ClientTimeout:
+    """A number bounds the whole request; (connect, read) bounds connecting and each
+    read (a watch waits long between events, but not forever)."""
+    if timeout is None:
+        return aiohttp.ClientTimeout(total=None)
+    if isinstance(timeout, tuple):
+        return aiohttp.ClientTimeout(total=None, sock_connect=timeout[0], sock_read=timeout[1])
+    return aiohttp.ClientTimeout(total=timeout)
+
+
+def ssl_context(cfg: client.Configuration) -> ssl.SSLContext:
+    """The server's CA and our client certificate, from the client's configuration."""
+    ctx = ssl.create_default_context(cafile=cfg.ssl_ca_cert or None)
+    if cfg.cert_file:
+        ctx.load_cert_chain(cfg.cert_file, cfg.key_file or None)
+    if not cfg.verify_ssl:
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+    elif cfg.assert_hostname is False:
+        ctx.check_hostname = False
+    return ctx
+
+
+class Transport:
+    """Requests to one API server on the running event loop, over keep-alive connections
+    of its own (at most `connections` requests at once; more wait for a connection).
+    `separate` gives another Transport to the same server with connections of its own,
+    for callers that must never wait behind others (a Lease renewal behind a burst of
+    status writes). The aiohttp session is made in the loop that first uses it."""
+
+    def __init__(self, api: client.ApiClient, connections: int = 16) -> None:
+        self.cfg: client.Configuration = api.configuration
+        self.base = str(self.cfg.host).rstrip("/")
+        self.connections = connections
+        self._headers = {"Accept": "application/json",
+                         "User-Agent": str(api.user_agent or "nodepulse")}
+        self._ssl: ssl.SSLContext | None = None  # made with the first session
+        self._session: aiohttp.ClientSession | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._family: list[Transport] = [self]  # this one and those `separate` made
+        self.opened = 0  # connections opened (keep-alive works when this stays small)
+
+    def separate(self, connections: int) -> Transport:
+        other = Transport.__new__(Transport)
+        other.__dict__.update(self.__dict__)
+        other.connections, other._session, other._loop = connections, None, None
+        other.opened = 0
+        self._family.append(other)
+        return other
+
+    def _open(self) -> aiohttp.ClientSession:
+        loop = asyncio.get_running_loop()
+        if self._session is None or self._loop is not loop or self._session.closed:
+            if self._ssl is None and self.base.startswith("https:"):
+                self._ssl = ssl_context(self.cfg)
+            connector = aiohttp.TCPConnector(limit=self.connections, ssl=self._ssl or False,
+                                             enable_cleanup_closed=True)
+            counted = aiohttp.TraceConfig()
+            counted.on_connection_create_end.append(self._count_connection)
+            self._session = aiohttp.ClientSession(connector=connector,
+                                                  skip_auto_headers=("User-Agent",),
+                                                  trace_configs=[counted])
+            self._loop = loop
+        return self._session
+
+    async def _count_connection(self, *_: Any) -> None:
+        self.opened += 1
+
+    def opened_in_all(self) -> int:
+        """Connections opened by this Transport and those `separate` made."""
+        return sum(t.opened for t in self._family)
+
+    def _request_headers(self, content_type: str | None) -> dict[str, str]:
+        headers = dict(self._headers)
+        token = self.cfg.get_api_key_with_prefix("BearerToken", alias="authorization")
+        if token:
+            headers["Authorization"] = token
+        if content_type:
+            headers["Content-Type"] = content_type
+        return headers
+
+    def _send(self, method: str, path: str, query: dict[str, Any] | None, body: Any,
+              timeout: Timeout, content_type: str) -> Any:
+        """The request context manager; the caller enters it."""
+        params = [(k, _q(v)) for k, v in (query or {}).items() if v is not None]
+        data = None if body is None else json.dumps(body, separators=(",", ":")).encode()
+        return self._open().request(
+            method, self.base + path, params=params or None, data=data,
+            headers=self._request_headers(content_type if data is not None else None),
+            timeout=client_timeout(timeout), proxy=self.cfg.proxy or None,
+            server_hostname=self.cfg.tls_server_name or None, allow_redirects=False)
+
+    async def request(self, method: str, path: str, *, query: dict[str, Any] | None = None,
+                      body: Any = None, timeout: Timeout = 30.0,
+                      content_type: str = "application/json", parse: bool = True) -> Any:
+        """The answer's JSON (None when `parse` is false: read to its end, unparsed).
+        Raises ApiException for a non-2xx status."""
         try:
-            first = await self._queue.get()
-        except asyncio.CancelledError:
-            # still waiting for the response headers: nothing to shut; the daemon thread
-            # ends at the request's own timeout
-            self.close()
-            raise
-        if isinstance(first, BaseException):
-            await self.aclose()
-            raise first
+            async with self._send(method, path, query, body, timeout, content_type) as resp:
+                data = await resp.read()
+                if not 200 <= resp.status <= 299:
+                    raise api_error(resp, data)
+        except aiohttp.ClientError as e:
+            raise transport_error(method, path, e) from e
+        return json.loads(data) if parse else None
 
-    def __aiter__(self) -> WatchReader:
+    async def watch(self, path: str, query: dict[str, Any], timeout: Timeout) -> Watch:
+        """Open a watch: returns once the server took it; raises its refusal."""
+        ctx = self._send("GET", path, query, None, timeout, "")
+        try:
+            resp = await ctx.__aenter__()
+            if not 200 <= resp.status <= 299:
+                data = await resp.read()
+                resp.release()
+                raise api_error(resp, data)
+        except aiohttp.ClientError as e:
+            raise transport_error("GET", path, e) from e
+        return Watch(resp, asyncio.get_running_loop(), path)
+
+    async def aclose(self) -> None:
+        """Close the connections of this Transport and of those `separate` made."""
+        loop = asyncio.get_running_loop()
+        for t in self._family:
+            if t._session is not None and not t._session.closed and t._loop is loop:
+                await t._session.close()
+            t._session = None
+
+
+def transport_error(method: str, path: str, e: aiohttp.ClientError) -> Exception:
+    """aiohttp's failures as the standard library's (is_retriable knows those)."""
+    if isinstance(e, aiohttp.ServerTimeoutError):
+        return TimeoutError(f"{method} {path}: {e}")
+    return ConnectionError(f"{method} {path}: {type(e).__name__}: {e}")
+
+
+class Watch:
+    """An open watch: iterating yields the events of each chunk as it completes, and
+    ends when the server ends the watch. `close()` may be called from any thread."""
+
+    def __init__(self, resp: aiohttp.ClientResponse, loop: asyncio.AbstractEventLoop,
+                 path: str) -> None:
+        self._resp, self._loop, self._path = resp, loop, path
+        self._lines = JsonLines()
+        self._ended = False
+
+    def __aiter__(self) -> Watch:
         return self
 
     async def __anext__(self) -> list[dict[str, Any]]:
-        item = await self._queue.get()
-        if item is None:
-            raise StopAsyncIteration
-        if isinstance(item, BaseException):
-            raise item
-        return item
+        while not self._ended:
+            try:
+                chunk = await self._resp.content.readany()
+            except aiohttp.ClientError as e:
+                self._ended = True
+                raise transport_error("GET", self._path, e) from e
+            except TimeoutError as e:
+                self._ended = True
+                raise TimeoutError(f"watch {self._path}: no data within the read timeout") from e
+            if not chunk:
+                self._ended = True
+                if objs := self._lines.end():
+                    return objs
+                break
+            if objs := self._lines.feed(chunk):
+                return objs
+        self._resp.release()
+        raise StopAsyncIteration
 
     def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            resp, self._resp = self._resp, None
-        if resp is not None:
-            with contextlib.suppress(Exception):
-                resp.shutdown()  # unblocks a read in progress in the reader thread
-            with contextlib.suppress(Exception):
-                resp.close()
+        """Shut the connection (a read in progress fails as a network failure would)."""
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self._loop:
+            self._resp.close()
+        else:
+            with contextlib.suppress(RuntimeError):  # a closed loop: a closed connection
+                self._loop.call_soon_threadsafe(self._resp.close)
 
     async def aclose(self) -> None:
-        """Close, and wait (up to 10 s) for the reader thread to end: it ends as soon as
-        its socket is shut; a request still waiting for the response headers ends at
-        its own timeout (it is a daemon thread)."""
-        self.close()
-        if self._thread.is_alive():
-            await asyncio.to_thread(self._thread.join, 10.0)
-
-    def _put(self, item: _Item) -> None:
-        with contextlib.suppress(RuntimeError):  # the loop is gone (shutdown)
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
-
-    def _read(self) -> None:
-        resp: urllib3.BaseHTTPResponse | None = None
-        try:
-            resp = request(self._api, "GET", self._path, query=self._query,
-                           timeout=self._timeout)
-            with self._lock:
-                if self._closed:
-                    raise ConnectionResetError("the watch was closed while it was opened")
-                self._resp = resp
-            self._put([])  # open: the server took the request
-            for events in json_lines(resp.stream(65536, decode_content=True)):
-                self._put(events)
-            self._put(None)
-        except Exception as e:  # handed to the loop, which decides
-            self._put(e)
-        finally:
-            with self._lock:
-                if self._resp is resp:
-                    self._resp = None
-            if resp is not None:
-                with contextlib.suppress(Exception):
-                    resp.close()
+        self._ended = True
+        self._resp.close()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import socket
 from collections.abc import Mapping, Sequence
@@ -24,12 +23,10 @@ class ServerBundle:
     """The server and what runs beside it (serving-certificate rotation)."""
 
     def __init__(self, server: KubeletServer, cert: ServingCert, api: ServerApi,
-                 executor: concurrent.futures.ThreadPoolExecutor, rotate: bool) -> None:
-        """`executor`: the threads the server's API calls run on (`api` is on them)."""
+                 rotate: bool) -> None:
         self.server = server
         self.cert = cert
         self.api = api
-        self.executor = executor
         self.rotate = rotate
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -54,7 +51,6 @@ class ServerBundle:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
         await self.server.stop()
-        self.executor.shutdown(wait=False, cancel_futures=True)
 
 
 def build(cfg: AgentConfig, host: PodHost, kube: Kube, *, clock: Clock,
@@ -75,11 +71,10 @@ def build(cfg: AgentConfig, host: PodHost, kube: Kube, *, clock: Clock,
             cert.load_self_signed()  # until the first CSR is signed
     except CertError as e:
         raise ConfigError(str(e)) from None
-    # our own threads: the API's TokenReviews must not wait behind pod status writes
-    executor = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="kubelet-api")
-    api = RealServerApi(kube.using(executor))
+    # connections of our own: the API's TokenReviews must not wait behind pod status writes
+    api = RealServerApi(kube.separate(4))
     auth = KubeletAuth(api, clock, anonymous=cfg.anonymous_auth)
     server = KubeletServer(host, auth, cert, node_names=cfg.node_names, clock=clock,
                            registry=registry, address=cfg.address, port=cfg.port,
                            health_checks=health_checks)
-    return ServerBundle(server, cert, api, executor, cfg.rotate_server_certificates)
+    return ServerBundle(server, cert, api, cfg.rotate_server_certificates)
