@@ -106,12 +106,15 @@ def peak_rss_mb(pid: int) -> float:
 
 
 # ---- results and tables
-SUBJECT_ORDER = ("nodepulse", "legacy", "kwok")
+# "before": nodepulse's settings on another build of the agent (--before-agent)
+SUBJECT_ORDER = ("nodepulse", "before", "legacy", "kwok")
+RATIO_PAIRS = (("nodepulse", "before"), ("nodepulse", "legacy"), ("nodepulse", "kwok"),
+               ("before", "kwok"))
 
 
 @dataclass
 class Result:
-    subject: str  # nodepulse | legacy | kwok
+    subject: str  # one of SUBJECT_ORDER
     nodes: int
     seconds: float  # measured window
     writes: float  # API write requests per node-minute
@@ -183,7 +186,7 @@ def render_text(results: Iterable[Result]) -> str:
     lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True))
              for row in [head, *body]]
     lines.insert(1, "-" * len(lines[0]))
-    for num, den in (("nodepulse", "legacy"), ("nodepulse", "kwok")):
+    for num, den in RATIO_PAIRS:
         for n, rs in ratios(rows, num, den).items():
             lines.append(f"{num}/{den} N={n}: " + ", ".join(
                 f"{attr} {_fmt_ratio(x)}" for attr, x in rs.items()))
@@ -200,11 +203,11 @@ def render_markdown(results: Iterable[Result]) -> str:
                                       str(r.processes),
                                       *(fmt.format(getattr(r, a)) for _, a, fmt in COLUMNS),
                                       str(r.stale_max)]) + " |")
-    for num, den in (("nodepulse", "legacy"), ("nodepulse", "kwok")):
+    for num, den in RATIO_PAIRS:
         rs = ratios(rows, num, den)
         if not rs:
             continue
-        out += ["", f"**{num} / {den}** (below 1: nodepulse costs less)", "",
+        out += ["", f"**{num} / {den}** (below 1: {num} costs less)", "",
                 "| nodes | " + " | ".join(RATIO_ATTRS) + " |",
                 "|" + "---|" * (len(RATIO_ATTRS) + 1)]
         for n, by_attr in rs.items():

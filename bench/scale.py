@@ -112,10 +112,11 @@ class Subject(abc.ABC):
 
 
 class AgentSubject(Subject):
-    def __init__(self, mode: str, virtual: bool, tag: str, n: int, workdir: Path) -> None:
+    def __init__(self, mode: str, virtual: bool, tag: str, n: int, workdir: Path,
+                 agent: Path = AGENT, name: str = "") -> None:
         super().__init__(tag, n, workdir)
-        self.mode, self.virtual = mode, virtual
-        self.name = "nodepulse" if mode == "efficient" else mode
+        self.mode, self.virtual, self.agent = mode, virtual, agent
+        self.name = name or ("nodepulse" if mode == "efficient" else mode)
         self.leases = mode != "legacy"
 
     def start(self, cluster: LocalCluster) -> None:
@@ -125,14 +126,14 @@ class AgentSubject(Subject):
         if self.virtual:
             # one process for all N; the admin kubeconfig, as the chart's RBAC would
             # allow writes to exactly these Nodes and Leases
-            self._spawn([str(AGENT), "--virtual-nodes", str(self.n),
+            self._spawn([str(self.agent), "--virtual-nodes", str(self.n),
                          "--node-name-prefix", self.tag,  # nodes <tag>-0 .. <tag>-(N-1)
                          "--kubeconfig", str(cluster.kubeconfig),
                          "--root-dir", str(self.workdir / self.tag), *common], self.tag)
             return
         for i in range(self.n):
             name = f"{self.tag}-{i}"
-            self._spawn([str(AGENT), "--node-name", name,
+            self._spawn([str(self.agent), "--node-name", name,
                          "--kubeconfig", str(cluster.node_kubeconfig(name)),
                          "--register-with-taints", VIRTUAL_TAINT,
                          "--root-dir", str(self.workdir / name), *common], name)
@@ -531,7 +532,9 @@ Written by `bench/scale.py`; do not edit by hand.
   {args.warmup_seconds:g} s warm-up; idle baseline {args.baseline_seconds:g} s per phase
 
 Subjects: **nodepulse** = `nodepulse-agent` with default settings (Lease renewed every
-10 s, NodeStatus on meaningful change or every 5 min), fake runtime; **legacy** = the same
+10 s, NodeStatus on meaningful change or every 5 min), fake runtime; **before** (when
+run) = the same settings on another build of the agent (`--before-agent`: the commit a
+change started from), so before and after come from one run; **legacy** = the same
 with `--heartbeat-mode=legacy` (full NodeStatus PATCH every 10 s, no Lease); **kwok** =
 KWOK {build.TOOLS["kwok"].version} managing Nodes created by the benchmark
 (`--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake`,
@@ -604,6 +607,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--churn-pods", type=int, default=3000)
     parser.add_argument("--churn-timeout", type=float, default=900.0,
                         help="seconds for all pods to be Running")
+    parser.add_argument("--before-agent", metavar="PATH", default="",
+                        help="subject 'before': this nodepulse-agent (e.g. another checkout's "
+                        "build) with nodepulse's settings, for before/after in one run")
     args = parser.parse_args(argv)
     try:
         sizes = [int(x) for x in args.nodes.split(",") if x.strip()]
@@ -617,6 +623,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--subjects: unknown {sorted(unknown)} (known: {measure.SUBJECT_ORDER})")
     if args.minutes <= 0:
         parser.error("--minutes must be > 0")
+    if ("before" in subjects) != bool(args.before_agent):
+        parser.error("--subjects before and --before-agent PATH go together")
+    if args.before_agent and not Path(args.before_agent).is_file():
+        parser.error(f"--before-agent: {args.before_agent} is not a file")
     if args.churn_pods <= 0:
         parser.error("--churn-pods must be > 0")
     help_text = agent_help()
@@ -643,9 +653,15 @@ def main(argv: list[str] | None = None) -> int:
             tag = f"{name[:3]}-{n}"
             phase_dir = workdir / tag
             phase_dir.mkdir()
-            subject: Subject = (KwokSubject(tag, n, phase_dir) if name == "kwok" else
-                                AgentSubject("efficient" if name == "nodepulse" else "legacy",
-                                             virtual, tag, n, phase_dir))
+            subject: Subject
+            if name == "kwok":
+                subject = KwokSubject(tag, n, phase_dir)
+            elif name == "before":  # the same settings as nodepulse, another build
+                subject = AgentSubject("efficient", virtual, tag, n, phase_dir,
+                                       agent=Path(args.before_agent), name="before")
+            else:
+                subject = AgentSubject("efficient" if name == "nodepulse" else "legacy",
+                                       virtual, tag, n, phase_dir)
             if args.churn:
                 log(f"-- churn: {name}, {n} nodes, {args.churn_pods} pods")
                 churns.append(run_churn(subject, args))
