@@ -9,15 +9,14 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-import pytest
 import aiohttp
+import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from nodeagent.api.client import brief, is_retriable
-
 from nodeagent.api.kube import (
     CERTIFICATE_SIGNING_REQUESTS,
     EVENTS,
@@ -32,7 +31,7 @@ from nodeagent.api.kube import (
     RestKube,
     describe,
 )
-from nodeagent.api.rest import transport_error, client_timeout, json_lines
+from nodeagent.api.rest import client_timeout, json_lines, transport_error
 from tests.conftest import aio
 from tests.fakekube import FakeKube, api_error
 

@@ -13,6 +13,7 @@ import functools
 import heapq
 import itertools
 import logging
+import math
 from collections.abc import Awaitable, Callable, Hashable
 from typing import Any, Generic, TypeVar
 
@@ -28,7 +29,7 @@ Job = Callable[[K], Awaitable[float | None]]
 
 
 class Blocking:
-    """Runs blocking calls (API requests, host reads) in a bounded thread pool."""
+    """Runs blocking calls (host readings) in a bounded thread pool."""
 
     def __init__(self, executor: concurrent.futures.Executor) -> None:
         self.executor = executor
@@ -42,6 +43,13 @@ class Blocking:
         self.executor.shutdown(wait=True, cancel_futures=True)
 
 
+async def inline(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """Blocking's stand-in for calls cheap enough to make on the event loop: a thread
+    would cost more than the call (virtual nodes' status work, on one shared host
+    reading)."""
+    return fn(*args, **kwargs)
+
+
 class DueScheduler(Generic[K]):
     def __init__(self, clock: Clock, job: Job[K], name: str = "scheduler",
                  retry_after_error: float = 1.0) -> None:
@@ -53,7 +61,10 @@ class DueScheduler(Generic[K]):
         self._due: dict[K, float] = {}
         self._running: dict[K, asyncio.Task[None]] = {}
         self._seq = itertools.count()
-        self._wake = asyncio.Event()
+        # run() waits on this until the head of the heap is due, or something is
+        # planned sooner than that (plans for later, the common case, wake nothing)
+        self._waiter: asyncio.Future[None] | None = None
+        self._waiting_until = math.inf
         self._stopping = False
 
     def due(self, key: K) -> float | None:
@@ -66,7 +77,8 @@ class DueScheduler(Generic[K]):
         """Run `key` at monotonic time `at` (replacing any earlier plan for it)."""
         self._due[key] = at
         heapq.heappush(self._heap, (at, next(self._seq), key))
-        self._wake.set()
+        if at < self._waiting_until:
+            self._wake()
 
     def cancel(self, key: K) -> None:
         self._due.pop(key, None)
@@ -104,22 +116,31 @@ class DueScheduler(Generic[K]):
             planned = self._due.get(key)
             self.schedule(key, nxt if planned is None else min(planned, nxt))
 
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
     async def _wait(self, seconds: float | None) -> None:
-        self._wake.clear()
-        waiters: list[asyncio.Future[Any]] = [asyncio.ensure_future(self._wake.wait())]
+        waiter = self._waiter = asyncio.get_running_loop().create_future()
+        self._waiting_until = math.inf if seconds is None else self.clock.monotonic() + seconds
+        timer = None
         if seconds is not None:
-            waiters.append(asyncio.ensure_future(self.clock.sleep(seconds)))
+            timer = asyncio.ensure_future(self.clock.sleep(seconds))
+            # this wait's own waiter: a cancelled timer's callback runs later, and must
+            # not end the next wait
+            timer.add_done_callback(lambda _: waiter.done() or waiter.set_result(None))
         try:
-            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+            await waiter
         finally:
-            for w in waiters:
-                w.cancel()
+            self._waiter, self._waiting_until = None, math.inf
+            if timer is not None:
+                timer.cancel()
 
     async def stop(self) -> None:
         """No new runs; jobs in flight are cancelled at their next await (a blocking
         call already in a thread still completes: see Blocking.shutdown)."""
         self._stopping = True
-        self._wake.set()
+        self._wake()
         tasks = list(self._running.values())
         for t in tasks:
             t.cancel()
