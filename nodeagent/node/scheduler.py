@@ -117,8 +117,8 @@ class DueScheduler(Generic[K]):
             self.schedule(key, nxt if planned is None else min(planned, nxt))
 
     def _wake(self) -> None:
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
+        if self._waiter is not None:
+            _settle(self._waiter)
 
     async def _wait(self, seconds: float | None) -> None:
         waiter = self._waiter = asyncio.get_running_loop().create_future()
@@ -128,7 +128,7 @@ class DueScheduler(Generic[K]):
             timer = asyncio.ensure_future(self.clock.sleep(seconds))
             # this wait's own waiter: a cancelled timer's callback runs later, and must
             # not end the next wait
-            timer.add_done_callback(lambda _: waiter.done() or waiter.set_result(None))
+            timer.add_done_callback(lambda _: _settle(waiter))
         try:
             await waiter
         finally:
@@ -145,3 +145,8 @@ class DueScheduler(Generic[K]):
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _settle(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
