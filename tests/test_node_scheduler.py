@@ -1,0 +1,71 @@
+"""The shared due scheduler: jobs at their own due times, woken early only by a plan
+sooner than the wait under way, and idle (no re-planning, no spinning) in between."""
+
+from __future__ import annotations
+
+import asyncio
+
+from nodeagent.api.clock import FakeClock, settle
+from nodeagent.node.scheduler import DueScheduler
+from tests.conftest import aio
+
+
+class CountingClock(FakeClock):
+    def __init__(self) -> None:
+        super().__init__()
+        self.sleeps = 0
+
+    async def sleep(self, seconds: float) -> None:
+        self.sleeps += 1
+        await super().sleep(seconds)
+
+
+@aio
+async def test_jobs_run_at_their_due_times_and_plan_their_next() -> None:
+    clock = CountingClock()
+    ran: list[tuple[str, float]] = []
+
+    async def job(key: str) -> float | None:
+        ran.append((key, clock.monotonic()))
+        return clock.monotonic() + 10 if key == "a" else None
+
+    sched: DueScheduler[str] = DueScheduler(clock, job)
+    task = asyncio.create_task(sched.run())
+    sched.schedule("a", 5)
+    await settle()
+    await clock.advance(30)
+    assert ran == [("a", 5), ("a", 15), ("a", 25)]
+    # a plan sooner than the wait under way (for a at 35) wakes it
+    sched.schedule("b", 31)
+    await clock.advance(1)
+    assert ran[-1] == ("b", 31)
+    await sched.stop()
+    task.cancel()
+
+
+@aio
+async def test_a_plan_for_later_wakes_nothing_and_the_wait_does_not_spin() -> None:
+    clock = CountingClock()
+
+    async def job(key: str) -> float | None:
+        return None
+
+    sched: DueScheduler[str] = DueScheduler(clock, job)
+    task = asyncio.create_task(sched.run())
+    sched.schedule("a", 100)
+    await settle()
+    waits = clock.sleeps
+    for i in range(50):  # later than the wait under way: nothing to re-plan
+        sched.schedule(f"later-{i}", 200 + i)
+    await settle()
+    assert clock.sleeps == waits
+    # sooner ones end the wait once each; the cancelled timers' callbacks, run after,
+    # must not end the next wait (which would spin the loop on zero-length waits)
+    for i in range(5):
+        sched.schedule(f"sooner-{i}", 50 - i)
+        await settle()
+    assert clock.sleeps == waits + 5
+    await settle()
+    assert clock.sleeps == waits + 5 and clock.sleepers == 1
+    await sched.stop()
+    task.cancel()
