@@ -383,6 +383,7 @@ class PodSyncer:
         except ContainerRuntimeError as e:
             # counts as a crash: the next attempt waits for the back-off
             plan.waiting[name] = Waiting("RunContainerError", str(e))
+            self._warn(pod, name, f"Error: {e}")
             self.backoff.restarted((sc.uid, name))
             plan.again(max(1.0, self.backoff.remaining((sc.uid, name))))
 
@@ -408,6 +409,7 @@ class PodSyncer:
             await self._rt(self.runtime.start_container(cur.id), "start_container")
         except ContainerRuntimeError as e:
             plan.waiting[cur.name] = Waiting("RunContainerError", str(e))
+            self._warn(pod, cur.name, f"Error: {e}")
             await self._rt(self.runtime.remove_container(cur.id), "remove_container")
             key = (pod["metadata"]["uid"], cur.name)
             self.backoff.restarted(key)

@@ -1,13 +1,19 @@
 """An in-memory runtime: deterministic, driven by a Clock, with knobs for faults.
 
 Used by unit tests (with FakeClock) and scale runs (virtual nodes, bench/). Containers
-"run" until a test (or `stop_container`) ends them; nothing executes.
+"run" until a test (or `stop_container`) ends them, or as their pod's annotations
+script them (runtime/script.py: exit after a time with a code, fail to start); nothing
+executes. A scripted exit happens at its time on the clock, seen by the next call that
+reads containers (a relist, a pod's status), as a real runtime's exit is seen by the
+next relist.
 """
 
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import hashlib
+import heapq
 import itertools
 import os
 import shutil
@@ -20,6 +26,7 @@ from nodeagent.runtime.base import (
     LABEL_POD_UID,
     Container,
     ContainerConfig,
+    ContainerRuntimeError,
     ContainerState,
     ImageInfo,
     ImageNotPresent,
@@ -32,6 +39,7 @@ from nodeagent.runtime.base import (
     SandboxConfig,
     SandboxState,
 )
+from nodeagent.runtime.script import Script, ScriptError, script_for
 
 R = TypeVar("R", Sandbox, Container)
 
@@ -69,6 +77,8 @@ class FakeRuntime(Runtime):
         self._ids = itertools.count(1)
         self._ips = itertools.count(2)
         self._log_dirs: dict[str, str] = {}  # sandbox id -> its log directory
+        self.scripts: dict[str, Script] = {}  # container id -> its pod's script for it
+        self._exits: list[tuple[float, str]] = []  # (monotonic time, container id) heap
 
     # --- test helpers --------------------------------------------------------------
 
@@ -112,11 +122,12 @@ class FakeRuntime(Runtime):
     def _new_id(self, prefix: str) -> str:
         return f"{prefix}{next(self._ids):08x}"
 
-    def _finish(self, c: Container, code: int, reason: str) -> None:
+    def _finish(self, c: Container, code: int, reason: str,
+                at: dt.datetime | None = None) -> None:
         c.state = ContainerState.EXITED
         c.exit_code = code
         c.reason = reason
-        c.finished_at = self.clock.now()
+        c.finished_at = at or self.clock.now()
         self.write_log(c.id, f"fake runtime: container {c.name} exited with code {code} "
                              f"({reason})", "stderr")
 
@@ -130,6 +141,18 @@ class FakeRuntime(Runtime):
     def _present(self, ref: str) -> bool:
         return self.images is None or ref in self.images
 
+    def _scripted_exits(self) -> None:
+        """The scripted exits due by now, each at its own time."""
+        now = self.clock.monotonic()
+        while self._exits and self._exits[0][0] <= now:
+            at, cid = heapq.heappop(self._exits)
+            c = self.containers.get(cid)
+            if c is None or c.state != ContainerState.RUNNING:
+                continue  # stopped or removed first
+            code = self.scripts[cid].exit_code
+            self._finish(c, code, "Completed" if code == 0 else "Error",
+                         at=self.clock.now() - dt.timedelta(seconds=now - at))
+
     # --- Runtime -------------------------------------------------------------------
 
     async def version(self) -> RuntimeVersion:
@@ -138,6 +161,7 @@ class FakeRuntime(Runtime):
 
     async def relist(self) -> RelistResult:
         self._call("relist")
+        self._scripted_exits()
         return RelistResult(
             sandboxes=[_clone(s) for s in self.sandboxes.values()],
             containers=[_clone(c) for c in self.containers.values()])
@@ -146,6 +170,7 @@ class FakeRuntime(Runtime):
         self._call("pod_status")
         if pod_uid in self.hang_pod_status:
             await asyncio.get_running_loop().create_future()  # never resolves
+        self._scripted_exits()
         ids = self._by_pod.get(pod_uid, set())
         sandboxes = sorted((_clone(self.sandboxes[i]) for i in ids if i in self.sandboxes),
                            key=lambda s: (s.attempt, s.id), reverse=True)
@@ -205,8 +230,13 @@ class FakeRuntime(Runtime):
         if not self._present(config.image):
             raise ImageNotPresent(f"create_container {config.name}: image {config.image} "
                                   "is not present")
+        try:
+            script = script_for(sb.annotations, config.name)
+        except ScriptError as e:
+            raise ContainerRuntimeError(f"fake: create_container {config.name}: {e}") from None
         cid = self._new_id("c")
         self.configs[cid] = config
+        self.scripts[cid] = script
         self.containers[cid] = Container(
             id=cid, sandbox_id=sandbox_id, pod_uid=sb.pod_uid, name=config.name,
             image=config.image, state=ContainerState.CREATED, attempt=config.attempt,
@@ -230,6 +260,11 @@ class FakeRuntime(Runtime):
             raise NotFound(f"start_container: container {container_id} not found")
         if c.state != ContainerState.CREATED:
             raise NotFound(f"start_container: container {container_id} is {c.state}")
+        script = self.scripts.get(container_id, Script())
+        if script.fail_start is not None:
+            self._finish(c, 128, "StartError")  # as containerd reports a failed start
+            c.message = script.fail_start
+            raise ContainerRuntimeError(f"fake: start_container {c.name}: {script.fail_start}")
         c.state = ContainerState.RUNNING
         c.started_at = self.clock.now()
         self.write_log(c.id, f"fake runtime: container {c.name} started (image {c.image}); "
@@ -237,9 +272,13 @@ class FakeRuntime(Runtime):
         if c.name in self.exit_on_start:
             code = self.exit_on_start[c.name]
             self._finish(c, code, "Completed" if code == 0 else "Error")
+        elif script.run_for is not None:
+            heapq.heappush(self._exits, (self.clock.monotonic() + script.run_for, c.id))
+            self._scripted_exits()  # run-for 0: at once
 
     async def stop_container(self, container_id: str, timeout: float) -> None:
         self._call("stop_container")
+        self._scripted_exits()  # one due first ended it by itself
         c = self.containers.get(container_id)
         if c is None or c.state == ContainerState.EXITED:
             return
@@ -257,6 +296,7 @@ class FakeRuntime(Runtime):
         self._call("remove_container")
         c = self.containers.pop(container_id, None)
         self.configs.pop(container_id, None)
+        self.scripts.pop(container_id, None)
         if c is not None:
             self._forget(c.pod_uid, container_id)
 

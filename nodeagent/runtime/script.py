@@ -1,0 +1,75 @@
+"""Scripted behaviour of the fake runtime's containers, from pod annotations.
+
+Nothing runs in a fake container, so what a program would do is written on the pod
+(KWOK users script their pods with stages; these are nodepulse's):
+
+    fake.nodepulse.dev/run-for: 30s          # each container exits after running 30 s
+    fake.nodepulse.dev/exit-code: "1"        # ... with this code (default 0)
+    fake.nodepulse.dev/fail-start: "no such file"   # StartContainer fails with this
+    fake.nodepulse.dev/run-for.<container>: 5s      # one container only (wins over the
+                                                    # pod-wide key)
+
+What follows is the agent's own doing, as for any runtime: the restart policy restarts
+an exited container (with the kubelet's back-off: `run-for` with a non-zero `exit-code`
+and `restartPolicy: Always` is a crash loop), a Job's pod completes or fails, a start
+that fails is RunContainerError. Durations are Go's ('30s', '1m30s', '500ms'). A value
+that cannot be read, or an unknown key under the prefix, fails the container's creation
+with the annotation named.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+from nodeagent.config import ConfigError, parse_duration
+
+PREFIX = "fake.nodepulse.dev/"
+RUN_FOR, EXIT_CODE, FAIL_START = "run-for", "exit-code", "fail-start"
+KEYS = (RUN_FOR, EXIT_CODE, FAIL_START)
+
+
+class ScriptError(ValueError):
+    """An annotation the fake runtime cannot follow; the message names it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Script:
+    run_for: float | None = None  # seconds from start to exit; None: runs until stopped
+    exit_code: int = 0
+    fail_start: str | None = None  # StartContainer fails with this message
+
+
+def script_for(annotations: Mapping[str, str], container: str) -> Script:
+    """The script of `container` from its pod's annotations (container-specific keys
+    win over pod-wide ones). Raises ScriptError naming the annotation."""
+    values: dict[str, tuple[str, str]] = {}  # key -> (annotation, value)
+    for name, value in annotations.items():
+        if not name.startswith(PREFIX):
+            continue
+        key, _, target = name[len(PREFIX):].partition(".")
+        if key not in KEYS:
+            raise ScriptError(f"annotation {name}: unknown (known: "
+                              f"{', '.join(PREFIX + k for k in KEYS)}, each optionally "
+                              f"with .<container>)")
+        if target == container or (not target and key not in values):
+            values[key] = (name, value)
+    run_for = exit_code = None
+    if RUN_FOR in values:
+        name, value = values[RUN_FOR]
+        try:
+            run_for = parse_duration(value, f"annotation {name}")
+        except ConfigError as e:  # names the annotation; negative ones too
+            raise ScriptError(str(e)) from None
+    if EXIT_CODE in values:
+        name, value = values[EXIT_CODE]
+        try:
+            exit_code = int(value)
+        except ValueError:
+            raise ScriptError(f"annotation {name}: {value!r} is not an exit code") from None
+        if not 0 <= exit_code <= 255:
+            raise ScriptError(f"annotation {name}: {value!r} is not within 0..255")
+    fail_start = values[FAIL_START][1] if FAIL_START in values else None
+    return Script(run_for=run_for, exit_code=exit_code or 0,
+                  fail_start=(fail_start or "fake: start failed") if fail_start is not None
+                  else None)
