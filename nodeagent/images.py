@@ -440,10 +440,14 @@ class ImageManager:
 
     async def close(self) -> None:
         """Stop the pulls under way (the runtime may finish them; nothing waits)."""
-        tasks = [p.task for p in self._pulls.values() if p.task is not None]
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        pulls = list(self._pulls.values())
+        for p in pulls:
+            if p.task is not None:
+                p.task.cancel()
+        await asyncio.gather(*(p.task for p in pulls if p.task), return_exceptions=True)
+        for p in pulls:  # a task cancelled before it ran never got to say so
+            p.done.cancel()
+        self._pulls.clear()
 
     def pulls_in_progress(self) -> int:
         return len(self._pulls)

@@ -368,6 +368,10 @@ async def test_close_stops_pulls_under_way() -> None:
     assert r.m.pulls_in_progress() == 1
     await r.m.close()
     assert check.pulling.cancelled() and r.m.pulls_in_progress() == 0
+    # also one whose task never got to run
+    check = await r.ensure(mkpod("q", image=APP))
+    await r.m.close()
+    assert check.pulling.cancelled() and r.m.pulls_in_progress() == 0
 
 
 def test_agent_flags_for_pull_concurrency(tmp_path: Path) -> None:
