@@ -35,10 +35,13 @@ import fnmatch
 import json
 import logging
 import re
+import weakref
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 
 from nodeagent.api.client import brief, status_of
 from nodeagent.api.clock import Clock, clock_timeout
@@ -359,6 +362,30 @@ class _Pull:
     task: asyncio.Task[None] | None = None
 
 
+@dataclass
+class _PullMetrics:
+    pulls: Counter
+    duration: Histogram
+
+
+# per registry object (not id(): ids of dead registries are reused)
+_PM: weakref.WeakKeyDictionary[CollectorRegistry, _PullMetrics] = weakref.WeakKeyDictionary()
+
+
+def _pull_metrics(registry: CollectorRegistry) -> _PullMetrics:
+    m = _PM.get(registry)
+    if m is None:
+        m = _PM[registry] = _PullMetrics(
+            pulls=Counter("nodepulse_image_pulls_total",
+                          "Image pulls by result (pulled, failed).", ["result"],
+                          registry=registry),
+            duration=Histogram("nodepulse_image_pull_duration_seconds",
+                               "Time one image pull took, not counting its wait for a turn.",
+                               buckets=(0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800),
+                               registry=registry))
+    return m
+
+
 class ImageManager:
     NEVER_PULL_RETRY = 10.0  # look again for an image that must not be pulled
     AFTER_ERROR = 1.0        # after ErrImagePull was shown, show the back-off
@@ -366,8 +393,10 @@ class ImageManager:
     def __init__(self, runtime: Runtime, clock: Clock, *, kube: Kube | None = None,
                  events: Events | None = None, serialize: bool = True,
                  max_parallel: int = 0, backoff_initial: float = 10.0,
-                 backoff_max: float = 300.0, call_timeout: float = 60.0) -> None:
+                 backoff_max: float = 300.0, call_timeout: float = 60.0,
+                 registry: CollectorRegistry = REGISTRY) -> None:
         self.runtime = runtime
+        self._m = _pull_metrics(registry)
         self.clock = clock
         self.kube = kube
         self.events = events
@@ -523,6 +552,8 @@ class ImageManager:
                 self._errors[bkey] = error
                 self._event(w.pod, w.container, WARNING, "Failed",
                             f'Failed to pull image "{w.image}": {error}')
+        self._m.pulls.labels(result="failed" if error else "pulled").inc()
+        self._m.duration.observe(took)
         if error is None:
             log.info("pulled image %s (%d bytes) in %.1fs", pull.ref,
                      info.size_bytes if info else 0, took)

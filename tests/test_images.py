@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from nodeagent.api.clock import FakeClock, settle
 from nodeagent.api.kube import PODS, SECRETS, SERVICE_ACCOUNTS
@@ -166,7 +167,9 @@ class Rig:
         self.rt = FakeRuntime(self.clock, images=[])
         self.kube = FakeKube(now=self.clock.monotonic)
         self.events = Events(self.kube, "n1", self.clock, node_uid=lambda: "node-uid")
-        self.m = ImageManager(self.rt, self.clock, kube=self.kube, events=self.events, **kw)
+        self.registry = CollectorRegistry()
+        self.m = ImageManager(self.rt, self.clock, kube=self.kube, events=self.events,
+                              registry=self.registry, **kw)
 
     async def ensure(self, pod: Pod, i: int = 0) -> Any:
         return await self.m.ensure(pod, pod["spec"]["containers"][i])
@@ -217,6 +220,9 @@ async def test_one_pull_is_shared_by_the_pods_that_want_it() -> None:
     await settle()
     assert len(r.rt.pulls) == 1
     assert (await r.ensure(a)).ready and (await r.ensure(b)).ready
+    assert r.registry.get_sample_value("nodepulse_image_pulls_total",
+                                       {"result": "pulled"}) == 1
+    assert r.registry.get_sample_value("nodepulse_image_pull_duration_seconds_sum") == 5
     # each pod hears of it
     assert [e[1] for e in await r.events_()].count("Pulled") == 2
 
@@ -273,6 +279,8 @@ async def test_a_failed_pull_backs_off_per_pod_and_image() -> None:
         await settle()
         assert (await r.ensure(p)).waiting.reason == "ErrImagePull"
     assert seen == [10, 20, 40, 80]
+    assert r.registry.get_sample_value("nodepulse_image_pulls_total",
+                                       {"result": "failed"}) == 5
     # another pod is not held back by this one's failures
     other = mkpod("q", image=APP)
     assert (await r.ensure(other)).pulling is not None
