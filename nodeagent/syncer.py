@@ -121,6 +121,7 @@ class _Plan:
     waiting: dict[str, Waiting] = field(default_factory=dict)
     requeue: float = math.inf
     wake: list[asyncio.Future[None]] = field(default_factory=list)
+    started: bool = False  # this sync started a container
 
     def again(self, seconds: float) -> None:
         self.requeue = min(self.requeue, seconds)
@@ -280,6 +281,10 @@ class PodSyncer:
         await self._prune(rs, sandbox)
 
         terminal = self._all_done(pod, rs, current, init_blocked)
+        if plan.started:
+            # what this sync started, in the status now rather than after the PLEG's
+            # next relist (up to a period later): one pod_status call
+            rs = await self._rt(self.runtime.pod_status(sc.uid), "pod_status")
         self._publish(pod, rs, plan.waiting)
         return SyncResult(terminal=terminal,
                           requeue_after=None if math.isinf(plan.requeue) else plan.requeue,
@@ -387,6 +392,7 @@ class PodSyncer:
             return
         try:
             await self._rt(self.runtime.start_container(cid), "start_container")
+            plan.started = True
         except ContainerRuntimeError as e:
             # counts as a crash: the next attempt waits for the back-off
             plan.waiting[name] = Waiting("RunContainerError", str(e))
@@ -402,6 +408,7 @@ class PodSyncer:
     async def _start_created(self, pod: Pod, cur: Container, plan: _Plan) -> None:
         try:
             await self._rt(self.runtime.start_container(cur.id), "start_container")
+            plan.started = True
         except ContainerRuntimeError as e:
             plan.waiting[cur.name] = Waiting("RunContainerError", str(e))
             self._warn(pod, cur.name, f"Error: {e}")

@@ -336,3 +336,22 @@ async def test_replacement_with_same_name_waits_for_the_old_pod_to_stop() -> Non
     assert a.rt.running("old") == []
     assert len(a.rt.running("new")) == 1
     await a.loops.stop()
+
+
+@aio
+async def test_a_started_pod_is_reported_running_without_waiting_for_a_relist() -> None:
+    """The status a sync publishes shows what it started (one pod_status call), not the
+    runtime state from before it: Running is written without waiting up to a PLEG
+    period for the relist that will see the container (pod startup latency)."""
+    clock = FakeClock()
+    a = await started(clock)
+    relists = a.rt.calls["relist"]
+    a.send(Op.ADD, mkpod("web", "u1"))
+    await settle(100)  # the worker's sync and the status write: no time passes
+    assert a.rt.calls["relist"] == relists
+    st = a.status("u1")
+    assert st["phase"] == "Running" and "running" in st["containerStatuses"][0]["state"]
+    writes = len(a.patches())
+    await a.run_for(3)  # the relist's ContainerStarted syncs again: nothing new to write
+    assert len(a.patches()) == writes
+    await a.loops.stop()
