@@ -148,6 +148,30 @@ async def test_verbs_send_the_paths_queries_and_bodies() -> None:
 
 
 @aio
+async def test_at_most_connections_requests_at_once_the_rest_wait_their_turn() -> None:
+    gate = asyncio.Event()
+    node = json.dumps({"metadata": {"name": "n1"}}).encode()
+    r = Recorder([(200, [gate, node])] * 10 + [(200, [node])])
+    async with r as kube:  # connections=2
+        burst = [asyncio.ensure_future(kube.get(NODES, "n1", timeout=30)) for _ in range(10)]
+        await until_sent(r, 2)
+        watch = await kube.watch(NODES)  # a watch takes no turn
+        await watch.aclose()
+        assert len(r.sent) == 3  # two requests held by the server, the watch
+        gate.set()
+        assert len(await asyncio.gather(*burst)) == 10
+        assert kube.transport.opened == 3  # two for the requests, one for the watch
+
+
+async def until_sent(r: Recorder, n: int) -> None:
+    for _ in range(1000):
+        if len(r.sent) >= n:
+            return
+        await asyncio.sleep(0)
+    raise AssertionError(f"{len(r.sent)} requests reached the server, not {n}")
+
+
+@aio
 async def test_transport_failures_are_connection_and_timeout_errors() -> None:
     cfg = client.Configuration()
     cfg.host = "http://127.0.0.1:1"  # nothing listens there

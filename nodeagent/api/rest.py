@@ -159,7 +159,10 @@ def ssl_context(cfg: client.Configuration) -> ssl.SSLContext:
 
 class Transport:
     """Requests to one API server on the running event loop, over keep-alive connections
-    of its own (at most `connections` requests at once; more wait for a connection).
+    of its own: at most `connections` requests at once, more wait their turn, and a
+    request's timeout runs from its turn (as when each request had a thread of a pool),
+    so a burst (a thousand nodes registering) is slow, never failed by its queue.
+    Watches take no turn: each holds a connection of its own for as long as it runs.
     `separate` gives another Transport to the same server with connections of its own,
     for callers that must never wait behind others (a Lease renewal behind a burst of
     status writes). The aiohttp session is made in the loop that first uses it."""
@@ -173,6 +176,7 @@ class Transport:
         self._ssl: ssl.SSLContext | None = None  # made with the first session
         self._session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._turns: asyncio.Semaphore | None = None  # `connections` requests at once
         self._family: list[Transport] = [self]  # this one and those `separate` made
         self.opened = 0  # connections opened (keep-alive works when this stays small)
 
@@ -180,6 +184,7 @@ class Transport:
         other = Transport.__new__(Transport)
         other.__dict__.update(self.__dict__)
         other.connections, other._session, other._loop = connections, None, None
+        other._turns = None
         other.opened = 0
         self._family.append(other)
         return other
@@ -189,7 +194,8 @@ class Transport:
         if self._session is None or self._loop is not loop or self._session.closed:
             if self._ssl is None and self.base.startswith("https:"):
                 self._ssl = ssl_context(self.cfg)
-            connector = aiohttp.TCPConnector(limit=self.connections, ssl=self._ssl or False,
+            # no limit here: the turns bound the requests, and watches come on top
+            connector = aiohttp.TCPConnector(limit=0, ssl=self._ssl or False,
                                              enable_cleanup_closed=True)
             counted = aiohttp.TraceConfig()
             counted.on_connection_create_end.append(self._count_connection)
@@ -197,6 +203,7 @@ class Transport:
                                                   skip_auto_headers=("User-Agent",),
                                                   trace_configs=[counted])
             self._loop = loop
+            self._turns = asyncio.Semaphore(self.connections)
         return self._session
 
     async def _count_connection(self, *_: Any) -> None:
@@ -231,13 +238,18 @@ class Transport:
                       content_type: str = "application/json", parse: bool = True) -> Any:
         """The answer's JSON (None when `parse` is false: read to its end, unparsed).
         Raises ApiException for a non-2xx status."""
-        try:
-            async with self._send(method, path, query, body, timeout, content_type) as resp:
-                data = await resp.read()
-                if not 200 <= resp.status <= 299:
-                    raise api_error(resp, data)
-        except aiohttp.ClientError as e:
-            raise transport_error(method, path, e) from e
+        self._open()
+        assert self._turns is not None
+        async with self._turns:
+            try:
+                async with self._send(method, path, query, body, timeout, content_type) as resp:
+                    data = await resp.read()
+                    if not 200 <= resp.status <= 299:
+                        raise api_error(resp, data)
+            except aiohttp.ClientError as e:
+                raise transport_error(method, path, e) from e
+            except TimeoutError as e:  # aiohttp's own says nothing
+                raise TimeoutError(f"{method} {path}: no answer within {timeout} s") from e
         return json.loads(data) if parse else None
 
     async def watch(self, path: str, query: dict[str, Any], timeout: Timeout) -> Watch:
