@@ -151,7 +151,8 @@ async def test_verbs_send_the_paths_queries_and_bodies() -> None:
 async def test_at_most_connections_requests_at_once_the_rest_wait_their_turn() -> None:
     gate = asyncio.Event()
     node = json.dumps({"metadata": {"name": "n1"}}).encode()
-    r = Recorder([(200, [gate, node])] * 10 + [(200, [node])])
+    held: list[Chunk] = [gate, node]
+    r = Recorder([(200, held)] * 10 + [(200, [node])])
     async with r as kube:  # connections=2
         burst = [asyncio.ensure_future(kube.get(NODES, "n1", timeout=30)) for _ in range(10)]
         await until_sent(r, 2)
