@@ -183,6 +183,9 @@ class Agent:
         self.shared_readings = SharedReadings(self.probe.read, clock)
         self.settings = status_settings(cfg)
         self.nodes: dict[str, NodeController] = {}
+        # one generator for every node's jitter (each draws its own numbers from it):
+        # a Random is 2.5 KB, which a thousand virtual nodes would each hold
+        self.rng = random.Random()
         self.uids: dict[str, str] = {}  # node name -> its Node's UID, once registered
         self.pods = self._pods(cfg, parts)
         self.metrics = NodeMetrics(parts.registry)
@@ -253,7 +256,7 @@ class Agent:
         config = dataclasses.replace(self.node_config, status=self.settings)
         if probe is not None:
             config = dataclasses.replace(config, probe=probe)
-        node = NodeController(spec, config, rng=random.Random())
+        node = NodeController(spec, config, rng=self.rng)
         self.nodes[spec.name] = node
         self.metrics.nodes.set(len(self.nodes))
         return node
