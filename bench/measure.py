@@ -248,16 +248,25 @@ class ChurnResult:
     subject_cpu_s: float  # over the churn, all its processes
     apiserver_cpu_s: float
     subject_rss_mb: float
+    # the Job phase (after the Deployment): completions asked for, done, seconds from
+    # the Job's creation to its last completion (nan: not run, or not all done)
+    job_pods: int = 0
+    job_succeeded: int = 0
+    job_s: float = math.nan
+
+
+def _s(x: float, fmt: str = "{:.2f}") -> str:
+    return "n/a" if math.isnan(x) else fmt.format(x)
 
 
 def render_churn(results: Iterable[ChurnResult], markdown: bool = False) -> str:
     head = ["subject", "nodes", "pods", "running", "all Running s", "p50 s", "p99 s",
-            "subject CPU s", "apiserver CPU s", "subject RSS MB"]
+            "subject CPU s", "apiserver CPU s", "subject RSS MB", "job pods", "succeeded",
+            "job s"]
     rows = [[r.subject, str(r.nodes), str(r.pods), str(r.running),
-             "n/a" if math.isnan(r.all_running_s) else f"{r.all_running_s:.1f}",
-             "n/a" if math.isnan(r.p50_s) else f"{r.p50_s:.2f}",
-             "n/a" if math.isnan(r.p99_s) else f"{r.p99_s:.2f}",
-             f"{r.subject_cpu_s:.1f}", f"{r.apiserver_cpu_s:.1f}", f"{r.subject_rss_mb:.0f}"]
+             _s(r.all_running_s, "{:.1f}"), _s(r.p50_s), _s(r.p99_s),
+             f"{r.subject_cpu_s:.1f}", f"{r.apiserver_cpu_s:.1f}", f"{r.subject_rss_mb:.0f}",
+             str(r.job_pods), str(r.job_succeeded), _s(r.job_s, "{:.1f}")]
             for r in results]
     if markdown:
         return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head),

@@ -421,6 +421,50 @@ def deployment(tag: str, replicas: int) -> client.V1Deployment:
                     termination_grace_period_seconds=0))))
 
 
+def job(tag: str, completions: int, parallelism: int, run_for: str) -> client.V1Job:
+    """Pods that run `run_for` and exit 0: on nodepulse's virtual nodes by the fake
+    runtime's script annotations (README "Scripted pods"); KWOK completes a Job's pods
+    by its own default stage."""
+    return client.V1Job(
+        metadata=client.V1ObjectMeta(name=f"job-{tag}"),
+        spec=client.V1JobSpec(
+            completions=completions, parallelism=parallelism, backoff_limit=completions,
+            template=client.V1PodTemplateSpec(
+                metadata=client.V1ObjectMeta(
+                    labels={"app": f"job-{tag}"},
+                    annotations={"fake.nodepulse.dev/run-for": run_for,
+                                 "fake.nodepulse.dev/exit-code": "0"}),
+                spec=client.V1PodSpec(
+                    containers=[client.V1Container(name="c", image="nodepulse.dev/bench:1")],
+                    restart_policy="Never", node_selector={BENCH_LABEL: tag},
+                    tolerations=[client.V1Toleration(operator="Exists")],
+                    automount_service_account_token=False, enable_service_links=False,
+                    termination_grace_period_seconds=0))))
+
+
+def run_job(api: client.ApiClient, subject: Subject, args: argparse.Namespace
+            ) -> tuple[int, float]:
+    """Create the Job, wait for its completions: (succeeded, seconds to the last one)."""
+    batch = client.BatchV1Api(api)
+    batch.create_namespaced_job(CHURN_NS, job(subject.tag, args.job_pods,
+                                              args.job_parallelism, args.job_run_for))
+    log(f"  Job of {args.job_pods} completions ({args.job_parallelism} at a time) created")
+    t0 = time.monotonic()
+    succeeded = -1
+    while time.monotonic() - t0 < args.churn_timeout:
+        time.sleep(1)
+        st = batch.read_namespaced_job_status(f"job-{subject.tag}", CHURN_NS).status
+        if (st.succeeded or 0) // 500 != succeeded // 500:
+            log(f"  {st.succeeded or 0} succeeded, {st.failed or 0} failed")
+        succeeded = st.succeeded or 0
+        if succeeded >= args.job_pods:
+            # the Job controller's completion, as a user's client would see it
+            return succeeded, time.monotonic() - t0
+        if subject.dead():
+            raise RuntimeError(f"{subject.name} exited during the Job: {subject.dead()}")
+    return succeeded, math.nan
+
+
 def run_churn(subject: Subject, args: argparse.Namespace) -> measure.ChurnResult:
     cluster = LocalCluster(subject.workdir / "cluster")
     cluster.up(log=log)
@@ -451,9 +495,10 @@ def run_churn(subject: Subject, args: argparse.Namespace) -> measure.ChurnResult
                 seen = len(pods.running)
                 log(f"  {len(pods.first)} pods seen, {seen} Running")
         s1 = snapshot(cluster, pids)
-        rss = sum(measure.peak_rss_mb(p) for p in pids)
         log(f"  pod watch resumed {pods.resumes}x, relisted {pods.relists}x; "
             f"{len(pods.unobserved)} pods first seen Running (not in the latencies)")
+        job_done, job_s = run_job(api, subject, args) if args.job_pods else (0, math.nan)
+        rss = sum(measure.peak_rss_mb(p) for p in pids)
     finally:
         if pods is not None:
             pods.stop()
@@ -469,7 +514,7 @@ def run_churn(subject: Subject, args: argparse.Namespace) -> measure.ChurnResult
         p50_s=measure.percentile(latencies, 50), p99_s=measure.percentile(latencies, 99),
         subject_cpu_s=s1.cpu["subject"] - s0.cpu["subject"],
         apiserver_cpu_s=s1.cpu["kube-apiserver"] - s0.cpu["kube-apiserver"],
-        subject_rss_mb=rss)
+        subject_rss_mb=rss, job_pods=args.job_pods, job_succeeded=job_done, job_s=job_s)
 
 
 # ---- output
@@ -563,6 +608,14 @@ def write_churn_docs(results: list[measure.ChurnResult], args: argparse.Namespac
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "churn.json").write_text(json.dumps([asdict(r) for r in results], indent=1))
+    job_text = "" if not args.job_pods else f"""
+
+Then a Job of {args.job_pods} completions, {args.job_parallelism} at a time ("job s": the
+Job created until its status counts them all succeeded, as the Job controller sees them).
+Its pods are scripted on nodepulse's fake runtime to run {args.job_run_for} and exit 0
+(`fake.nodepulse.dev/run-for`, `exit-code`: README "Scripted pods"), each through a pod
+worker, the runtime and its status writes; KWOK completes a Job's Running pods by its
+default `pod-complete` stage, at once."""
     (out / "churn.md").write_text(f"""# Pod churn: a Deployment across the nodes
 
 Written by `bench/scale.py --churn`; do not edit by hand.
@@ -577,7 +630,7 @@ taints tolerated) on a fresh local control plane once all nodes are Ready. "all 
 s": Deployment created until the last pod was seen Running; p50/p99: per pod, first
 seen by a watch until seen Running. Pod creation is paced by kube-controller-manager's
 client rate limit (its defaults) and binding by kube-scheduler's, for every subject
-alike. CPU seconds over the whole churn.
+alike. CPU seconds over the Deployment's churn.{job_text}
 
 {measure.render_churn(results, markdown=True)}
 """)
@@ -606,7 +659,12 @@ def main(argv: list[str] | None = None) -> int:
                         "p50/p99, CPU (issue 8 item 3)")
     parser.add_argument("--churn-pods", type=int, default=3000)
     parser.add_argument("--churn-timeout", type=float, default=900.0,
-                        help="seconds for all pods to be Running")
+                        help="seconds for all pods to be Running (and for the Job)")
+    parser.add_argument("--job-pods", type=int, default=0,
+                        help="--churn: then a Job of this many completions (0: none)")
+    parser.add_argument("--job-parallelism", type=int, default=100)
+    parser.add_argument("--job-run-for", default="2s",
+                        help="how long each Job pod runs on nodepulse's fake runtime")
     parser.add_argument("--before-agent", metavar="PATH", default="",
                         help="subject 'before': this nodepulse-agent (e.g. another checkout's "
                         "build) with nodepulse's settings, for before/after in one run")

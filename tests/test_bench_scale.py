@@ -3,6 +3,7 @@ per node-minute figures, ratios and the rendered tables. No timings asserted."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -139,8 +140,10 @@ def test_churn_table_marks_an_unfinished_run() -> None:
                             subject_cpu_s=12.0, apiserver_cpu_s=30.0, subject_rss_mb=200.0)
     text = measure.render_churn([r])
     assert text.splitlines()[2].split() == ["nodepulse", "100", "3000", "2990", "n/a", "1.23",
-                                            "9.00", "12.0", "30.0", "200"]
+                                            "9.00", "12.0", "30.0", "200", "0", "0", "n/a"]
     assert "| nodepulse | 100 | 3000 | 2990 | n/a |" in measure.render_churn([r], markdown=True)
+    job = dataclasses.replace(r, job_pods=500, job_succeeded=500, job_s=61.04)
+    assert measure.render_churn([job]).splitlines()[2].split()[-3:] == ["500", "500", "61.0"]
 
 
 def test_window_takes_out_the_identity_lease_writes_and_their_bytes() -> None:
