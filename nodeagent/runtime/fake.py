@@ -12,7 +12,7 @@ import itertools
 import os
 import shutil
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TypeVar
 
 from nodeagent.api.clock import Clock, RealClock
@@ -20,7 +20,9 @@ from nodeagent.runtime.base import (
     LABEL_POD_UID,
     Container,
     ContainerConfig,
+    ContainerRuntimeError,
     ContainerState,
+    ExecResult,
     ImageInfo,
     ImageNotPresent,
     NotFound,
@@ -34,6 +36,8 @@ from nodeagent.runtime.base import (
 )
 
 R = TypeVar("R", Sandbox, Container)
+ExecAnswer = (ExecResult | BaseException
+              | Callable[[list[str]], "ExecResult | BaseException"])
 
 
 def _clone(rec: R) -> R:
@@ -63,6 +67,11 @@ class FakeRuntime(Runtime):
         self.fail: dict[str, BaseException] = {}  # method name -> raise once
         self.ignore_sigterm: set[str] = set()    # container names that run to the kill
         self.exit_on_start: dict[str, int] = {}  # container name -> exits at once, code
+        # what exec_sync (exec probes and hooks) answers, by container name: an
+        # ExecResult, an exception to raise (RuntimeTimeout: the command timed out), or a
+        # function of the command giving either; unscripted commands exit 0
+        self.exec_results: dict[str, ExecAnswer] = {}
+        self.execs: list[tuple[str, list[str]]] = []  # (container name, cmd) as run
         # pod uid -> its sandbox and container ids, so pod_status costs O(pod), like a
         # runtime with an index would (keeps the per-pod polling comparison fair)
         self._by_pod: dict[str, set[str]] = {}
@@ -259,6 +268,23 @@ class FakeRuntime(Runtime):
         self.configs.pop(container_id, None)
         if c is not None:
             self._forget(c.pod_uid, container_id)
+
+    async def exec_sync(self, container_id: str, cmd: list[str],
+                        timeout: float) -> ExecResult:
+        self._call("exec_sync")
+        c = self.containers.get(container_id)
+        if c is None:
+            raise NotFound(f"exec_sync: container {container_id} not found")
+        if c.state != ContainerState.RUNNING:
+            raise ContainerRuntimeError(f"exec_sync: container {c.name} is {c.state}, "
+                                        "not running")
+        self.execs.append((c.name, list(cmd)))
+        answer = self.exec_results.get(c.name, ExecResult(0))
+        if callable(answer) and not isinstance(answer, BaseException):
+            answer = answer(list(cmd))
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
 
     async def rotate_container_log(self, container_id: str, path: str, rotated: str) -> None:
         self._call("rotate_container_log")
