@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import socket
 import struct
 import urllib.parse
@@ -119,8 +120,8 @@ def _dial_error(host: str, port: int, e: BaseException | None) -> str:
     where = f"dial tcp {_join(host, port)}"
     if isinstance(e, TimeoutError):
         return f"{where}: i/o timeout"
-    if isinstance(e, OSError) and e.strerror:
-        return f"{where}: connect: {e.strerror.lower()}"
+    if isinstance(e, OSError) and e.errno:
+        return f"{where}: connect: {os.strerror(e.errno).lower()}"
     return f"{where}: {e}"
 
 

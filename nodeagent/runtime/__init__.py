@@ -13,6 +13,7 @@ from nodeagent.runtime.base import (
     ContainerRuntimeError,
     ContainerState,
     ContainerStats,
+    ExecResult,
     ImageInfo,
     ImageNotPresent,
     NotFound,
@@ -31,7 +32,8 @@ from nodeagent.runtime.base import (
 
 __all__ = [
     "DEFAULT_CONTAINERD_SOCKET", "Container", "ContainerConfig", "ContainerRuntimeError",
-    "ContainerState", "ContainerStats", "ImageInfo", "ImageNotPresent", "NotFound", "PodRuntimeStatus",
+    "ContainerState", "ContainerStats", "ExecResult", "ImageInfo", "ImageNotPresent",
+    "NotFound", "PodRuntimeStatus",
     "RelistResult", "Runtime", "RuntimeTimeout", "RuntimeVersion", "Sandbox",
     "SandboxConfig", "SandboxState", "StreamRequest", "Unavailable", "Unsupported",
     "make_runtime", "socket_path",
