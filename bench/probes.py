@@ -37,13 +37,13 @@ KINDS = ("exec", "http", "tcp", "grpc")
 
 
 def probe(kind: str, http_port: int, grpc_port: int) -> dict[str, Any]:
-    action: dict[str, Any] = {
+    actions: dict[str, dict[str, Any]] = {
         "exec": {"exec": {"command": ["cat", "/tmp/healthy"]}},
         "http": {"httpGet": {"path": "/healthz", "port": http_port}},
         "tcp": {"tcpSocket": {"port": http_port}},
         "grpc": {"grpc": {"port": grpc_port}},
-    }[kind]
-    return {**action, "periodSeconds": 1, "timeoutSeconds": 1}
+    }
+    return {**actions[kind], "periodSeconds": 1, "timeoutSeconds": 1}
 
 
 def pod(i: int, kind: str, http_port: int, grpc_port: int) -> dict[str, Any]:

@@ -255,6 +255,8 @@ def compute_pod_status(pod: Pod, rs: PodRuntimeStatus, *, host_ip: str, scheme: 
     phase = _phase(pod, init_done, statuses, terminal, init_failed, sidecars)
     if previous.get("phase") in TERMINAL:
         phase = previous["phase"]  # terminal phases never change back
+    elif reason is not None:
+        phase = "Failed"  # the pod was failed as a whole (e.g. its deadline passed)
     if reason is None and phase in TERMINAL and previous.get("phase") in TERMINAL:
         reason, message = previous.get("reason"), previous.get("message")
 
