@@ -65,6 +65,7 @@ async def measure(kind: str, pods: int, seconds: float, http_port: int,
     """(probes per second, agent CPU share of one core, probes per CPU-second)."""
     clock = RealClock()
     rt = FakeRuntime(clock, host_ip="127.0.0.1")
+    rt.dial = True  # the probes reach the servers on loopback
     cache = PodCache()
     specs = [pod(i, kind, http_port, grpc_port) for i in range(pods)]
     for p in specs:

@@ -230,12 +230,21 @@ class Actions:
         return URL.build(scheme=scheme, host=self._host(action, target), port=port,
                          path=path, query_string=parts.query, encoded=False)
 
+    def _simulated(self, target: Target, action: str) -> Outcome | None:
+        """The runtime's own answer, when its containers run nothing (fake)."""
+        r = self.runtime.simulated_network(target.container_id, action)
+        if r is None:
+            return None
+        return Outcome(SUCCESS if r.exit_code == 0 else FAILURE, r.stdout.decode())
+
     async def http_get(self, action: Mapping[str, Any], target: Target, timeout: float, *,
                        purpose: str = "probe", any_status: bool = False) -> Outcome:
         """GET the URL; 2xx and 3xx succeed (`any_status`: any answer does, as for a
         lifecycle hook). Redirects within the same host are followed (at most 10); one
         to another host is not, and succeeds with a warning."""
         url = self.http_url(action, target)
+        if (simulated := self._simulated(target, "httpGet")) is not None:
+            return simulated
         headers: CIMultiDict[str] = CIMultiDict()
         for h in action.get("httpHeaders") or []:
             headers.add(str(h.get("name")), str(h.get("value") or ""))
@@ -290,6 +299,8 @@ class Actions:
     async def tcp(self, action: Mapping[str, Any], target: Target, timeout: float) -> Outcome:
         host = self._host(action, target)
         port = resolve_port(action.get("port"), target.container)
+        if (simulated := self._simulated(target, "tcpSocket")) is not None:
+            return simulated
         try:
             async with asyncio.timeout(timeout or None):
                 sock = _linger(socket.AF_INET6 if ":" in host else socket.AF_INET,
@@ -310,6 +321,8 @@ class Actions:
         if not host:
             raise ActionError("the pod has no IP address yet")
         port = resolve_port(action.get("port"), target.container)
+        if (simulated := self._simulated(target, "grpc")) is not None:
+            return simulated
         service = str(action.get("service") or "")
         addr = _join(host, port)
         channel = grpc.aio.insecure_channel(addr, options=[

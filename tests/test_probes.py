@@ -248,6 +248,27 @@ async def test_conditions_carry_the_observed_generation() -> None:
     await a.loops.stop()
 
 
+@aio
+async def test_fake_containers_answer_network_probes_as_scripted() -> None:
+    """Nothing listens in a fake container: the fake runtime answers httpGet, tcpSocket
+    and grpc probes (success unless a test scripts otherwise) and records them."""
+    clock = FakeClock()
+    a = await started(clock)
+    a.rt.network_results["c"] = ExecResult(1, b"HTTP probe failed with statuscode: 503")
+    a.send(Op.ADD, mkpod("web", "u1", containers=[probed(
+        readinessProbe={"httpGet": {"path": "/", "port": 80}, "periodSeconds": 1},
+        livenessProbe={"tcpSocket": {"port": 80}, "periodSeconds": 1})]))
+    await a.run_for(5)
+    assert cond(a, "u1", "Ready") == "False"
+    assert {("c", "httpGet"), ("c", "tcpSocket")} <= set(a.rt.network_probes)
+    assert "Readiness probe failed: HTTP probe failed with statuscode: 503" in \
+        a.events_of("Unhealthy")
+    del a.rt.network_results["c"]
+    await a.run_for(3)
+    assert cond(a, "u1", "Ready") == "True"
+    await a.loops.stop()
+
+
 # --- the network actions, against servers on loopback ----------------------------------
 
 def free_port() -> int:
@@ -268,6 +289,13 @@ async def http_server(routes: dict[str, Callable[[web.Request], web.Response]]
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     return runner, port
+
+
+def dialing() -> FakeRuntime:
+    """A fake runtime that lets network actions dial for real (servers on loopback)."""
+    rt = FakeRuntime()
+    rt.dial = True
+    return rt
 
 
 def target(port: int | None = None, ip: str = "127.0.0.1") -> Target:
@@ -297,7 +325,7 @@ async def test_http_get_statuses_redirects_and_headers() -> None:
 
     runner, port = await http_server({"/ok": ok, "/moved": moved, "/away": away,
                                       "/loop": loop, "/broken": broken})
-    act = Actions(FakeRuntime())
+    act = Actions(dialing())
     try:
         got = await act.http_get({"port": "http", "path": "/ok", "httpHeaders": [
             {"name": "X-Probe", "value": "1"}]}, target(port), 1)
@@ -326,7 +354,7 @@ async def test_http_get_statuses_redirects_and_headers() -> None:
 async def test_tcp_socket() -> None:
     server = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
-    act = Actions(FakeRuntime())
+    act = Actions(dialing())
     try:
         assert (await act.tcp({"port": port}, target(), 1)).result == SUCCESS
         refused = await act.tcp({"port": free_port()}, target(), 1)
@@ -350,7 +378,7 @@ async def test_grpc_health_check() -> None:
         "grpc.health.v1.Health", {"Check": grpc.unary_unary_rpc_method_handler(check)})])
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    act = Actions(FakeRuntime())
+    act = Actions(dialing())
     try:
         assert (await act.grpc_health({"port": port}, target(), 2)).result == SUCCESS
         sick = await act.grpc_health({"port": port, "service": "sick"}, target(), 2)

@@ -448,6 +448,13 @@ class Runtime(ABC):
         RuntimeTimeout when it runs longer than `timeout` seconds (0: no limit)."""
         raise Unsupported(f"the {self.scheme} runtime cannot run commands in containers")
 
+    def simulated_network(self, container_id: str, action: str) -> ExecResult | None:
+        """For a runtime whose containers run nothing (the fake one): the answer a
+        network probe or hook (`action`: httpGet, tcpSocket, grpc) gets from the
+        container, exit code 0 for success, the output in stdout. None (every real
+        runtime): the agent dials the pod."""
+        return None
+
     async def attach_url(self, container_id: str, req: StreamRequest) -> str:
         """URL where an attach to the container's main process waits (CRI Attach)."""
         raise Unsupported(f"the {self.scheme} runtime cannot attach to containers")

@@ -72,6 +72,12 @@ class FakeRuntime(Runtime):
         # function of the command giving either; unscripted commands exit 0
         self.exec_results: dict[str, ExecAnswer] = {}
         self.execs: list[tuple[str, list[str]]] = []  # (container name, cmd) as run
+        # network probes and hooks (httpGet, tcpSocket, grpc): nothing listens in a fake
+        # container, so they are answered here, by container name (unscripted: success),
+        # unless `dial` is set (a test or benchmark with real servers on the pod IP)
+        self.network_results: dict[str, ExecResult] = {}
+        self.network_probes: list[tuple[str, str]] = []  # (container name, action)
+        self.dial = False
         # pod uid -> its sandbox and container ids, so pod_status costs O(pod), like a
         # runtime with an index would (keeps the per-pod polling comparison fair)
         self._by_pod: dict[str, set[str]] = {}
@@ -285,6 +291,17 @@ class FakeRuntime(Runtime):
         if isinstance(answer, BaseException):
             raise answer
         return answer
+
+    def simulated_network(self, container_id: str, action: str) -> ExecResult | None:
+        if self.dial:
+            return None
+        c = self.containers.get(container_id)
+        name = c.name if c is not None else ""
+        self.network_probes.append((name, action))
+        if c is None or c.state != ContainerState.RUNNING:
+            return ExecResult(1, f"fake: container {name or container_id} is not "
+                                 "running".encode())
+        return self.network_results.get(name, ExecResult(0))
 
     async def rotate_container_log(self, container_id: str, path: str, rotated: str) -> None:
         self._call("rotate_container_log")
