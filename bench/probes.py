@@ -150,6 +150,8 @@ def main() -> None:
             rate, share, per_core = asyncio.run(measure(kind, args.pods, args.seconds,
                                                         http_port, grpc_port))
             print(f"{kind:6} {rate:9.1f} {share * 100:9.1f}% {per_core:18.0f}")
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        print(f"peak RSS of the agent process: {peak:.0f} MiB")
     finally:
         server.terminate()
         server.wait()
