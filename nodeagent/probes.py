@@ -180,14 +180,25 @@ class ProbeManager:
                 return kind
         return None
 
+    def _current(self, uid: str, c: Container, kind: Kind) -> Result | None:
+        """The container's result for a probe kind: what its worker decided, else (the
+        worker has not looked at this container yet) its starting value. None: the
+        container has no such probe."""
+        w = self._workers.get((uid, c.name, kind))
+        if w is None:
+            return None
+        r = self._results.get((c.id, kind))
+        if r is None:
+            pod = self._pods.get(uid)
+            r = self._initial(w, pod, c) if pod is not None else INITIAL[kind]
+        return r
+
     def started(self, uid: str, c: Container) -> bool:
         """Running, and its startup probe (if any) has succeeded."""
         if c.state != ContainerState.RUNNING:
             return False
-        r = self._results.get((c.id, Kind.STARTUP))
-        if r is not None:
-            return r == Result.SUCCESS
-        return not self.has_worker(uid, c.name, Kind.STARTUP)
+        r = self._current(uid, c, Kind.STARTUP)
+        return r is None or r == Result.SUCCESS
 
     def readiness(self, pod: Pod, rs: PodRuntimeStatus) -> dict[str, Probed]:
         """Started and ready per container id, for the containers with probes; asks a
@@ -204,12 +215,11 @@ class ProbeManager:
             started = self.started(uid, c)
             ready = False
             if started:
-                ready = self._results.get((c.id, Kind.READINESS)) == Result.SUCCESS
+                r = self._current(uid, c, Kind.READINESS)
+                ready = r is None or r == Result.SUCCESS
                 w = self._workers.get((uid, name, Kind.READINESS))
-                if w is None:
-                    ready = True
-                elif not ready:
-                    w.trigger.set()
+                if w is not None and not ready:
+                    w.trigger.set()  # probe it now rather than a period from now
             out[c.id] = Probed(started, ready)
         return out
 

@@ -387,3 +387,26 @@ async def test_grpc_health_check() -> None:
         assert down.result == FAILURE and down.output.startswith("timeout: failed to connect")
     finally:
         await server.stop(0)
+
+
+@aio
+async def test_a_restarted_agent_keeps_the_readiness_it_adopts() -> None:
+    """Containers that ran before the agent started keep the readiness the API last
+    heard until their probe says otherwise: an agent restart does not flap Ready."""
+    clock = FakeClock()
+    rt = FakeRuntime(clock)
+    a = await started(clock, rt)
+    pod = mkpod("web", "u1", containers=[probed(readinessProbe=exec_probe(
+        "check", periodSeconds=10))])
+    a.send(Op.ADD, pod)
+    await a.run_for(30)
+    assert cond(a, "u1", "Ready") == "True"
+    await a.loops.stop()
+    rt.exec_results["c"] = failing("check")  # from now on the probe fails
+    b = await started(clock, rt)  # a new agent on the same runtime
+    b.send(Op.ADD, dict(pod, status=a.status("u1")))
+    await b.run_for(2)
+    assert b.patches() == [] or cond(b, "u1", "Ready") == "True"
+    await b.run_for(40)  # the probe runs and fails: now it is not ready
+    assert cond(b, "u1", "Ready") == "False"
+    await b.loops.stop()
