@@ -84,29 +84,20 @@ class Node:
             raise
 
 
-@pytest.fixture(scope="module")
-def node(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
-    name = f"probes-{os.getpid() % 10000}"
-    root = tmp_path_factory.mktemp(name)
+@contextlib.contextmanager
+def agent(cluster: Cluster, root: Path, name: str, runtime: list[str],
+          agnhost: str = "") -> Iterator[Node]:
+    """One agent with its own Node and namespace; everything stopped by PID after."""
     kubeconfig = cluster.node_kubeconfig(name)
-    from e2e.cluster.containerd import start_containerd
-    from e2e.conformance.images import import_all
-    ctd = start_containerd()
     admin = cluster.api_client()
     core = client.CoreV1Api(admin)
-    try:
-        agnhost = import_all(ctd)["Agnhost"]
-        argv = [str(AGENT), f"--node-name={name}", f"--kubeconfig={kubeconfig}",
-                f"--root-dir={root}", f"--healthz-bind-address=127.0.0.1:{free_port()}",
-                "--runtime=cri", f"--container-runtime-endpoint={ctd.endpoint}",
-                "--node-ip=127.0.0.1", f"--register-with-taints={TAINT_KEY}={name}:NoSchedule"]
-        log = open(root / "agent.log", "ab")  # noqa: SIM115 - closed below
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
-    except BaseException:
-        ctd.stop()
-        admin.close()
-        raise
+    argv = [str(AGENT), f"--node-name={name}", f"--kubeconfig={kubeconfig}",
+            f"--root-dir={root}", f"--healthz-bind-address=127.0.0.1:{free_port()}",
+            *runtime, "--node-ip=127.0.0.1",
+            f"--register-with-taints={TAINT_KEY}={name}:NoSchedule"]
+    log = open(root / "agent.log", "ab")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
     n = Node(name, root, proc, core, client.DiscoveryV1Api(admin), name, agnhost)
     try:
         core.create_namespace({"metadata": {"name": name}})
@@ -128,10 +119,25 @@ def node(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator
                 proc.kill()
                 proc.wait()
         log.close()
-        ctd.stop()
         with contextlib.suppress(ApiException):
             core.delete_node(name)
         admin.close()
+
+
+@pytest.fixture(scope="module")
+def node(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
+    name = f"probes-{os.getpid() % 10000}"
+    from e2e.cluster.containerd import start_containerd
+    from e2e.conformance.images import import_all
+    ctd = start_containerd()
+    try:
+        agnhost = import_all(ctd)["Agnhost"]
+        with agent(cluster, tmp_path_factory.mktemp(name), name,
+                   ["--runtime=cri", f"--container-runtime-endpoint={ctd.endpoint}"],
+                   agnhost) as n:
+            yield n
+    finally:
+        ctd.stop()
 
 
 def exec_probe(*cmd: str, **kw: Any) -> dict[str, Any]:
@@ -167,8 +173,9 @@ def test_liveness_failure_restarts_with_events_and_prestop(node: Node) -> None:
     n = node
     n.pod("live", {"name": "c", "command": SLEEP,
                    "livenessProbe": exec_probe("cat", "/tmp/health", failureThreshold=2),
+                   "terminationMessagePath": "/dev/termination-log",
                    "lifecycle": {"preStop": {"exec": {"command": [
-                       "sh", "-c", "echo prestop-ran > /proc/1/fd/1"]}}}})
+                       "sh", "-c", "printf prestop-ran > /dev/termination-log"]}}}})
 
     def restarted() -> Any:
         cs = (n.read("live").status.container_statuses or [None])[0]
@@ -179,9 +186,9 @@ def test_liveness_failure_restarts_with_events_and_prestop(node: Node) -> None:
     assert "Container c failed liveness probe, will be restarted" in killing
     assert any(m.startswith("Liveness probe failed: cat: can't open '/tmp/health'")
                for m in n.events("live", "Unhealthy"))
-    uid = n.read("live").metadata.uid
-    first = n.root / "logs" / "pods" / f"{n.namespace}_live_{uid}" / "c" / "0.log"
-    assert "prestop-ran" in first.read_text()  # the preStop hook ran before the kill
+    # the preStop hook ran before the kill: it left the killed container's message
+    assert cs.last_state.terminated.message == "prestop-ran"
+    assert n.events("live", "FailedPreStopHook") == []
 
 
 def test_http_tcp_and_grpc_probes(node: Node) -> None:
@@ -281,3 +288,28 @@ def test_sidecar_starts_before_the_app_and_keeps_running(node: Node) -> None:
     app = pod.status.container_statuses[0]
     assert side.started and side.ready and side.state.running
     assert app.state.running.started_at >= side.state.running.started_at
+
+
+def test_process_runtime_probes(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory
+                                ) -> None:
+    """The process runtime runs exec probes beside the process and the network probes
+    against the host (its pods share the host network)."""
+    name = f"probes-proc-{os.getpid() % 10000}"
+    port = free_port()
+    with agent(cluster, tmp_path_factory.mktemp(name), name, ["--runtime=process"]) as n:
+        n.pod("served", {"name": "c", "command": [sys.executable, "-m", "http.server",
+                                                  str(port), "--bind", "127.0.0.1"],
+                         "readinessProbe": {"httpGet": {"path": "/", "port": port},
+                                            "periodSeconds": 1},
+                         "livenessProbe": {"tcpSocket": {"port": port}, "periodSeconds": 1}})
+        n.pod("failing", {"name": "c", "command": SLEEP,
+                          "readinessProbe": exec_probe("false"),
+                          "livenessProbe": exec_probe("sh", "-c", "exit 1",
+                                                      failureThreshold=2)})
+        n.wait("served Ready", lambda: n.condition("served", "Ready") == "True", 60)
+        n.wait("failing restarted by its liveness probe", lambda: (
+            n.read("failing").status.container_statuses or [None])[0].restart_count >= 1, 60)
+        assert n.condition("failing", "Ready") == "False"
+        assert "Container c failed liveness probe, will be restarted" in \
+            n.events("failing", "Killing")
+        assert n.read("served").status.container_statuses[0].restart_count == 0
