@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import os
 import socket
+import ssl
 import struct
 import urllib.parse
 from collections.abc import Mapping
@@ -274,6 +275,8 @@ class Actions:
             return Outcome(FAILURE, f'Get "{url}": context deadline exceeded '
                                     "(Client.Timeout exceeded while awaiting headers)")
         except aiohttp.ClientConnectorError as e:
+            if isinstance(e.os_error, ssl.SSLError):  # e.g. a plain HTTP server
+                return Outcome(FAILURE, f'Get "{url}": {e.os_error}')
             return Outcome(FAILURE, f'Get "{url}": '
                                     f"{_dial_error(str(url.host), url.port or 0, e.os_error)}")
         except (aiohttp.ClientError, OSError, ValueError) as e:

@@ -79,6 +79,18 @@ class Hooks:
                 action = handler["httpGet"]
                 outcome = await self.actions.http_get(action, target, 0, purpose="lifecycle",
                                                       any_status=True)
+                if outcome.result == FAILURE and str(action.get("scheme")).upper() == \
+                        "HTTPS" and "WRONG_VERSION_NUMBER" in outcome.output:
+                    # the server speaks plain HTTP: the kubelet retries with it, and says so
+                    plain = await self.actions.http_get({**action, "scheme": "HTTP"}, target,
+                                                        0, purpose="lifecycle",
+                                                        any_status=True)
+                    if plain.result != FAILURE:
+                        url = self.actions.http_url(action, target)
+                        self._event(pod, "", WARNING, "LifecycleHTTPFallback",
+                                    f"request to HTTPS lifecycle hook {url.host}:{url.port} "
+                                    "got HTTP response, retry with HTTP succeeded")
+                        outcome = plain
                 if outcome.result == FAILURE:
                     return f"HTTP lifecycle hook ({action.get('path', '')}) {where} failed - " \
                            f"error: {outcome.output}"

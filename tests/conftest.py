@@ -11,6 +11,7 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import functools
+import socket
 import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
@@ -54,6 +55,13 @@ async def until(pred: Callable[[], bool], what: str = "the condition",
         if time.monotonic() > deadline:
             raise TimeoutError(f"never: {what}")
         await asyncio.sleep(0)
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on (for now) on loopback."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 class InlineExecutor(concurrent.futures.Executor):

@@ -12,7 +12,7 @@ from nodeagent.api.clock import FakeClock
 from nodeagent.api.kube import PODS
 from nodeagent.runtime import ExecResult
 from nodeagent.sources.types import Op
-from tests.conftest import aio, mkpod, started
+from tests.conftest import aio, free_port, mkpod, started
 
 
 def box(name: str = "c", **spec: Any) -> dict[str, Any]:
@@ -213,3 +213,41 @@ async def test_sidecar_restarts_under_never_and_stops_after_the_app() -> None:
     assert st["phase"] == "Succeeded"  # the sidecar's kill is not the pod's outcome
     assert a.rt.running("u1") == []
     await a.loops.stop()
+
+
+@aio
+async def test_https_hook_to_a_plain_http_server_falls_back_to_http() -> None:
+    from aiohttp import web
+
+    from nodeagent.actions import Actions, Target
+    from nodeagent.lifecycle import Hooks
+    from nodeagent.runtime.fake import FakeRuntime
+    hits: list[str] = []
+
+    async def echo(r: web.Request) -> web.Response:
+        hits.append(r.query.get("msg", ""))
+        return web.Response(status=404)  # a hook does not care about the status
+    app = web.Application()
+    app.router.add_get("/echo", echo)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    rt = FakeRuntime()
+    rt.dial = True
+    clock = FakeClock()
+    hooks = Hooks(Actions(rt), clock)
+    pod = mkpod("web", "u1")
+    try:
+        failed = await hooks.run(pod, box(), {"httpGet": {
+            "path": "/echo?msg=poststart", "port": port, "scheme": "HTTPS"}},
+            Target(box(), "cid", "127.0.0.1"))
+        assert failed is None and hits == ["poststart"]
+        refused = await hooks.run(pod, box(), {"httpGet": {"path": "/", "port": free_port()}},
+                                  Target(box(), "cid", "127.0.0.1"))
+        assert refused is not None and "connection refused" in refused
+        assert refused.startswith('HTTP lifecycle hook (/) for Container "c" in Pod '
+                                  '"web_ns(u1)" failed - error: ')
+    finally:
+        await hooks.actions.close()
+        await runner.cleanup()

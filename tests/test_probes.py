@@ -6,7 +6,6 @@ loopback, in real time."""
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -21,7 +20,7 @@ from nodeagent.api.kube import PODS
 from nodeagent.runtime import ExecResult, RuntimeTimeout
 from nodeagent.runtime.fake import FakeRuntime
 from nodeagent.sources.types import Op
-from tests.conftest import LoopRig, aio, mkpod, started
+from tests.conftest import LoopRig, aio, free_port, mkpod, started
 
 
 def probed(name: str = "c", **probes: Any) -> dict[str, Any]:
@@ -270,12 +269,6 @@ async def test_fake_containers_answer_network_probes_as_scripted() -> None:
 
 
 # --- the network actions, against servers on loopback ----------------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 async def http_server(routes: dict[str, Callable[[web.Request], web.Response]]
                       ) -> tuple[web.AppRunner, int]:
