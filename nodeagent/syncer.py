@@ -41,6 +41,7 @@ from nodeagent.runtime.base import (
     ContainerRuntimeError,
     ContainerState,
     ImageNotPresent,
+    Mount,
     PodRuntimeStatus,
     Runtime,
     Sandbox,
@@ -549,7 +550,7 @@ class PodSyncer:
                     raise ValueError(f"container {spec['name']}: {kind.field}: probes are "
                                      "not run by this agent's pod loop")
 
-    def _message_mount(self, pod: Pod, spec: Mapping[str, Any], attempt: int) -> Any:
+    def _message_mount(self, pod: Pod, spec: Mapping[str, Any], attempt: int) -> Mount | None:
         """The termination-message file, where the runtime can mount it. A runtime that
         cannot (the process runtime) gets none for the API's default path, which every
         pod has, and refuses any other path."""
@@ -665,5 +666,5 @@ class PodSyncer:
         if self.probes is not None:
             self.probes.remove(uid)
         self._messages.pop(uid, None)
-        if self.pods_dir:  # the pod's files (its termination messages)
-            await asyncio.to_thread(remove_pod_files, self.pods_dir, uid)
+        if self.pods_dir:  # the pod's files (its termination messages: a few small files)
+            remove_pod_files(self.pods_dir, uid)
