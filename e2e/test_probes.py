@@ -70,6 +70,10 @@ class Node:
                 return str(c.status)
         return None
 
+    def restarts(self, name: str) -> int:
+        statuses = self.read(name).status.container_statuses or []
+        return int(statuses[0].restart_count) if statuses else 0
+
     def events(self, name: str, reason: str) -> list[str]:
         evs = self.core.list_namespaced_event(
             self.namespace, field_selector=f"involvedObject.name={name},reason={reason}")
@@ -207,8 +211,7 @@ def test_http_tcp_and_grpc_probes(node: Node) -> None:
                         "livenessProbe": {"httpGet": {"path": "/healthz", "port": 8080},
                                           "initialDelaySeconds": 3, "periodSeconds": 1,
                                           "failureThreshold": 1}})
-    n.wait("restarted by its http liveness probe", lambda: (
-        n.read("http-live").status.container_statuses or [None])[0].restart_count >= 1, 60)
+    n.wait("restarted by its http liveness probe", lambda: n.restarts("http-live") >= 1, 60)
     assert any("HTTP probe failed with statuscode: 500" in m
                for m in n.events("http-live", "Unhealthy"))
     assert n.read("net").status.container_statuses[0].restart_count == 0
@@ -307,8 +310,8 @@ def test_process_runtime_probes(cluster: Cluster, tmp_path_factory: pytest.TempP
                           "livenessProbe": exec_probe("sh", "-c", "exit 1",
                                                       failureThreshold=2)})
         n.wait("served Ready", lambda: n.condition("served", "Ready") == "True", 60)
-        n.wait("failing restarted by its liveness probe", lambda: (
-            n.read("failing").status.container_statuses or [None])[0].restart_count >= 1, 60)
+        n.wait("failing restarted by its liveness probe", lambda: n.restarts("failing") >= 1,
+               60)
         assert n.condition("failing", "Ready") == "False"
         assert "Container c failed liveness probe, will be restarted" in \
             n.events("failing", "Killing")
