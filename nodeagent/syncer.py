@@ -502,7 +502,7 @@ class PodSyncer:
             cfg = ContainerConfig.from_pod(pod, spec, attempt=attempt,
                                            restart_count=restarts, init=init,
                                            field_values=fields)
-            self._refuse_unsupported(spec)
+            self._refuse_unsupported(spec, init)
             mount = self._message_mount(pod, spec, attempt)
             if mount is not None:
                 cfg.mounts.append(mount)
@@ -541,14 +541,27 @@ class PodSyncer:
             self.backoff.restarted((sc.uid, name))
             plan.again(max(1.0, self.backoff.remaining((sc.uid, name))))
 
-    def _refuse_unsupported(self, spec: Mapping[str, Any]) -> None:
-        """Probes need this loop's probe manager; a pod that has one where none runs
-        them is refused, never run without them."""
+    def _refuse_unsupported(self, spec: Mapping[str, Any], init: bool) -> None:
+        """What of probes and lifecycle this agent does not do is refused, naming the
+        field, never run without it: probes where no probe manager runs, a container's
+        own stop signal, per-container restart policies and rules (alpha features)."""
+        name = spec["name"]
         if self.probes is None:
             for kind in Kind:
                 if spec.get(kind.field) is not None:
-                    raise ValueError(f"container {spec['name']}: {kind.field}: probes are "
-                                     "not run by this agent's pod loop")
+                    raise ValueError(f"container {name}: {kind.field}: probes are not run "
+                                     "by this agent's pod loop")
+        if (spec.get("lifecycle") or {}).get("stopSignal"):
+            raise ValueError(f"container {name}: lifecycle.stopSignal is not supported by "
+                             "this agent")
+        if spec.get("restartPolicyRules"):
+            raise ValueError(f"container {name}: restartPolicyRules is not supported by "
+                             "this agent")
+        policy = spec.get("restartPolicy")
+        if policy is not None and not (init and policy == "Always"):
+            raise ValueError(f"container {name}: restartPolicy {policy}: only an init "
+                             "container's restartPolicy Always (a sidecar) is supported by "
+                             "this agent")
 
     def _message_mount(self, pod: Pod, spec: Mapping[str, Any], attempt: int) -> Mount | None:
         """The termination-message file, where the runtime can mount it. A runtime that

@@ -251,3 +251,19 @@ async def test_https_hook_to_a_plain_http_server_falls_back_to_http() -> None:
     finally:
         await hooks.actions.close()
         await runner.cleanup()
+
+
+@aio
+async def test_what_is_not_done_is_refused_naming_the_field() -> None:
+    clock = FakeClock()
+    a = await started(clock)
+    a.send(Op.ADD, mkpod("sig", "u1", containers=[box(lifecycle={"stopSignal": "SIGUSR1"})]),
+           mkpod("rules", "u2", containers=[box(restartPolicy="OnFailure")]))
+    await a.run_for(3)
+    assert a.rt.running() == []
+    for uid, field in (("u1", "lifecycle.stopSignal"), ("u2", "restartPolicy OnFailure")):
+        waiting = a.cstatus(uid)["state"]["waiting"]
+        assert waiting["reason"] == "CreateContainerConfigError" and field in waiting["message"]
+    messages = [w["message"] for w in a.warnings() if w["reason"] == "Failed"]
+    assert any("lifecycle.stopSignal" in m for m in messages)
+    await a.loops.stop()
