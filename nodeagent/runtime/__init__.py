@@ -18,6 +18,8 @@ from nodeagent.runtime.base import (
     ImageNotPresent,
     NotFound,
     PodRuntimeStatus,
+    PullFailed,
+    RegistryAuth,
     RelistResult,
     Runtime,
     RuntimeTimeout,
@@ -33,8 +35,8 @@ from nodeagent.runtime.base import (
 __all__ = [
     "DEFAULT_CONTAINERD_SOCKET", "Container", "ContainerConfig", "ContainerRuntimeError",
     "ContainerState", "ContainerStats", "ExecResult", "ImageInfo", "ImageNotPresent",
-    "NotFound", "PodRuntimeStatus",
-    "RelistResult", "Runtime", "RuntimeTimeout", "RuntimeVersion", "Sandbox",
+    "NotFound", "PodRuntimeStatus", "PullFailed", "RegistryAuth", "RelistResult", "Runtime",
+    "RuntimeTimeout", "RuntimeVersion", "Sandbox",
     "SandboxConfig", "SandboxState", "StreamRequest", "Unavailable", "Unsupported",
     "make_runtime", "socket_path",
 ]
