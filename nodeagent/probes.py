@@ -231,8 +231,16 @@ class ProbeManager:
             if self.clock.monotonic() - self.started_at < period:
                 # the agent just started: spread the first probes over one period
                 await self._wait(w, self.rng.random() * period)
+            due = self.clock.monotonic()
             while await self._step(w):
-                await self._wait(w, period)
+                # a tick every period, as a ticker: a slow probe does not stretch it (the
+                # ticks it overran are dropped); a probe asked for now starts it over
+                now = self.clock.monotonic()
+                due += period
+                if due <= now:
+                    due += ((now - due) // period + 1) * period
+                if await self._wait(w, due - now):
+                    due = self.clock.monotonic()
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -240,11 +248,11 @@ class ProbeManager:
         # a worker that is done stays (without a task) until the pod is removed, so the
         # next sync does not start it again
 
-    async def _wait(self, w: _Worker, seconds: float) -> None:
-        """Sleep a period, or less when the status asks for a probe now."""
+    async def _wait(self, w: _Worker, seconds: float) -> bool:
+        """Sleep `seconds`, or less when the status asks for a probe now (True then)."""
         if w.trigger.is_set():
             w.trigger.clear()
-            return
+            return True
         sleep = asyncio.ensure_future(self.clock.sleep(seconds))
         woken = asyncio.ensure_future(w.trigger.wait())
         try:
@@ -252,7 +260,9 @@ class ProbeManager:
         finally:
             sleep.cancel()
             woken.cancel()
+        triggered = w.trigger.is_set()
         w.trigger.clear()
+        return triggered
 
     def _set(self, w: _Worker, result: Result) -> None:
         key = (w.container_id, w.kind)

@@ -403,3 +403,23 @@ async def test_a_restarted_agent_keeps_the_readiness_it_adopts() -> None:
     await b.run_for(40)  # the probe runs and fails: now it is not ready
     assert cond(b, "u1", "Ready") == "False"
     await b.loops.stop()
+
+
+class SlowExec(FakeRuntime):
+    """Each exec takes 0.6 s of (fake) time."""
+
+    async def exec_sync(self, container_id: str, cmd: list[str], timeout: float) -> ExecResult:
+        await self.clock.sleep(0.6)
+        return await super().exec_sync(container_id, cmd, timeout)
+
+
+@aio
+async def test_probes_tick_every_period_however_long_they_take() -> None:
+    clock = FakeClock()
+    a = await started(clock, SlowExec(clock))
+    a.send(Op.ADD, mkpod("web", "u1", containers=[probed(livenessProbe=exec_probe("true"))]))
+    await a.run_for(5)
+    before = len(a.rt.execs)
+    await a.run_for(20)
+    assert len(a.rt.execs) - before in (19, 20, 21)  # not 20 / 1.6
+    await a.loops.stop()
