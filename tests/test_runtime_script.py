@@ -34,6 +34,7 @@ def test_annotations_pod_wide_and_per_container() -> None:
     assert script_for({}, "c") == Script()
     assert script_for({P + "fail-start": "no such file"}, "c").fail_start == "no such file"
     assert script_for({P + "fail-start": ""}, "c").fail_start == "fake: start failed"
+    assert script_for({P + "ready-after": "20s"}, "c").ready_after == 20.0
     # the container's own key wins whatever the order
     assert script_for({P + "exit-code.c": "7", P + "exit-code": "1"}, "c").exit_code == 7
 
@@ -122,4 +123,25 @@ async def test_the_agent_crash_loops_completes_and_fails_scripted_pods() -> None
     assert "fake.nodepulse.dev/exit-code" in bad["message"]
     warned = " ".join(w["message"] for w in a.warnings())
     assert "no such file" in warned and "fake.nodepulse.dev/exit-code" in warned
+    await a.loops.stop()
+
+
+@aio
+async def test_ready_after_a_delay_through_the_readiness_probe() -> None:
+    """ready-after answers the container's probes as failed until it has run that long:
+    readiness follows through the prober, as for a program slow to come up."""
+    clock = FakeClock()
+    a = await started(clock)
+    probe = {"httpGet": {"path": "/ready", "port": 8080}, "periodSeconds": 1}
+    pod = scripted("slow", "u1", {P + "ready-after": "20s"}, containers=[
+        {"name": "c", "image": "localhost/busybox:1", "readinessProbe": probe}])
+    a.send(Op.ADD, pod)
+    await a.run_for(15)
+    assert a.status("u1")["phase"] == "Running"
+    assert a.condition("u1", "Ready")["status"] == "False"
+    assert a.cstatus("u1")["ready"] is False
+    await a.run_for(10)
+    assert a.condition("u1", "Ready")["status"] == "True"
+    assert a.cstatus("u1")["ready"] is True
+    assert ("c", "httpGet") in a.rt.network_probes
     await a.loops.stop()

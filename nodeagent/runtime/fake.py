@@ -333,6 +333,8 @@ class FakeRuntime(Runtime):
             raise ContainerRuntimeError(f"exec_sync: container {c.name} is {c.state}, "
                                         "not running")
         self.execs.append((c.name, list(cmd)))
+        if (starting := self._not_up_yet(c)) is not None:
+            return starting
         answer = self.exec_results.get(c.name, ExecResult(0))
         if callable(answer) and not isinstance(answer, BaseException):
             answer = answer(list(cmd))
@@ -349,7 +351,20 @@ class FakeRuntime(Runtime):
         if c is None or c.state != ContainerState.RUNNING:
             return ExecResult(1, f"fake: container {name or container_id} is not "
                                  "running".encode())
+        if (starting := self._not_up_yet(c)) is not None:
+            return starting
         return self.network_results.get(name, ExecResult(0))
+
+    def _not_up_yet(self, c: Container) -> ExecResult | None:
+        """A failed probe while a scripted container is still coming up (ready-after)."""
+        script = self.scripts.get(c.id)
+        if script is None or not script.ready_after or c.started_at is None:
+            return None
+        up = c.started_at + dt.timedelta(seconds=script.ready_after)
+        if self.clock.now() >= up:
+            return None
+        return ExecResult(1, f"fake: container {c.name} is not up yet (ready after "
+                             f"{script.ready_after:g}s)".encode())
 
     async def rotate_container_log(self, container_id: str, path: str, rotated: str) -> None:
         self._call("rotate_container_log")

@@ -6,15 +6,19 @@ Nothing runs in a fake container, so what a program would do is written on the p
     fake.nodepulse.dev/run-for: 30s          # each container exits after running 30 s
     fake.nodepulse.dev/exit-code: "1"        # ... with this code (default 0)
     fake.nodepulse.dev/fail-start: "no such file"   # StartContainer fails with this
+    fake.nodepulse.dev/ready-after: 20s      # its probes fail for its first 20 s
     fake.nodepulse.dev/run-for.<container>: 5s      # one container only (wins over the
                                                     # pod-wide key)
 
 What follows is the agent's own doing, as for any runtime: the restart policy restarts
 an exited container (with the kubelet's back-off: `run-for` with a non-zero `exit-code`
 and `restartPolicy: Always` is a crash loop), a Job's pod completes or fails, a start
-that fails is RunContainerError. Durations are Go's ('30s', '1m30s', '500ms'). A value
-that cannot be read, or an unknown key under the prefix, fails the container's creation
-with the annotation named.
+that fails is RunContainerError, and the probes decide readiness (`ready-after`: every
+probe of the container, of any kind and action, is answered as failed until it has run
+that long, as a program that takes that long to come up; give liveness probes an
+initialDelaySeconds or a startupProbe beyond it, as for such a program). Durations are
+Go's ('30s', '1m30s', '500ms'). A value that cannot be read, or an unknown key under the
+prefix, fails the container's creation with the annotation named.
 """
 
 from __future__ import annotations
@@ -25,8 +29,9 @@ from collections.abc import Mapping
 from nodeagent.config import ConfigError, parse_duration
 
 PREFIX = "fake.nodepulse.dev/"
-RUN_FOR, EXIT_CODE, FAIL_START = "run-for", "exit-code", "fail-start"
-KEYS = (RUN_FOR, EXIT_CODE, FAIL_START)
+RUN_FOR, EXIT_CODE, FAIL_START, READY_AFTER = "run-for", "exit-code", "fail-start", \
+    "ready-after"
+KEYS = (RUN_FOR, EXIT_CODE, FAIL_START, READY_AFTER)
 
 
 class ScriptError(ValueError):
@@ -38,6 +43,7 @@ class Script:
     run_for: float | None = None  # seconds from start to exit; None: runs until stopped
     exit_code: int = 0
     fail_start: str | None = None  # StartContainer fails with this message
+    ready_after: float = 0.0  # probes fail until the container has run this long
 
 
 def script_for(annotations: Mapping[str, str], container: str) -> Script:
@@ -54,13 +60,8 @@ def script_for(annotations: Mapping[str, str], container: str) -> Script:
                               f"with .<container>)")
         if target == container or (not target and key not in values):
             values[key] = (name, value)
-    run_for = exit_code = None
-    if RUN_FOR in values:
-        name, value = values[RUN_FOR]
-        try:
-            run_for = parse_duration(value, f"annotation {name}")
-        except ConfigError as e:  # names the annotation; negative ones too
-            raise ScriptError(str(e)) from None
+    run_for = _duration(values, RUN_FOR)
+    exit_code = None
     if EXIT_CODE in values:
         name, value = values[EXIT_CODE]
         try:
@@ -72,4 +73,14 @@ def script_for(annotations: Mapping[str, str], container: str) -> Script:
     fail_start = values[FAIL_START][1] if FAIL_START in values else None
     return Script(run_for=run_for, exit_code=exit_code or 0,
                   fail_start=(fail_start or "fake: start failed") if fail_start is not None
-                  else None)
+                  else None, ready_after=_duration(values, READY_AFTER) or 0.0)
+
+
+def _duration(values: Mapping[str, tuple[str, str]], key: str) -> float | None:
+    if key not in values:
+        return None
+    name, value = values[key]
+    try:
+        return parse_duration(value, f"annotation {name}")
+    except ConfigError as e:  # names the annotation; negative ones too
+        raise ScriptError(str(e)) from None
