@@ -497,7 +497,9 @@ def run_churn(subject: Subject, args: argparse.Namespace) -> measure.ChurnResult
         s1 = snapshot(cluster, pids)
         log(f"  pod watch resumed {pods.resumes}x, relisted {pods.relists}x; "
             f"{len(pods.unobserved)} pods first seen Running (not in the latencies)")
-        job_done, job_s = run_job(api, subject, args) if args.job_pods else (0, math.nan)
+        # the before build may predate scripted pods: its Job would never complete
+        with_job = args.job_pods and subject.name != "before"
+        job_done, job_s = run_job(api, subject, args) if with_job else (0, math.nan)
         rss = sum(measure.peak_rss_mb(p) for p in pids)
     finally:
         if pods is not None:
@@ -514,7 +516,8 @@ def run_churn(subject: Subject, args: argparse.Namespace) -> measure.ChurnResult
         p50_s=measure.percentile(latencies, 50), p99_s=measure.percentile(latencies, 99),
         subject_cpu_s=s1.cpu["subject"] - s0.cpu["subject"],
         apiserver_cpu_s=s1.cpu["kube-apiserver"] - s0.cpu["kube-apiserver"],
-        subject_rss_mb=rss, job_pods=args.job_pods, job_succeeded=job_done, job_s=job_s)
+        subject_rss_mb=rss, job_pods=args.job_pods if with_job else 0,
+        job_succeeded=job_done, job_s=job_s)
 
 
 # ---- output
@@ -615,7 +618,7 @@ Job created until its status counts them all succeeded, as the Job controller se
 Its pods are scripted on nodepulse's fake runtime to run {args.job_run_for} and exit 0
 (`fake.nodepulse.dev/run-for`, `exit-code`: README "Scripted pods"), each through a pod
 worker, the runtime and its status writes; KWOK completes a Job's Running pods by its
-default `pod-complete` stage, at once."""
+default `pod-complete` stage, at once. ("before", an older build, has no Job phase.)"""
     (out / "churn.md").write_text(f"""# Pod churn: a Deployment across the nodes
 
 Written by `bench/scale.py --churn`; do not edit by hand.
