@@ -53,7 +53,7 @@ class AgentConfig:
     proc_path: str = "/proc"
     host_overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     healthz_bind_address: tuple[str, int] | None = ("127.0.0.1", 10248)
-    lease_concurrency: int = 4
+    lease_concurrency: int = 16
     status_concurrency: int = 4
     log_level: str = "info"
     # pods: sources and runtime
@@ -421,7 +421,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("healthz_bind_address", "healthz-bind-address", "healthzBindAddress", _bind,
            "host:port for /healthz and /metrics (127.0.0.1:10248; empty disables)"),
     Option("lease_concurrency", "lease-concurrency", "leaseConcurrency", _int(1, 256),
-           "Lease writes at once, on connections of their own (4)"),
+           "Lease writes at once, on connections of their own (16; opened as needed)"),
     Option("status_concurrency", "status-concurrency", "statusConcurrency", _int(1, 256),
            "NodeStatus writes at once, and threads for host readings (4)"),
     Option("log_level", "log-level", "logLevel", _choice("debug", "info", "warning", "error"),
