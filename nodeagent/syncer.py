@@ -13,12 +13,17 @@ import asyncio
 import contextlib
 import logging
 import math
+import os
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from nodeagent import podspec
+from nodeagent.admission import AdmissionSettings, Rejection, admit
+from nodeagent.api.client import brief
 from nodeagent.api.clock import Clock, clock_timeout
-from nodeagent.api.kube import describe
+from nodeagent.api.kube import RUNTIME_CLASSES, describe
+from nodeagent.dns import DnsSettings, PodDnsError, hostname_and_domain, hosts_file, kernel_hostname, pod_dns
 from nodeagent.events import WARNING, Events
 from nodeagent.pleg import CacheEntry
 from nodeagent.podstatus import StatusManager, Waiting, compute_pod_status
@@ -28,6 +33,7 @@ from nodeagent.runtime.base import (
     ContainerRuntimeError,
     ContainerState,
     ImageNotPresent,
+    Mount,
     PodRuntimeStatus,
     Runtime,
     Sandbox,
@@ -126,10 +132,25 @@ class SyncResult:
     requeue_after: float | None = None  # sync again this soon (backoff, image wait)
 
 
+@dataclass(frozen=True)
+class NodePodSettings:
+    """What the node adds to every pod it runs: admission, names and resolver, and
+    where the files it writes for pods go."""
+    dns: DnsSettings = field(default_factory=DnsSettings)
+    admission: AdmissionSettings = field(default_factory=AdmissionSettings)
+    pods_dir: str = ""      # <root-dir>/pods: each pod's managed /etc/hosts ("": none)
+    seccomp_root: str = ""  # <root-dir>/seccomp: where Localhost seccomp profiles are
+
+
+ETC_HOSTS = "/etc/hosts"
+
+
 @dataclass
 class _Plan:
     waiting: dict[str, Waiting] = field(default_factory=dict)
     requeue: float = math.inf
+    # container name -> why it cannot be created (a field the agent does not honour)
+    refused: dict[str, str] = field(default_factory=dict)
 
     def again(self, seconds: float) -> None:
         self.requeue = min(self.requeue, seconds)
@@ -144,8 +165,10 @@ class PodSyncer:
     def __init__(self, runtime: Runtime, status: StatusManager, clock: Clock, *,
                  node_name: str = "", host_ip: str = "", call_timeout: float = 60.0,
                  log_root: str = "", backoff: CrashBackoff | None = None,
-                 events: Events | None = None) -> None:
+                 events: Events | None = None,
+                 settings: NodePodSettings | None = None) -> None:
         self.runtime = runtime
+        self.settings = settings or NodePodSettings()
         self.status = status
         self.clock = clock
         self.node_name = node_name
@@ -215,6 +238,11 @@ class PodSyncer:
         previous = self.status.previous(pod)
         if previous.get("phase") in ("Succeeded", "Failed"):
             return SyncResult(terminal=True)
+        rejection = admit(pod, self.settings.admission)
+        if rejection is not None:
+            self._reject(pod, rejection)
+            return SyncResult(terminal=True)
+        pod_refused = self._refusals(pod, plan)
 
         ready = sorted((s for s in rs.sandboxes if s.state == SandboxState.READY),
                        key=lambda s: s.attempt, reverse=True)
@@ -227,11 +255,26 @@ class PodSyncer:
                 # the sandbox died after containers ran; Never means no second run
                 self._publish(pod, rs, plan.waiting)
                 return SyncResult(terminal=True)
-            sandbox = await self._new_sandbox(pod, rs)
+            if pod_refused:  # a pod-level field we cannot honour: no sandbox either
+                self._refuse_all(pod, plan)
+                self._publish(pod, rs, plan.waiting)
+                return SyncResult()
+            try:
+                sandbox = await self._new_sandbox(pod, rs)
+            except (ContainerRuntimeError, PodDnsError, _NoRuntimeClass) as e:
+                # as the kubelet: the containers stay ContainerCreating, an Event says why
+                self._warn(pod, "", f"Failed to create pod sandbox: {e}",
+                           reason="FailedCreatePodSandBox")
+                self._publish(pod, rs, plan.waiting)
+                raise  # retried with the pod worker's error back-off
             current: list[Container] = []
         else:
             current = [c for c in rs.containers if c.sandbox_id == sandbox.id]
-        sc = SandboxConfig.from_pod(pod, attempt=sandbox.attempt, log_root=self.log_root)
+        try:
+            sc = self._sandbox_config(pod, sandbox.attempt)
+        except PodDnsError as e:  # cannot happen for a sandbox we made; a spec edit?
+            plan.refused = {c["name"]: str(e) for c in podspec_containers(pod)}
+            sc = SandboxConfig.from_pod(pod, attempt=sandbox.attempt, log_root=self.log_root)
         pod_ip = self.host_ip if spec.get("hostNetwork") else sandbox.ip
         fields = {"spec.nodeName": self.node_name, "status.hostIP": self.host_ip,
                   "status.hostIPs": self.host_ip, "status.podIP": pod_ip,
@@ -309,6 +352,66 @@ class PodSyncer:
                 return False
         return True
 
+    # --- admission, refusals, the sandbox's names and resolver ----------------------
+
+    def _reject(self, pod: Pod, r: Rejection) -> None:
+        """The node does not admit the pod: phase Failed, the kubelet's reason, nothing
+        started."""
+        log.info("pod %s rejected: %s: %s", describe(pod), r.reason, r.message)
+        if self.events is not None:
+            self.events.pod(pod, WARNING, r.reason, r.message)
+        self.status.set_status(pod, {"phase": "Failed", "reason": r.reason,
+                                     "message": f"Pod was rejected: {r.message}"})
+
+    def _refusals(self, pod: Pod, plan: _Plan) -> bool:
+        """Fill plan.refused with the containers that cannot be created because of a
+        field this agent does not honour; True when a pod-level field blocks them all."""
+        problems = podspec.unhandled(pod)
+        if (pod.get("spec") or {}).get("hostAliases") and not self.runtime.private_filesystem:
+            problems.append(podspec.Unhandled(
+                "spec.hostAliases", f"the {self.runtime.scheme} runtime runs containers in "
+                "the node's filesystem and cannot give them an /etc/hosts of their own"))
+        pod_level = next((p for p in problems if p.container is None), None)
+        for p in problems:
+            if p.container is not None:
+                plan.refused.setdefault(p.container, p.message)
+        if pod_level is not None:
+            for c in podspec_containers(pod):
+                plan.refused.setdefault(str(c.get("name")), pod_level.message)
+        return pod_level is not None
+
+    def _refuse_all(self, pod: Pod, plan: _Plan) -> None:
+        for c in podspec_containers(pod):
+            name = str(c.get("name"))
+            if name in plan.refused:
+                self._refuse(pod, name, plan)
+
+    def _refuse(self, pod: Pod, name: str, plan: _Plan) -> None:
+        message = plan.refused[name]
+        plan.waiting[name] = Waiting("CreateContainerConfigError", message)
+        self._warn(pod, name, f"Error: {message}")
+
+    def _sandbox_config(self, pod: Pod, attempt: int) -> SandboxConfig:
+        """The sandbox's config with the names the node gives it (hostname cut to 63
+        characters, or the FQDN with setHostnameAsFQDN)."""
+        sc = SandboxConfig.from_pod(pod, attempt=attempt, log_root=self.log_root)
+        if not sc.host_network:
+            host, domain = hostname_and_domain(pod, self.settings.dns.cluster_domain)
+            sc.hostname = kernel_hostname(pod, host, domain)
+        return sc
+
+    async def _runtime_handler(self, pod: Pod) -> str:
+        """The handler of the pod's RuntimeClass ("" without one)."""
+        name = (pod.get("spec") or {}).get("runtimeClassName")
+        if not name:
+            return ""
+        try:
+            rc = await self.status.kube.get(RUNTIME_CLASSES, str(name), timeout=10.0)
+        except Exception as e:
+            raise _NoRuntimeClass(f"RuntimeClass {name!r} (spec.runtimeClassName): "
+                                  f"{brief(e)}") from e
+        return str(rc.get("handler") or "")
+
     async def _new_sandbox(self, pod: Pod, rs: PodRuntimeStatus) -> Sandbox:
         # anything left of an earlier sandbox is stopped first: containers never run
         # in two sandboxes of one pod at once
@@ -318,7 +421,12 @@ class PodSyncer:
                 await self._rt(self.runtime.stop_container(c.id, grace_of(pod)),
                                "stop_container", grace_of(pod))
         attempt = max((s.attempt for s in rs.sandboxes), default=-1) + 1
-        sc = SandboxConfig.from_pod(pod, attempt=attempt, log_root=self.log_root)
+        sc = self._sandbox_config(pod, attempt)
+        names = pod_dns(pod, self.settings.dns)
+        for reason, message in names.warnings:
+            self._warn(pod, "", message, reason=reason)
+        sc.dns = names.config
+        sc.runtime_handler = await self._runtime_handler(pod)
         sid = await self._rt(self.runtime.run_sandbox(sc), "run_sandbox")
         # the new sandbox's ip comes from the runtime; read it back once
         fresh = await self._rt(self.runtime.pod_status(sc.uid), "pod_status")
@@ -353,6 +461,9 @@ class PodSyncer:
                      sc: SandboxConfig, attempt: int, restarts: int,
                      fields: Mapping[str, str], plan: _Plan, *, init: bool = False) -> None:
         name = str(spec["name"])
+        if name in plan.refused:
+            self._refuse(pod, name, plan)
+            return
         image = str(spec.get("image", ""))
         policy = pull_policy(spec)
         if not await self._rt(self.runtime.image_present(image), "image_present"):
@@ -361,8 +472,11 @@ class PodSyncer:
         try:
             cfg = ContainerConfig.from_pod(pod, spec, attempt=attempt,
                                            restart_count=restarts, init=init,
-                                           field_values=fields)
-        except ValueError as e:  # a spec we cannot run (bad quantity, ...): say so
+                                           field_values=fields,
+                                           seccomp_root=self.settings.seccomp_root)
+            await self._check_non_root(pod, cfg)
+            self._mount_etc_hosts(pod, spec, sandbox, sc, cfg)
+        except (ValueError, OSError) as e:  # a spec we cannot run (bad quantity, ...)
             plan.waiting[name] = Waiting("CreateContainerConfigError", str(e))
             self._warn(pod, name, f"Error: {e}")
             plan.again(self.IMAGE_RETRY)
@@ -385,6 +499,57 @@ class PodSyncer:
             plan.waiting[name] = Waiting("RunContainerError", str(e))
             self.backoff.restarted((sc.uid, name))
             plan.again(max(1.0, self.backoff.remaining((sc.uid, name))))
+
+    async def _check_non_root(self, pod: Pod, cfg: ContainerConfig) -> None:
+        """runAsNonRoot: refused when the container would run as root, or as a user
+        name whose uid cannot be known (the kubelet's rule and wording)."""
+        sec = cfg.security
+        if not sec.run_as_non_root:
+            return
+        meta = pod["metadata"]
+        who = f'(pod: "{meta["name"]}_{meta.get("namespace") or "default"}' \
+              f'({meta["uid"]})", container: {cfg.name})'
+        if sec.run_as_user is not None:
+            if sec.run_as_user == 0:
+                raise ValueError(f"container's runAsUser breaks non-root policy {who}")
+            return
+        uid, user = await self._rt(self.runtime.image_user(cfg.image), "image_user")
+        if uid is None and user:
+            raise ValueError(f"container has runAsNonRoot and image has non-numeric user "
+                             f"({user}), cannot verify user is non-root {who}")
+        if not uid:  # 0, or no user in the image at all: root
+            raise ValueError(f"container has runAsNonRoot and image will run as root {who}")
+
+    def _mount_etc_hosts(self, pod: Pod, spec: Mapping[str, Any], sandbox: Sandbox,
+                         sc: SandboxConfig, cfg: ContainerConfig) -> None:
+        """The managed /etc/hosts (pod IP, hostname, FQDN, hostAliases; a host-network
+        pod's is the node's own with the aliases), written under the pod's folder and
+        mounted, unless the container mounts something at /etc/hosts itself."""
+        if not self.settings.pods_dir or not self.runtime.private_filesystem:
+            return
+        if any(m.get("mountPath") == ETC_HOSTS for m in spec.get("volumeMounts") or []):
+            return
+        host_net = bool((pod.get("spec") or {}).get("hostNetwork"))
+        ip = self.host_ip if host_net else sandbox.ip
+        if not ip and not host_net:
+            return  # no pod IP to name (the kubelet mounts none either)
+        host, domain = hostname_and_domain(pod, self.settings.dns.cluster_domain)
+        content = hosts_file(pod, [ip] if ip else [], host, domain,
+                             self.settings.dns.node_hosts)
+        path = os.path.join(self.settings.pods_dir, sc.uid, "etc-hosts")
+        try:
+            with open(path) as f:
+                same = f.read() == content
+        except OSError:
+            same = False
+        if not same:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = f"{path}.tmp"
+            with open(tmp, "w") as f:
+                f.write(content)
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, path)
+        cfg.mounts.append(Mount(ETC_HOSTS, path))
 
     def _warn(self, pod: Pod, container: str, message: str, reason: str = "Failed") -> None:
         """A Warning Event on the pod about one container, as the kubelet's."""
@@ -458,3 +623,18 @@ class PodSyncer:
             await self._rt(self.runtime.remove_sandbox(s.id), "remove_sandbox")
         self.backoff.forget(uid)
         self.status.forget(uid)
+        if self.settings.pods_dir:
+            folder = os.path.join(self.settings.pods_dir, uid)
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(folder, "etc-hosts"))
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)  # only when nothing else of the pod's is left there
+
+
+class _NoRuntimeClass(Exception):
+    """The pod's RuntimeClass cannot be read."""
+
+
+def podspec_containers(pod: Pod) -> list[Mapping[str, Any]]:
+    spec = pod.get("spec") or {}
+    return [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]

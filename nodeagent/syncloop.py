@@ -21,7 +21,7 @@ import contextlib
 import logging
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter
 
@@ -33,7 +33,7 @@ from nodeagent.pleg import EventType, Pleg, PodCache, PodLifecycleEvent
 from nodeagent.podstatus import StatusManager
 from nodeagent.runtime.base import LABEL_POD_NAME, LABEL_POD_NAMESPACE, Runtime
 from nodeagent.sources.types import Op, Pod, PodUpdate, SourcesReady, pod_node_name
-from nodeagent.syncer import CrashBackoff, PodSyncer
+from nodeagent.syncer import CrashBackoff, NodePodSettings, PodSyncer
 from nodeagent.workers import PodWorkers, UpdateKind
 
 log = logging.getLogger(__name__)
@@ -56,6 +56,7 @@ class SyncLoopConfig:
     crash_backoff_initial: float = 10.0
     crash_backoff_max: float = 300.0
     crash_backoff_reset: float = 600.0
+    pod_settings: NodePodSettings = field(default_factory=NodePodSettings)
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,7 @@ class SyncLoop:
         self.syncer = PodSyncer(c.runtime, self.status, c.clock, node_name=node_name,
                                 host_ip=c.host_ip, call_timeout=c.call_timeout,
                                 log_root=c.log_root, events=c.events,
+                                settings=c.pod_settings,
                                 backoff=CrashBackoff(c.clock, c.crash_backoff_initial,
                                                      c.crash_backoff_max,
                                                      c.crash_backoff_reset))
