@@ -4,6 +4,7 @@ managed /etc/hosts, and the security settings resolved from a pod."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -30,7 +31,7 @@ def test_os_field_and_label() -> None:
     assert r is not None and r.reason == "PodOSSelectorNodeLabelDoesNotMatch"
 
 
-def sysctl_pod(name: str, **spec: object) -> dict:
+def sysctl_pod(name: str, **spec: Any) -> dict[str, Any]:
     return mkpod("p", securityContext={"sysctls": [{"name": name, "value": "1"}]}, **spec)
 
 
