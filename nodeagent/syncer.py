@@ -23,7 +23,14 @@ from nodeagent.admission import AdmissionSettings, Rejection, admit
 from nodeagent.api.client import brief
 from nodeagent.api.clock import Clock, clock_timeout
 from nodeagent.api.kube import RUNTIME_CLASSES, describe
-from nodeagent.dns import DnsSettings, PodDnsError, hostname_and_domain, hosts_file, kernel_hostname, pod_dns
+from nodeagent.dns import (
+    DnsSettings,
+    PodDnsError,
+    hostname_and_domain,
+    hosts_file,
+    kernel_hostname,
+    pod_dns,
+)
 from nodeagent.events import WARNING, Events
 from nodeagent.pleg import CacheEntry
 from nodeagent.podstatus import StatusManager, Waiting, compute_pod_status
