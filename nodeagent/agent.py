@@ -243,8 +243,9 @@ class Agent:
             dns=DnsSettings(cluster_dns=cfg.cluster_dns, cluster_domain=cfg.cluster_domain,
                             resolv_conf=cfg.resolv_conf),
             admission=AdmissionSettings(allowed_unsafe_sysctls=cfg.allowed_unsafe_sysctls),
-            # virtual nodes' containers run nothing that could read a hosts file
-            pods_dir="" if cfg.virtual else str(root / "pods"),
+            # virtual nodes' containers run nothing that could read a hosts file or
+            # resolve a name
+            pods_dir="" if cfg.virtual else str(root / "pods"), resolver=not cfg.virtual,
             seccomp_root=str(root / "seccomp"))
         loop = SyncLoopConfig(runtime=runtime, clock=clock, kube=kube, answered=self.answered,
                               events=events, host_ip=hip, registry=registry,

@@ -147,6 +147,7 @@ class NodePodSettings:
     admission: AdmissionSettings = field(default_factory=AdmissionSettings)
     pods_dir: str = ""      # <root-dir>/pods: each pod's managed /etc/hosts ("": none)
     seccomp_root: str = ""  # <root-dir>/seccomp: where Localhost seccomp profiles are
+    resolver: bool = True   # False (virtual nodes): no resolver config, no DNS Events
 
 
 ETC_HOSTS = "/etc/hosts"
@@ -429,10 +430,11 @@ class PodSyncer:
                                "stop_container", grace_of(pod))
         attempt = max((s.attempt for s in rs.sandboxes), default=-1) + 1
         sc = self._sandbox_config(pod, attempt)
-        names = pod_dns(pod, self.settings.dns)
-        for reason, message in names.warnings:
-            self._warn(pod, "", message, reason=reason)
-        sc.dns = names.config
+        if self.settings.resolver:
+            names = pod_dns(pod, self.settings.dns)
+            for reason, message in names.warnings:
+                self._warn(pod, "", message, reason=reason)
+            sc.dns = names.config
         sc.runtime_handler = await self._runtime_handler(pod)
         sid = await self._rt(self.runtime.run_sandbox(sc), "run_sandbox")
         # the new sandbox's ip comes from the runtime; read it back once
