@@ -40,7 +40,8 @@ POD_FIELDS: dict[str, Rule] = {
     "activeDeadlineSeconds": None,   # the lifecycle code (probes.py and its neighbours)
     "dnsPolicy": None,               # dns.py
     "dnsConfig": None,               # dns.py
-    "nodeSelector": None,            # the scheduler's; the kubernetes.io/os label: admission.py
+    "nodeSelector": None,            # the scheduler's (not re-checked against the Node's
+                                     # labels here, unlike the kubelet's admission)
     "affinity": None,                # the scheduler's
     "tolerations": None,             # the scheduler's and the taint-eviction controller's
     "topologySpreadConstraints": None,  # the scheduler's
