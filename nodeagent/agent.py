@@ -245,7 +245,8 @@ class Agent:
             admission=AdmissionSettings(allowed_unsafe_sysctls=cfg.allowed_unsafe_sysctls),
             # virtual nodes' containers run nothing that could read a hosts file or
             # resolve a name
-            pods_dir="" if cfg.virtual else str(root / "pods"), resolver=not cfg.virtual,
+            pods_dir="" if cfg.virtual else str(root / "pods"),
+            runs_workloads=not cfg.virtual,
             seccomp_root=str(root / "seccomp"))
         loop = SyncLoopConfig(runtime=runtime, clock=clock, kube=kube, answered=self.answered,
                               events=events, host_ip=hip, registry=registry,

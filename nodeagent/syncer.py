@@ -31,7 +31,7 @@ from nodeagent.dns import (
     kernel_hostname,
     pod_dns,
 )
-from nodeagent.events import WARNING, Events
+from nodeagent.events import NORMAL, WARNING, Events
 from nodeagent.pleg import CacheEntry
 from nodeagent.podstatus import StatusManager, Waiting, compute_pod_status
 from nodeagent.runtime.base import (
@@ -147,7 +147,9 @@ class NodePodSettings:
     admission: AdmissionSettings = field(default_factory=AdmissionSettings)
     pods_dir: str = ""      # <root-dir>/pods: each pod's managed /etc/hosts ("": none)
     seccomp_root: str = ""  # <root-dir>/seccomp: where Localhost seccomp profiles are
-    resolver: bool = True   # False (virtual nodes): no resolver config, no DNS Events
+    # False (virtual nodes, whose containers run nothing): no resolver configuration,
+    # no DNS and container lifecycle Events (they would only load the API server)
+    runs_workloads: bool = True
 
 
 ETC_HOSTS = "/etc/hosts"
@@ -430,7 +432,7 @@ class PodSyncer:
                                "stop_container", grace_of(pod))
         attempt = max((s.attempt for s in rs.sandboxes), default=-1) + 1
         sc = self._sandbox_config(pod, attempt)
-        if self.settings.resolver:
+        if self.settings.runs_workloads:
             names = pod_dns(pod, self.settings.dns)
             for reason, message in names.warnings:
                 self._warn(pod, "", message, reason=reason)
@@ -501,6 +503,7 @@ class PodSyncer:
             self._warn(pod, name, f"Error: {e}")
             plan.again(self.IMAGE_RETRY)
             return
+        self._note(pod, name, "Created", "Container created")
         try:
             await self._rt(self.runtime.start_container(cid), "start_container")
         except ContainerRuntimeError as e:
@@ -508,6 +511,13 @@ class PodSyncer:
             plan.waiting[name] = Waiting("RunContainerError", str(e))
             self.backoff.restarted((sc.uid, name))
             plan.again(max(1.0, self.backoff.remaining((sc.uid, name))))
+            return
+        self._note(pod, name, "Started", "Container started")
+
+    def _note(self, pod: Pod, container: str, reason: str, message: str) -> None:
+        """A Normal Event about a container's lifecycle, as the kubelet's."""
+        if self.events is not None and self.settings.runs_workloads:
+            self.events.pod(pod, NORMAL, reason, message, container=container)
 
     async def _check_non_root(self, pod: Pod, cfg: ContainerConfig) -> None:
         """runAsNonRoot: refused when the container would run as root, or as a user

@@ -192,3 +192,17 @@ async def test_missing_cluster_dns_is_a_warning_and_falls_back() -> None:
     await a.events.drain()
     assert [e["reason"] for e in a.warnings()] == ["MissingClusterDNS"]
     await a.loops.stop()
+
+
+@aio
+async def test_created_and_started_events() -> None:
+    clock = FakeClock()
+    a = await rig(clock)
+    a.send(Op.ADD, mkpod("p", "u1"))
+    await a.run_for(3)
+    await a.events.drain()
+    normal = [(c.body["reason"], c.body["message"], c.body["involvedObject"]["fieldPath"])
+              for c in a.kube.calls_of("create events") if c.body and c.body["type"] == "Normal"]
+    assert normal == [("Created", "Container created", "spec.containers{c}"),
+                      ("Started", "Container started", "spec.containers{c}")]
+    await a.loops.stop()
