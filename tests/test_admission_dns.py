@@ -218,3 +218,12 @@ def test_sandbox_security_namespaces_sysctls_privileged() -> None:
     assert sec.privileged and sec.host_pid and sec.host_ipc and sec.share_process_namespace
     assert sec.run_as_user == 7
     assert sec.sysctls == (("net.ipv4.conf.eth0/100.rp_filter", "1"),)
+
+
+def test_hostname_override() -> None:
+    s = DnsSettings(cluster_domain="cluster.local")
+    pod = mkpod("p", hostnameOverride="my.host.example", subdomain="svc1")
+    assert pod_dns(pod, s).hostname == "my.host.example"
+    assert pod_dns(pod, s).domain == ""  # the override is the whole name
+    with pytest.raises(PodDnsError, match="spec.hostnameOverride"):
+        pod_dns(mkpod("p", hostnameOverride="Bad_Name"), s)
