@@ -250,7 +250,9 @@ class Agent:
             seccomp_root=str(root / "seccomp"))
         loop = SyncLoopConfig(runtime=runtime, clock=clock, kube=kube, answered=self.answered,
                               events=events, host_ip=hip, registry=registry,
-                              log_root=str(root / "logs" / "pods"), pod_settings=node_pods)
+                              log_root=str(root / "logs" / "pods"), pod_settings=node_pods,
+                              serialize_image_pulls=cfg.serialize_image_pulls,
+                              max_parallel_image_pulls=cfg.max_parallel_image_pulls)
         loops = NodeLoops(NodeLoopsConfig(cfg.node_names, loop), pleg, merge.updates,
                           merge.ready)
         return Pods(runtime, clock, loops, sources, PodsConfig(

@@ -86,6 +86,8 @@ class AgentConfig:
     cluster_domain: str = ""
     resolv_conf: str = "/etc/resolv.conf"
     allowed_unsafe_sysctls: tuple[str, ...] = ()
+    serialize_image_pulls: bool = True
+    max_parallel_image_pulls: int = 0  # 0: no limit (with serialize_image_pulls off)
 
     @property
     def legacy(self) -> bool:
@@ -519,6 +521,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("allowed_unsafe_sysctls", "allowed-unsafe-sysctls", "allowedUnsafeSysctls",
            _sysctls, "namespaced sysctls pods may set besides the safe ones, names or "
                      "prefixes ending in '*' (e.g. kernel.msg*,net.core.somaxconn)"),
+    Option("serialize_image_pulls", "serialize-image-pulls", "serializeImagePulls", _bool,
+           "pull one image at a time (default true)"),
+    Option("max_parallel_image_pulls", "max-parallel-image-pulls", "maxParallelImagePulls",
+           _int(1, 1000), "with --serialize-image-pulls=false: at most this many pulls at "
+           "once (default: no limit)"),
 )
 _IGNORED_KEYS = {"apiVersion", "kind"}  # a KubeletConfiguration-style header
 
@@ -597,6 +604,11 @@ def load(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Agen
     values["config_file"] = Path(config_path) if config_path else None
     values.setdefault("port", 10250)
     _check_serving(values)
+    if values.get("serialize_image_pulls", True) and values.get("max_parallel_image_pulls",
+                                                                 1) > 1:
+        raise ConfigError(f"--max-parallel-image-pulls "
+                          f"({values['max_parallel_image_pulls']}) must be 1 or unset while "
+                          "--serialize-image-pulls is true; set --serialize-image-pulls=false")
     return AgentConfig(**values)
 
 

@@ -1,7 +1,7 @@
 """The syncer: what one sync of a pod does, turning its spec into runtime calls.
 
 `PodSyncer` makes the runtime match the pod spec (sandbox, init containers in order,
-containers, restartPolicy, CrashLoopBackOff, imagePullPolicy against present images),
+containers, restartPolicy, CrashLoopBackOff; images through the ImageManager, images.py),
 stops a pod within its grace period, cleans up a removed one, and hands the resulting
 status to the StatusManager. It holds no per-pod state but the crash backoff; the pod
 workers (workers.py) decide when it runs.
@@ -32,6 +32,7 @@ from nodeagent.dns import (
     pod_dns,
 )
 from nodeagent.events import NORMAL, WARNING, Events
+from nodeagent.images import ImageManager
 from nodeagent.pleg import CacheEntry
 from nodeagent.podstatus import StatusManager, Waiting, compute_pod_status
 from nodeagent.runtime.base import (
@@ -65,19 +66,6 @@ def grace_of(pod: Pod, override: float | None = None) -> float:
         if v is not None:
             return max(0.0, float(v))
     return 30.0
-
-
-def pull_policy(container: Mapping[str, Any]) -> str:
-    """imagePullPolicy with the API's default (Always for :latest or no tag)."""
-    p = container.get("imagePullPolicy")
-    if p:
-        return str(p)
-    image = str(container.get("image", ""))
-    last = image.rsplit("/", 1)[-1]
-    if "@" in last:
-        return "IfNotPresent"
-    tag = last.split(":", 1)[1] if ":" in last else "latest"
-    return "Always" if tag == "latest" else "IfNotPresent"
 
 
 # --- CrashLoopBackOff ---------------------------------------------------------------
@@ -137,6 +125,8 @@ def _forget_call(inflight: set[asyncio.Future[Any]]) -> Callable[[asyncio.Future
 class SyncResult:
     terminal: bool = False              # nothing will run again: move to terminating
     requeue_after: float | None = None  # sync again this soon (backoff, image wait)
+    # sync again once any of these is done (image pulls under way)
+    wake: tuple[asyncio.Future[None], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -161,6 +151,7 @@ class _Plan:
     requeue: float = math.inf
     # container name -> why it cannot be created (a field the agent does not honour)
     refused: dict[str, str] = field(default_factory=dict)
+    wake: list[asyncio.Future[None]] = field(default_factory=list)
 
     def again(self, seconds: float) -> None:
         self.requeue = min(self.requeue, seconds)
@@ -175,7 +166,7 @@ class PodSyncer:
     def __init__(self, runtime: Runtime, status: StatusManager, clock: Clock, *,
                  node_name: str = "", host_ip: str = "", call_timeout: float = 60.0,
                  log_root: str = "", backoff: CrashBackoff | None = None,
-                 events: Events | None = None,
+                 events: Events | None = None, images: ImageManager | None = None,
                  settings: NodePodSettings | None = None) -> None:
         self.runtime = runtime
         self.settings = settings or NodePodSettings()
@@ -187,6 +178,8 @@ class PodSyncer:
         self.log_root = log_root
         self.backoff = backoff or CrashBackoff(clock)
         self.events = events
+        self.images = images or ImageManager(runtime, clock, events=events,
+                                             call_timeout=call_timeout)
         self._inflight: set[asyncio.Future[Any]] = set()  # runtime calls under way
 
     async def _rt(self, aw: Awaitable[T], what: str, extra: float = 0.0) -> T:
@@ -342,7 +335,8 @@ class PodSyncer:
         terminal = self._all_done(pod, rs, current, init_blocked)
         self._publish(pod, rs, plan.waiting)
         return SyncResult(terminal=terminal,
-                          requeue_after=None if math.isinf(plan.requeue) else plan.requeue)
+                          requeue_after=None if math.isinf(plan.requeue) else plan.requeue,
+                          wake=tuple(plan.wake))
 
     def _all_done(self, pod: Pod, rs: PodRuntimeStatus, current: list[Container],
                   init_blocked: bool) -> bool:
@@ -464,22 +458,33 @@ class PodSyncer:
                     f"{meta.get('namespace', 'default')}({uid})")
                 plan.again(wait)
                 return
-            self.backoff.restarted(key)
         await self._start(pod, spec, sandbox, sc, cur.attempt + 1, cur.restart_count + 1,
-                          fields, plan, init=init)
+                          fields, plan, init=init, crash_key=key if backoff else None)
 
     async def _start(self, pod: Pod, spec: Mapping[str, Any], sandbox: Sandbox,
                      sc: SandboxConfig, attempt: int, restarts: int,
-                     fields: Mapping[str, str], plan: _Plan, *, init: bool = False) -> None:
+                     fields: Mapping[str, str], plan: _Plan, *, init: bool = False,
+                     crash_key: tuple[str, str] | None = None) -> None:
+        """Create and start a container once its image is there. `crash_key`: a restart
+        after a crash, counted by the back-off when it is attempted (not while the image
+        is being pulled for it)."""
         name = str(spec["name"])
         if name in plan.refused:
             self._refuse(pod, name, plan)
             return
-        image = str(spec.get("image", ""))
-        policy = pull_policy(spec)
-        if not await self._rt(self.runtime.image_present(image), "image_present"):
-            self._image_missing(name, image, policy, plan)
+        image = await self.images.ensure(pod, spec)
+        if not image.ready:
+            if image.waiting is not None:
+                plan.waiting[name] = image.waiting
+            if image.failed and image.waiting is not None:
+                self._warn(pod, name, f"Error: {image.waiting.reason}")
+            if image.retry_after is not None:
+                plan.again(image.retry_after)
+            if image.pulling is not None:
+                plan.wake.append(image.pulling)
             return
+        if crash_key is not None:
+            self.backoff.restarted(crash_key)
         try:
             cfg = ContainerConfig.from_pod(pod, spec, attempt=attempt,
                                            restart_count=restarts, init=init,
@@ -495,8 +500,10 @@ class PodSyncer:
         try:
             cid = await self._rt(self.runtime.create_container(sandbox.id, cfg, sc),
                                  "create_container")
-        except ImageNotPresent:
-            self._image_missing(name, image, policy, plan)
+        except ImageNotPresent as e:  # removed since the image manager saw it
+            plan.waiting[name] = Waiting("ErrImagePull", str(e))
+            self._warn(pod, name, "Error: ErrImagePull")
+            plan.again(self.IMAGE_RETRY)
             return
         except ContainerRuntimeError as e:
             plan.waiting[name] = Waiting("CreateContainerError", str(e))
@@ -575,18 +582,6 @@ class PodSyncer:
         if self.events is not None:
             self.events.pod(pod, WARNING, reason, message, container=container)
 
-    def _image_missing(self, name: str, image: str, policy: str, plan: _Plan) -> None:
-        if policy == "Never":
-            plan.waiting[name] = Waiting(
-                "ErrImageNeverPull",
-                f'Container image "{image}" is not present with pull policy of Never')
-        else:
-            plan.waiting[name] = Waiting(
-                "ErrImagePull",
-                f'Container image "{image}" is not present and this node does not pull '
-                f"images (pull policy {policy}); import it into the container runtime")
-        plan.again(self.IMAGE_RETRY)
-
     async def _start_created(self, pod: Pod, cur: Container, plan: _Plan) -> None:
         try:
             await self._rt(self.runtime.start_container(cur.id), "start_container")
@@ -641,6 +636,7 @@ class PodSyncer:
             await self._rt(self.runtime.stop_sandbox(s.id), "stop_sandbox")
             await self._rt(self.runtime.remove_sandbox(s.id), "remove_sandbox")
         self.backoff.forget(uid)
+        self.images.forget(uid)
         self.status.forget(uid)
         if self.settings.pods_dir:
             folder = os.path.join(self.settings.pods_dir, uid)

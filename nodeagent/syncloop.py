@@ -29,6 +29,7 @@ from nodeagent.api.answered import ApiAnswered
 from nodeagent.api.clock import Clock
 from nodeagent.api.kube import Kube, describe
 from nodeagent.events import Events
+from nodeagent.images import ImageManager
 from nodeagent.pleg import EventType, Pleg, PodCache, PodLifecycleEvent
 from nodeagent.podstatus import StatusManager
 from nodeagent.runtime.base import LABEL_POD_NAME, LABEL_POD_NAMESPACE, Runtime
@@ -57,6 +58,15 @@ class SyncLoopConfig:
     crash_backoff_max: float = 300.0
     crash_backoff_reset: float = 600.0
     pod_settings: NodePodSettings = field(default_factory=NodePodSettings)
+    serialize_image_pulls: bool = True  # the kubelet's --serialize-image-pulls
+    max_parallel_image_pulls: int = 0   # when not serialized; 0: no limit
+
+
+def image_manager(c: SyncLoopConfig) -> ImageManager:
+    return ImageManager(c.runtime, c.clock, kube=c.kube, events=c.events,
+                        serialize=c.serialize_image_pulls,
+                        max_parallel=c.max_parallel_image_pulls, call_timeout=c.call_timeout,
+                        registry=c.registry)
 
 
 @dataclass(frozen=True)
@@ -85,7 +95,9 @@ class SyncLoop:
     """One node's loop: takes that node's updates and PLEG events from its queues (its
     NodeLoops fills them) and turns them into pod worker updates."""
 
-    def __init__(self, node_name: str, config: SyncLoopConfig, cache: PodCache) -> None:
+    def __init__(self, node_name: str, config: SyncLoopConfig, cache: PodCache,
+                 images: ImageManager | None = None) -> None:
+        """`images`: the runtime's image manager, shared by every node's loop."""
         c = config
         self.node_name = node_name
         self.clock = c.clock
@@ -97,6 +109,7 @@ class SyncLoop:
                                 host_ip=c.host_ip, call_timeout=c.call_timeout,
                                 log_root=c.log_root, events=c.events,
                                 settings=c.pod_settings,
+                                images=images or image_manager(c),
                                 backoff=CrashBackoff(c.clock, c.crash_backoff_initial,
                                                      c.crash_backoff_max,
                                                      c.crash_backoff_reset))
@@ -228,7 +241,8 @@ class NodeLoops:
         self.pleg = pleg
         self.updates = updates
         self.sources_ready = sources_ready
-        self.loops = {name: SyncLoop(name, config.loop, pleg.cache)
+        self.images = image_manager(config.loop)  # one runtime: one set of pulls
+        self.loops = {name: SyncLoop(name, config.loop, pleg.cache, self.images)
                       for name in config.node_names}
         self.owner: dict[str, str] = {}  # pod uid -> node, from the routed updates
         self._task: asyncio.Task[None] | None = None
@@ -265,6 +279,7 @@ class NodeLoops:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            await self.images.close()
             await self.pleg.stop()
 
     def housekeeping(self) -> list[str]:

@@ -86,6 +86,8 @@ CERTIFICATE_SIGNING_REQUESTS = Resource("certificates.k8s.io", "v1",
                                         "certificatesigningrequests",
                                         "CertificateSigningRequest", False)
 RUNTIME_CLASSES = Resource("node.k8s.io", "v1", "runtimeclasses", "RuntimeClass", False)
+SECRETS = Resource("", "v1", "secrets", "Secret", True)
+SERVICE_ACCOUNTS = Resource("", "v1", "serviceaccounts", "ServiceAccount", True)
 
 NODE_LEASE_NAMESPACE = "kube-node-lease"  # where each node's heartbeat Lease lives
 
