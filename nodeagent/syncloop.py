@@ -21,7 +21,7 @@ import contextlib
 import logging
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter
 
@@ -36,7 +36,7 @@ from nodeagent.podstatus import StatusManager
 from nodeagent.probes import ProbeManager
 from nodeagent.runtime.base import LABEL_POD_NAME, LABEL_POD_NAMESPACE, Runtime
 from nodeagent.sources.types import Op, Pod, PodUpdate, SourcesReady, pod_node_name
-from nodeagent.syncer import CrashBackoff, PodSyncer
+from nodeagent.syncer import CrashBackoff, NodePodSettings, PodSyncer
 from nodeagent.workers import PodWorkers, UpdateKind
 
 log = logging.getLogger(__name__)
@@ -56,10 +56,10 @@ class SyncLoopConfig:
     sync_frequency: float = 60.0       # periodic resync of each pod
     call_timeout: float = 60.0         # any runtime call but the PLEG's
     log_root: str = ""                 # container logs (runtimes that write files)
-    pods_dir: str = ""                 # per-pod files (termination messages)
     crash_backoff_initial: float = 10.0
     crash_backoff_max: float = 300.0
     crash_backoff_reset: float = 600.0
+    pod_settings: NodePodSettings = field(default_factory=NodePodSettings)
     serialize_image_pulls: bool = True  # the kubelet's --serialize-image-pulls
     max_parallel_image_pulls: int = 0   # when not serialized; 0: no limit
 
@@ -113,7 +113,7 @@ class SyncLoop:
         self.syncer = PodSyncer(c.runtime, self.status, c.clock, node_name=node_name,
                                 host_ip=c.host_ip, call_timeout=c.call_timeout,
                                 log_root=c.log_root, events=c.events, probes=self.probes,
-                                actions=actions, pods_dir=c.pods_dir,
+                                actions=actions, settings=c.pod_settings,
                                 images=images or image_manager(c),
                                 backoff=CrashBackoff(c.clock, c.crash_backoff_initial,
                                                      c.crash_backoff_max,

@@ -32,6 +32,7 @@ from nodeagent.pleg import Pleg
 from nodeagent.pods import Pods
 from nodeagent.runtime.fake import FakeRuntime
 from nodeagent.sources.types import Op, Pod, PodUpdate, Source, SourcesReady
+from nodeagent.syncer import NodePodSettings
 from nodeagent.syncloop import NodeLoops, NodeLoopsConfig, SyncLoopConfig
 from tests.fakekube import FakeKube
 
@@ -185,7 +186,8 @@ class LoopRig:
     merge feeds them; the in-memory API holds the pods sent (status is written there)."""
 
     def __init__(self, rt: FakeRuntime, clock: FakeClock, ready: bool = True,
-                 nodes: Sequence[str] = ("n1",), pods_dir: str = "") -> None:
+                 nodes: Sequence[str] = ("n1",),
+                 pod_settings: NodePodSettings | None = None) -> None:
         self.rt = rt
         self.clock = clock
         self.updates: asyncio.Queue[PodUpdate] = asyncio.Queue()
@@ -198,7 +200,7 @@ class LoopRig:
         config = SyncLoopConfig(runtime=rt, clock=clock, kube=self.kube,
                                 answered=ApiAnswered(clock), host_ip="192.0.2.10",
                                 registry=self.registry, events=self.events,
-                                pods_dir=pods_dir)
+                                pod_settings=pod_settings or NodePodSettings())
         label = nodes[0] if len(nodes) == 1 else "vn"
         self.loops = NodeLoops(NodeLoopsConfig(tuple(nodes), config),
                                Pleg(rt, clock, node=label, registry=self.registry),
@@ -245,7 +247,8 @@ class LoopRig:
 
 async def started(clock: FakeClock, rt: FakeRuntime | None = None,
                   pods_dir: str = "") -> LoopRig:
-    a = LoopRig(rt or FakeRuntime(clock), clock, pods_dir=pods_dir)
+    a = LoopRig(rt or FakeRuntime(clock), clock,
+                pod_settings=NodePodSettings(pods_dir=pods_dir))
     a.loops.start()
     await settle()
     return a

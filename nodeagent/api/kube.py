@@ -85,6 +85,7 @@ SUBJECT_ACCESS_REVIEWS = Resource("authorization.k8s.io", "v1", "subjectaccessre
 CERTIFICATE_SIGNING_REQUESTS = Resource("certificates.k8s.io", "v1",
                                         "certificatesigningrequests",
                                         "CertificateSigningRequest", False)
+RUNTIME_CLASSES = Resource("node.k8s.io", "v1", "runtimeclasses", "RuntimeClass", False)
 SECRETS = Resource("", "v1", "secrets", "Secret", True)
 SERVICE_ACCOUNTS = Resource("", "v1", "serviceaccounts", "ServiceAccount", True)
 
