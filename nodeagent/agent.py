@@ -32,6 +32,7 @@ from nodeagent.api.clock import Clock
 from nodeagent.api.kube import Kube
 from nodeagent.api.serve import HealthServer
 from nodeagent.config import VIRTUAL_LABEL, AgentConfig, ConfigError, load
+from nodeagent.env import EnvResolver
 from nodeagent.events import Events
 from nodeagent.node.controller import NodeController, NodeControllerConfig, NodeSpec
 from nodeagent.node.host import HostProbe, HostReadError, HostReadings
@@ -39,6 +40,7 @@ from nodeagent.node.metrics import NodeMetrics
 from nodeagent.node.scheduler import Blocking, DueScheduler
 from nodeagent.node.status import StatusSettings
 from nodeagent.node.watch import NodeWatch
+from nodeagent.objects import ObjectCache, ServiceCache
 from nodeagent.pleg import Pleg, PlegConfig
 from nodeagent.pods import Part, Pods, PodsConfig
 from nodeagent.runtime import ContainerRuntimeError, Runtime, make_runtime, socket_path
@@ -50,6 +52,7 @@ from nodeagent.sources.mirror import MirrorManager
 from nodeagent.sources.problems import Problems
 from nodeagent.sources.types import Source
 from nodeagent.syncloop import NodeLoops, NodeLoopsConfig, SyncLoopConfig
+from nodeagent.volumes import HostMounter, TokenManager, VolumeManager
 
 if TYPE_CHECKING:
     from nodeagent.server.setup import ServerBundle
@@ -235,9 +238,21 @@ class Agent:
                                          answered=self.answered))
         pleg = Pleg(runtime, clock, PlegConfig(), registry=registry,
                     node=cfg.agent_id if cfg.virtual else cfg.node_name)
+        def allocatable(node: str) -> Mapping[str, Any] | None:
+            controller = self.nodes.get(node)
+            status = controller and (controller.computed or controller.reported)
+            return status.get("allocatable") if status else None
+        # ConfigMaps, Secrets and Services: watched once for every node of the process
+        objects = ObjectCache(kube, clock, answered=self.answered)
+        env = EnvResolver(objects, ServiceCache(kube, clock, answered=self.answered),
+                          allocatable)
+        volumes = VolumeManager(Path(cfg.root_dir).resolve(), clock, objects=objects,
+                                tokens=TokenManager(kube, clock), mounter=HostMounter(),
+                                allocatable=allocatable)
         loop = SyncLoopConfig(runtime=runtime, clock=clock, kube=kube, answered=self.answered,
                               events=events, host_ip=hip, registry=registry,
-                              log_root=str((Path(cfg.root_dir) / "logs" / "pods").resolve()))
+                              log_root=str((Path(cfg.root_dir) / "logs" / "pods").resolve()),
+                              volumes=volumes, env=env, objects=objects)
         loops = NodeLoops(NodeLoopsConfig(cfg.node_names, loop), pleg, merge.updates,
                           merge.ready)
         return Pods(runtime, clock, loops, sources, PodsConfig(

@@ -19,7 +19,9 @@ from typing import Any, TypeVar
 
 from nodeagent.api.clock import Clock, clock_timeout
 from nodeagent.api.kube import describe
+from nodeagent.env import EnvResolver, env_refs, expand_command
 from nodeagent.events import WARNING, Events
+from nodeagent.objects import ObjectCache
 from nodeagent.pleg import CacheEntry
 from nodeagent.podstatus import StatusManager, Waiting, compute_pod_status
 from nodeagent.runtime.base import (
@@ -36,6 +38,7 @@ from nodeagent.runtime.base import (
     container_spec_hash,
 )
 from nodeagent.sources.types import Pod
+from nodeagent.volumes import MountFailed, PodVolumes, VolumeManager, VolumeRefused
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +133,7 @@ class SyncResult:
 class _Plan:
     waiting: dict[str, Waiting] = field(default_factory=dict)
     requeue: float = math.inf
+    volumes: PodVolumes = field(default_factory=PodVolumes)
 
     def again(self, seconds: float) -> None:
         self.requeue = min(self.requeue, seconds)
@@ -140,11 +144,13 @@ class PodSyncer:
     crash backoff."""
 
     IMAGE_RETRY = 10.0
+    MOUNT_RETRY = 10.0  # a volume that could not be set up (an object's change is sooner)
 
     def __init__(self, runtime: Runtime, status: StatusManager, clock: Clock, *,
                  node_name: str = "", host_ip: str = "", call_timeout: float = 60.0,
                  log_root: str = "", backoff: CrashBackoff | None = None,
-                 events: Events | None = None) -> None:
+                 events: Events | None = None, volumes: VolumeManager | None = None,
+                 env: EnvResolver | None = None, objects: ObjectCache | None = None) -> None:
         self.runtime = runtime
         self.status = status
         self.clock = clock
@@ -154,6 +160,9 @@ class PodSyncer:
         self.log_root = log_root
         self.backoff = backoff or CrashBackoff(clock)
         self.events = events
+        self.volumes = volumes  # None: pods with volumes are refused
+        self.env = env or EnvResolver()  # default: literal values and pod fields only
+        self.objects = objects  # the ConfigMaps and Secrets pods use, watched
         self._inflight: set[asyncio.Future[Any]] = set()  # runtime calls under way
 
     async def _rt(self, aw: Awaitable[T], what: str, extra: float = 0.0) -> T:
@@ -215,6 +224,12 @@ class PodSyncer:
         previous = self.status.previous(pod)
         if previous.get("phase") in ("Succeeded", "Failed"):
             return SyncResult(terminal=True)
+        volumes = await self._volumes(pod, rs)
+        if isinstance(volumes, SyncResult):
+            return volumes
+        plan.volumes = volumes
+        if volumes.refresh_in is not None:  # a token to refresh: sync again by then
+            plan.again(volumes.refresh_in + 0.5)
 
         ready = sorted((s for s in rs.sandboxes if s.state == SandboxState.READY),
                        key=lambda s: s.attempt, reverse=True)
@@ -291,6 +306,41 @@ class PodSyncer:
         return SyncResult(terminal=terminal,
                           requeue_after=None if math.isinf(plan.requeue) else plan.requeue)
 
+    async def _volumes(self, pod: Pod, rs: PodRuntimeStatus) -> PodVolumes | SyncResult:
+        """The pod's volumes, set up; or, when they cannot be, the result of this sync:
+        a volume this agent does not implement refuses the pod (CreateContainerConfigError
+        naming it, a Warning Event per container), one that cannot be set up now waits
+        (a FailedMount Event, tried again)."""
+        uid = str(pod["metadata"]["uid"])
+        if self.objects is not None:
+            refs = env_refs(pod) | (self.volumes.refs(pod) if self.volumes else set())
+            self.objects.track(uid, refs)
+        spec = pod.get("spec") or {}
+        try:
+            if self.volumes is not None:
+                return await self.volumes.setup(pod)
+            if spec.get("volumes"):
+                raise VolumeRefused("spec.volumes: this agent was started without volume "
+                                    "support")
+            return PodVolumes()
+        except VolumeRefused as e:
+            waiting = {}
+            for group in ("initContainers", "containers"):
+                for c in spec.get(group) or []:
+                    waiting[str(c["name"])] = Waiting("CreateContainerConfigError", str(e))
+                    self._warn(pod, str(c["name"]), f"Error: {e}")
+            self._publish(pod, rs, waiting)
+            return SyncResult()
+        except MountFailed as e:
+            for volume, message in e.failures:
+                log.info("pod %s: volume %s: %s", describe(pod), volume, message)
+                if self.events is not None:
+                    self.events.pod(pod, WARNING, "FailedMount",
+                                    f'MountVolume.SetUp failed for volume "{volume}" : '
+                                    f"{message}")
+            self._publish(pod, rs, {})
+            return SyncResult(requeue_after=self.MOUNT_RETRY)
+
     def _all_done(self, pod: Pod, rs: PodRuntimeStatus, current: list[Container],
                   init_blocked: bool) -> bool:
         """Every container exited and none will be restarted."""
@@ -359,9 +409,12 @@ class PodSyncer:
             self._image_missing(name, image, policy, plan)
             return
         try:
+            env = await self.env.resolve(pod, spec, fields)
+            mounts = self.volumes.mounts(pod, spec, plan.volumes, env) if self.volumes else []
             cfg = ContainerConfig.from_pod(pod, spec, attempt=attempt,
-                                           restart_count=restarts, init=init,
-                                           field_values=fields)
+                                           restart_count=restarts, init=init, env=env,
+                                           mounts=mounts)
+            cfg.command, cfg.args = expand_command(spec, env)
         except ValueError as e:  # a spec we cannot run (bad quantity, ...): say so
             plan.waiting[name] = Waiting("CreateContainerConfigError", str(e))
             self._warn(pod, name, f"Error: {e}")
@@ -444,6 +497,8 @@ class PodSyncer:
 
     def sync_terminated(self, pod: Pod, entry: CacheEntry) -> None:
         """Final status; a gracefully deleted API pod is then deleted for good."""
+        if self.objects is not None:  # nothing will read its objects again
+            self.objects.release(str(pod["metadata"]["uid"]))
         self._publish(pod, entry.status, {}, terminal=True)
         if (pod.get("metadata") or {}).get("deletionTimestamp"):
             self.status.finish_deletion(pod)
@@ -456,5 +511,9 @@ class PodSyncer:
         for s in rs.sandboxes:
             await self._rt(self.runtime.stop_sandbox(s.id), "stop_sandbox")
             await self._rt(self.runtime.remove_sandbox(s.id), "remove_sandbox")
+        if self.objects is not None:
+            self.objects.release(uid)
+        if self.volumes is not None:
+            await self.volumes.teardown(uid)
         self.backoff.forget(uid)
         self.status.forget(uid)
