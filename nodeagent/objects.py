@@ -267,13 +267,16 @@ async def _synced(synced: asyncio.Event, reflector: Reflector | None, clock: Clo
         err = reflector.last_error if reflector else None
         if err is not None and not is_retriable(err):
             raise ObjectUnavailable(f"{what}: {brief(err)}")
-        if clock.monotonic() >= deadline:
+        left = deadline - clock.monotonic()
+        if left <= 0:
             why = f": {brief(err)}" if err is not None else ""
             raise ObjectUnavailable(f"{what}: no answer within {wait:.0f}s{why}")
-        waiting = asyncio.ensure_future(synced.wait())
-        nap = asyncio.ensure_future(clock.sleep(0.2))
+        waits = [asyncio.ensure_future(synced.wait()), asyncio.ensure_future(clock.sleep(left))]
+        if reflector is not None:
+            reflector.failed.clear()
+            waits.append(asyncio.ensure_future(reflector.failed.wait()))
         try:
-            await asyncio.wait({waiting, nap}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            waiting.cancel()
-            nap.cancel()
+            for w in waits:
+                w.cancel()
