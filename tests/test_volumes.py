@@ -402,3 +402,23 @@ async def test_housekeeping_removes_orphaned_pod_folders(tmp_path: Path) -> None
     assert not stale.parent.parent.parent.exists()
     assert (tmp_path / "root/pods/u1").exists() and len(a.rt.running("u1")) == 1
     await a.loops.stop()
+
+
+@aio
+async def test_running_pod_gets_its_token_refreshed_before_expiry(tmp_path: Path) -> None:
+    clock = FakeClock(T0)
+    a = loop_rig(tmp_path, clock)
+    a.kube.put(CONFIG_MAPS, {"metadata": {"name": "kube-root-ca.crt", "namespace": "ns"},
+                             "data": {"ca.crt": "PEM"}})
+    short = {**KUBE_API_ACCESS, "projected": {**KUBE_API_ACCESS["projected"], "sources": [
+        {"serviceAccountToken": {"expirationSeconds": 700, "path": "token"}}]}}
+    a.send(Op.ADD, mkpod("web", "u1", volumes=[short]))
+    await a.run_for(3)
+    token = tmp_path / "root/pods/u1/volumes/kubernetes.io~projected/kube-api-access-x/token"
+    assert token.read_text() == "tok-1" and len(a.rt.running("u1")) == 1
+    await a.run_for(550)  # before 80 % of 700 s: the same token
+    assert token.read_text() == "tok-1"
+    await a.run_for(15)  # past 560 s: a new one (the 60 s resyncs fall before and after)
+    assert token.read_text() == "tok-2"
+    assert a.kube.count("create serviceaccounts/token") == 2
+    await a.loops.stop()
