@@ -410,7 +410,7 @@ async def test_running_pod_gets_its_token_refreshed_before_expiry(tmp_path: Path
     a = loop_rig(tmp_path, clock)
     a.kube.put(CONFIG_MAPS, {"metadata": {"name": "kube-root-ca.crt", "namespace": "ns"},
                              "data": {"ca.crt": "PEM"}})
-    short = {**KUBE_API_ACCESS, "projected": {**KUBE_API_ACCESS["projected"], "sources": [
+    short = {"name": "kube-api-access-x", "projected": {"defaultMode": 420, "sources": [
         {"serviceAccountToken": {"expirationSeconds": 700, "path": "token"}}]}}
     a.send(Op.ADD, mkpod("web", "u1", volumes=[short]))
     await a.run_for(3)
