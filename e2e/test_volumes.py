@@ -229,11 +229,14 @@ def test_volumes_inside_the_container(node: Node) -> None:
 
 def test_env_from_objects_and_services(node: Node) -> None:
     n = node
-    configmap(n, "env-cfg", {"COLOR": "blue", "SIZE": "10"})
+    configmap(n, "env-cfg", {"COLOR": "blue", "SIZE": "10", "dashed-key": "kept"})
     secret(n, "env-sec", {"TOKEN": "s3cret"})
     n.core.create_namespaced_service(n.namespace, {"metadata": {"name": "backend"}, "spec": {
         "ports": [{"name": "http", "port": 8080}]}})
-    script = 'echo "cmd $1"; env | sort; echo done; sleep 3600'
+    # /proc/1/environ: what the runtime was given (this busybox's sh does not pass on a
+    # name that is not a shell identifier, such as dashed-key, to `env`)
+    script = ('echo "cmd $1"; env | sort; tr "\\0" "\\n" < /proc/1/environ | sed "s/^/environ /";'
+              ' echo done; sleep 3600')
     n.pod("env", [{"name": "c", "command": ["sh", "-c", script, "sh", "$(COLOR)-$(SIZE)"],
                    "envFrom": [{"configMapRef": {"name": "env-cfg"}},
                                {"prefix": "S_", "secretRef": {"name": "env-sec"}}],
@@ -247,7 +250,7 @@ def test_env_from_objects_and_services(node: Node) -> None:
                      "the container's environment", 90)
     lines = set(out.splitlines())
     assert {"cmd blue-10", "COLOR=blue", "SIZE=10", "S_TOKEN=s3cret", "KEY=s3cret",
-            "MIX=blue/$(COLOR)/$(UNSET)", "MEM=64"} <= lines, out
+            "MIX=blue/$(COLOR)/$(UNSET)", "MEM=64", "environ dashed-key=kept"} <= lines, out
     svc = n.core.read_namespaced_service("backend", n.namespace)
     ip = svc.spec.cluster_ip
     assert {f"BACKEND_SERVICE_HOST={ip}", "BACKEND_SERVICE_PORT=8080",
