@@ -252,7 +252,9 @@ class Agent:
         loop = SyncLoopConfig(runtime=runtime, clock=clock, kube=kube, answered=self.answered,
                               events=events, host_ip=hip, registry=registry,
                               log_root=str((Path(cfg.root_dir) / "logs" / "pods").resolve()),
-                              volumes=volumes, env=env, objects=objects)
+                              volumes=volumes, env=env, objects=objects,
+                              serialize_image_pulls=cfg.serialize_image_pulls,
+                              max_parallel_image_pulls=cfg.max_parallel_image_pulls)
         loops = NodeLoops(NodeLoopsConfig(cfg.node_names, loop), pleg, merge.updates,
                           merge.ready)
         return Pods(runtime, clock, loops, sources, PodsConfig(

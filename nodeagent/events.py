@@ -4,8 +4,9 @@ namespace, `involvedObject.fieldPath` naming the container when there is one).
 
 The Node authorizer lets a node create Events. The same event (object, type, reason,
 message) is written at most once per `repeat_after` seconds, so a bad manifest seen on
-every rescan or a container in back-off does not flood the API server. Writing is best
-effort: an event that could not be written is tried again the next time it is reported.
+every rescan or a container in back-off does not flood the API server. An event about
+the Node waits for its registration. Writing is best effort: an event that could not be
+written is tried again the next time it is reported.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from nodeagent.sources.static import rfc3339
 
 log = logging.getLogger(__name__)
 
+REGISTRATION_POLL = 1.0  # seconds between looks at whether the Node is registered
 NORMAL = "Normal"
 WARNING = "Warning"
 
@@ -81,11 +83,8 @@ class Events:
                     message: str, host: str, key: tuple[str, ...], asked: float) -> None:
         try:
             if ref is None:
-                uid = self.node_uid()
-                if uid is None:
-                    raise LookupError("the Node is not registered yet")
                 ref = {"apiVersion": "v1", "kind": "Node", "name": self.node_name,
-                       "uid": uid}
+                       "uid": await self._registered(asked)}
             namespace = ref.get("namespace", "default")
             ts = rfc3339(self.clock.now())
             body = {
@@ -107,6 +106,17 @@ class Events:
             # not written (e.g. the Node is not registered yet): the next report posts it
             if self._last.get(key) == asked:
                 del self._last[key]
+
+
+    async def _registered(self, asked: float) -> str:
+        """The Node's UID, waiting for the registration (sources report problems from
+        the start, usually before the Node exists): once the period is over, it is
+        given up, and a problem still there is reported again."""
+        while (uid := self.node_uid()) is None:
+            if self.clock.monotonic() - asked >= self.repeat_after:
+                raise LookupError("the Node was not registered in time")
+            await self.clock.sleep(REGISTRATION_POLL)
+        return uid
 
 
 def _list_of(pod: Mapping[str, Any], container: str) -> str:

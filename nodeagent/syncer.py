@@ -1,7 +1,7 @@
 """The syncer: what one sync of a pod does, turning its spec into runtime calls.
 
 `PodSyncer` makes the runtime match the pod spec (sandbox, init containers in order,
-containers, restartPolicy, CrashLoopBackOff, imagePullPolicy against present images),
+containers, restartPolicy, CrashLoopBackOff; images through the ImageManager, images.py),
 stops a pod within its grace period, cleans up a removed one, and hands the resulting
 status to the StatusManager. It holds no per-pod state but the crash backoff; the pod
 workers (workers.py) decide when it runs.
@@ -21,6 +21,7 @@ from nodeagent.api.clock import Clock, clock_timeout
 from nodeagent.api.kube import describe
 from nodeagent.env import EnvResolver, env_refs, expand_command
 from nodeagent.events import WARNING, Events
+from nodeagent.images import ImageManager
 from nodeagent.objects import ObjectCache
 from nodeagent.pleg import CacheEntry
 from nodeagent.podstatus import StatusManager, Waiting, compute_pod_status
@@ -55,19 +56,6 @@ def grace_of(pod: Pod, override: float | None = None) -> float:
         if v is not None:
             return max(0.0, float(v))
     return 30.0
-
-
-def pull_policy(container: Mapping[str, Any]) -> str:
-    """imagePullPolicy with the API's default (Always for :latest or no tag)."""
-    p = container.get("imagePullPolicy")
-    if p:
-        return str(p)
-    image = str(container.get("image", ""))
-    last = image.rsplit("/", 1)[-1]
-    if "@" in last:
-        return "IfNotPresent"
-    tag = last.split(":", 1)[1] if ":" in last else "latest"
-    return "Always" if tag == "latest" else "IfNotPresent"
 
 
 # --- CrashLoopBackOff ---------------------------------------------------------------
@@ -127,6 +115,8 @@ def _forget_call(inflight: set[asyncio.Future[Any]]) -> Callable[[asyncio.Future
 class SyncResult:
     terminal: bool = False              # nothing will run again: move to terminating
     requeue_after: float | None = None  # sync again this soon (backoff, image wait)
+    # sync again once any of these is done (image pulls under way)
+    wake: tuple[asyncio.Future[None], ...] = ()
 
 
 @dataclass
@@ -134,6 +124,7 @@ class _Plan:
     waiting: dict[str, Waiting] = field(default_factory=dict)
     requeue: float = math.inf
     volumes: PodVolumes = field(default_factory=PodVolumes)
+    wake: list[asyncio.Future[None]] = field(default_factory=list)
 
     def again(self, seconds: float) -> None:
         self.requeue = min(self.requeue, seconds)
@@ -149,8 +140,9 @@ class PodSyncer:
     def __init__(self, runtime: Runtime, status: StatusManager, clock: Clock, *,
                  node_name: str = "", host_ip: str = "", call_timeout: float = 60.0,
                  log_root: str = "", backoff: CrashBackoff | None = None,
-                 events: Events | None = None, volumes: VolumeManager | None = None,
-                 env: EnvResolver | None = None, objects: ObjectCache | None = None) -> None:
+                 events: Events | None = None, images: ImageManager | None = None,
+                 volumes: VolumeManager | None = None, env: EnvResolver | None = None,
+                 objects: ObjectCache | None = None) -> None:
         self.runtime = runtime
         self.status = status
         self.clock = clock
@@ -163,6 +155,8 @@ class PodSyncer:
         self.volumes = volumes  # None: pods with volumes are refused
         self.env = env or EnvResolver()  # default: literal values and pod fields only
         self.objects = objects  # the ConfigMaps and Secrets pods use, watched
+        self.images = images or ImageManager(runtime, clock, events=events,
+                                             call_timeout=call_timeout)
         self._inflight: set[asyncio.Future[Any]] = set()  # runtime calls under way
 
     async def _rt(self, aw: Awaitable[T], what: str, extra: float = 0.0) -> T:
@@ -304,7 +298,8 @@ class PodSyncer:
         terminal = self._all_done(pod, rs, current, init_blocked)
         self._publish(pod, rs, plan.waiting)
         return SyncResult(terminal=terminal,
-                          requeue_after=None if math.isinf(plan.requeue) else plan.requeue)
+                          requeue_after=None if math.isinf(plan.requeue) else plan.requeue,
+                          wake=tuple(plan.wake))
 
     async def _volumes(self, pod: Pod, rs: PodRuntimeStatus) -> PodVolumes | SyncResult:
         """The pod's volumes, set up; or, when they cannot be, the result of this sync:
@@ -395,19 +390,30 @@ class PodSyncer:
                     f"{meta.get('namespace', 'default')}({uid})")
                 plan.again(wait)
                 return
-            self.backoff.restarted(key)
         await self._start(pod, spec, sandbox, sc, cur.attempt + 1, cur.restart_count + 1,
-                          fields, plan, init=init)
+                          fields, plan, init=init, crash_key=key if backoff else None)
 
     async def _start(self, pod: Pod, spec: Mapping[str, Any], sandbox: Sandbox,
                      sc: SandboxConfig, attempt: int, restarts: int,
-                     fields: Mapping[str, str], plan: _Plan, *, init: bool = False) -> None:
+                     fields: Mapping[str, str], plan: _Plan, *, init: bool = False,
+                     crash_key: tuple[str, str] | None = None) -> None:
+        """Create and start a container once its image is there. `crash_key`: a restart
+        after a crash, counted by the back-off when it is attempted (not while the image
+        is being pulled for it)."""
         name = str(spec["name"])
-        image = str(spec.get("image", ""))
-        policy = pull_policy(spec)
-        if not await self._rt(self.runtime.image_present(image), "image_present"):
-            self._image_missing(name, image, policy, plan)
+        image = await self.images.ensure(pod, spec)
+        if not image.ready:
+            if image.waiting is not None:
+                plan.waiting[name] = image.waiting
+            if image.failed and image.waiting is not None:
+                self._warn(pod, name, f"Error: {image.waiting.reason}")
+            if image.retry_after is not None:
+                plan.again(image.retry_after)
+            if image.pulling is not None:
+                plan.wake.append(image.pulling)
             return
+        if crash_key is not None:
+            self.backoff.restarted(crash_key)
         try:
             env = await self.env.resolve(pod, spec, fields)
             mounts = self.volumes.mounts(pod, spec, plan.volumes, env) if self.volumes else []
@@ -423,8 +429,10 @@ class PodSyncer:
         try:
             cid = await self._rt(self.runtime.create_container(sandbox.id, cfg, sc),
                                  "create_container")
-        except ImageNotPresent:
-            self._image_missing(name, image, policy, plan)
+        except ImageNotPresent as e:  # removed since the image manager saw it
+            plan.waiting[name] = Waiting("ErrImagePull", str(e))
+            self._warn(pod, name, "Error: ErrImagePull")
+            plan.again(self.IMAGE_RETRY)
             return
         except ContainerRuntimeError as e:
             plan.waiting[name] = Waiting("CreateContainerError", str(e))
@@ -443,18 +451,6 @@ class PodSyncer:
         """A Warning Event on the pod about one container, as the kubelet's."""
         if self.events is not None:
             self.events.pod(pod, WARNING, reason, message, container=container)
-
-    def _image_missing(self, name: str, image: str, policy: str, plan: _Plan) -> None:
-        if policy == "Never":
-            plan.waiting[name] = Waiting(
-                "ErrImageNeverPull",
-                f'Container image "{image}" is not present with pull policy of Never')
-        else:
-            plan.waiting[name] = Waiting(
-                "ErrImagePull",
-                f'Container image "{image}" is not present and this node does not pull '
-                f"images (pull policy {policy}); import it into the container runtime")
-        plan.again(self.IMAGE_RETRY)
 
     async def _start_created(self, pod: Pod, cur: Container, plan: _Plan) -> None:
         try:
@@ -516,4 +512,5 @@ class PodSyncer:
         if self.volumes is not None:
             await self.volumes.teardown(uid)
         self.backoff.forget(uid)
+        self.images.forget(uid)
         self.status.forget(uid)

@@ -30,6 +30,7 @@ from nodeagent.api.clock import Clock
 from nodeagent.api.kube import Kube, describe
 from nodeagent.env import EnvResolver
 from nodeagent.events import Events
+from nodeagent.images import ImageManager
 from nodeagent.objects import ObjectCache
 from nodeagent.pleg import EventType, Pleg, PodCache, PodLifecycleEvent
 from nodeagent.podstatus import StatusManager
@@ -62,6 +63,15 @@ class SyncLoopConfig:
     volumes: VolumeManager | None = None  # None: pods with volumes are refused
     env: EnvResolver | None = None     # None: literal values and pod fields only
     objects: ObjectCache | None = None  # the ConfigMaps and Secrets pods use
+    serialize_image_pulls: bool = True  # the kubelet's --serialize-image-pulls
+    max_parallel_image_pulls: int = 0   # when not serialized; 0: no limit
+
+
+def image_manager(c: SyncLoopConfig) -> ImageManager:
+    return ImageManager(c.runtime, c.clock, kube=c.kube, events=c.events,
+                        serialize=c.serialize_image_pulls,
+                        max_parallel=c.max_parallel_image_pulls, call_timeout=c.call_timeout,
+                        registry=c.registry)
 
 
 @dataclass(frozen=True)
@@ -90,7 +100,9 @@ class SyncLoop:
     """One node's loop: takes that node's updates and PLEG events from its queues (its
     NodeLoops fills them) and turns them into pod worker updates."""
 
-    def __init__(self, node_name: str, config: SyncLoopConfig, cache: PodCache) -> None:
+    def __init__(self, node_name: str, config: SyncLoopConfig, cache: PodCache,
+                 images: ImageManager | None = None) -> None:
+        """`images`: the runtime's image manager, shared by every node's loop."""
         c = config
         self.node_name = node_name
         self.clock = c.clock
@@ -102,6 +114,7 @@ class SyncLoop:
                                 host_ip=c.host_ip, call_timeout=c.call_timeout,
                                 log_root=c.log_root, events=c.events,
                                 volumes=c.volumes, env=c.env, objects=c.objects,
+                                images=images or image_manager(c),
                                 backoff=CrashBackoff(c.clock, c.crash_backoff_initial,
                                                      c.crash_backoff_max,
                                                      c.crash_backoff_reset))
@@ -233,7 +246,8 @@ class NodeLoops:
         self.pleg = pleg
         self.updates = updates
         self.sources_ready = sources_ready
-        self.loops = {name: SyncLoop(name, config.loop, pleg.cache)
+        self.images = image_manager(config.loop)  # one runtime: one set of pulls
+        self.loops = {name: SyncLoop(name, config.loop, pleg.cache, self.images)
                       for name in config.node_names}
         self.owner: dict[str, str] = {}  # pod uid -> node, from the routed updates
         self._task: asyncio.Task[None] | None = None
@@ -280,6 +294,7 @@ class NodeLoops:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            await self.images.close()
             await self.pleg.stop()
             c = self.config.loop
             if c.objects is not None:

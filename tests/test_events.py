@@ -48,16 +48,34 @@ async def test_an_event_failure_is_not_fatal() -> None:
 
 
 @aio
-async def test_an_event_not_written_is_posted_at_the_next_report() -> None:
+async def test_a_node_event_waits_for_the_registration() -> None:
     kube = FakeKube()
+    clock = FakeClock()
     uids: dict[str, str] = {}
-    ev = Events(kube, "n1", FakeClock(), node_uid=lambda: uids.get("n1"),
-                    repeat_after=600.0)
+    ev = Events(kube, "n1", clock, node_uid=lambda: uids.get("n1"), repeat_after=600.0)
     ev.warning("StaticPodMalformed", "file source: /m/a.yaml: malformed")
-    await asyncio.wait_for(ev.drain(), 5)
+    await clock.advance(30.0)
     assert ev.written == 0 and kube.calls == []  # the Node is not registered yet
     uids["n1"] = "node-uid-1"
-    ev.warning("StaticPodMalformed", "file source: /m/a.yaml: malformed")
+    await clock.advance(1.0)
+    await asyncio.wait_for(ev.drain(), 5)
+    assert ev.written == 1  # without a second report
+    [call] = kube.calls_of("create events")
+    assert call.body is not None and call.body["involvedObject"]["uid"] == "node-uid-1"
+
+
+@aio
+async def test_a_node_never_registered_gives_up_and_is_reported_again() -> None:
+    kube = FakeKube()
+    clock = FakeClock()
+    uids: dict[str, str] = {}
+    ev = Events(kube, "n1", clock, node_uid=lambda: uids.get("n1"), repeat_after=600.0)
+    ev.warning("StaticPodMalformed", "malformed")
+    await clock.advance(600.0)
+    await asyncio.wait_for(ev.drain(), 5)
+    assert ev.written == 0 and kube.calls == []
+    uids["n1"] = "node-uid-1"
+    ev.warning("StaticPodMalformed", "malformed")  # not held back as a repeat
     await asyncio.wait_for(ev.drain(), 5)
     assert ev.written == 1
 

@@ -304,7 +304,7 @@ def measure(workdir: Path, only: str | None = None, plan: Plan | None = None,
     upstream images, run the plan's specs against them, stop everything by PID.
     Logs of the run (each spec's e2e.log and report, the components' logs) stay in
     `workdir`."""
-    from e2e.conformance.images import import_all
+    from e2e.conformance.images import import_all, serve_upstream_pulls
     from e2e.stack import Stack
     from e2e.util import free_port
 
@@ -312,9 +312,12 @@ def measure(workdir: Path, only: str | None = None, plan: Plan | None = None,
     build.ensure(["e2e.test", "kubectl"], log=log)  # before anything runs
     stack = Stack(NODE_NAME, health_address=f"127.0.0.1:{free_port()}",
                   operator_metrics_port=free_port(), require_containerd=True)
+    mirror = None
     try:
         stack.start()
         log(f"images: {', '.join(import_all(stack.ctd).values())}")
+        mirror = serve_upstream_pulls(stack.ctd, workdir / "registry")
+        log(f"registry.k8s.io served by the local registry at {mirror.host}")
         wait_schedulable(stack.cluster.kubeconfig, NODE_NAME)
         return (*run_all(plan, Target(stack.cluster.kubeconfig, stack.ctd.endpoint),
                          workdir, only, log), plan)
@@ -322,6 +325,8 @@ def measure(workdir: Path, only: str | None = None, plan: Plan | None = None,
         subprocess.run(["cp", "-r", str(stack.cluster.log_dir), str(workdir / "logs")],
                        check=False)
         stack.stop()
+        if mirror is not None:
+            mirror.stop()
 
 
 def wait_schedulable(kubeconfig: Path, node: str, timeout: float = 120) -> None:

@@ -17,6 +17,8 @@ from nodeagent.runtime.base import (
     ImageNotPresent,
     NotFound,
     PodRuntimeStatus,
+    PullFailed,
+    RegistryAuth,
     RelistResult,
     Runtime,
     RuntimeTimeout,
@@ -32,7 +34,8 @@ from nodeagent.runtime.base import (
 __all__ = [
     "DEFAULT_CONTAINERD_SOCKET", "Container", "ContainerConfig", "ContainerRuntimeError",
     "ContainerState", "ContainerStats", "ImageInfo", "ImageNotPresent", "NotFound", "PodRuntimeStatus",
-    "RelistResult", "Runtime", "RuntimeTimeout", "RuntimeVersion", "Sandbox",
+    "PullFailed", "RegistryAuth", "RelistResult", "Runtime", "RuntimeTimeout", "RuntimeVersion",
+    "Sandbox",
     "SandboxConfig", "SandboxState", "StreamRequest", "Unavailable", "Unsupported",
     "make_runtime", "socket_path",
 ]

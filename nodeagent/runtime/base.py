@@ -58,7 +58,13 @@ class NotFound(ContainerRuntimeError):
 
 
 class ImageNotPresent(ContainerRuntimeError):
-    """The image is not in the runtime's image store, and we never pull."""
+    """The image is not in the runtime's image store (create_container does not pull:
+    the image manager, nodeagent/images.py, pulls first)."""
+
+
+class PullFailed(ContainerRuntimeError):
+    """The runtime could not pull the image (unknown name, registry unreachable,
+    credentials refused); the message says why, in the runtime's words."""
 
 
 class RuntimeTimeout(ContainerRuntimeError, TimeoutError):
@@ -303,6 +309,21 @@ class ImageInfo:
 
 
 @dataclass(frozen=True)
+class RegistryAuth:
+    """Credentials for one image pull (CRI AuthConfig): basic auth (username and
+    password, or `auth`, base64 of "user:password"), or a token."""
+    username: str = ""
+    password: str = ""
+    auth: str = ""
+    server_address: str = ""
+    identity_token: str = ""
+    registry_token: str = ""
+
+    def __repr__(self) -> str:  # never a secret in a log line
+        return f"RegistryAuth(username={self.username!r}, server={self.server_address!r})"
+
+
+@dataclass(frozen=True)
 class ContainerStats:
     """One running container's usage, as the runtime measured it at `timestamp`."""
     container_id: str
@@ -389,6 +410,13 @@ class Runtime(ABC):
     @abstractmethod
     async def image_present(self, ref: str) -> bool:
         """Whether the image is in the local store. Never pulls."""
+
+    @abstractmethod
+    async def pull_image(self, ref: str, auth: RegistryAuth | None = None) -> ImageInfo:
+        """Pull the image into the local store with `auth` (None: anonymously); returns
+        what the store then holds (its id and size). PullFailed when the registry
+        refuses or cannot be reached. Not bounded by the short call deadline: a big
+        image takes minutes."""
 
     @abstractmethod
     async def list_images(self) -> list[ImageInfo]:

@@ -25,6 +25,8 @@ from nodeagent.runtime.base import (
     ImageNotPresent,
     NotFound,
     PodRuntimeStatus,
+    PullFailed,
+    RegistryAuth,
     RelistResult,
     Runtime,
     RuntimeVersion,
@@ -51,7 +53,7 @@ class FakeRuntime(Runtime):
                  host_ip: str = "192.0.2.10", image_size: int = 5_000_000) -> None:
         """`images`: refs present in the store; None means every image is present."""
         self.clock = clock or RealClock()
-        self.images: set[str] | None = None if images is None else set(images)
+        self.images: set[str] | None = None if images is None else {_tagged(r) for r in images}
         self.image_size = image_size
         self.host_ip = host_ip
         self.sandboxes: dict[str, Sandbox] = {}
@@ -63,6 +65,13 @@ class FakeRuntime(Runtime):
         self.fail: dict[str, BaseException] = {}  # method name -> raise once
         self.ignore_sigterm: set[str] = set()    # container names that run to the kill
         self.exit_on_start: dict[str, int] = {}  # container name -> exits at once, code
+        # the registry pulls come from: ref -> the credentials it asks for (None: anyone
+        # may pull). A ref not listed cannot be pulled, unless every image is present.
+        self.registry: dict[str, RegistryAuth | None] = {}
+        self.pull_delay = 0.0   # seconds (on the clock) each pull takes
+        self.pulls: list[tuple[str, RegistryAuth | None]] = []  # every pull, as asked
+        self.pulling = 0        # pulls under way now, and the most there were at once
+        self.max_pulling = 0
         # pod uid -> its sandbox and container ids, so pod_status costs O(pod), like a
         # runtime with an index would (keeps the per-pod polling comparison fair)
         self._by_pod: dict[str, set[str]] = {}
@@ -128,7 +137,7 @@ class FakeRuntime(Runtime):
                 del self._by_pod[uid]
 
     def _present(self, ref: str) -> bool:
-        return self.images is None or ref in self.images
+        return self.images is None or _tagged(ref) in self.images
 
     # --- Runtime -------------------------------------------------------------------
 
@@ -271,9 +280,38 @@ class FakeRuntime(Runtime):
         self._call("image_present")
         return self._present(ref)
 
+    async def pull_image(self, ref: str, auth: RegistryAuth | None = None) -> ImageInfo:
+        self._call("pull_image")
+        self.pulls.append((ref, auth))
+        self.pulling += 1
+        self.max_pulling = max(self.max_pulling, self.pulling)
+        try:
+            if self.pull_delay:
+                await self.clock.sleep(self.pull_delay)
+        finally:
+            self.pulling -= 1
+        if _tagged(ref) not in {_tagged(r) for r in self.registry}:
+            if self.images is not None:
+                raise PullFailed(f"fake PullImage {ref}: not found in the registry")
+        else:
+            need = next(v for r, v in self.registry.items() if _tagged(r) == _tagged(ref))
+            if need is not None and (auth is None or (auth.username, auth.password) !=
+                                     (need.username, need.password)):
+                raise PullFailed(f"fake PullImage {ref}: 401 Unauthorized")
+        if self.images is not None:
+            self.images.add(_tagged(ref))
+        return ImageInfo(id="sha256:" + hashlib.sha256(_tagged(ref).encode()).hexdigest(),
+                         names=[_tagged(ref)], size_bytes=self.image_size)
+
     async def list_images(self) -> list[ImageInfo]:
         self._call("list_images")
         refs = self.images if self.images is not None else {c.image for c in
                                                             self.containers.values()}
         return [ImageInfo(id="sha256:" + hashlib.sha256(r.encode()).hexdigest(), names=[r],
                           size_bytes=self.image_size) for r in sorted(refs)]
+
+
+def _tagged(ref: str) -> str:
+    """`ref` with the tag a runtime assumes when it names none (":latest")."""
+    last = ref.rsplit("/", 1)[-1]
+    return ref if ":" in last or "@" in last else ref + ":latest"

@@ -1,8 +1,9 @@
 """ProcessRuntime: every container is a local process, so the agent runs anywhere.
 
-- A container runs `command + args` (env and workingDir from the pod spec; the image
-  name is only a label) in its own session and process group, with stdout and stderr
-  appended to its log file (`<log dir>/<container>/<attempt>.log`).
+- A container runs `command + args` (env and workingDir from the pod spec) in its own
+  session and process group, with stdout and stderr appended to its log file
+  (`<log dir>/<container>/<attempt>.log`). The image name is only a label: every image
+  is present, and a pull fetches nothing.
 - The process is started through a tiny `/bin/sh` wrapper that writes its PID to
   `<id>.pid`, waits for the workload and writes the exit code to `<id>.exit`. The exit
   code therefore survives an agent restart, even when the agent is no longer the
@@ -58,6 +59,7 @@ from nodeagent.runtime.base import (
     ImageInfo,
     NotFound,
     PodRuntimeStatus,
+    RegistryAuth,
     RelistResult,
     Runtime,
     RuntimeVersion,
@@ -696,6 +698,12 @@ class ProcessRuntime(Runtime):
 
     async def image_present(self, ref: str) -> bool:
         return True  # the image is only a label here
+
+    async def pull_image(self, ref: str, auth: RegistryAuth | None = None) -> ImageInfo:
+        """Nothing to fetch: an image is only a label here, so every image is present
+        and a pull (imagePullPolicy Always) succeeds at once, without a registry."""
+        return ImageInfo(id="sha256:" + hashlib.sha256(ref.encode()).hexdigest(),
+                         names=[ref], size_bytes=0)
 
     async def list_images(self) -> list[ImageInfo]:
         with self._lock:
