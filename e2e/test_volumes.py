@@ -233,10 +233,11 @@ def test_env_from_objects_and_services(node: Node) -> None:
     secret(n, "env-sec", {"TOKEN": "s3cret"})
     n.core.create_namespaced_service(n.namespace, {"metadata": {"name": "backend"}, "spec": {
         "ports": [{"name": "http", "port": 8080}]}})
-    # /proc/1/environ: what the runtime was given (this busybox's sh does not pass on a
-    # name that is not a shell identifier, such as dashed-key, to `env`)
-    script = ('echo "cmd $1"; env | sort; tr "\\0" "\\n" < /proc/1/environ | sed "s/^/environ /";'
-              ' echo done; sleep 3600')
+    # the shell's own /proc/<pid>/environ: what the runtime was given (this busybox's sh
+    # does not pass a name that is not a shell identifier, such as dashed-key, on to
+    # `env`); $$$$ is the shell's $$ once the agent has expanded the command ($$ -> $)
+    script = ('echo "cmd $1"; env | sort; tr "\\0" "\\n" < /proc/$$$$/environ '
+              '| sed "s/^/environ /"; echo done; sleep 3600')
     n.pod("env", [{"name": "c", "command": ["sh", "-c", script, "sh", "$(COLOR)-$(SIZE)"],
                    "envFrom": [{"configMapRef": {"name": "env-cfg"}},
                                {"prefix": "S_", "secretRef": {"name": "env-sec"}}],
