@@ -3,8 +3,9 @@ docs/conformance.md.
 
 e2e.test is built from the pinned k8s.io/kubernetes module (e2e/cluster/build.py). The
 specs are those of specs.yaml's focus (the [NodeConformance] specs of
-test/e2e/common/node and test/e2e/common/storage, and NodeLease), listed by a ginkgo dry run; each one runs in an e2e.test process of its
-own (`--ginkgo.focus` naming exactly that spec), `workers` of them at a time, so a spec
+test/e2e/common/node and test/e2e/common/storage, and NodeLease), listed by a ginkgo dry
+run; each one runs in an e2e.test process of its own (`--ginkgo.focus` naming exactly
+that spec), `workers` of them at a time, so a spec
 that waits out a 5-minute timeout holds one worker, not the run; the specs that need the
 node to themselves ([Serial]) run afterwards, one at a time. Results come from each
 process's ginkgo JSON report. No upstream test is edited; the agent is not told which
