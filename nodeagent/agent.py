@@ -253,6 +253,7 @@ class Agent:
                               events=events, host_ip=hip, registry=registry,
                               log_root=str((Path(cfg.root_dir) / "logs" / "pods").resolve()),
                               volumes=volumes, env=env, objects=objects,
+                              pods_dir=str((Path(cfg.root_dir) / "pods").resolve()),
                               serialize_image_pulls=cfg.serialize_image_pulls,
                               max_parallel_image_pulls=cfg.max_parallel_image_pulls)
         loops = NodeLoops(NodeLoopsConfig(cfg.node_names, loop), pleg, merge.updates,

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter
 
+from nodeagent.actions import Actions
 from nodeagent.api.answered import ApiAnswered
 from nodeagent.api.clock import Clock
 from nodeagent.api.kube import Kube, describe
@@ -34,6 +35,7 @@ from nodeagent.images import ImageManager
 from nodeagent.objects import ObjectCache
 from nodeagent.pleg import EventType, Pleg, PodCache, PodLifecycleEvent
 from nodeagent.podstatus import StatusManager
+from nodeagent.probes import ProbeManager
 from nodeagent.runtime.base import LABEL_POD_NAME, LABEL_POD_NAMESPACE, Runtime
 from nodeagent.sources.types import Op, Pod, PodUpdate, SourcesReady, pod_node_name
 from nodeagent.syncer import CrashBackoff, PodSyncer
@@ -57,6 +59,7 @@ class SyncLoopConfig:
     sync_frequency: float = 60.0       # periodic resync of each pod
     call_timeout: float = 60.0         # any runtime call but the PLEG's
     log_root: str = ""                 # container logs (runtimes that write files)
+    pods_dir: str = ""                 # per-pod files (termination messages)
     crash_backoff_initial: float = 10.0
     crash_backoff_max: float = 300.0
     crash_backoff_reset: float = 600.0
@@ -110,10 +113,15 @@ class SyncLoop:
         self.events: asyncio.Queue[PodLifecycleEvent] = asyncio.Queue()
         self.status = StatusManager(c.kube, c.clock, answered=c.answered, node=node_name,
                                     registry=c.registry)
+        actions = Actions(c.runtime)
+        self.probes = ProbeManager(actions, cache, c.clock, events=c.events,
+                                   host_ip=c.host_ip, on_change=self._probed)
         self.syncer = PodSyncer(c.runtime, self.status, c.clock, node_name=node_name,
                                 host_ip=c.host_ip, call_timeout=c.call_timeout,
                                 log_root=c.log_root, events=c.events,
                                 volumes=c.volumes, env=c.env, objects=c.objects,
+                                probes=self.probes,
+                                actions=actions, pods_dir=c.pods_dir,
                                 images=images or image_manager(c),
                                 backoff=CrashBackoff(c.clock, c.crash_backoff_initial,
                                                      c.crash_backoff_max,
@@ -140,6 +148,7 @@ class SyncLoop:
             for f in (get_update, get_event):
                 f.cancel()
             await self.workers.stop()
+            await self.probes.close()
             await self.status.close()
 
     # --- inputs ---------------------------------------------------------------------
@@ -173,6 +182,16 @@ class SyncLoop:
                 if uid in self.pods:
                     self.pods[uid] = pod
                 self.status.reconcile(pod)
+                if (pod.get("spec") or {}).get("readinessGates"):
+                    # someone else's condition may have changed a gate: Ready follows
+                    self._probed(uid)
+
+    def _probed(self, uid: str) -> None:
+        """A probe result (or a readiness gate) changed: the pod's worker syncs (its
+        status, or a kill)."""
+        pod = self.pods.get(uid)
+        if pod is not None and not (pod.get("metadata") or {}).get("deletionTimestamp"):
+            self.workers.update(pod, UpdateKind.SYNC)
 
     def _kill(self, pod: Pod) -> None:
         grace = (pod.get("metadata") or {}).get("deletionGracePeriodSeconds")

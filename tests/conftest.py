@@ -13,6 +13,7 @@ import dataclasses
 import datetime as dt
 import functools
 import os
+import socket
 import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
@@ -59,6 +60,13 @@ async def until(pred: Callable[[], bool], what: str = "the condition",
         if time.monotonic() > deadline:
             raise TimeoutError(f"never: {what}")
         await asyncio.sleep(0)
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on (for now) on loopback."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 class InlineExecutor(concurrent.futures.Executor):
@@ -220,7 +228,8 @@ class LoopRig:
     merge feeds them; the in-memory API holds the pods sent (status is written there)."""
 
     def __init__(self, rt: FakeRuntime, clock: FakeClock, ready: bool = True,
-                 nodes: Sequence[str] = ("n1",), volumes: Path | None = None) -> None:
+                 nodes: Sequence[str] = ("n1",), pods_dir: str = "",
+                 volumes: Path | None = None) -> None:
         """`volumes`: the agent's root dir, to run with volumes, ConfigMaps, Secrets,
         Services and tokens from the in-memory API (a FakeMounter for tmpfs)."""
         self.rt = rt
@@ -234,7 +243,8 @@ class LoopRig:
         self.events = Events(self.kube, nodes[0], clock, node_uid=lambda: "node-uid")
         config = SyncLoopConfig(runtime=rt, clock=clock, kube=self.kube,
                                 answered=ApiAnswered(clock), host_ip="192.0.2.10",
-                                registry=self.registry, events=self.events)
+                                registry=self.registry, events=self.events,
+                                pods_dir=pods_dir)
         self.mounter = FakeMounter()
         self.allocatable = {"cpu": "4", "memory": "8Gi", "ephemeral-storage": "100Gi",
                             "pods": "110"}
@@ -262,6 +272,14 @@ class LoopRig:
         return [c.body for c in self.kube.calls_of("create events")
                 if c.body and c.body["type"] == "Warning"]
 
+    def events_of(self, reason: str) -> list[str]:
+        """The messages of the Events with this reason written so far."""
+        return [c.body["message"] for c in self.kube.calls_of("create events")
+                if c.body and c.body["reason"] == reason]
+
+    def condition(self, uid: str, ctype: str) -> dict[str, Any]:
+        return next(c for c in self.status(uid)["conditions"] if c["type"] == ctype)
+
     def send(self, op: Op, *pods: Pod) -> None:
         """What the API source would deliver; the API server holds the same pods."""
         for pod in pods:
@@ -286,8 +304,9 @@ class LoopRig:
             await self.clock.advance(1)
 
 
-async def started(clock: FakeClock, rt: FakeRuntime | None = None) -> LoopRig:
-    a = LoopRig(rt or FakeRuntime(clock), clock)
+async def started(clock: FakeClock, rt: FakeRuntime | None = None,
+                  pods_dir: str = "") -> LoopRig:
+    a = LoopRig(rt or FakeRuntime(clock), clock, pods_dir=pods_dir)
     a.loops.start()
     await settle()
     return a

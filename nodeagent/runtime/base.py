@@ -345,6 +345,14 @@ class StreamRequest:
 
 
 @dataclass(frozen=True)
+class ExecResult:
+    """What a command run to completion in a container (CRI ExecSync) gave back."""
+    exit_code: int
+    stdout: bytes = b""
+    stderr: bytes = b""
+
+
+@dataclass(frozen=True)
 class RuntimeVersion:
     runtime_name: str
     runtime_version: str
@@ -427,6 +435,9 @@ class Runtime(ABC):
 
     # --- what the kubelet API serves (optional: the defaults refuse, naming the runtime)
 
+    # whether ContainerConfig.mounts can be honoured (files of the host in a container)
+    can_mount: bool = True
+
     # How container log files are written: "cri" (`<time> <stream> <P|F> <text>` lines,
     # as containerd writes them) or "raw" (the program's bytes as they came, no times).
     log_format: str = "cri"
@@ -435,6 +446,20 @@ class Runtime(ABC):
         """URL of the runtime's streaming server where this exec waits (CRI Exec); the
         caller proxies the client's upgraded connection to it."""
         raise Unsupported(f"the {self.scheme} runtime cannot exec into containers")
+
+    async def exec_sync(self, container_id: str, cmd: list[str],
+                        timeout: float) -> ExecResult:
+        """Run `cmd` in the running container to completion and return its exit code
+        and output (CRI ExecSync): what exec probes and exec lifecycle hooks do. Raises
+        RuntimeTimeout when it runs longer than `timeout` seconds (0: no limit)."""
+        raise Unsupported(f"the {self.scheme} runtime cannot run commands in containers")
+
+    def simulated_network(self, container_id: str, action: str) -> ExecResult | None:
+        """For a runtime whose containers run nothing (the fake one): the answer a
+        network probe or hook (`action`: httpGet, tcpSocket, grpc) gets from the
+        container, exit code 0 for success, the output in stdout. None (every real
+        runtime): the agent dials the pod."""
+        return None
 
     async def attach_url(self, container_id: str, req: StreamRequest) -> str:
         """URL where an attach to the container's main process waits (CRI Attach)."""

@@ -12,7 +12,7 @@ import itertools
 import os
 import shutil
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TypeVar
 
 from nodeagent.api.clock import Clock, RealClock
@@ -20,7 +20,9 @@ from nodeagent.runtime.base import (
     LABEL_POD_UID,
     Container,
     ContainerConfig,
+    ContainerRuntimeError,
     ContainerState,
+    ExecResult,
     ImageInfo,
     ImageNotPresent,
     NotFound,
@@ -36,6 +38,8 @@ from nodeagent.runtime.base import (
 )
 
 R = TypeVar("R", Sandbox, Container)
+ExecAnswer = (ExecResult | BaseException
+              | Callable[[list[str]], "ExecResult | BaseException"])
 
 
 def _clone(rec: R) -> R:
@@ -65,6 +69,17 @@ class FakeRuntime(Runtime):
         self.fail: dict[str, BaseException] = {}  # method name -> raise once
         self.ignore_sigterm: set[str] = set()    # container names that run to the kill
         self.exit_on_start: dict[str, int] = {}  # container name -> exits at once, code
+        # what exec_sync (exec probes and hooks) answers, by container name: an
+        # ExecResult, an exception to raise (RuntimeTimeout: the command timed out), or a
+        # function of the command giving either; unscripted commands exit 0
+        self.exec_results: dict[str, ExecAnswer] = {}
+        self.execs: list[tuple[str, list[str]]] = []  # (container name, cmd) as run
+        # network probes and hooks (httpGet, tcpSocket, grpc): nothing listens in a fake
+        # container, so they are answered here, by container name (unscripted: success),
+        # unless `dial` is set (a test or benchmark with real servers on the pod IP)
+        self.network_results: dict[str, ExecResult] = {}
+        self.network_probes: list[tuple[str, str]] = []  # (container name, action)
+        self.dial = False
         # the registry pulls come from: ref -> the credentials it asks for (None: anyone
         # may pull). A ref not listed cannot be pulled, unless every image is present.
         self.registry: dict[str, RegistryAuth | None] = {}
@@ -268,6 +283,34 @@ class FakeRuntime(Runtime):
         self.configs.pop(container_id, None)
         if c is not None:
             self._forget(c.pod_uid, container_id)
+
+    async def exec_sync(self, container_id: str, cmd: list[str],
+                        timeout: float) -> ExecResult:
+        self._call("exec_sync")
+        c = self.containers.get(container_id)
+        if c is None:
+            raise NotFound(f"exec_sync: container {container_id} not found")
+        if c.state != ContainerState.RUNNING:
+            raise ContainerRuntimeError(f"exec_sync: container {c.name} is {c.state}, "
+                                        "not running")
+        self.execs.append((c.name, list(cmd)))
+        answer = self.exec_results.get(c.name, ExecResult(0))
+        if callable(answer) and not isinstance(answer, BaseException):
+            answer = answer(list(cmd))
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+    def simulated_network(self, container_id: str, action: str) -> ExecResult | None:
+        if self.dial:
+            return None
+        c = self.containers.get(container_id)
+        name = c.name if c is not None else ""
+        self.network_probes.append((name, action))
+        if c is None or c.state != ContainerState.RUNNING:
+            return ExecResult(1, f"fake: container {name or container_id} is not "
+                                 "running".encode())
+        return self.network_results.get(name, ExecResult(0))
 
     async def rotate_container_log(self, container_id: str, path: str, rotated: str) -> None:
         self._call("rotate_container_log")

@@ -35,6 +35,7 @@ from nodeagent.runtime.base import (
     ContainerRuntimeError,
     ContainerState,
     ContainerStats,
+    ExecResult,
     ImageInfo,
     ImageNotPresent,
     NotFound,
@@ -426,6 +427,23 @@ class CriRuntime(Runtime):
             container_id=container_id, cmd=cmd, tty=req.tty, stdin=req.stdin,
             stdout=req.stdout, stderr=req.stderr))
         return r.url
+
+    async def exec_sync(self, container_id: str, cmd: list[str],
+                        timeout: float) -> ExecResult:
+        rt, _ = self._stubs()
+        secs = int(timeout)  # CRI takes whole seconds, as the kubelet sends them
+        req = pb.ExecSyncRequest(container_id=container_id, cmd=cmd, timeout=secs)
+        what = f"ExecSync {container_id}"
+        self.calls += 1
+        try:
+            # the runtime ends the command at `timeout`; the call's own deadline leaves
+            # it time to clean up (0: the command may run as long as it likes)
+            r = await rt.ExecSync(req, timeout=secs + self.request_timeout if secs else None)
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise RuntimeTimeout(f'command "{" ".join(cmd)}" timed out') from e
+            raise map_error(e, what) from e
+        return ExecResult(r.exit_code, r.stdout, r.stderr)
 
     async def attach_url(self, container_id: str, req: StreamRequest) -> str:
         rt, _ = self._stubs()
