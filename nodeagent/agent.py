@@ -34,6 +34,7 @@ from nodeagent.api.kube import Kube
 from nodeagent.api.serve import HealthServer
 from nodeagent.config import VIRTUAL_LABEL, AgentConfig, ConfigError, load
 from nodeagent.dns import DnsSettings
+from nodeagent.env import EnvResolver
 from nodeagent.events import Events
 from nodeagent.node.controller import NodeController, NodeControllerConfig, NodeSpec
 from nodeagent.node.host import HostProbe, HostReadError, HostReadings
@@ -41,6 +42,7 @@ from nodeagent.node.metrics import NodeMetrics
 from nodeagent.node.scheduler import Blocking, DueScheduler
 from nodeagent.node.status import StatusSettings
 from nodeagent.node.watch import NodeWatch
+from nodeagent.objects import ObjectCache, ServiceCache
 from nodeagent.pleg import Pleg, PlegConfig
 from nodeagent.pods import Part, Pods, PodsConfig
 from nodeagent.runtime import ContainerRuntimeError, Runtime, make_runtime, socket_path
@@ -53,6 +55,7 @@ from nodeagent.sources.problems import Problems
 from nodeagent.sources.types import Source
 from nodeagent.syncer import NodePodSettings
 from nodeagent.syncloop import NodeLoops, NodeLoopsConfig, SyncLoopConfig
+from nodeagent.volumes import HostMounter, TokenManager, VolumeManager
 
 if TYPE_CHECKING:
     from nodeagent.server.setup import ServerBundle
@@ -248,9 +251,21 @@ class Agent:
             pods_dir="" if cfg.virtual else str(root / "pods"),
             runs_workloads=not cfg.virtual,
             seccomp_root=str(root / "seccomp"))
+        def allocatable(node: str) -> Mapping[str, Any] | None:
+            controller = self.nodes.get(node)
+            status = controller and (controller.computed or controller.reported)
+            return status.get("allocatable") if status else None
+        # ConfigMaps, Secrets and Services: watched once for every node of the process
+        objects = ObjectCache(kube, clock, answered=self.answered)
+        env = EnvResolver(objects, ServiceCache(kube, clock, answered=self.answered),
+                          allocatable)
+        volumes = VolumeManager(Path(cfg.root_dir).resolve(), clock, objects=objects,
+                                tokens=TokenManager(kube, clock), mounter=HostMounter(),
+                                allocatable=allocatable)
         loop = SyncLoopConfig(runtime=runtime, clock=clock, kube=kube, answered=self.answered,
                               events=events, host_ip=hip, registry=registry,
                               log_root=str(root / "logs" / "pods"), pod_settings=node_pods,
+                              volumes=volumes, env=env, objects=objects,
                               serialize_image_pulls=cfg.serialize_image_pulls,
                               max_parallel_image_pulls=cfg.max_parallel_image_pulls)
         loops = NodeLoops(NodeLoopsConfig(cfg.node_names, loop), pleg, merge.updates,

@@ -31,9 +31,13 @@ async def _serve(cfg: config.AgentConfig, flags: dict[str, object]) -> None:
     from nodeagent.api.clock import RealClock
     from nodeagent.api.kube import RestKube
 
-    # retries=0: every caller retries with its own deadline (tenacity for the Lease)
+    # retries=0: every caller retries with its own deadline (tenacity for the Lease).
+    # The pool keeps this many idle connections for reuse (it never blocks): besides the
+    # request threads, a connection per open watch, and a ConfigMap or Secret that pods
+    # use has a watch of its own; a pool smaller than that would close (and warn about)
+    # the connection of each watch the server ends, instead of reusing it.
     api = new_api_client(cfg.kubeconfig, component="agent", retries=0,
-                         pool_size=cfg.lease_concurrency + cfg.status_concurrency + 2)
+                         pool_size=cfg.lease_concurrency + cfg.status_concurrency + 512)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -34,6 +34,7 @@ from nodeagent.dns import (
     kernel_hostname,
     pod_dns,
 )
+from nodeagent.env import EnvResolver, env_refs, expand_command
 from nodeagent.events import NORMAL, WARNING, Events
 from nodeagent.images import ImageManager
 from nodeagent.lifecycle import (
@@ -44,6 +45,7 @@ from nodeagent.lifecycle import (
     termination_message,
     termination_mount,
 )
+from nodeagent.objects import ObjectCache
 from nodeagent.pleg import CacheEntry
 from nodeagent.podstatus import StatusManager, Waiting, compute_pod_status, is_sidecar
 from nodeagent.probes import Kind, ProbeManager
@@ -62,6 +64,7 @@ from nodeagent.runtime.base import (
     container_spec_hash,
 )
 from nodeagent.sources.types import Pod
+from nodeagent.volumes import MountFailed, PodVolumes, VolumeManager, VolumeRefused
 
 log = logging.getLogger(__name__)
 
@@ -174,6 +177,7 @@ class _Plan:
     requeue: float = math.inf
     # container name -> why it cannot be created (a field the agent does not honour)
     refused: dict[str, str] = field(default_factory=dict)
+    volumes: PodVolumes = field(default_factory=PodVolumes)
     wake: list[asyncio.Future[None]] = field(default_factory=list)
 
     def again(self, seconds: float) -> None:
@@ -185,11 +189,14 @@ class PodSyncer:
     crash backoff."""
 
     IMAGE_RETRY = 10.0
+    MOUNT_RETRY = 10.0  # a volume that could not be set up (an object's change is sooner)
 
     def __init__(self, runtime: Runtime, status: StatusManager, clock: Clock, *,
                  node_name: str = "", host_ip: str = "", call_timeout: float = 60.0,
                  log_root: str = "", backoff: CrashBackoff | None = None,
                  events: Events | None = None, images: ImageManager | None = None,
+                 volumes: VolumeManager | None = None, env: EnvResolver | None = None,
+                 objects: ObjectCache | None = None,
                  probes: ProbeManager | None = None, actions: Actions | None = None,
                  settings: NodePodSettings | None = None) -> None:
         """`probes`: the node loop's probe manager (None: probes are not run, and a pod
@@ -205,6 +212,9 @@ class PodSyncer:
         self.log_root = log_root
         self.backoff = backoff or CrashBackoff(clock)
         self.events = events
+        self.volumes = volumes  # None: pods with volumes are refused
+        self.env = env or EnvResolver()  # default: literal values and pod fields only
+        self.objects = objects  # the ConfigMaps and Secrets pods use, watched
         self.images = images or ImageManager(runtime, clock, events=events,
                                              call_timeout=call_timeout)
         self.probes = probes
@@ -318,6 +328,12 @@ class PodSyncer:
         if self.probes is not None:
             self.probes.update(pod)
         pod_refused = self._refusals(pod, plan)
+        volumes = await self._volumes(pod, rs)
+        if isinstance(volumes, SyncResult):
+            return volumes
+        plan.volumes = volumes
+        if volumes.refresh_in is not None:  # a token to refresh: sync again by then
+            plan.again(volumes.refresh_in + 0.5)
 
         ready = sorted((s for s in rs.sandboxes if s.state == SandboxState.READY),
                        key=lambda s: s.attempt, reverse=True)
@@ -426,6 +442,40 @@ class PodSyncer:
                           requeue_after=None if math.isinf(plan.requeue) else plan.requeue,
                           wake=tuple(plan.wake))
 
+    async def _volumes(self, pod: Pod, rs: PodRuntimeStatus) -> PodVolumes | SyncResult:
+        """The pod's volumes, set up; or, when they cannot be, the result of this sync:
+        a volume this agent does not implement refuses the pod (CreateContainerConfigError
+        naming it, a Warning Event per container), one that cannot be set up now waits
+        (a FailedMount Event, tried again)."""
+        uid = str(pod["metadata"]["uid"])
+        if self.objects is not None:
+            refs = env_refs(pod) | (self.volumes.refs(pod) if self.volumes else set())
+            self.objects.track(uid, refs)
+        spec = pod.get("spec") or {}
+        try:
+            if self.volumes is not None:
+                return await self.volumes.setup(pod)
+            if spec.get("volumes"):
+                raise VolumeRefused("spec.volumes: this agent was started without volume "
+                                    "support")
+            return PodVolumes()
+        except VolumeRefused as e:
+            waiting = {}
+            for group in ("initContainers", "containers"):
+                for c in spec.get(group) or []:
+                    waiting[str(c["name"])] = Waiting("CreateContainerConfigError", str(e))
+                    self._warn(pod, str(c["name"]), f"Error: {e}")
+            self._publish(pod, rs, waiting)
+            return SyncResult()
+        except MountFailed as e:
+            for volume, message in e.failures:
+                log.info("pod %s: volume %s: %s", describe(pod), volume, message)
+                if self.events is not None:
+                    self.events.pod(pod, WARNING, "FailedMount",
+                                    f'MountVolume.SetUp failed for volume "{volume}" : '
+                                    f"{message}")
+            self._publish(pod, rs, {})
+            return SyncResult(requeue_after=self.MOUNT_RETRY)
     async def _sidecar(self, pod: Pod, ic: Mapping[str, Any], cur: Container | None,
                        sandbox: Sandbox, sc: SandboxConfig, fields: Mapping[str, str],
                        plan: _Plan, next_attempt: Callable[[str], tuple[int, int]]) -> bool:
@@ -626,10 +676,13 @@ class PodSyncer:
         if crash_key is not None:
             self.backoff.restarted(crash_key)
         try:
+            env = await self.env.resolve(pod, spec, fields)
+            mounts = self.volumes.mounts(pod, spec, plan.volumes, env) if self.volumes else []
             cfg = ContainerConfig.from_pod(pod, spec, attempt=attempt,
-                                           restart_count=restarts, init=init,
-                                           field_values=fields,
+                                           restart_count=restarts, init=init, env=env,
+                                           mounts=mounts,
                                            seccomp_root=self.settings.seccomp_root)
+            cfg.command, cfg.args = expand_command(spec, env)
             self._refuse_unsupported(spec, init)
             await self._check_non_root(pod, cfg)
             self._mount_etc_hosts(pod, spec, sandbox, sc, cfg)
@@ -839,6 +892,8 @@ class PodSyncer:
 
     def sync_terminated(self, pod: Pod, entry: CacheEntry) -> None:
         """Final status; a gracefully deleted API pod is then deleted for good."""
+        if self.objects is not None:  # nothing will read its objects again
+            self.objects.release(str(pod["metadata"]["uid"]))
         if self.probes is not None:
             self.probes.remove(pod["metadata"]["uid"])
         self._publish(pod, entry.status, {}, terminal=True)
@@ -853,6 +908,10 @@ class PodSyncer:
         for s in rs.sandboxes:
             await self._rt(self.runtime.stop_sandbox(s.id), "stop_sandbox")
             await self._rt(self.runtime.remove_sandbox(s.id), "remove_sandbox")
+        if self.objects is not None:
+            self.objects.release(uid)
+        if self.volumes is not None:
+            await self.volumes.teardown(uid)
         self.backoff.forget(uid)
         self.images.forget(uid)
         self.status.forget(uid)

@@ -198,6 +198,8 @@ class Mount:
     container_path: str
     host_path: str
     read_only: bool = False
+    propagation: str = "None"  # the API's mountPropagation: None, HostToContainer,
+    # Bidirectional
 
 
 @dataclass
@@ -230,11 +232,13 @@ class ContainerConfig:
     @classmethod
     def from_pod(cls, pod: Mapping[str, Any], container: Mapping[str, Any], *,
                  attempt: int = 0, restart_count: int = 0, init: bool = False,
-                 field_values: Mapping[str, str] | None = None,
+                 env: list[tuple[str, str]] | None = None,
+                 mounts: list[Mount] | None = None,
                  seccomp_root: str = "") -> ContainerConfig:
-        """`field_values` resolves env `valueFrom.fieldRef` paths (e.g. "spec.nodeName",
-        "status.podIP"); metadata.name/namespace/uid are filled from the pod itself.
-        `seccomp_root`: the folder Localhost seccomp profiles are named relative to."""
+        """`env` is the environment nodeagent.env resolved (None: the literal `value`s
+        of the spec, which then must hold nothing else); command and args are the
+        spec's, unexpanded. `seccomp_root`: the folder Localhost seccomp profiles are
+        named relative to."""
         name, namespace, uid = _pod_identity(pod)
         cname = container.get("name")
         if not cname:
@@ -242,39 +246,13 @@ class ContainerConfig:
         image = container.get("image")
         if not image:
             raise ValueError(f"pod {namespace}/{name}: container {cname}: image is empty")
-        spec = pod.get("spec") or {}
-        fields = {"metadata.name": name, "metadata.namespace": namespace,
-                  "metadata.uid": uid, "spec.nodeName": str(spec.get("nodeName") or ""),
-                  "spec.serviceAccountName": str(spec.get("serviceAccountName") or ""),
-                  "status.hostIP": "", "status.hostIPs": "", "status.podIP": "",
-                  "status.podIPs": "", **(field_values or {})}
-        meta = pod.get("metadata") or {}
-        for kind in ("labels", "annotations"):
-            for k, v in (meta.get(kind) or {}).items():
-                fields[f"metadata.{kind}['{k}']"] = str(v)
-        where = f"pod {namespace}/{name} container {cname}"
-        if container.get("envFrom"):
-            raise ValueError(f"{where}: envFrom is not supported by this agent "
-                             "(no ConfigMap/Secret access)")
-        env: list[tuple[str, str]] = []
-        for e in container.get("env") or []:
-            if "value" in e or "valueFrom" not in e:
-                env.append((str(e["name"]), str(e.get("value") or "")))
-                continue
-            value_from = e.get("valueFrom") or {}
-            path = (value_from.get("fieldRef") or {}).get("fieldPath")
-            if path is None:
-                kinds = ", ".join(sorted(value_from)) or "nothing"
-                raise ValueError(f"{where}: env {e['name']}: valueFrom.{kinds} is not "
-                                 "supported by this agent (only fieldRef)")
-            if path not in fields:
-                # a label or annotation that is not set resolves to "", like the kubelet
-                if path.startswith(("metadata.labels[", "metadata.annotations[")):
-                    fields[path] = ""
-                else:
-                    raise ValueError(f"{where}: env {e['name']}: valueFrom.fieldRef."
-                                     f"fieldPath {path!r} is not supported")
-            env.append((str(e["name"]), fields[path]))
+        if env is None:
+            if container.get("envFrom") or any("valueFrom" in e
+                                               for e in container.get("env") or []):
+                raise ValueError(f"pod {namespace}/{name} container {cname}: envFrom and "
+                                 "valueFrom are resolved by nodeagent.env, not here")
+            env = [(str(e["name"]), str(e.get("value") or ""))
+                   for e in container.get("env") or []]
         labels = {LABEL_POD_UID: uid, LABEL_POD_NAME: name, LABEL_POD_NAMESPACE: namespace,
                   LABEL_CONTAINER_NAME: str(cname), LABEL_MANAGED: "true"}
         h = container_spec_hash(container)
@@ -293,7 +271,7 @@ class ContainerConfig:
             spec_hash=h, log_path=f"{cname}/{attempt}.log",
             labels=labels, annotations=annotations,
             stdin=bool(container.get("stdin")), stdin_once=bool(container.get("stdinOnce")),
-            tty=bool(container.get("tty")),
+            tty=bool(container.get("tty")), mounts=list(mounts or []),
             security=container_security(
                 pod, container, f"{container_path(pod, str(cname))}.securityContext",
                 seccomp_root),

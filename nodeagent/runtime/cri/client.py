@@ -195,6 +195,11 @@ def sandbox_config_pb(c: SandboxConfig) -> pb.PodSandboxConfig:
     )
 
 
+_PROPAGATION = {"None": pb.PROPAGATION_PRIVATE,
+                "HostToContainer": pb.PROPAGATION_HOST_TO_CONTAINER,
+                "Bidirectional": pb.PROPAGATION_BIDIRECTIONAL}
+
+
 def container_config_pb(c: ContainerConfig, sandbox: SandboxConfig) -> pb.ContainerConfig:
     labels = {**c.labels, LABEL_POD_UID: c.pod_uid, LABEL_ATTEMPT: str(c.attempt)}
     annotations = {**c.annotations, ANNOTATION_RESTART_COUNT: str(c.restart_count)}
@@ -209,7 +214,8 @@ def container_config_pb(c: ContainerConfig, sandbox: SandboxConfig) -> pb.Contai
         command=c.command, args=c.args, working_dir=c.working_dir,
         envs=[pb.KeyValue(key=k, value=v) for k, v in c.env],
         mounts=[pb.Mount(container_path=m.container_path, host_path=m.host_path,
-                         readonly=m.read_only) for m in c.mounts],
+                         readonly=m.read_only, propagation=_PROPAGATION[m.propagation])
+                for m in c.mounts],
         labels=labels, annotations=annotations,
         log_path=c.log_path if sandbox.log_directory else "",
         stdin=c.stdin, stdin_once=c.stdin_once, tty=c.tty,
