@@ -27,11 +27,14 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import REGISTRY, CollectorRegistry
 
 from nodeagent import __version__
+from nodeagent.admission import AdmissionSettings
 from nodeagent.api.answered import ApiAnswered
 from nodeagent.api.clock import Clock
 from nodeagent.api.kube import Kube
 from nodeagent.api.serve import HealthServer
 from nodeagent.config import VIRTUAL_LABEL, AgentConfig, ConfigError, load
+from nodeagent.dns import DnsSettings
+from nodeagent.env import EnvResolver
 from nodeagent.events import Events
 from nodeagent.node.controller import NodeController, NodeControllerConfig, NodeSpec
 from nodeagent.node.host import HostProbe, HostReadError, HostReadings
@@ -39,6 +42,7 @@ from nodeagent.node.metrics import NodeMetrics
 from nodeagent.node.scheduler import Blocking, DueScheduler, inline
 from nodeagent.node.status import StatusSettings
 from nodeagent.node.watch import NodeWatch
+from nodeagent.objects import ObjectCache, ServiceCache
 from nodeagent.pleg import Pleg, PlegConfig
 from nodeagent.pods import Part, Pods, PodsConfig
 from nodeagent.runtime import ContainerRuntimeError, Runtime, make_runtime, socket_path
@@ -49,7 +53,9 @@ from nodeagent.sources.merge import Merge
 from nodeagent.sources.mirror import MirrorManager
 from nodeagent.sources.problems import Problems
 from nodeagent.sources.types import Source
+from nodeagent.syncer import NodePodSettings
 from nodeagent.syncloop import NodeLoops, NodeLoopsConfig, SyncLoopConfig
+from nodeagent.volumes import HostMounter, TokenManager, VolumeManager
 
 if TYPE_CHECKING:
     from nodeagent.server.setup import ServerBundle
@@ -240,10 +246,31 @@ class Agent:
                                          answered=self.answered))
         pleg = Pleg(runtime, clock, PlegConfig(), registry=registry,
                     node=cfg.agent_id if cfg.virtual else cfg.node_name)
+        root = Path(cfg.root_dir).resolve()
+        node_pods = NodePodSettings(
+            dns=DnsSettings(cluster_dns=cfg.cluster_dns, cluster_domain=cfg.cluster_domain,
+                            resolv_conf=cfg.resolv_conf),
+            admission=AdmissionSettings(allowed_unsafe_sysctls=cfg.allowed_unsafe_sysctls),
+            # virtual nodes' containers run nothing that could read a hosts file or
+            # resolve a name
+            pods_dir="" if cfg.virtual else str(root / "pods"),
+            runs_workloads=not cfg.virtual,
+            seccomp_root=str(root / "seccomp"))
+        def allocatable(node: str) -> Mapping[str, Any] | None:
+            controller = self.nodes.get(node)
+            status = controller and (controller.computed or controller.reported)
+            return status.get("allocatable") if status else None
+        # ConfigMaps, Secrets and Services: watched once for every node of the process
+        objects = ObjectCache(kube, clock, answered=self.answered)
+        env = EnvResolver(objects, ServiceCache(kube, clock, answered=self.answered),
+                          allocatable)
+        volumes = VolumeManager(Path(cfg.root_dir).resolve(), clock, objects=objects,
+                                tokens=TokenManager(kube, clock), mounter=HostMounter(),
+                                allocatable=allocatable)
         loop = SyncLoopConfig(runtime=runtime, clock=clock, kube=kube, answered=self.answered,
                               events=events, host_ip=hip, registry=registry,
-                              log_root=str((Path(cfg.root_dir) / "logs" / "pods").resolve()),
-                              pods_dir=str((Path(cfg.root_dir) / "pods").resolve()),
+                              log_root=str(root / "logs" / "pods"), pod_settings=node_pods,
+                              volumes=volumes, env=env, objects=objects,
                               serialize_image_pulls=cfg.serialize_image_pulls,
                               max_parallel_image_pulls=cfg.max_parallel_image_pulls)
         loops = NodeLoops(NodeLoopsConfig(cfg.node_names, loop), pleg, merge.updates,

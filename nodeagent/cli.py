@@ -31,8 +31,12 @@ async def _serve(cfg: config.AgentConfig, flags: dict[str, object]) -> None:
     from nodeagent.api.clock import RealClock
     from nodeagent.api.kube import RestKube
 
+    # every caller retries with its own deadline (tenacity for the Lease); requests and
+    # watches (a ConfigMap or Secret that pods use has a watch of its own) run on the
+    # event loop over aiohttp connections (nodeagent/api/rest.py): the kubernetes
+    # client's own pool carries nothing
     api = new_api_client(cfg.kubeconfig, component="agent")
-    kube = RestKube(api)  # every caller retries with its own deadline (tenacity for the Lease)
+    kube = RestKube(api)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

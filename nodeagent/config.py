@@ -20,6 +20,7 @@ from typing import Any
 
 import yaml
 
+from nodeagent.admission import check_unsafe_sysctls
 from nodeagent.api.policy import Heartbeat, PolicyError, parse_heartbeat
 from nodeagent.api.quantity import QuantityError, parse_quantity
 from nodeagent.node.host import parse_overrides
@@ -80,6 +81,11 @@ class AgentConfig:
     anonymous_auth: bool = False
     container_log_max_size: int = 10 * 1024 * 1024
     container_log_max_files: int = 5
+    # what the node gives pods: resolver, names, sysctls it allows
+    cluster_dns: tuple[str, ...] = ()
+    cluster_domain: str = ""
+    resolv_conf: str = "/etc/resolv.conf"
+    allowed_unsafe_sysctls: tuple[str, ...] = ()
     serialize_image_pulls: bool = True
     max_parallel_image_pulls: int = 0  # 0: no limit (with serialize_image_pulls off)
 
@@ -325,6 +331,21 @@ def _period(value: Any, where: str) -> float:
     return seconds
 
 
+def _domain(value: Any, where: str) -> str:
+    text = _str(value, where).strip().rstrip(".")
+    if text and (len(text) > 253 or not _NODE_NAME.match(text)):
+        raise ConfigError(f"{where}: {text!r} is not a DNS domain (e.g. cluster.local)")
+    return text
+
+
+def _sysctls(value: Any, where: str) -> tuple[str, ...]:
+    items = value if isinstance(value, list) else str(value).split(",")
+    try:
+        return check_unsafe_sysctls([str(i) for i in items], where)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def _opt_str(value: Any, where: str) -> str | None:
     return _str(value, where) or None
 
@@ -489,6 +510,17 @@ OPTIONS: tuple[Option, ...] = (
            _log_size, "a container's log file is rotated once it is this big (10Mi)"),
     Option("container_log_max_files", "container-log-max-files", "containerLogMaxFiles",
            _int(2, 1000), "log files kept per container, the current one included (5)"),
+    Option("cluster_dns", "cluster-dns", "clusterDNS", _ips,
+           "DNS server IPs of the cluster, for pods with dnsPolicy ClusterFirst (none: "
+           "such pods fall back to the node's resolver, with a MissingClusterDNS Event)"),
+    Option("cluster_domain", "cluster-domain", "clusterDomain", _domain,
+           "the cluster's DNS domain (e.g. cluster.local): pods' search list and FQDN"),
+    Option("resolv_conf", "resolv-conf", "resolvConf", _str,
+           "resolver file pods with dnsPolicy Default use, and whose search list "
+           "ClusterFirst pods extend (/etc/resolv.conf; empty: none)"),
+    Option("allowed_unsafe_sysctls", "allowed-unsafe-sysctls", "allowedUnsafeSysctls",
+           _sysctls, "namespaced sysctls pods may set besides the safe ones, names or "
+                     "prefixes ending in '*' (e.g. kernel.msg*,net.core.somaxconn)"),
     Option("serialize_image_pulls", "serialize-image-pulls", "serializeImagePulls", _bool,
            "pull one image at a time (default true)"),
     Option("max_parallel_image_pulls", "max-parallel-image-pulls", "maxParallelImagePulls",

@@ -211,6 +211,10 @@ def compute_pod_status(pod: Pod, rs: PodRuntimeStatus, *, host_ip: str, scheme: 
     spec = pod.get("spec") or {}
     previous = previous or {}
     waiting = waiting or {}
+    if previous.get("phase") in TERMINAL and not previous.get("containerStatuses") \
+            and not rs.containers:
+        # ended before any container ran (e.g. rejected by admission): it stays as it was
+        return {k: previous[k] for k in OWNED if k in previous}
     stamp = rfc3339(now)
     assert stamp is not None
     prev_cs = {s["name"]: s for s in previous.get("containerStatuses") or []}
@@ -323,6 +327,10 @@ def compute_pod_status(pod: Pod, rs: PodRuntimeStatus, *, host_ip: str, scheme: 
         status["observedGeneration"] = generation
     if inits:
         status["initContainerStatuses"] = init_statuses
+    if previous.get("phase") in TERMINAL:
+        for k in ("reason", "message"):  # why it ended stays with it
+            if previous.get(k):
+                status[k] = previous[k]
     return status
 
 

@@ -20,10 +20,22 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from nodeagent import podspec
 from nodeagent.actions import Actions, Target
+from nodeagent.admission import AdmissionSettings, Rejection, admit
+from nodeagent.api.client import brief
 from nodeagent.api.clock import Clock, clock_timeout
-from nodeagent.api.kube import describe
-from nodeagent.events import WARNING, Events
+from nodeagent.api.kube import RUNTIME_CLASSES, describe
+from nodeagent.dns import (
+    DnsSettings,
+    PodDnsError,
+    hostname_and_domain,
+    hosts_file,
+    kernel_hostname,
+    pod_dns,
+)
+from nodeagent.env import EnvResolver, env_refs, expand_command
+from nodeagent.events import NORMAL, WARNING, Events
 from nodeagent.images import ImageManager
 from nodeagent.lifecycle import (
     DEADLINE_MESSAGE,
@@ -33,6 +45,7 @@ from nodeagent.lifecycle import (
     termination_message,
     termination_mount,
 )
+from nodeagent.objects import ObjectCache
 from nodeagent.pleg import CacheEntry
 from nodeagent.podstatus import StatusManager, Waiting, compute_pod_status, is_sidecar
 from nodeagent.probes import Kind, ProbeManager
@@ -51,6 +64,7 @@ from nodeagent.runtime.base import (
     container_spec_hash,
 )
 from nodeagent.sources.types import Pod
+from nodeagent.volumes import MountFailed, PodVolumes, VolumeManager, VolumeRefused
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +86,10 @@ def grace_of(pod: Pod, override: float | None = None) -> float:
 
 
 def remove_pod_files(pods_dir: str, uid: str) -> None:
+    """What the agent wrote for a pod (termination-message files, its /etc/hosts)."""
     shutil.rmtree(os.path.join(pods_dir, uid, "containers"), ignore_errors=True)
+    with contextlib.suppress(OSError):
+        os.unlink(os.path.join(pods_dir, uid, "etc-hosts"))
     with contextlib.suppress(OSError):
         os.rmdir(os.path.join(pods_dir, uid))  # only when nothing else is left in it
 
@@ -138,10 +155,29 @@ class SyncResult:
     wake: tuple[asyncio.Future[None], ...] = ()
 
 
+@dataclass(frozen=True)
+class NodePodSettings:
+    """What the node adds to every pod it runs: admission, names and resolver, and
+    where the files it writes for pods go."""
+    dns: DnsSettings = field(default_factory=DnsSettings)
+    admission: AdmissionSettings = field(default_factory=AdmissionSettings)
+    pods_dir: str = ""      # <root-dir>/pods: each pod's managed /etc/hosts ("": none)
+    seccomp_root: str = ""  # <root-dir>/seccomp: where Localhost seccomp profiles are
+    # False (virtual nodes, whose containers run nothing): no resolver configuration,
+    # no DNS and container lifecycle Events (they would only load the API server)
+    runs_workloads: bool = True
+
+
+ETC_HOSTS = "/etc/hosts"
+
+
 @dataclass
 class _Plan:
     waiting: dict[str, Waiting] = field(default_factory=dict)
     requeue: float = math.inf
+    # container name -> why it cannot be created (a field the agent does not honour)
+    refused: dict[str, str] = field(default_factory=dict)
+    volumes: PodVolumes = field(default_factory=PodVolumes)
     wake: list[asyncio.Future[None]] = field(default_factory=list)
     started: bool = False  # this sync started a container
 
@@ -154,17 +190,21 @@ class PodSyncer:
     crash backoff."""
 
     IMAGE_RETRY = 10.0
+    MOUNT_RETRY = 10.0  # a volume that could not be set up (an object's change is sooner)
 
     def __init__(self, runtime: Runtime, status: StatusManager, clock: Clock, *,
                  node_name: str = "", host_ip: str = "", call_timeout: float = 60.0,
                  log_root: str = "", backoff: CrashBackoff | None = None,
                  events: Events | None = None, images: ImageManager | None = None,
+                 volumes: VolumeManager | None = None, env: EnvResolver | None = None,
+                 objects: ObjectCache | None = None,
                  probes: ProbeManager | None = None, actions: Actions | None = None,
-                 pods_dir: str = "") -> None:
+                 settings: NodePodSettings | None = None) -> None:
         """`probes`: the node loop's probe manager (None: probes are not run, and a pod
-        that has one is refused); `pods_dir`: where per-pod files live on the host
-        (termination messages; "" for none)."""
+        that has one is refused); `settings`: what the node adds to every pod, and
+        where per-pod files live on the host (its pods_dir; "" for none)."""
         self.runtime = runtime
+        self.settings = settings or NodePodSettings()
         self.status = status
         self.clock = clock
         self.node_name = node_name
@@ -173,11 +213,13 @@ class PodSyncer:
         self.log_root = log_root
         self.backoff = backoff or CrashBackoff(clock)
         self.events = events
+        self.volumes = volumes  # None: pods with volumes are refused
+        self.env = env or EnvResolver()  # default: literal values and pod fields only
+        self.objects = objects  # the ConfigMaps and Secrets pods use, watched
         self.images = images or ImageManager(runtime, clock, events=events,
                                              call_timeout=call_timeout)
         self.probes = probes
         self.hooks = Hooks(actions or Actions(runtime), clock, events)
-        self.pods_dir = pods_dir
         self._inflight: set[asyncio.Future[Any]] = set()  # runtime calls under way
         # termination messages read, per pod uid and container id (read once: the file
         # of an exited container no longer changes)
@@ -242,7 +284,7 @@ class PodSyncer:
         for c in rs.containers:
             if c.state != ContainerState.EXITED or c.id in cache or c.name not in by_name:
                 continue
-            cache[c.id] = termination_message(self.pods_dir, pod, by_name[c.name], c,
+            cache[c.id] = termination_message(self.settings.pods_dir, pod, by_name[c.name], c,
                                               self.runtime.log_format)
         for cid in cache.keys() - {c.id for c in rs.containers}:
             del cache[cid]  # pruned
@@ -270,6 +312,10 @@ class PodSyncer:
         previous = self.status.previous(pod)
         if previous.get("phase") in ("Succeeded", "Failed"):
             return SyncResult(terminal=True)
+        rejection = admit(pod, self.settings.admission)
+        if rejection is not None:
+            self._reject(pod, rejection)
+            return SyncResult(terminal=True)
         left = self._deadline_left(pod, previous)
         if left is not None and left <= 0:
             log.info("pod %s: activeDeadlineSeconds passed; failing it", describe(pod))
@@ -282,6 +328,13 @@ class PodSyncer:
             plan.again(left)
         if self.probes is not None:
             self.probes.update(pod)
+        pod_refused = self._refusals(pod, plan)
+        volumes = await self._volumes(pod, rs)
+        if isinstance(volumes, SyncResult):
+            return volumes
+        plan.volumes = volumes
+        if volumes.refresh_in is not None:  # a token to refresh: sync again by then
+            plan.again(volumes.refresh_in + 0.5)
 
         ready = sorted((s for s in rs.sandboxes if s.state == SandboxState.READY),
                        key=lambda s: s.attempt, reverse=True)
@@ -294,11 +347,26 @@ class PodSyncer:
                 # the sandbox died after containers ran; Never means no second run
                 self._publish(pod, rs, plan.waiting)
                 return SyncResult(terminal=True)
-            sandbox = await self._new_sandbox(pod, rs)
+            if pod_refused:  # a pod-level field we cannot honour: no sandbox either
+                self._refuse_all(pod, plan)
+                self._publish(pod, rs, plan.waiting)
+                return SyncResult()
+            try:
+                sandbox = await self._new_sandbox(pod, rs)
+            except (ContainerRuntimeError, PodDnsError, _NoRuntimeClass) as e:
+                # as the kubelet: the containers stay ContainerCreating, an Event says why
+                self._warn(pod, "", f"Failed to create pod sandbox: {e}",
+                           reason="FailedCreatePodSandBox")
+                self._publish(pod, rs, plan.waiting)
+                raise  # retried with the pod worker's error back-off
             current: list[Container] = []
         else:
             current = [c for c in rs.containers if c.sandbox_id == sandbox.id]
-        sc = SandboxConfig.from_pod(pod, attempt=sandbox.attempt, log_root=self.log_root)
+        try:
+            sc = self._sandbox_config(pod, sandbox.attempt)
+        except PodDnsError as e:  # cannot happen for a sandbox we made; a spec edit?
+            plan.refused = {c["name"]: str(e) for c in podspec_containers(pod)}
+            sc = SandboxConfig.from_pod(pod, attempt=sandbox.attempt, log_root=self.log_root)
         pod_ip = self.host_ip if spec.get("hostNetwork") else sandbox.ip
         fields = {"spec.nodeName": self.node_name, "status.hostIP": self.host_ip,
                   "status.hostIPs": self.host_ip, "status.podIP": pod_ip,
@@ -379,6 +447,40 @@ class PodSyncer:
                           requeue_after=None if math.isinf(plan.requeue) else plan.requeue,
                           wake=tuple(plan.wake))
 
+    async def _volumes(self, pod: Pod, rs: PodRuntimeStatus) -> PodVolumes | SyncResult:
+        """The pod's volumes, set up; or, when they cannot be, the result of this sync:
+        a volume this agent does not implement refuses the pod (CreateContainerConfigError
+        naming it, a Warning Event per container), one that cannot be set up now waits
+        (a FailedMount Event, tried again)."""
+        uid = str(pod["metadata"]["uid"])
+        if self.objects is not None:
+            refs = env_refs(pod) | (self.volumes.refs(pod) if self.volumes else set())
+            self.objects.track(uid, refs)
+        spec = pod.get("spec") or {}
+        try:
+            if self.volumes is not None:
+                return await self.volumes.setup(pod)
+            if spec.get("volumes"):
+                raise VolumeRefused("spec.volumes: this agent was started without volume "
+                                    "support")
+            return PodVolumes()
+        except VolumeRefused as e:
+            waiting = {}
+            for group in ("initContainers", "containers"):
+                for c in spec.get(group) or []:
+                    waiting[str(c["name"])] = Waiting("CreateContainerConfigError", str(e))
+                    self._warn(pod, str(c["name"]), f"Error: {e}")
+            self._publish(pod, rs, waiting)
+            return SyncResult()
+        except MountFailed as e:
+            for volume, message in e.failures:
+                log.info("pod %s: volume %s: %s", describe(pod), volume, message)
+                if self.events is not None:
+                    self.events.pod(pod, WARNING, "FailedMount",
+                                    f'MountVolume.SetUp failed for volume "{volume}" : '
+                                    f"{message}")
+            self._publish(pod, rs, {})
+            return SyncResult(requeue_after=self.MOUNT_RETRY)
     async def _sidecar(self, pod: Pod, ic: Mapping[str, Any], cur: Container | None,
                        sandbox: Sandbox, sc: SandboxConfig, fields: Mapping[str, str],
                        plan: _Plan, next_attempt: Callable[[str], tuple[int, int]]) -> bool:
@@ -449,6 +551,66 @@ class PodSyncer:
                 return False
         return True
 
+    # --- admission, refusals, the sandbox's names and resolver ----------------------
+
+    def _reject(self, pod: Pod, r: Rejection) -> None:
+        """The node does not admit the pod: phase Failed, the kubelet's reason, nothing
+        started."""
+        log.info("pod %s rejected: %s: %s", describe(pod), r.reason, r.message)
+        if self.events is not None:
+            self.events.pod(pod, WARNING, r.reason, r.message)
+        self.status.set_status(pod, {"phase": "Failed", "reason": r.reason,
+                                     "message": f"Pod was rejected: {r.message}"})
+
+    def _refusals(self, pod: Pod, plan: _Plan) -> bool:
+        """Fill plan.refused with the containers that cannot be created because of a
+        field this agent does not honour; True when a pod-level field blocks them all."""
+        problems = podspec.unhandled(pod)
+        if (pod.get("spec") or {}).get("hostAliases") and not self.runtime.can_mount:
+            problems.append(podspec.Unhandled(
+                "spec.hostAliases", f"the {self.runtime.scheme} runtime runs containers in "
+                "the node's filesystem and cannot give them an /etc/hosts of their own"))
+        pod_level = next((p for p in problems if p.container is None), None)
+        for p in problems:
+            if p.container is not None:
+                plan.refused.setdefault(p.container, p.message)
+        if pod_level is not None:
+            for c in podspec_containers(pod):
+                plan.refused.setdefault(str(c.get("name")), pod_level.message)
+        return pod_level is not None
+
+    def _refuse_all(self, pod: Pod, plan: _Plan) -> None:
+        for c in podspec_containers(pod):
+            name = str(c.get("name"))
+            if name in plan.refused:
+                self._refuse(pod, name, plan)
+
+    def _refuse(self, pod: Pod, name: str, plan: _Plan) -> None:
+        message = plan.refused[name]
+        plan.waiting[name] = Waiting("CreateContainerConfigError", message)
+        self._warn(pod, name, f"Error: {message}")
+
+    def _sandbox_config(self, pod: Pod, attempt: int) -> SandboxConfig:
+        """The sandbox's config with the names the node gives it (hostname cut to 63
+        characters, or the FQDN with setHostnameAsFQDN)."""
+        sc = SandboxConfig.from_pod(pod, attempt=attempt, log_root=self.log_root)
+        if not sc.host_network:
+            host, domain = hostname_and_domain(pod, self.settings.dns.cluster_domain)
+            sc.hostname = kernel_hostname(pod, host, domain)
+        return sc
+
+    async def _runtime_handler(self, pod: Pod) -> str:
+        """The handler of the pod's RuntimeClass ("" without one)."""
+        name = (pod.get("spec") or {}).get("runtimeClassName")
+        if not name:
+            return ""
+        try:
+            rc = await self.status.kube.get(RUNTIME_CLASSES, str(name), timeout=10.0)
+        except Exception as e:
+            raise _NoRuntimeClass(f"RuntimeClass {name!r} (spec.runtimeClassName): "
+                                  f"{brief(e)}") from e
+        return str(rc.get("handler") or "")
+
     async def _new_sandbox(self, pod: Pod, rs: PodRuntimeStatus) -> Sandbox:
         # anything left of an earlier sandbox is stopped first: containers never run
         # in two sandboxes of one pod at once
@@ -458,7 +620,13 @@ class PodSyncer:
                 await self._rt(self.runtime.stop_container(c.id, grace_of(pod)),
                                "stop_container", grace_of(pod))
         attempt = max((s.attempt for s in rs.sandboxes), default=-1) + 1
-        sc = SandboxConfig.from_pod(pod, attempt=attempt, log_root=self.log_root)
+        sc = self._sandbox_config(pod, attempt)
+        if self.settings.runs_workloads:
+            names = pod_dns(pod, self.settings.dns)
+            for reason, message in names.warnings:
+                self._warn(pod, "", message, reason=reason)
+            sc.dns = names.config
+        sc.runtime_handler = await self._runtime_handler(pod)
         sid = await self._rt(self.runtime.run_sandbox(sc), "run_sandbox")
         # the new sandbox's ip comes from the runtime; read it back once
         fresh = await self._rt(self.runtime.pod_status(sc.uid), "pod_status")
@@ -496,6 +664,9 @@ class PodSyncer:
         after a crash, counted by the back-off when it is attempted (not while the image
         is being pulled for it)."""
         name = str(spec["name"])
+        if name in plan.refused:
+            self._refuse(pod, name, plan)
+            return
         image = await self.images.ensure(pod, spec)
         if not image.ready:
             if image.waiting is not None:
@@ -510,14 +681,20 @@ class PodSyncer:
         if crash_key is not None:
             self.backoff.restarted(crash_key)
         try:
+            env = await self.env.resolve(pod, spec, fields)
+            mounts = self.volumes.mounts(pod, spec, plan.volumes, env) if self.volumes else []
             cfg = ContainerConfig.from_pod(pod, spec, attempt=attempt,
-                                           restart_count=restarts, init=init,
-                                           field_values=fields)
+                                           restart_count=restarts, init=init, env=env,
+                                           mounts=mounts,
+                                           seccomp_root=self.settings.seccomp_root)
+            cfg.command, cfg.args = expand_command(spec, env)
             self._refuse_unsupported(spec, init)
+            await self._check_non_root(pod, cfg)
+            self._mount_etc_hosts(pod, spec, sandbox, sc, cfg)
             mount = self._message_mount(pod, spec, attempt)
             if mount is not None:
                 cfg.mounts.append(mount)
-        except ValueError as e:  # a spec we cannot run (bad quantity, ...): say so
+        except (ValueError, OSError) as e:  # a spec we cannot run (bad quantity, ...)
             plan.waiting[name] = Waiting("CreateContainerConfigError", str(e))
             self._warn(pod, name, f"Error: {e}")
             plan.again(self.IMAGE_RETRY)
@@ -535,6 +712,7 @@ class PodSyncer:
             self._warn(pod, name, f"Error: {e}")
             plan.again(self.IMAGE_RETRY)
             return
+        self._note(pod, name, "Created", "Container created")
         try:
             await self._rt(self.runtime.start_container(cid), "start_container")
             plan.started = True
@@ -545,6 +723,7 @@ class PodSyncer:
             self.backoff.restarted((sc.uid, name))
             plan.again(max(1.0, self.backoff.remaining((sc.uid, name))))
             return
+        self._note(pod, name, "Started", "Container started")
         pod_ip = fields.get("status.podIP", "")
         failed = await self.hooks.post_start(pod, spec, Target(spec, cid, pod_ip))
         if failed is not None:
@@ -584,7 +763,7 @@ class PodSyncer:
         cannot (the process runtime) gets none for the API's default path, which every
         pod has, and refuses any other path."""
         path = spec.get("terminationMessagePath")
-        if not path or not self.pods_dir:
+        if not path or not self.settings.pods_dir:
             return None
         if not self.runtime.can_mount:
             if path != DEFAULT_MESSAGE_PATH:
@@ -593,10 +772,66 @@ class PodSyncer:
                                  "a file into a container")
             return None
         try:
-            return termination_mount(self.pods_dir, pod, spec, attempt)
+            return termination_mount(self.settings.pods_dir, pod, spec, attempt)
         except OSError as e:
             raise ValueError(f"container {spec['name']}: terminationMessagePath: cannot "
                              f"create its file: {e}") from e
+
+    def _note(self, pod: Pod, container: str, reason: str, message: str) -> None:
+        """A Normal Event about a container's lifecycle, as the kubelet's."""
+        if self.events is not None and self.settings.runs_workloads:
+            self.events.pod(pod, NORMAL, reason, message, container=container)
+
+    async def _check_non_root(self, pod: Pod, cfg: ContainerConfig) -> None:
+        """runAsNonRoot: refused when the container would run as root, or as a user
+        name whose uid cannot be known (the kubelet's rule and wording)."""
+        sec = cfg.security
+        if not sec.run_as_non_root:
+            return
+        meta = pod["metadata"]
+        who = f'(pod: "{meta["name"]}_{meta.get("namespace") or "default"}' \
+              f'({meta["uid"]})", container: {cfg.name})'
+        if sec.run_as_user is not None:
+            if sec.run_as_user == 0:
+                raise ValueError(f"container's runAsUser breaks non-root policy {who}")
+            return
+        uid, user = await self._rt(self.runtime.image_user(cfg.image), "image_user")
+        if uid is None and user:
+            raise ValueError(f"container has runAsNonRoot and image has non-numeric user "
+                             f"({user}), cannot verify user is non-root {who}")
+        if not uid:  # 0, or no user in the image at all: root
+            raise ValueError(f"container has runAsNonRoot and image will run as root {who}")
+
+    def _mount_etc_hosts(self, pod: Pod, spec: Mapping[str, Any], sandbox: Sandbox,
+                         sc: SandboxConfig, cfg: ContainerConfig) -> None:
+        """The managed /etc/hosts (pod IP, hostname, FQDN, hostAliases; a host-network
+        pod's is the node's own with the aliases), written under the pod's folder and
+        mounted, unless the container mounts something at /etc/hosts itself."""
+        if not self.settings.pods_dir or not self.runtime.can_mount:
+            return
+        if any(m.get("mountPath") == ETC_HOSTS for m in spec.get("volumeMounts") or []):
+            return
+        host_net = bool((pod.get("spec") or {}).get("hostNetwork"))
+        ip = self.host_ip if host_net else sandbox.ip
+        if not ip and not host_net:
+            return  # no pod IP to name (the kubelet mounts none either)
+        host, domain = hostname_and_domain(pod, self.settings.dns.cluster_domain)
+        content = hosts_file(pod, [ip] if ip else [], host, domain,
+                             self.settings.dns.node_hosts)
+        path = os.path.join(self.settings.pods_dir, sc.uid, "etc-hosts")
+        try:
+            with open(path) as f:
+                same = f.read() == content
+        except OSError:
+            same = False
+        if not same:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = f"{path}.tmp"
+            with open(tmp, "w") as f:
+                f.write(content)
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, path)
+        cfg.mounts.append(Mount(ETC_HOSTS, path))
 
     def _warn(self, pod: Pod, container: str, message: str, reason: str = "Failed") -> None:
         """A Warning Event on the pod about one container, as the kubelet's."""
@@ -666,6 +901,8 @@ class PodSyncer:
 
     def sync_terminated(self, pod: Pod, entry: CacheEntry) -> None:
         """Final status; a gracefully deleted API pod is then deleted for good."""
+        if self.objects is not None:  # nothing will read its objects again
+            self.objects.release(str(pod["metadata"]["uid"]))
         if self.probes is not None:
             self.probes.remove(pod["metadata"]["uid"])
         self._publish(pod, entry.status, {}, terminal=True)
@@ -680,11 +917,24 @@ class PodSyncer:
         for s in rs.sandboxes:
             await self._rt(self.runtime.stop_sandbox(s.id), "stop_sandbox")
             await self._rt(self.runtime.remove_sandbox(s.id), "remove_sandbox")
+        if self.objects is not None:
+            self.objects.release(uid)
+        if self.volumes is not None:
+            await self.volumes.teardown(uid)
         self.backoff.forget(uid)
         self.images.forget(uid)
         self.status.forget(uid)
         if self.probes is not None:
             self.probes.remove(uid)
         self._messages.pop(uid, None)
-        if self.pods_dir:  # the pod's files (its termination messages: a few small files)
-            remove_pod_files(self.pods_dir, uid)
+        if self.settings.pods_dir:  # the pod's files: termination messages, /etc/hosts
+            remove_pod_files(self.settings.pods_dir, uid)
+
+
+class _NoRuntimeClass(Exception):
+    """The pod's RuntimeClass cannot be read."""
+
+
+def podspec_containers(pod: Pod) -> list[Mapping[str, Any]]:
+    spec = pod.get("spec") or {}
+    return [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]

@@ -21,7 +21,7 @@ import contextlib
 import logging
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter
 
@@ -29,14 +29,17 @@ from nodeagent.actions import Actions
 from nodeagent.api.answered import ApiAnswered
 from nodeagent.api.clock import Clock
 from nodeagent.api.kube import Kube, describe
+from nodeagent.env import EnvResolver
 from nodeagent.events import Events
 from nodeagent.images import ImageManager
+from nodeagent.objects import ObjectCache
 from nodeagent.pleg import EventType, Pleg, PodCache, PodLifecycleEvent
 from nodeagent.podstatus import StatusManager
 from nodeagent.probes import ProbeManager
 from nodeagent.runtime.base import LABEL_POD_NAME, LABEL_POD_NAMESPACE, Runtime
 from nodeagent.sources.types import Op, Pod, PodUpdate, SourcesReady, pod_node_name
-from nodeagent.syncer import CrashBackoff, PodSyncer
+from nodeagent.syncer import CrashBackoff, NodePodSettings, PodSyncer
+from nodeagent.volumes import VolumeManager
 from nodeagent.workers import PodWorkers, UpdateKind
 
 log = logging.getLogger(__name__)
@@ -56,10 +59,13 @@ class SyncLoopConfig:
     sync_frequency: float = 60.0       # periodic resync of each pod
     call_timeout: float = 60.0         # any runtime call but the PLEG's
     log_root: str = ""                 # container logs (runtimes that write files)
-    pods_dir: str = ""                 # per-pod files (termination messages)
     crash_backoff_initial: float = 10.0
     crash_backoff_max: float = 300.0
     crash_backoff_reset: float = 600.0
+    pod_settings: NodePodSettings = field(default_factory=NodePodSettings)
+    volumes: VolumeManager | None = None  # None: pods with volumes are refused
+    env: EnvResolver | None = None     # None: literal values and pod fields only
+    objects: ObjectCache | None = None  # the ConfigMaps and Secrets pods use
     serialize_image_pulls: bool = True  # the kubelet's --serialize-image-pulls
     max_parallel_image_pulls: int = 0   # when not serialized; 0: no limit
 
@@ -112,8 +118,9 @@ class SyncLoop:
                                    host_ip=c.host_ip, on_change=self._probed)
         self.syncer = PodSyncer(c.runtime, self.status, c.clock, node_name=node_name,
                                 host_ip=c.host_ip, call_timeout=c.call_timeout,
-                                log_root=c.log_root, events=c.events, probes=self.probes,
-                                actions=actions, pods_dir=c.pods_dir,
+                                log_root=c.log_root, events=c.events,
+                                volumes=c.volumes, env=c.env, objects=c.objects,
+                                probes=self.probes, actions=actions, settings=c.pod_settings,
                                 images=images or image_manager(c),
                                 backoff=CrashBackoff(c.clock, c.crash_backoff_initial,
                                                      c.crash_backoff_max,
@@ -262,6 +269,16 @@ class NodeLoops:
                       for name in config.node_names}
         self.owner: dict[str, str] = {}  # pod uid -> node, from the routed updates
         self._task: asyncio.Task[None] | None = None
+        if config.loop.objects is not None:
+            config.loop.objects.on_change = self.objects_changed
+
+    def objects_changed(self, uids: set[str]) -> None:
+        """A ConfigMap or Secret these pods use changed: sync them (their volumes)."""
+        for uid in uids:
+            loop = self.loops.get(self.owner.get(uid, ""))
+            pod = loop.pods.get(uid) if loop else None
+            if loop is not None and pod is not None:
+                loop.workers.update(pod, UpdateKind.SYNC)
 
     def health(self) -> str | None:
         """None when healthy; a HealthServer check (PLEG's)."""
@@ -297,10 +314,26 @@ class NodeLoops:
             await asyncio.gather(*tasks, return_exceptions=True)
             await self.images.close()
             await self.pleg.stop()
+            c = self.config.loop
+            if c.objects is not None:
+                await c.objects.close()
+            if c.env is not None and c.env.services is not None:
+                await c.env.services.close()
 
     def housekeeping(self) -> list[str]:
-        return housekeeping(self.pleg, self.sources_ready, list(self.loops.values()),
-                            self.config.orphan_grace)
+        orphans = housekeeping(self.pleg, self.sources_ready, list(self.loops.values()),
+                               self.config.orphan_grace)
+        volumes = self.config.loop.volumes
+        result = self.pleg.last_result
+        if volumes is not None and result is not None and self.sources_ready.all_ready():
+            # pod folders of pods that no source knows and the runtime no longer holds
+            keep: set[str] = set()
+            for loop in self.loops.values():
+                keep |= loop.known_uids(self.pleg.last_result_at)
+            keep |= {s.pod_uid for s in result.sandboxes}
+            keep |= {c.pod_uid for c in result.containers}
+            volumes.cleanup_orphans(keep)
+        return orphans
 
     async def _route_updates(self) -> None:
         while True:

@@ -10,7 +10,9 @@ import argparse
 import asyncio
 import concurrent.futures
 import dataclasses
+import datetime as dt
 import functools
+import os
 import socket
 import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
@@ -24,15 +26,19 @@ from nodeagent.agent import Agent, Parts, Pools
 from nodeagent.api.answered import ApiAnswered
 from nodeagent.api.clock import FakeClock, settle
 from nodeagent.api.kube import NODES, PODS
+from nodeagent.env import EnvResolver
 from nodeagent.events import Events
 from nodeagent.node.host import HostReadings
 from nodeagent.node.quantity import parse_thresholds
 from nodeagent.node.status import StatusSettings
+from nodeagent.objects import ObjectCache, ServiceCache
 from nodeagent.pleg import Pleg
 from nodeagent.pods import Pods
 from nodeagent.runtime.fake import FakeRuntime
 from nodeagent.sources.types import Op, Pod, PodUpdate, Source, SourcesReady
+from nodeagent.syncer import NodePodSettings
 from nodeagent.syncloop import NodeLoops, NodeLoopsConfig, SyncLoopConfig
+from nodeagent.volumes import TokenManager, VolumeManager
 from tests.fakekube import FakeKube
 
 # -- running and waiting ----------------------------------------------------------------
@@ -180,12 +186,54 @@ def pod_deletes(kube: FakeKube) -> list[str]:
 
 # -- rigs -------------------------------------------------------------------------------
 
+class FakeMounter:
+    """The mount table for tmpfs volumes, in memory; `refuse` makes mounting fail as
+    it does for an agent without CAP_SYS_ADMIN."""
+
+    def __init__(self) -> None:
+        self.mounted: dict[str, int | None] = {}  # path -> size
+        self.refuse = False
+
+    def mount_tmpfs(self, path: str, size: int | None) -> None:
+        if self.refuse:
+            raise PermissionError(1, f"mount tmpfs on {path}: Operation not permitted")
+        self.mounted[os.path.realpath(path)] = size
+
+    def unmount(self, path: str) -> None:
+        del self.mounted[path]
+
+    def mounts_under(self, path: str) -> list[str]:
+        root = os.path.realpath(path)
+        return sorted((p for p in self.mounted if p == root or p.startswith(root + "/")),
+                      key=lambda p: p.count("/"), reverse=True)
+
+
+def token_answers(kube: FakeKube, clock: FakeClock) -> list[dict[str, Any]]:
+    """The in-memory API answers TokenRequests: token "tok-<n>" for the asked
+    expirationSeconds from the clock's now. Returns the requests' bodies as they come."""
+    asked: list[dict[str, Any]] = []
+
+    def answer(call: Any) -> dict[str, Any]:
+        asked.append(call.body)
+        secs = int(call.body["spec"].get("expirationSeconds") or 3600)
+        expires = clock.now() + dt.timedelta(seconds=secs)
+        return {**call.body, "status": {"token": f"tok-{len(asked)}",
+                                        "expirationTimestamp": expires.strftime(
+                                            "%Y-%m-%dT%H:%M:%SZ")}}
+    kube.answer("create serviceaccounts/token", answer)
+    return asked
+
+
 class LoopRig:
     """The sync loops of the given nodes on a fake runtime and FakeClock, fed as the
     merge feeds them; the in-memory API holds the pods sent (status is written there)."""
 
     def __init__(self, rt: FakeRuntime, clock: FakeClock, ready: bool = True,
-                 nodes: Sequence[str] = ("n1",), pods_dir: str = "") -> None:
+                 nodes: Sequence[str] = ("n1",),
+                 pod_settings: NodePodSettings | None = None,
+                 volumes: Path | None = None) -> None:
+        """`volumes`: the agent's root dir, to run with volumes, ConfigMaps, Secrets,
+        Services and tokens from the in-memory API (a FakeMounter for tmpfs)."""
         self.rt = rt
         self.clock = clock
         self.updates: asyncio.Queue[PodUpdate] = asyncio.Queue()
@@ -198,7 +246,22 @@ class LoopRig:
         config = SyncLoopConfig(runtime=rt, clock=clock, kube=self.kube,
                                 answered=ApiAnswered(clock), host_ip="192.0.2.10",
                                 registry=self.registry, events=self.events,
-                                pods_dir=pods_dir)
+                                pod_settings=pod_settings or NodePodSettings())
+        self.mounter = FakeMounter()
+        self.allocatable = {"cpu": "4", "memory": "8Gi", "ephemeral-storage": "100Gi",
+                            "pods": "110"}
+        self.objects: ObjectCache | None = None
+        self.volumes: VolumeManager | None = None
+        if volumes is not None:
+            self.objects = ObjectCache(self.kube, clock)
+            self.tokens = TokenManager(self.kube, clock)
+            self.volumes = VolumeManager(volumes, clock, objects=self.objects,
+                                         tokens=self.tokens, mounter=self.mounter,
+                                         allocatable=lambda node: self.allocatable)
+            env = EnvResolver(self.objects, ServiceCache(self.kube, clock),
+                              lambda node: self.allocatable)
+            config = dataclasses.replace(config, volumes=self.volumes, env=env,
+                                         objects=self.objects)
         label = nodes[0] if len(nodes) == 1 else "vn"
         self.loops = NodeLoops(NodeLoopsConfig(tuple(nodes), config),
                                Pleg(rt, clock, node=label, registry=self.registry),
@@ -245,7 +308,8 @@ class LoopRig:
 
 async def started(clock: FakeClock, rt: FakeRuntime | None = None,
                   pods_dir: str = "") -> LoopRig:
-    a = LoopRig(rt or FakeRuntime(clock), clock, pods_dir=pods_dir)
+    a = LoopRig(rt or FakeRuntime(clock), clock,
+                pod_settings=NodePodSettings(pods_dir=pods_dir))
     a.loops.start()
     await settle()
     return a

@@ -102,6 +102,7 @@ class FakeKube:
         self._streams: set[_Stream] = set()
         self._failures: dict[str, list[Failure]] = {}
         self._intercepts: dict[str, Callable[[Call], BaseException | None]] = {}
+        self._answers: dict[str, Callable[[Call], Obj]] = {}
 
     # -- test controls ----------------------------------------------------------------
 
@@ -116,6 +117,11 @@ class FakeKube:
             self._intercepts.pop(key, None)
         else:
             self._intercepts[key] = fn
+
+    def answer(self, key: str, fn: Callable[[Call], Obj]) -> None:
+        """Calls with this key that the fake cannot serve from its store (a create on a
+        subresource: "create serviceaccounts/token") are answered by `fn(call)`."""
+        self._answers[key] = fn
 
     def calls_of(self, key: str, ok: bool | None = None) -> list[Call]:
         """The calls with this key; `ok`: only those that went through (or failed)."""
@@ -284,10 +290,19 @@ class FakeKube:
 
     @_logged
     async def create(self, res: Resource, body: Obj, *, namespace: str | None = None,
+                     name: str | None = None, subresource: str | None = None,
                      timeout: Timeout = 30.0, parse: bool = True) -> Obj:
         meta = body.get("metadata") or {}
         ns = namespace if namespace is not None else (
             meta.get("namespace") if res.namespaced else None)
+        if subresource is not None:
+            assert name is not None, "a subresource belongs to a named object"
+            self._enter("create", res, ns, name, body, timeout, subresource=subresource)
+            self._existing(res, ns, name)
+            answer = self._answers.get(self.calls[-1].key)
+            if answer is None:
+                raise api_error(404, "NotFound", f"{res.plural}/{subresource}: no answer set")
+            return self._answer(answer(self.calls[-1]), parse)
         self._enter("create", res, ns, meta.get("name"), body, timeout)
         key = self._key(res, ns, meta["name"])
         if key in self._objects.get(res.plural, {}):

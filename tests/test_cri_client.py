@@ -433,3 +433,48 @@ def test_mounts_reach_the_container_config() -> None:
     msg = container_config_pb(config, SandboxConfig.from_pod(pod))
     assert [(m.container_path, m.host_path, m.readonly) for m in msg.mounts] == \
         [("/data", "/var/lib/x/data", True)]
+
+
+def test_security_namespaces_sysctls_and_dns_reach_cri() -> None:
+    from nodeagent.runtime.base import ContainerConfig, DnsConfig, SandboxConfig
+    from nodeagent.runtime.cri.client import container_config_pb, sandbox_config_pb
+    pod = mkpod("p", hostPID=True, shareProcessNamespace=True, containers=[{
+        "name": "c", "image": "i", "securityContext": {
+            "runAsUser": 65534, "privileged": True, "allowPrivilegeEscalation": False,
+            "capabilities": {"add": ["NET_ADMIN"], "drop": ["ALL"]},
+            "seccompProfile": {"type": "RuntimeDefault"},
+            "seLinuxOptions": {"level": "s0:c1"}}}],
+        securityContext={"runAsGroup": 3000, "fsGroup": 2000, "supplementalGroups": [7],
+                         "sysctls": [{"name": "kernel.shm_rmid_forced", "value": "1"}]},
+        overhead={"cpu": "250m", "memory": "64Mi"})
+    sc = SandboxConfig.from_pod(pod)
+    sc.dns = DnsConfig(("10.0.0.10",), ("ns.svc.cluster.local",), ("ndots:5",))
+    sb = sandbox_config_pb(sc)
+    lsc = sb.linux.security_context
+    assert lsc.namespace_options.pid == pb.NODE and lsc.namespace_options.ipc == pb.POD
+    assert lsc.run_as_group.value == 3000 and not lsc.HasField("run_as_user")
+    assert list(lsc.supplemental_groups) == [2000, 7] and lsc.privileged
+    assert lsc.seccomp.profile_type == pb.SecurityProfile.RuntimeDefault
+    assert dict(sb.linux.sysctls) == {"kernel.shm_rmid_forced": "1"}
+    assert sb.linux.overhead.cpu_quota == 25_000
+    assert sb.linux.overhead.memory_limit_in_bytes == 64 * 2**20
+    assert list(sb.dns_config.servers) == ["10.0.0.10"]
+    assert list(sb.dns_config.options) == ["ndots:5"]
+    c = container_config_pb(ContainerConfig.from_pod(pod, pod["spec"]["containers"][0]), sc)
+    csc = c.linux.security_context
+    assert csc.run_as_user.value == 65534 and csc.run_as_group.value == 3000
+    assert csc.privileged and csc.no_new_privs
+    assert list(csc.capabilities.add_capabilities) == ["NET_ADMIN"]
+    assert list(csc.capabilities.drop_capabilities) == ["ALL"]
+    assert csc.seccomp.profile_type == pb.SecurityProfile.RuntimeDefault
+    assert csc.selinux_options.level == "s0:c1"
+    assert csc.namespace_options.pid == pb.NODE
+    plain = mkpod("q")
+    qsc = SandboxConfig.from_pod(plain)
+    q = container_config_pb(ContainerConfig.from_pod(plain, plain["spec"]["containers"][0]),
+                            qsc)
+    qs = q.linux.security_context
+    assert not qs.HasField("run_as_user") and not qs.no_new_privs and not qs.privileged
+    assert qs.seccomp.profile_type == pb.SecurityProfile.Unconfined  # the kubelet's default
+    assert qs.namespace_options.pid == pb.CONTAINER
+    assert not sandbox_config_pb(qsc).HasField("dns_config")  # the node's resolv.conf

@@ -52,9 +52,13 @@ def docker_secret(name: str, location: str = REG, user: str = "puller",
                      for k, v in data.items()}}
 
 
+NOT_IMAGES = ("MissingClusterDNS", "Created", "Started")  # the pod's resolver, containers
+
+
 def events_of(kube: FakeKube) -> list[tuple[str, str, str]]:
-    """(type, reason, message) of every Event written."""
-    return [(b["type"], b["reason"], b["message"]) for b in kube.bodies("create events")]
+    """(type, reason, message) of every Event written about images."""
+    return [(b["type"], b["reason"], b["message"]) for b in kube.bodies("create events")
+            if b["reason"] not in NOT_IMAGES]
 
 
 # --- names and policies ----------------------------------------------------------------

@@ -101,8 +101,9 @@ async def test_termination_message_from_the_file(tmp_path: Path) -> None:
         box(terminationMessagePath="/dev/termination-log")]))
     await a.run_for(3)
     cid = a.rt.running("u1")[0].id
-    mount = a.rt.configs[cid].mounts[0]
-    assert mount.container_path == "/dev/termination-log" and not mount.read_only
+    [mount] = [m for m in a.rt.configs[cid].mounts
+               if m.container_path == "/dev/termination-log"]
+    assert not mount.read_only
     assert os.stat(mount.host_path).st_mode & 0o777 == 0o666
     Path(mount.host_path).write_text("x" * 5000 + "the end")
     a.rt.exit_container(cid, 0)

@@ -18,13 +18,12 @@ from nodeagent.runtime import (
     SandboxState,
     make_runtime,
 )
-from nodeagent.runtime.base import LABEL_CONTAINER_NAME, LABEL_POD_UID
+from nodeagent.runtime.base import LABEL_CONTAINER_NAME, LABEL_POD_UID, Mount
 from nodeagent.runtime.fake import FakeRuntime
 from tests.conftest import aio, mkpod
 
 SLEEPER = {"name": "c", "image": "localhost/busybox:1", "command": ["sleep"], "args": ["3600"],
-           "env": [{"name": "A", "value": "1"},
-                   {"name": "N", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}],
+           "env": [{"name": "A", "value": "1"}],
            "resources": {"limits": {"cpu": "250m", "memory": "64Mi"}}}
 
 
@@ -41,10 +40,13 @@ def test_configs_from_pod() -> None:
     assert sc.host_network and sc.hostname == ""
     assert sc.labels[LABEL_POD_UID] == "u1" and sc.labels["app"] == "x"
     assert sc.termination_grace_seconds == 5
-    cc = ContainerConfig.from_pod(p, p["spec"]["containers"][0], attempt=2, restart_count=2,
-                                  field_values={"spec.nodeName": "n1"})
+    cc = ContainerConfig.from_pod(p, p["spec"]["containers"][0], attempt=2, restart_count=2)
     assert cc.command == ["sleep"] and cc.args == ["3600"]
-    assert cc.env == [("A", "1"), ("N", "n1")]
+    assert cc.env == [("A", "1")]  # literal values; the rest is nodeagent.env's (test_env)
+    resolved = ContainerConfig.from_pod(p, p["spec"]["containers"][0], env=[("N", "n1")],
+                                        mounts=[Mount("/data", "/host/data", True)])
+    assert resolved.env == [("N", "n1")]
+    assert resolved.mounts == [Mount("/data", "/host/data", True)]
     assert cc.resources.cpu_limit_millis == 250
     assert cc.resources.memory_limit_bytes == 64 * 2**20
     assert cc.labels[LABEL_CONTAINER_NAME] == "c" and cc.attempt == 2
@@ -63,18 +65,10 @@ def test_bad_pod_fields_are_named() -> None:
     assert parse_quantity("1.5Gi") == 1.5 * 2**30
     secret = {"name": "c", "image": "i", "env": [
         {"name": "PW", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]}
-    with pytest.raises(ValueError, match=r"env PW: valueFrom.secretKeyRef is not supported"):
+    with pytest.raises(ValueError, match=r"valueFrom are resolved by nodeagent.env"):
         ContainerConfig.from_pod(p, secret)
-    with pytest.raises(ValueError, match="envFrom is not supported"):
+    with pytest.raises(ValueError, match="envFrom and valueFrom are resolved"):
         ContainerConfig.from_pod(p, {"name": "c", "image": "i", "envFrom": [{}]})
-    odd = {"name": "c", "image": "i", "env": [
-        {"name": "X", "valueFrom": {"fieldRef": {"fieldPath": "status.nope"}}}]}
-    with pytest.raises(ValueError, match="fieldPath 'status.nope' is not supported"):
-        ContainerConfig.from_pod(p, odd)
-    lab = {"name": "c", "image": "i", "env": [
-        {"name": "APP", "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['app']"}}},
-        {"name": "NO", "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['no']"}}}]}
-    assert ContainerConfig.from_pod(p, lab).env == [("APP", "x"), ("NO", "")]
 
 
 def test_factory_kinds(tmp_path) -> None:

@@ -442,3 +442,30 @@ async def test_refuses_mounts_it_cannot_make(tmp_path: Path) -> None:
         cc.mounts = [Mount("/data", str(tmp_path))]
         with pytest.raises(Unsupported, match="volumeMounts.*/data"):
             await rt.create_container(sid, cc, sc)
+
+
+@aio
+async def test_security_settings_a_process_cannot_honour_are_refused(tmp_path: Path) -> None:
+    async with runtime(tmp_path / "state") as rt:
+        own = {"runAsUser": os.getuid(), "runAsGroup": os.getgid()}
+        sid, cid = await start(rt, pod(["true"], securityContext=own))  # its own ids: fine
+        for sc, field in (({"runAsUser": os.getuid() + 1}, "runAsUser"),
+                          ({"privileged": True}, "privileged"),
+                          ({"readOnlyRootFilesystem": True}, "readOnlyRootFilesystem"),
+                          ({"allowPrivilegeEscalation": False}, "allowPrivilegeEscalation"),
+                          ({"capabilities": {"drop": ["ALL"]}}, "capabilities"),
+                          ({"seccompProfile": {"type": "RuntimeDefault"}}, "seccompProfile")):
+            p = pod(["true"], uid="u2", securityContext=sc)
+            sb = SandboxConfig.from_pod(p)
+            with pytest.raises(ContainerRuntimeError, match=f"securityContext.{field}"):
+                await rt.create_container(sid, ContainerConfig.from_pod(
+                    p, p["spec"]["containers"][0]), sb)
+        assert await rt.image_user("any") == (os.getuid(), "")
+        sysctl = mkpod("s", "u3", securityContext={"sysctls": [{"name": "net.ipv4.ping_group_range",
+                                                                 "value": "0 1"}]})
+        with pytest.raises(ContainerRuntimeError, match="spec.securityContext.sysctls"):
+            await rt.run_sandbox(SandboxConfig.from_pod(sysctl))
+        handler = SandboxConfig.from_pod(mkpod("h", "u4"))
+        handler.runtime_handler = "kata"
+        with pytest.raises(ContainerRuntimeError, match="runtimeClassName"):
+            await rt.run_sandbox(handler)

@@ -291,8 +291,8 @@ async def test_unrunnable_spec_is_reported_not_crashed_on() -> None:
     assert "container c1: resources.limits.memory" in bad["message"]
     assert len(a.rt.running("u1")) == 1  # the good container runs
     await a.events.drain()
-    [event] = a.warnings()
-    assert event["reason"] == "Failed" and "resources.limits.memory" in event["message"]
+    [event] = [e for e in a.warnings() if e["reason"] == "Failed"]
+    assert "resources.limits.memory" in event["message"]
     assert event["involvedObject"]["fieldPath"] == "spec.containers{c1}"
     assert event["metadata"]["namespace"] == pod["metadata"]["namespace"]
     await a.loops.stop()

@@ -2,9 +2,10 @@
 docs/conformance.md.
 
 e2e.test is built from the pinned k8s.io/kubernetes module (e2e/cluster/build.py). The
-specs are those of specs.yaml's focus (test/e2e/common/node's [NodeConformance] specs
-and NodeLease), listed by a ginkgo dry run; each one runs in an e2e.test process of its
-own (`--ginkgo.focus` naming exactly that spec), `workers` of them at a time, so a spec
+specs are those of specs.yaml's focus (the [NodeConformance] specs of
+test/e2e/common/node and test/e2e/common/storage, and NodeLease), listed by a ginkgo dry
+run; each one runs in an e2e.test process of its own (`--ginkgo.focus` naming exactly
+that spec), `workers` of them at a time, so a spec
 that waits out a 5-minute timeout holds one worker, not the run; the specs that need the
 node to themselves ([Serial]) run afterwards, one at a time. Results come from each
 process's ginkgo JSON report. No upstream test is edited; the agent is not told which
@@ -281,7 +282,8 @@ def write_doc(results: list[Result], plan: Plan, wall: float, path: Path = DOC,
     lines = [
         "# Upstream node conformance",
         "",
-        f"The `[NodeConformance]` specs of `test/e2e/common/node` and the NodeLease specs of "
+        f"The `[NodeConformance]` specs of `test/e2e/common/node` and `test/e2e/common/storage` "
+        f"(the kubelet's volume specs) and the NodeLease specs of "
         f"Kubernetes {version}, run by `e2e.test` (built from the pinned module) against one "
         "nodepulse agent on containerd, on the local control plane with the nodepulse "
         "operator. Written by `e2e/test_conformance.py` (or `python -m e2e.conformance`); "

@@ -74,6 +74,10 @@ class Resource:
 NODES = Resource("", "v1", "nodes", "Node", False)
 PODS = Resource("", "v1", "pods", "Pod", True)
 EVENTS = Resource("", "v1", "events", "Event", True)
+CONFIG_MAPS = Resource("", "v1", "configmaps", "ConfigMap", True)
+SECRETS = Resource("", "v1", "secrets", "Secret", True)
+SERVICES = Resource("", "v1", "services", "Service", True)
+SERVICE_ACCOUNTS = Resource("", "v1", "serviceaccounts", "ServiceAccount", True)
 LEASES = Resource("coordination.k8s.io", "v1", "leases", "Lease", True)
 NODE_STATUS_POLICIES = Resource(policy.GROUP, policy.VERSION, policy.PLURAL, policy.KIND, False)
 TOKEN_REVIEWS = Resource("authentication.k8s.io", "v1", "tokenreviews", "TokenReview", False)
@@ -82,6 +86,7 @@ SUBJECT_ACCESS_REVIEWS = Resource("authorization.k8s.io", "v1", "subjectaccessre
 CERTIFICATE_SIGNING_REQUESTS = Resource("certificates.k8s.io", "v1",
                                         "certificatesigningrequests",
                                         "CertificateSigningRequest", False)
+RUNTIME_CLASSES = Resource("node.k8s.io", "v1", "runtimeclasses", "RuntimeClass", False)
 SECRETS = Resource("", "v1", "secrets", "Secret", True)
 SERVICE_ACCOUNTS = Resource("", "v1", "serviceaccounts", "ServiceAccount", True)
 
@@ -144,8 +149,10 @@ class Kube(Protocol):
         annotated k8s.io/initial-events-end). Raises if the server refuses it."""
 
     async def create(self, res: Resource, body: Obj, *, namespace: str | None = None,
+                     name: str | None = None, subresource: str | None = None,
                      timeout: Timeout = 30.0, parse: bool = True) -> Obj:
-        """POST `body`; the namespace defaults to the body's."""
+        """POST `body`; the namespace defaults to the body's. With `name` and
+        `subresource`, a POST to an object's subresource (a ServiceAccount's token)."""
 
     async def update(self, res: Resource, body: Obj, *, subresource: str | None = None,
                      timeout: Timeout = 30.0, parse: bool = True) -> Obj:
@@ -216,10 +223,12 @@ class RestKube:
                                           timeout=(10.0, timeout_seconds + 30.0))
 
     async def create(self, res: Resource, body: Obj, *, namespace: str | None = None,
+                     name: str | None = None, subresource: str | None = None,
                      timeout: Timeout = 30.0, parse: bool = True) -> Obj:
         ns = namespace if namespace is not None else (namespace_of(body) if res.namespaced
                                                        else None)
-        return await self._call("POST", res.path(ns), body=body, timeout=timeout, parse=parse)
+        return await self._call("POST", res.path(ns, name, subresource), body=body,
+                                timeout=timeout, parse=parse)
 
     async def update(self, res: Resource, body: Obj, *, subresource: str | None = None,
                      timeout: Timeout = 30.0, parse: bool = True) -> Obj:

@@ -103,6 +103,8 @@ class Reflector:
         self.watches = 0
         self.events = 0
         self.connected = asyncio.Event()  # a watch stream is open
+        self.last_error: BaseException | None = None  # why the last list or watch failed
+        self.failed = asyncio.Event()  # set at each failure (readers waiting for a list)
         self._failing = False
         self._stopping = False
         self._stopped = asyncio.Event()  # ends a wait under way when stop() is called
@@ -158,6 +160,8 @@ class Reflector:
                     continue
                 if self._worked():
                     delay = 0.0  # a watch that worked broke: a new backoff, not the old one
+                self.last_error = e
+                self.failed.set()
                 retry_after = _retry_after(e)
                 delay = retry_after or min(self.config.backoff_max,
                                            max(self.config.backoff_initial, delay * 2))
@@ -210,6 +214,7 @@ class Reflector:
             self.metrics.resumes.labels(reason).inc()
 
     def _answered(self) -> None:
+        self.last_error = None
         if self._failing:
             self._failing = False
             self.answered.fire()

@@ -29,6 +29,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nodeagent.api.quantity import parse_quantity
+from nodeagent.runtime.security import (
+    ContainerSecurity,
+    SandboxSecurity,
+    container_security,
+    sandbox_security,
+)
 
 # Labels that identify our objects in the runtime (same keys the kubelet uses, so tools
 # like crictl show them sensibly).
@@ -110,6 +116,25 @@ class Resources:
     memory_limit_bytes: int | None = None
 
 
+@dataclass(frozen=True)
+class DnsConfig:
+    """The resolver configuration a sandbox's /etc/resolv.conf is written from."""
+    servers: tuple[str, ...] = ()
+    searches: tuple[str, ...] = ()
+    options: tuple[str, ...] = ()
+
+
+HOSTNAME_MAX = 63  # a kernel hostname holds 64 bytes with the terminating NUL
+
+
+def truncate_hostname(hostname: str) -> str:
+    """A hostname cut to 63 characters, without a trailing '-' or '.' (the kubelet's
+    rule: a pod name may be longer than a hostname can be)."""
+    if len(hostname) <= HOSTNAME_MAX:
+        return hostname
+    return hostname[:HOSTNAME_MAX].rstrip("-.")
+
+
 @dataclass
 class SandboxConfig:
     """What a pod needs from the runtime before any container runs."""
@@ -124,6 +149,11 @@ class SandboxConfig:
     port_mappings: list[PortMapping] = field(default_factory=list)
     log_directory: str = ""
     termination_grace_seconds: int = 30
+    security: SandboxSecurity = field(default_factory=SandboxSecurity)
+    # None: the node's own /etc/resolv.conf as it is (the runtime's default)
+    dns: DnsConfig | None = None
+    runtime_handler: str = ""  # the pod's RuntimeClass's handler ("": the default)
+    overhead: Resources | None = None  # spec.overhead (set from the RuntimeClass)
 
     @classmethod
     def from_pod(cls, pod: Mapping[str, Any], attempt: int = 0,
@@ -150,10 +180,13 @@ class SandboxConfig:
             name=name, namespace=namespace, uid=uid, attempt=attempt,
             host_network=host_network,
             # containerd refuses a hostname without a private UTS namespace
-            hostname="" if host_network else str(spec.get("hostname") or name),
+            hostname="" if host_network else truncate_hostname(
+                str(spec.get("hostname") or name)),
             labels=labels, annotations=annotations, port_mappings=ports,
             log_directory=f"{log_root}/{namespace}_{name}_{uid}" if log_root else "",
             termination_grace_seconds=30 if grace is None else int(grace),
+            security=sandbox_security(pod),
+            overhead=_overhead(spec.get("overhead"), f"pod {namespace}/{name}"),
         )
 
 
@@ -165,6 +198,8 @@ class Mount:
     container_path: str
     host_path: str
     read_only: bool = False
+    propagation: str = "None"  # the API's mountPropagation: None, HostToContainer,
+    # Bidirectional
 
 
 @dataclass
@@ -192,13 +227,18 @@ class ContainerConfig:
     stdin_once: bool = False
     tty: bool = False
     mounts: list[Mount] = field(default_factory=list)
+    security: ContainerSecurity = field(default_factory=ContainerSecurity)
 
     @classmethod
     def from_pod(cls, pod: Mapping[str, Any], container: Mapping[str, Any], *,
                  attempt: int = 0, restart_count: int = 0, init: bool = False,
-                 field_values: Mapping[str, str] | None = None) -> ContainerConfig:
-        """`field_values` resolves env `valueFrom.fieldRef` paths (e.g. "spec.nodeName",
-        "status.podIP"); metadata.name/namespace/uid are filled from the pod itself."""
+                 env: list[tuple[str, str]] | None = None,
+                 mounts: list[Mount] | None = None,
+                 seccomp_root: str = "") -> ContainerConfig:
+        """`env` is the environment nodeagent.env resolved (None: the literal `value`s
+        of the spec, which then must hold nothing else); command and args are the
+        spec's, unexpanded. `seccomp_root`: the folder Localhost seccomp profiles are
+        named relative to."""
         name, namespace, uid = _pod_identity(pod)
         cname = container.get("name")
         if not cname:
@@ -206,39 +246,13 @@ class ContainerConfig:
         image = container.get("image")
         if not image:
             raise ValueError(f"pod {namespace}/{name}: container {cname}: image is empty")
-        spec = pod.get("spec") or {}
-        fields = {"metadata.name": name, "metadata.namespace": namespace,
-                  "metadata.uid": uid, "spec.nodeName": str(spec.get("nodeName") or ""),
-                  "spec.serviceAccountName": str(spec.get("serviceAccountName") or ""),
-                  "status.hostIP": "", "status.hostIPs": "", "status.podIP": "",
-                  "status.podIPs": "", **(field_values or {})}
-        meta = pod.get("metadata") or {}
-        for kind in ("labels", "annotations"):
-            for k, v in (meta.get(kind) or {}).items():
-                fields[f"metadata.{kind}['{k}']"] = str(v)
-        where = f"pod {namespace}/{name} container {cname}"
-        if container.get("envFrom"):
-            raise ValueError(f"{where}: envFrom is not supported by this agent "
-                             "(no ConfigMap/Secret access)")
-        env: list[tuple[str, str]] = []
-        for e in container.get("env") or []:
-            if "value" in e or "valueFrom" not in e:
-                env.append((str(e["name"]), str(e.get("value") or "")))
-                continue
-            value_from = e.get("valueFrom") or {}
-            path = (value_from.get("fieldRef") or {}).get("fieldPath")
-            if path is None:
-                kinds = ", ".join(sorted(value_from)) or "nothing"
-                raise ValueError(f"{where}: env {e['name']}: valueFrom.{kinds} is not "
-                                 "supported by this agent (only fieldRef)")
-            if path not in fields:
-                # a label or annotation that is not set resolves to "", like the kubelet
-                if path.startswith(("metadata.labels[", "metadata.annotations[")):
-                    fields[path] = ""
-                else:
-                    raise ValueError(f"{where}: env {e['name']}: valueFrom.fieldRef."
-                                     f"fieldPath {path!r} is not supported")
-            env.append((str(e["name"]), fields[path]))
+        if env is None:
+            if container.get("envFrom") or any("valueFrom" in e
+                                               for e in container.get("env") or []):
+                raise ValueError(f"pod {namespace}/{name} container {cname}: envFrom and "
+                                 "valueFrom are resolved by nodeagent.env, not here")
+            env = [(str(e["name"]), str(e.get("value") or ""))
+                   for e in container.get("env") or []]
         labels = {LABEL_POD_UID: uid, LABEL_POD_NAME: name, LABEL_POD_NAMESPACE: namespace,
                   LABEL_CONTAINER_NAME: str(cname), LABEL_MANAGED: "true"}
         h = container_spec_hash(container)
@@ -257,7 +271,10 @@ class ContainerConfig:
             spec_hash=h, log_path=f"{cname}/{attempt}.log",
             labels=labels, annotations=annotations,
             stdin=bool(container.get("stdin")), stdin_once=bool(container.get("stdinOnce")),
-            tty=bool(container.get("tty")),
+            tty=bool(container.get("tty")), mounts=list(mounts or []),
+            security=container_security(
+                pod, container, f"{container_path(pod, str(cname))}.securityContext",
+                seccomp_root),
         )
 
 
@@ -452,12 +469,20 @@ class Runtime(ABC):
     async def list_images(self) -> list[ImageInfo]:
         """Images in the local store, for NodeStatus.images."""
 
+    async def image_user(self, ref: str) -> tuple[int | None, str]:
+        """The user a present image runs as by default: (uid, "") for a numeric user,
+        (None, name) for a user name, (None, "") when the image names none (root).
+        What runAsNonRoot is checked against."""
+        raise Unsupported(f"the {self.scheme} runtime cannot tell an image's user")
+
     async def close(self) -> None:  # noqa: B027 (optional hook, nothing to do by default)
         """Release connections; the runtime's objects keep running."""
 
     # --- what the kubelet API serves (optional: the defaults refuse, naming the runtime)
 
-    # whether ContainerConfig.mounts can be honoured (files of the host in a container)
+    # Whether a container gets a root filesystem of its own into which
+    # ContainerConfig.mounts can be made (the files the agent writes for it: its managed
+    # /etc/hosts, its termination-message file, its volumes).
     can_mount: bool = True
 
     # How container log files are written: "cri" (`<time> <stream> <P|F> <text>` lines,
@@ -513,6 +538,30 @@ def _pod_identity(pod: Mapping[str, Any]) -> tuple[str, str, str]:
     if not uid:
         raise ValueError(f"pod {namespace}/{name}: metadata.uid is empty")
     return str(name), str(namespace), str(uid)
+
+
+def _overhead(overhead: Mapping[str, Any] | None, where: str) -> Resources | None:
+    """spec.overhead (what the sandbox itself costs) as limits, as CRI carries it."""
+    if not overhead:
+        return None
+    cpu = overhead.get("cpu")
+    mem = overhead.get("memory")
+    return Resources(
+        cpu_limit_millis=None if cpu is None else round(
+            parse_quantity(cpu, f"{where}: spec.overhead.cpu") * 1000),
+        memory_limit_bytes=None if mem is None else math.ceil(
+            parse_quantity(mem, f"{where}: spec.overhead.memory")))
+
+
+def container_path(pod: Mapping[str, Any], name: str) -> str:
+    """Where a container is in the pod spec, as API field paths say it:
+    `spec.containers[0]`, `spec.initContainers[1]`."""
+    spec = pod.get("spec") or {}
+    for kind in ("initContainers", "containers", "ephemeralContainers"):
+        for i, c in enumerate(spec.get(kind) or []):
+            if c.get("name") == name:
+                return f"spec.{kind}[{i}]"
+    return f"container {name}"
 
 
 def container_spec_hash(container: Mapping[str, Any]) -> str:

@@ -70,6 +70,10 @@ class FakeRuntime(Runtime):
         self.sandboxes: dict[str, Sandbox] = {}
         self.containers: dict[str, Container] = {}
         self.configs: dict[str, ContainerConfig] = {}  # container id -> what created it
+        self.sandbox_configs: dict[str, SandboxConfig] = {}  # sandbox id -> the same
+        # image ref -> (uid, user name) it runs as; an image not named runs as root
+        self.image_users: dict[str, tuple[int | None, str]] = {}
+        self.runtime_handlers: set[str] = {""}  # handlers it has (RuntimeClass)
         self.calls: Counter[str] = Counter()
         # faults and behaviours a test can set
         self.hang_pod_status: set[str] = set()   # pod uids whose pod_status never returns
@@ -203,7 +207,12 @@ class FakeRuntime(Runtime):
 
     async def run_sandbox(self, config: SandboxConfig) -> str:
         self._call("run_sandbox")
+        if config.runtime_handler not in self.runtime_handlers:
+            raise ContainerRuntimeError(f"run_sandbox {config.namespace}/{config.name}: "
+                                        f"no runtime for {config.runtime_handler!r} is "
+                                        "configured")
         sid = self._new_id("sb")
+        self.sandbox_configs[sid] = config
         n = next(self._ips)
         ip = self.host_ip if config.host_network else f"10.88.{n // 250}.{n % 250 + 2}"
         self.sandboxes[sid] = Sandbox(
@@ -237,6 +246,7 @@ class FakeRuntime(Runtime):
                 self._forget(uid, cid)
                 del self.containers[cid]
         del self.sandboxes[sandbox_id]
+        self.sandbox_configs.pop(sandbox_id, None)
         log_dir = self._log_dirs.pop(sandbox_id, None)
         if log_dir and log_dir not in self._log_dirs.values():
             shutil.rmtree(log_dir, ignore_errors=True)  # the pod is gone, its logs too
@@ -376,6 +386,12 @@ class FakeRuntime(Runtime):
     async def image_present(self, ref: str) -> bool:
         self._call("image_present")
         return self._present(ref)
+
+    async def image_user(self, ref: str) -> tuple[int | None, str]:
+        self._call("image_user")
+        if not self._present(ref):
+            raise ImageNotPresent(f"image_user: image {ref} is not present")
+        return self.image_users.get(ref, (None, ""))
 
     async def pull_image(self, ref: str, auth: RegistryAuth | None = None) -> ImageInfo:
         self._call("pull_image")

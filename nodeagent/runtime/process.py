@@ -72,6 +72,7 @@ from nodeagent.runtime.base import (
     Unsupported,
 )
 from nodeagent.runtime.execserver import ExecSpec, StreamingServer
+from nodeagent.runtime.security import UNCONFINED, ContainerSecurity
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -167,6 +168,38 @@ class _ContainerRec:
     init: bool = False
     labels: dict[str, str] = field(default_factory=dict)
     annotations: dict[str, str] = field(default_factory=dict)
+
+
+def _refuse_security(sec: ContainerSecurity, where: str) -> None:
+    """A process runs as the agent's own user, with its privileges and in the host's
+    filesystem: a security setting that would change that cannot be honoured."""
+    own_groups = {os.getgid(), *os.getgroups()}
+    why = ""
+    if sec.run_as_user is not None and sec.run_as_user != os.getuid():
+        why = f"runAsUser {sec.run_as_user}: every process runs as the agent's user " \
+              f"(uid {os.getuid()})"
+    elif sec.run_as_group is not None and sec.run_as_group != os.getgid():
+        why = f"runAsGroup {sec.run_as_group}: every process runs with the agent's group " \
+              f"(gid {os.getgid()})"
+    elif set(sec.supplemental_groups) - own_groups:
+        why = f"supplementalGroups/fsGroup {sorted(set(sec.supplemental_groups) - own_groups)}:" \
+              " every process has the agent's groups"
+    elif sec.privileged:
+        why = "privileged: a process has the agent's privileges, no more"
+    elif sec.readonly_rootfs:
+        why = "readOnlyRootFilesystem: a process writes to the host's filesystem"
+    elif sec.no_new_privs:
+        why = "allowPrivilegeEscalation: false: not applied to processes"
+    elif sec.capabilities_add or sec.capabilities_drop:
+        why = "capabilities: a process has the agent's capabilities"
+    elif sec.seccomp.kind != UNCONFINED:
+        why = f"seccompProfile {sec.seccomp.kind}: processes run without a seccomp filter"
+    elif sec.apparmor is not None and sec.apparmor.kind != UNCONFINED:
+        why = f"appArmorProfile {sec.apparmor.kind}: processes run unconfined"
+    elif sec.selinux is not None:
+        why = "seLinuxOptions: processes keep the agent's SELinux label"
+    if why:
+        raise Unsupported(f"{where}.{why} (the process runtime)")
 
 
 class ProcessRuntime(Runtime):
@@ -447,6 +480,18 @@ class ProcessRuntime(Runtime):
                                     containers=[self._container_obj(c) for c in cs])
 
     def _run_sandbox(self, config: SandboxConfig) -> str:
+        where = f"process run_sandbox {config.namespace}/{config.name}"
+        if config.security.sysctls:
+            raise Unsupported(f"{where}: spec.securityContext.sysctls: the process runtime "
+                              "runs pods in the host's namespaces, where a sysctl would "
+                              "change the whole node")
+        if config.runtime_handler:
+            raise Unsupported(f"{where}: spec.runtimeClassName: the process runtime has no "
+                              f"runtime handler {config.runtime_handler!r}")
+        if config.dns is not None:
+            raise Unsupported(f"{where}: dnsPolicy/dnsConfig: the process runtime runs pods "
+                              "in the host's filesystem, with the node's /etc/resolv.conf; "
+                              "use dnsPolicy: Default without dnsConfig")
         sid = uuid.uuid4().hex
         log_dir = config.log_directory or str(
             self.state_dir / "logs" / f"{config.namespace}_{config.name}_{config.uid}")
@@ -474,6 +519,7 @@ class ProcessRuntime(Runtime):
             field_name = "tty" if config.tty else "stdin"
             raise ContainerRuntimeError(f"{where}: {field_name}: the process runtime cannot "
                                         "give a process a terminal or keep its stdin open")
+        _refuse_security(config.security, f"{where}: securityContext")
         if config.mounts:
             raise Unsupported(f"{where}: volumeMounts: the process runtime runs a process "
                               f"in the host's filesystem and cannot mount "
@@ -701,6 +747,9 @@ class ProcessRuntime(Runtime):
 
     async def image_present(self, ref: str) -> bool:
         return True  # the image is only a label here
+
+    async def image_user(self, ref: str) -> tuple[int | None, str]:
+        return os.getuid(), ""  # every process runs as the agent's own user
 
     async def pull_image(self, ref: str, auth: RegistryAuth | None = None) -> ImageInfo:
         """Nothing to fetch: an image is only a label here, so every image is present

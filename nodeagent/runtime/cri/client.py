@@ -56,6 +56,13 @@ from nodeagent.runtime.base import (
 )
 from nodeagent.runtime.cri.gen import api_pb2 as pb
 from nodeagent.runtime.cri.gen import api_pb2_grpc as pb_grpc
+from nodeagent.runtime.security import (
+    LOCALHOST,
+    RUNTIME_DEFAULT,
+    UNCONFINED,
+    Profile,
+    SELinux,
+)
 
 LABEL_ATTEMPT = "nodepulse.dev/attempt"
 # ListPodSandbox does not say whether a sandbox shares the host network; we keep it.
@@ -120,13 +127,40 @@ def linux_resources(r: Resources) -> pb.LinuxContainerResources:
     return out
 
 
+def namespaces_pb(c: SandboxConfig) -> pb.NamespaceOption:
+    """hostNetwork/hostPID/hostIPC share the node's; shareProcessNamespace makes one
+    PID namespace for the pod, else each container has its own."""
+    sec = c.security
+    pid = pb.NODE if sec.host_pid else pb.POD if sec.share_process_namespace \
+        else pb.CONTAINER
+    return pb.NamespaceOption(network=pb.NODE if c.host_network else pb.POD, pid=pid,
+                              ipc=pb.NODE if sec.host_ipc else pb.POD)
+
+
+def _profile_pb(p: Profile) -> pb.SecurityProfile:
+    kind = {RUNTIME_DEFAULT: pb.SecurityProfile.RuntimeDefault,
+            UNCONFINED: pb.SecurityProfile.Unconfined,
+            LOCALHOST: pb.SecurityProfile.Localhost}[p.kind]
+    return pb.SecurityProfile(profile_type=kind, localhost_ref=p.localhost_ref)
+
+
+def _selinux_pb(s: SELinux | None) -> pb.SELinuxOption | None:
+    if s is None:
+        return None
+    return pb.SELinuxOption(user=s.user, role=s.role, type=s.type, level=s.level)
+
+
+def _int64(v: int | None) -> pb.Int64Value | None:
+    return None if v is None else pb.Int64Value(value=v)
+
+
 def sandbox_config_pb(c: SandboxConfig) -> pb.PodSandboxConfig:
     labels = {**c.labels, LABEL_POD_UID: c.uid, LABEL_POD_NAME: c.name,
               LABEL_POD_NAMESPACE: c.namespace, LABEL_ATTEMPT: str(c.attempt)}
     annotations = dict(c.annotations)
     if c.host_network:
         annotations[ANNOTATION_HOST_NETWORK] = "true"
-    ns = pb.NamespaceOption(network=pb.NODE if c.host_network else pb.POD)
+    sec = c.security
     protos = {"TCP": pb.TCP, "UDP": pb.UDP, "SCTP": pb.SCTP}
     ports = []
     for p in c.port_mappings:
@@ -145,9 +179,25 @@ def sandbox_config_pb(c: SandboxConfig) -> pb.PodSandboxConfig:
         port_mappings=ports,
         labels=labels,
         annotations=annotations,
+        dns_config=None if c.dns is None else pb.DNSConfig(
+            servers=c.dns.servers, searches=c.dns.searches, options=c.dns.options),
         linux=pb.LinuxPodSandboxConfig(
-            security_context=pb.LinuxSandboxSecurityContext(namespace_options=ns)),
+            security_context=pb.LinuxSandboxSecurityContext(
+                namespace_options=namespaces_pb(c), run_as_user=_int64(sec.run_as_user),
+                run_as_group=_int64(sec.run_as_group),
+                supplemental_groups=sec.supplemental_groups, privileged=sec.privileged,
+                selinux_options=_selinux_pb(sec.selinux),
+                # the sandbox's own process runs under the runtime's default profile
+                # whatever its containers ask for, as the kubelet's does
+                seccomp=pb.SecurityProfile(profile_type=pb.SecurityProfile.RuntimeDefault)),
+            sysctls=dict(sec.sysctls),
+            overhead=None if c.overhead is None else linux_resources(c.overhead)),
     )
+
+
+_PROPAGATION = {"None": pb.PROPAGATION_PRIVATE,
+                "HostToContainer": pb.PROPAGATION_HOST_TO_CONTAINER,
+                "Bidirectional": pb.PROPAGATION_BIDIRECTIONAL}
 
 
 def container_config_pb(c: ContainerConfig, sandbox: SandboxConfig) -> pb.ContainerConfig:
@@ -157,20 +207,30 @@ def container_config_pb(c: ContainerConfig, sandbox: SandboxConfig) -> pb.Contai
         annotations[ANNOTATION_SPEC_HASH] = c.spec_hash
     if c.init:
         annotations[ANNOTATION_INIT] = "true"
-    ns = pb.NamespaceOption(network=pb.NODE if sandbox.host_network else pb.POD)
+    sec = c.security
     return pb.ContainerConfig(
         metadata=pb.ContainerMetadata(name=c.name, attempt=c.attempt),
         image=pb.ImageSpec(image=c.image),
         command=c.command, args=c.args, working_dir=c.working_dir,
         envs=[pb.KeyValue(key=k, value=v) for k, v in c.env],
         mounts=[pb.Mount(container_path=m.container_path, host_path=m.host_path,
-                         readonly=m.read_only) for m in c.mounts],
+                         readonly=m.read_only, propagation=_PROPAGATION[m.propagation])
+                for m in c.mounts],
         labels=labels, annotations=annotations,
         log_path=c.log_path if sandbox.log_directory else "",
         stdin=c.stdin, stdin_once=c.stdin_once, tty=c.tty,
         linux=pb.LinuxContainerConfig(
             resources=linux_resources(c.resources),
-            security_context=pb.LinuxContainerSecurityContext(namespace_options=ns)),
+            security_context=pb.LinuxContainerSecurityContext(
+                namespace_options=namespaces_pb(sandbox),
+                run_as_user=_int64(sec.run_as_user), run_as_group=_int64(sec.run_as_group),
+                supplemental_groups=sec.supplemental_groups, privileged=sec.privileged,
+                readonly_rootfs=sec.readonly_rootfs, no_new_privs=sec.no_new_privs,
+                capabilities=pb.Capability(add_capabilities=sec.capabilities_add,
+                                           drop_capabilities=sec.capabilities_drop),
+                seccomp=_profile_pb(sec.seccomp),
+                apparmor=None if sec.apparmor is None else _profile_pb(sec.apparmor),
+                selinux_options=_selinux_pb(sec.selinux))),
     )
 
 
@@ -326,7 +386,8 @@ class CriRuntime(Runtime):
         r = await self._call(
             f"RunPodSandbox {config.namespace}/{config.name}", rt.RunPodSandbox,
             pb.RunPodSandboxRequest(config=sandbox_config_pb(config),
-                                    runtime_handler=self.runtime_handler),
+                                    runtime_handler=config.runtime_handler
+                                    or self.runtime_handler),
             self.request_timeout)
         return r.pod_sandbox_id
 
@@ -386,6 +447,16 @@ class CriRuntime(Runtime):
                              pb.ImageStatusRequest(image=pb.ImageSpec(image=ref)))
         # a missing image is OK with no image field, not NOT_FOUND
         return r.HasField("image") and bool(r.image.id)
+
+    async def image_user(self, ref: str) -> tuple[int | None, str]:
+        _, img = self._stubs()
+        r = await self._call(f"ImageStatus {ref}", img.ImageStatus,
+                             pb.ImageStatusRequest(image=pb.ImageSpec(image=ref)))
+        if not (r.HasField("image") and r.image.id):
+            raise ImageNotPresent(f"cri ImageStatus {ref}: image is not present")
+        # containerd gives a numeric user (even "1000:1000") as uid, a name as username
+        uid = r.image.uid.value if r.image.HasField("uid") else None
+        return uid, r.image.username
 
     async def pull_image(self, ref: str, auth: RegistryAuth | None = None) -> ImageInfo:
         _, img = self._stubs()
