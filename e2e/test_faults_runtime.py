@@ -682,10 +682,10 @@ def test_agent_sigterm_while_starting_interrupts_nothing(
         assert "still running after" not in log, "the stop gave up waiting for the runtime"
         agent.start()
         try:
-            eventually(lambda: converged(env, set(names), set()) is None,
+            eventually(lambda: converged(env, set(names), set(), kills=0) is None,
                        "the runtime to match the API", 120, every=0.5)
         except AssertionError:
-            print(f"still differs: {converged(env, set(names), set())}\n{env.describe()}")
+            print(f"still differs: {converged(env, set(names), set(), kills=0)}\n{env.describe()}")
             raise
         restarted = {p.metadata.name: p.status.container_statuses[0].last_state.terminated
                      for p in env.pods() if p.status.container_statuses[0].restart_count}
