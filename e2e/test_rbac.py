@@ -255,7 +255,8 @@ def _matrix(rel: Release, foreign: str) -> dict[str, list[tuple[str, str, str, s
             ("patch", "", "pods/status", ns, "any", True), ("delete", "", "pods", ns, "any", True),
             ("create", "", "pods", ns, "", False), ("patch", "", "pods", ns, "any", False),
             ("update", "", "pods", ns, "any", False), ("get", "", "configmaps", ns, "any", False),
-            ("create", "", "events", "default", "", True), ("create", "", "events", ns, "", False),
+            # Events: on its Nodes (in "default") and on pods (in the pods' namespaces)
+            ("create", "", "events", "default", "", True), ("create", "", "events", ns, "", True),
             ("patch", "", "events", "default", "any", False),
             ("delete", "", "events", "default", "any", False),
         ],
@@ -367,12 +368,19 @@ def test_agent_identity_cannot_touch_what_it_does_not_own(
     # (no agent speaks for the foreign node, so nothing would finish a graceful delete)
     admin_core.delete_namespaced_pod(pod, release.namespace, grace_period_seconds=0)
 
-    # Events: only about its own Nodes, only in "default"
+    # Events: only about its own Nodes, or about pods whose source host is one of them
+    # (the agent names the pod's node there, as the kubelet does)
     status, body = _status(lambda: core.create_namespaced_event("default", _event(foreign_node)))
     assert status == 403 and f'create events concerns node "{foreign_node}"' in body
+    own = release.agent_node(0, 0)
     status, body = _status(lambda: core.create_namespaced_event(
-        release.namespace, _event(release.agent_node(0, 0), release.namespace)))
-    assert status == 403 and 'cannot create resource "events"' in body
+        release.namespace, _event("p", release.namespace, kind="Pod", host=foreign_node)))
+    assert status == 403 and f'create events concerns node "{foreign_node}"' in body
+    status, body = _status(lambda: core.create_namespaced_event(
+        release.namespace, _event("p", release.namespace, kind="Pod")))
+    assert status == 403 and 'create events concerns node ""' in body
+    core.create_namespaced_event(release.namespace,
+                                 _event("p", release.namespace, kind="Pod", host=own))
 
     # nothing else at all
     status, _ = _status(lambda: core.list_namespaced_secret(release.namespace))
@@ -398,15 +406,16 @@ def _pod(cluster: Cluster, namespace: str, node: str) -> str:
 
 
 def _event(node: str, namespace: str = "default", *, kind: str = "Node",
-           source: str | None = None, api_version: str = "v1") -> dict[str, Any]:
+           source: str | None = None, host: str | None = None,
+           api_version: str = "v1") -> dict[str, Any]:
     now = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     body = {"apiVersion": "v1", "kind": "Event",
             "metadata": {"name": f"{node}.{uuid.uuid4().hex[:8]}", "namespace": namespace},
             "involvedObject": {"apiVersion": api_version, "kind": kind, "name": node},
             "reason": "E2E", "message": "made up", "type": "Warning",
             "firstTimestamp": now, "lastTimestamp": now, "count": 1}
-    if source:
-        body["source"] = {"component": source}
+    if source or host:
+        body["source"] = {"component": source or "e2e", **({"host": host} if host else {})}
     return body
 
 

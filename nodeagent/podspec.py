@@ -91,7 +91,8 @@ CONTAINER_FIELDS: dict[str, Rule] = {
     "resources": lambda v: "dynamic resource allocation (resources.claims) is not " \
         "supported by this agent" if (v or {}).get("claims") else None,
     "resizePolicy": None,            # a changed resource restarts the container (syncer.py)
-    "restartPolicy": None,           # sidecar init containers: the lifecycle code
+    "restartPolicy": None,           # sidecar init containers (Always): the lifecycle
+                                     # code; refused on the others (REGULAR_CONTAINER_FIELDS)
     "restartPolicyRules": refused("container restart rules are not supported by this "
                                   "agent"),
     "volumeMounts": None,            # nodeagent/volumes
@@ -100,7 +101,7 @@ CONTAINER_FIELDS: dict[str, Rule] = {
     "livenessProbe": None,           # probes.py
     "readinessProbe": None,          # probes.py
     "startupProbe": None,            # probes.py
-    "lifecycle": None,               # the lifecycle code (postStart, preStop)
+    "lifecycle": None,               # fields in LIFECYCLE_FIELDS
     "terminationMessagePath": None,  # the lifecycle code (termination messages)
     "terminationMessagePolicy": None,  # the lifecycle code
     "imagePullPolicy": None,         # the image code
@@ -108,6 +109,20 @@ CONTAINER_FIELDS: dict[str, Rule] = {
     "stdin": None,                   # runtime ContainerConfig (CRI stdin)
     "stdinOnce": None,               # runtime ContainerConfig
     "tty": None,                     # runtime ContainerConfig
+}
+
+# Of the regular containers: a restart policy of their own is an alpha feature
+# (per-container restart rules) this agent does not implement.
+REGULAR_CONTAINER_FIELDS: dict[str, Rule] = {
+    **CONTAINER_FIELDS,
+    "restartPolicy": lambda v: f"restartPolicy {v}: only an init container's "
+        "restartPolicy Always (a sidecar) is supported by this agent",
+}
+
+LIFECYCLE_FIELDS: dict[str, Rule] = {
+    "postStart": None,               # lifecycle.py
+    "preStop": None,                 # lifecycle.py
+    "stopSignal": refused("a container's own stop signal is not supported by this agent"),
 }
 
 SECURITY_FIELDS: dict[str, Rule] = {
@@ -192,8 +207,10 @@ def unhandled(pod: Mapping[str, Any]) -> list[Unhandled]:
                 continue
             name = str(c.get("name") or "")
             path = f"spec.{kind}[{i}]"
-            out += _check(c, CONTAINER_FIELDS, path, name)
-            csc = c.get("securityContext")
-            if isinstance(csc, Mapping):
-                out += _check(csc, SECURITY_FIELDS, f"{path}.securityContext", name)
+            table = CONTAINER_FIELDS if kind == "initContainers" else REGULAR_CONTAINER_FIELDS
+            out += _check(c, table, path, name)
+            for field, fields in (("securityContext", SECURITY_FIELDS),
+                                  ("lifecycle", LIFECYCLE_FIELDS)):
+                if isinstance(c.get(field), Mapping):
+                    out += _check(c[field], fields, f"{path}.{field}", name)
     return out

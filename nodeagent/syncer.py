@@ -566,10 +566,17 @@ class PodSyncer:
         """Fill plan.refused with the containers that cannot be created because of a
         field this agent does not honour; True when a pod-level field blocks them all."""
         problems = podspec.unhandled(pod)
+        # what podspec's tables accept but this syncer's parts cannot do
         if (pod.get("spec") or {}).get("hostAliases") and not self.runtime.can_mount:
             problems.append(podspec.Unhandled(
                 "spec.hostAliases", f"the {self.runtime.scheme} runtime runs containers in "
                 "the node's filesystem and cannot give them an /etc/hosts of their own"))
+        if self.probes is None:
+            problems += [podspec.Unhandled(f"container {c.get('name')}: {kind.field}",
+                                           "probes are not run by this agent's pod loop",
+                                           str(c.get("name")))
+                         for c in podspec_containers(pod) for kind in Kind
+                         if c.get(kind.field) is not None]
         pod_level = next((p for p in problems if p.container is None), None)
         for p in problems:
             if p.container is not None:
@@ -688,7 +695,6 @@ class PodSyncer:
                                            mounts=mounts,
                                            seccomp_root=self.settings.seccomp_root)
             cfg.command, cfg.args = expand_command(spec, env)
-            self._refuse_unsupported(spec, init)
             await self._check_non_root(pod, cfg)
             self._mount_etc_hosts(pod, spec, sandbox, sc, cfg)
             mount = self._message_mount(pod, spec, attempt)
@@ -735,28 +741,6 @@ class PodSyncer:
             plan.waiting[name] = Waiting("PostStartHookError", failed)
             self.backoff.restarted((sc.uid, name))
             plan.again(max(1.0, self.backoff.remaining((sc.uid, name))))
-
-    def _refuse_unsupported(self, spec: Mapping[str, Any], init: bool) -> None:
-        """What of probes and lifecycle this agent does not do is refused, naming the
-        field, never run without it: probes where no probe manager runs, a container's
-        own stop signal, per-container restart policies and rules (alpha features)."""
-        name = spec["name"]
-        if self.probes is None:
-            for kind in Kind:
-                if spec.get(kind.field) is not None:
-                    raise ValueError(f"container {name}: {kind.field}: probes are not run "
-                                     "by this agent's pod loop")
-        if (spec.get("lifecycle") or {}).get("stopSignal"):
-            raise ValueError(f"container {name}: lifecycle.stopSignal is not supported by "
-                             "this agent")
-        if spec.get("restartPolicyRules"):
-            raise ValueError(f"container {name}: restartPolicyRules is not supported by "
-                             "this agent")
-        policy = spec.get("restartPolicy")
-        if policy is not None and not (init and policy == "Always"):
-            raise ValueError(f"container {name}: restartPolicy {policy}: only an init "
-                             "container's restartPolicy Always (a sidecar) is supported by "
-                             "this agent")
 
     def _message_mount(self, pod: Pod, spec: Mapping[str, Any], attempt: int) -> Mount | None:
         """The termination-message file, where the runtime can mount it. A runtime that

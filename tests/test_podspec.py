@@ -46,9 +46,8 @@ def test_scheduler_fields_are_accepted() -> None:
 def test_fields_owned_by_other_modules_are_not_refused_here() -> None:
     c = {"name": "c", "image": "i", "envFrom": [{"configMapRef": {"name": "x"}}],
          "livenessProbe": {"exec": {"command": ["true"]}}, "readinessProbe": {},
-         "startupProbe": {"tcpSocket": {"port": 1}}, "lifecycle": {"preStop": {}},
-         "restartPolicy": "Always"}
-    pod = mkpod("p", containers=[c], initContainers=[dict(c, name="i")],
+         "startupProbe": {"tcpSocket": {"port": 1}}, "lifecycle": {"preStop": {}}}
+    pod = mkpod("p", containers=[c], initContainers=[dict(c, name="i", restartPolicy="Always")],
                 activeDeadlineSeconds=5, readinessGates=[{"conditionType": "x"}],
                 imagePullSecrets=[{"name": "s"}], dnsConfig={"searches": ["a"]},
                 hostAliases=[{"ip": "1.2.3.4", "hostnames": ["a"]}])
@@ -58,11 +57,15 @@ def test_fields_owned_by_other_modules_are_not_refused_here() -> None:
 def test_refused_fields_are_named_by_path_and_container() -> None:
     pod = mkpod("p", containers=("a", {"name": "b", "image": "i",
                                        "volumeDevices": [{"name": "v", "devicePath": "/d"}],
-                                       "securityContext": {"procMount": "Unmasked"}}),
+                                       "securityContext": {"procMount": "Unmasked"},
+                                       "lifecycle": {"stopSignal": "SIGUSR1"},
+                                       "restartPolicy": "Always"}),
                 hostUsers=False)
     got = {(u.path, u.container) for u in unhandled(pod)}
     assert got == {("spec.hostUsers", None), ("spec.containers[1].volumeDevices", "b"),
-                   ("spec.containers[1].securityContext.procMount", "b")}
+                   ("spec.containers[1].securityContext.procMount", "b"),
+                   ("spec.containers[1].lifecycle.stopSignal", "b"),
+                   ("spec.containers[1].restartPolicy", "b")}
     [u] = [u for u in unhandled(pod) if u.container == "b" and "Devices" in u.path]
     assert u.message.startswith("spec.containers[1].volumeDevices: raw block devices")
 

@@ -18,8 +18,10 @@ from __future__ import annotations
 import base64
 import contextlib
 import ctypes
+import ipaddress
 import json
 import os
+import random
 import secrets
 import shutil
 import signal
@@ -115,6 +117,7 @@ class Containerd:
     base: Path
     proc: subprocess.Popen[bytes] | None
     bridge: str
+    subnet: str = ""  # the pods' addresses (CNI host-local), when networked
     images: dict[str, str] = field(default_factory=dict)  # role -> image name
     keep_files: bool = False
 
@@ -285,13 +288,31 @@ def _unmount_under(base: Path) -> None:
         libc.umount2(point.encode(), 2)  # MNT_DETACH
 
 
-def start_containerd(*, cni: bool = True, subnet: str = "10.88.0.0/24",
+def free_subnet() -> str:
+    """A /24 in 10.88.0.0/16 that no route of the host covers yet. Each containerd gets a
+    bridge of its own; two on one subnet (concurrent runs, or a bridge a killed run left
+    behind) would route one's pod addresses to the other's bridge. Random, so two
+    starting at once rarely pick the same one."""
+    routes = subprocess.run(["ip", "-4", "-o", "route", "show"], capture_output=True,
+                            text=True, timeout=30).stdout.splitlines()
+    taken = [ipaddress.ip_network(r.split()[0], strict=False) for r in routes
+             if r.split() and r.split()[0][0].isdigit()]
+    candidates = [ipaddress.ip_network(f"10.88.{n}.0/24") for n in range(256)]
+    free = [c for c in candidates if not any(c.overlaps(t) for t in taken)]
+    if not free:
+        raise RuntimeError("no free /24 left in 10.88.0.0/16 for a containerd bridge: "
+                           "delete stale np* bridges (ip link delete npXXXXXXXX)")
+    return str(random.choice(free))
+
+
+def start_containerd(*, cni: bool = True, subnet: str | None = None,
                      import_images: bool = True, base_dir: Path | None = None,
                      keep_files: bool = False, ready_timeout: float = 30.0) -> Containerd:
     """Start a private containerd and wait until its CRI service answers.
 
     cni: write a bridge+portmap conflist (pod networking); without it only
       hostNetwork pods run (NetworkReady=False).
+    subnet: the pods' addresses; by default a free one (free_subnet).
     import_images: build (cached) and import PAUSE_IMAGE and BUSYBOX_IMAGE.
     Raises RuntimeError naming the log file if containerd exits or never answers.
     """
@@ -307,6 +328,7 @@ def start_containerd(*, cni: bool = True, subnet: str = "10.88.0.0/24",
     if cni:
         if not (CNI_BIN_DIR / "bridge").exists():
             raise RuntimeError(f"{CNI_BIN_DIR}/bridge missing: install containernetworking-plugins")
+        subnet = subnet or free_subnet()
         conflist = _cni_conflist(bridge, subnet, base / "cni-ipam")
         (cni_conf / "10-nodepulse.conflist").write_text(json.dumps(conflist, indent=2))
     config = base / "config.toml"
@@ -314,7 +336,8 @@ def start_containerd(*, cni: bool = True, subnet: str = "10.88.0.0/24",
         root=base / "root", state=base / "state", sock=base / "containerd.sock",
         ttrpc=base / "containerd.ttrpc.sock", base=base, sandbox_image=images.PAUSE_IMAGE,
         cni_bin=CNI_BIN_DIR, cni_conf=cni_conf, runc_root=base / "runc"))
-    ctd = Containerd(base=base, proc=_spawn(base), bridge=bridge, keep_files=keep_files)
+    ctd = Containerd(base=base, proc=_spawn(base), bridge=bridge, subnet=subnet or "",
+                     keep_files=keep_files)
     try:
         _wait_ready(ctd, ready_timeout)
         if import_images:
