@@ -19,7 +19,7 @@ from typing import Any
 import kopf
 from nodeoperator.election import KubeLeaseBackend, LeaderElector
 from nodeoperator.events import NodeEvents
-from nodeoperator.kube import KubeWriter
+from nodeoperator.kube import EVENT_WRITERS, KubeWriter
 from nodeoperator.lifecycle import Lifecycle
 from nodeoperator.monitor import Monitor
 from nodeoperator.state import Store
@@ -33,6 +33,10 @@ from nodeagent.api.policy import GROUP, PLURAL, VERSION
 from nodeagent.api.serve import HealthServer
 
 log = logging.getLogger("nodeoperator")
+
+# The event loop's default executor's threads (asyncio: min(32, CPUs + 4)), on which the
+# election and the initial sync send their requests.
+DEFAULT_EXECUTOR = min(32, (os.cpu_count() or 1) + 4)
 
 
 @dataclasses.dataclass
@@ -97,15 +101,19 @@ def settings() -> kopf.OperatorSettings:
 async def run(opts: Options, clock: Clock | None = None) -> None:
     clock = clock or RealClock()
     store = Store(clock)
+    # A connection for every thread that may send at once: the writers, the Events',
+    # the Lease watch, and the election's and initial sync's calls (the event loop's
+    # default executor). With fewer, urllib3 drops the connections above its pool size
+    # after each request, and every such write pays a new TLS handshake.
     api = new_api_client(opts.kubeconfig, opts.context, component="operator",
-                         pool_size=opts.writers + 2)
+                         pool_size=opts.writers + EVENT_WRITERS + 1 + DEFAULT_EXECUTOR)
     kube = RestKube(api)
     elector = LeaderElector(KubeLeaseBackend(kube, opts.election_namespace,
                                              opts.election_name),
                             clock, opts.identity, duration=opts.lease_duration,
                             renew_deadline=opts.renew_deadline, retry=opts.retry_period)
     writer = KubeWriter(kube, workers=opts.writers)
-    events = NodeEvents(writer, clock, instance=opts.identity)
+    events = NodeEvents(writer, clock, instance=opts.identity, concurrency=EVENT_WRITERS)
     leases = LeaseWatch(kube, store, clock)
     # The monitor's first period waits for complete views: kopf's first lists of Nodes
     # and policies (sync.py) and the first Lease list.

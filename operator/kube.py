@@ -17,6 +17,7 @@ from nodeagent.api.kube import (
 )
 
 TIMEOUT = 5  # seconds per write; see election.py for why it must stay short
+EVENT_WRITERS = 4  # Events are posted on threads of their own, this many at once
 
 
 def _version(written: Obj) -> str:
@@ -26,7 +27,8 @@ def _version(written: Obj) -> str:
 class KubeWriter:
     def __init__(self, kube: Kube, workers: int = 16) -> None:
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="writer")
-        self._events_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="events")
+        self._events_pool = ThreadPoolExecutor(max_workers=EVENT_WRITERS,
+                                               thread_name_prefix="events")
         self.kube = kube.using(self._pool)
         self.events = kube.using(self._events_pool)
 
