@@ -45,6 +45,7 @@ from nodeagent.api.policy import (
     VERSION,
     Failure,
     Heartbeat,
+    PolicySpec,
     encode_heartbeat_annotation,
 )
 
@@ -139,14 +140,20 @@ class NodeAction:
 @dataclasses.dataclass
 class GroupState:
     failure: Failure
+    annotation: str  # the heartbeat annotation its nodes get
     acts: bool = True  # the operator marks these nodes (always, but in coexist mode)
     grace: float = 50.0  # after how long a silent node is marked (by us or the cluster)
     matched: int = 0
     stale: int = 0
 
     @classmethod
-    def of(cls, failure: Failure, lifecycle: Lifecycle) -> GroupState:
-        return cls(failure, lifecycle.acts(failure), lifecycle.grace(failure))
+    def of(cls, policy: str | None, spec: PolicySpec | None, lifecycle: Lifecycle
+           ) -> GroupState:
+        """The group of a valid policy, or (None, None) of the nodes no policy matches."""
+        failure = spec.failure if spec else Failure()
+        heartbeat = spec.heartbeat if spec else Heartbeat()
+        return cls(failure, encode_heartbeat_annotation(policy, heartbeat),
+                   lifecycle.acts(failure), lifecycle.grace(failure))
 
     @property
     def guarded(self) -> bool:
@@ -187,6 +194,8 @@ class Monitor:
         self.pacer = Pacer(clock, period)
         self.next_stale: float | None = None  # from the last plan; see _timeout
         self._slots = Limiter(parallel)
+        # node -> (resourceVersion, annotation wanted) when it last needed no write
+        self._quiet: dict[str, tuple[str, str]] = {}
         # "node/<name>" or "policy/<name>" -> its write under way
         self._inflight: dict[str, asyncio.Task[None]] = {}
         # object key -> resourceVersions our last write went through; until the
@@ -207,6 +216,7 @@ class Monitor:
                 if leading and not self.was_leader:
                     log.info("leading: taking over the monitor")
                     self._written.clear()
+                    self._quiet.clear()
                     self._guard_told.clear()
                 self.was_leader = leading
                 if not leading:
@@ -289,10 +299,10 @@ class Monitor:
         store, now = self.store, self.clock.monotonic()
         policies = store.policies
         res = resolve(policies.values(), {n: i.labels for n, i in store.nodes.items()})
-        groups = {DEFAULT_GROUP: GroupState.of(Failure(), self.lifecycle)}
+        groups = {DEFAULT_GROUP: GroupState.of(None, None, self.lifecycle)}
         for p in policies.values():
             if p.spec is not None:
-                groups[p.name] = GroupState.of(p.spec.failure, self.lifecycle)
+                groups[p.name] = GroupState.of(p.name, p.spec, self.lifecycle)
 
         # Staleness first, so each group's stale share is known before any NoExecute.
         # Silence is counted from when we could hear again at the earliest: after an
@@ -370,12 +380,18 @@ class Monitor:
                 grants.add(name)
 
         actions = []
+        # A node we do not mark needs something only when it or its annotation changed:
+        # what needed nothing last time is not worked out again (most nodes, most times).
+        quiet: dict[str, tuple[str, str]] = {}
         for name, node in store.nodes.items():
             if name in pending:
                 continue
             pname = res.effective[name]
             group = groups[pname or DEFAULT_GROUP]
             late = stale.get(name) if group.acts else None
+            if late is None and self._quiet.get(name) == (node.rv, group.annotation):
+                quiet[name] = (node.rv, group.annotation)
+                continue
             if self.lifecycle.exclusive:
                 action = self._node_action(node, pname, group, late, name in grants)
             else:
@@ -384,6 +400,9 @@ class Monitor:
                 action.over, action.planned = late, now
                 action.heard = self.heard(name)
                 actions.append(action)
+            elif late is None:
+                quiet[name] = (node.rv, group.annotation)
+        self._quiet = quiet
 
         statuses, policy_events = {}, {}
         for key in [k for k in self._written if k.startswith("policy/")]:
@@ -435,19 +454,18 @@ class Monitor:
             del self._guard_told[g]  # the policy is gone
         return out
 
-    def _heartbeat_patch(self, node: NodeInfo, policy: str | None) -> dict[str, Any]:
+    @staticmethod
+    def _heartbeat_patch(node: NodeInfo, group: GroupState) -> dict[str, Any]:
         """The annotation the agent follows, when it is not what the policy says."""
-        spec = self.store.policies[policy].spec if policy else None
-        want = encode_heartbeat_annotation(policy, spec.heartbeat if spec else Heartbeat())
-        if node.heartbeat == want:
+        if node.heartbeat == group.annotation:
             return {}
-        return {"metadata": {"annotations": {HEARTBEAT_ANNOTATION: want}}}
+        return {"metadata": {"annotations": {HEARTBEAT_ANNOTATION: group.annotation}}}
 
     def _node_action(self, node: NodeInfo, policy: str | None, group: GroupState,
                      over: float | None, grant: bool) -> NodeAction:
         """Exclusive mode: the unreachable and condition taints are all ours."""
         action = NodeAction(node.name, node.rv)
-        patch = self._heartbeat_patch(node, policy)
+        patch = self._heartbeat_patch(node, group)
 
         # Unreachable follows the Lease verdict: NoSchedule while stale, NoExecute
         # (paced, guarded) once granted and kept until the Lease is renewed.
@@ -490,7 +508,7 @@ class Monitor:
         off when the agent reports Ready=True again (while Ready is Unknown the
         controller manager would put a NoExecute straight back)."""
         action = NodeAction(node.name, node.rv, status_first=True)
-        patch = self._heartbeat_patch(node, policy)
+        patch = self._heartbeat_patch(node, group)
         owned, new_taints = set(node.owned), list(node.taints)
         ready = (node.conditions.get("Ready") or {}).get("status")
         if over is not None:
