@@ -58,10 +58,12 @@ DEFAULT_GROUP = ""  # nodes no policy matches
 # a one- or two-node pool could never have its pods evicted.
 GUARD_MIN_STALE = 3
 # A period runs this long after a node's grace runs out (the verdict needs strictly
-# more silence than the grace), and never sooner than MIN_EXPIRY_WAIT after the last:
-# nodes that fall silent together are judged in one period, not one each.
+# more silence than the grace), and, whatever wakes it, never sooner than MIN_GAP after
+# the last one began: nodes that fall silent together, and a burst of Node updates (the
+# watch showing a mass marking), are decided in one period, not one each, which bounds
+# the monitor's CPU when writes no longer pace its periods.
 EXPIRY_SLACK = 0.05
-MIN_EXPIRY_WAIT = 0.2
+MIN_GAP = 0.2
 
 WRITES = Counter("nodepulse_operator_writes_total", "API writes by the operator",
                  ["kind", "result"])
@@ -193,6 +195,7 @@ class Monitor:
         self.api_ok_since = api_ok_since
         self.pacer = Pacer(clock, period)
         self.next_stale: float | None = None  # from the last plan; see _timeout
+        self._last_start = -math.inf  # monotonic, when the last period began
         self._slots = Limiter(parallel)
         # node -> (resourceVersion, annotation wanted) when it last needed no write
         self._quiet: dict[str, tuple[str, str]] = {}
@@ -230,16 +233,17 @@ class Monitor:
                 task.cancel()
 
     async def _wait(self) -> None:
-        if self.store.changed.is_set():
-            self.store.changed.clear()
-            return
-        sleeper = asyncio.ensure_future(self.clock.sleep(self._timeout()))
-        waker = asyncio.ensure_future(self.store.changed.wait())
-        try:
-            await asyncio.wait({sleeper, waker}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            sleeper.cancel()
-            waker.cancel()
+        if not self.store.changed.is_set():
+            sleeper = asyncio.ensure_future(self.clock.sleep(self._timeout()))
+            waker = asyncio.ensure_future(self.store.changed.wait())
+            try:
+                await asyncio.wait({sleeper, waker}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                sleeper.cancel()
+                waker.cancel()
+        rest = self._last_start + MIN_GAP - self.clock.monotonic()
+        if rest > 0:
+            await self.clock.sleep(rest)
         self.store.changed.clear()
 
     def _timeout(self) -> float:
@@ -249,11 +253,11 @@ class Monitor:
         if self.next_stale is None or not self.was_leader:
             return self.period
         return min(self.period, max(self.next_stale - self.clock.monotonic() + EXPIRY_SLACK,
-                                    MIN_EXPIRY_WAIT))
+                                    0.0))
 
     def start_period(self) -> Plan:
         """Decide, and start the writes (they run in the background)."""
-        started = self.clock.monotonic()
+        started = self._last_start = self.clock.monotonic()
         plan = self.plan()
         for ev in plan.events:
             self._post(ev)

@@ -495,10 +495,18 @@ def test_not_leader_writes_nothing_and_run_loop_wakes_on_change() -> None:
         leading = True
         await clock.advance(2)
         assert api.taints("n1") == {"NoSchedule", "NoExecute"}
+        await clock.advance(0.5)  # well within the 2 s period
         api.add_policy("p", spec())  # wakes the loop at once, no time passes
         from nodeagent.api.clock import settle
         await settle()
         assert "conditions" in api.policies["p"]["status"]
+        # Changes that follow at once are decided together, at most one period per
+        # MIN_GAP (0.2 s): a burst of Node updates costs a few periods, not one each.
+        api.add_policy("q", spec())
+        await settle()
+        assert "q" not in {w[1] for w in api.writes}
+        await clock.advance(0.2)
+        assert "conditions" in api.policies["q"]["status"]
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
