@@ -53,7 +53,7 @@ class Options:
     monitor_period: float = 2.0
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = None  # None: no endpoint
-    writers: int = 16
+    writers: int = 32
     lifecycle: Lifecycle = dataclasses.field(default_factory=Lifecycle)
 
 

@@ -178,7 +178,7 @@ class Monitor:
     def __init__(self, store: Store, clock: Clock, writer: Writer, *,
                  period: float = 2.0, is_leader: Callable[[], bool] = lambda: True,
                  api_ok_since: Callable[[], float | None] = lambda: -math.inf,
-                 parallel: int = 16, events: NodeEvents | None = None,
+                 parallel: int = 32, events: NodeEvents | None = None,
                  synced: Sequence[asyncio.Event] = (),
                  lifecycle: Lifecycle | None = None) -> None:
         """`synced`: set once each watch's first list is in the Store; no period runs
