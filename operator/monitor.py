@@ -197,8 +197,8 @@ class Monitor:
         self.next_stale: float | None = None  # from the last plan; see _timeout
         self._last_start = -math.inf  # monotonic, when the last period began
         self._slots = Limiter(parallel)
-        # node -> (resourceVersion, annotation wanted) when it last needed no write
-        self._quiet: dict[str, tuple[str, str]] = {}
+        # node -> what its action was worked out from, when it needed no write
+        self._quiet: dict[str, tuple[Any, ...]] = {}
         # "node/<name>" or "policy/<name>" -> its write under way
         self._inflight: dict[str, asyncio.Task[None]] = {}
         # object key -> resourceVersions our last write went through; until the
@@ -384,17 +384,20 @@ class Monitor:
                 grants.add(name)
 
         actions = []
-        # A node we do not mark needs something only when it or its annotation changed:
-        # what needed nothing last time is not worked out again (most nodes, most times).
-        quiet: dict[str, tuple[str, str]] = {}
+        # What a node needs follows from these alone: one that needed nothing is not
+        # worked out again until one of them changes (most nodes, most periods; a
+        # marked node stays so while it is silent).
+        quiet: dict[str, tuple[Any, ...]] = {}
         for name, node in store.nodes.items():
             if name in pending:
                 continue
             pname = res.effective[name]
             group = groups[pname or DEFAULT_GROUP]
             late = stale.get(name) if group.acts else None
-            if late is None and self._quiet.get(name) == (node.rv, group.annotation):
-                quiet[name] = (node.rv, group.annotation)
+            inputs = (node.rv, group.annotation, group.acts, group.failure.taintUnreachable,
+                      late is not None, name in grants)
+            if self._quiet.get(name) == inputs:
+                quiet[name] = inputs
                 continue
             if self.lifecycle.exclusive:
                 action = self._node_action(node, pname, group, late, name in grants)
@@ -404,8 +407,8 @@ class Monitor:
                 action.over, action.planned = late, now
                 action.heard = self.heard(name)
                 actions.append(action)
-            elif late is None:
-                quiet[name] = (node.rv, group.annotation)
+            else:
+                quiet[name] = inputs
         self._quiet = quiet
 
         statuses, policy_events = {}, {}
