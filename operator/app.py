@@ -123,6 +123,7 @@ async def run(opts: Options, clock: Clock | None = None) -> None:
                       api_ok_since=lambda: elector.api_ok_since, parallel=opts.writers,
                       events=events, synced=(synced.done, leases.listed),
                       lifecycle=opts.lifecycle)
+    events.after = monitor.marked.wait  # a mass marking's Events wait for it to be done
     ready = asyncio.Event()
     server = None
     if opts.metrics_port is not None:

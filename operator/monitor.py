@@ -201,6 +201,9 @@ class Monitor:
         self._quiet: dict[str, tuple[Any, ...]] = {}
         # "node/<name>" or "policy/<name>" -> its write under way
         self._inflight: dict[str, asyncio.Task[None]] = {}
+        self._marking = 0  # of those, stale nodes' markings
+        self.marked = asyncio.Event()  # set while no marking is under way (Events wait)
+        self.marked.set()
         # object key -> resourceVersions our last write went through; until the
         # index shows a newer one, a difference is only our write not seen yet.
         self._written: dict[str, set[str]] = {}
@@ -262,7 +265,7 @@ class Monitor:
         for ev in plan.events:
             self._post(ev)
         for a in plan.nodes:
-            self._start("node/" + a.name, self._apply_node(a))
+            self._start("node/" + a.name, self._apply_node(a), marking=a.over is not None)
         for name, status in plan.policies.items():
             self._start("policy/" + name,
                         self._apply_policy(name, status, plan.policy_events.get(name, [])))
@@ -281,13 +284,21 @@ class Monitor:
         while self._inflight:
             await asyncio.gather(*self._inflight.values(), return_exceptions=True)
 
-    def _start(self, key: str, write: Coroutine[Any, Any, None]) -> None:
+    def _start(self, key: str, write: Coroutine[Any, Any, None], marking: bool = False
+               ) -> None:
         task = asyncio.get_running_loop().create_task(write)
         self._inflight[key] = task
+        if marking:
+            self._marking += 1
+            self.marked.clear()
 
         def done(_: asyncio.Task[None]) -> None:
             if self._inflight.get(key) is task:
                 del self._inflight[key]
+            if marking:
+                self._marking -= 1
+                if not self._marking:
+                    self.marked.set()
         task.add_done_callback(done)
 
     def heard(self, name: str) -> float:

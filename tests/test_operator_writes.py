@@ -11,6 +11,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 import pytest
+from nodeoperator.events import NodeEvents
 from nodeoperator.kube import KubeWriter
 from nodeoperator.lifecycle import EXCLUSIVE, Lifecycle
 from nodeoperator.limiter import Limiter
@@ -37,8 +38,10 @@ class Rig:
         self.store = Store(self.clock)
         self.store.lease_sync(set())
         self.writer = KubeWriter(self.kube)  # type: ignore[arg-type]
+        self.events = NodeEvents(self.writer, self.clock)
         self.monitor = Monitor(self.store, self.clock, self.writer, period=2,
-                               parallel=parallel, lifecycle=ALONE)
+                               parallel=parallel, lifecycle=ALONE, events=self.events)
+        self.events.after = self.monitor.marked.wait  # as app.py wires them
         self.tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
@@ -223,3 +226,31 @@ def test_a_waiting_marking_is_not_sent_once_the_node_is_heard_from() -> None:
             await rig.clock.advance(0.5)
         assert rig.taints("s") == {"NoSchedule", "NoExecute"}
     run(1, t)
+
+
+def test_a_marking_s_events_wait_while_other_nodes_are_being_marked() -> None:
+    async def t(rig: Rig) -> None:
+        rig.policy(grace=15, noExecuteTaintsPerMinute=600)
+        for n in ("n1", "n2"):
+            rig.node(n)
+            rig.renew(n)
+        await rig.start()
+        slow = rig.kube.hold(PATCH, "n2")
+        for _ in range(5):  # n1 renews for 5 s more
+            await rig.clock.advance(1)
+            rig.renew("n1")
+        await rig.clock.advance(16)  # 21 s: n2's marking waits, n1's went through
+        assert rig.taints("n1") == {"NoSchedule", "NoExecute"} and rig.ready("n1") == "Unknown"
+        assert rig.kube.count("create events") == 0  # n1's Events wait for n2's marking
+        slow.set()
+        await rig.clock.advance(1)
+        reasons = {(b["involvedObject"]["name"], b["reason"], b["firstTimestamp"])
+                   for b in rig.kube.bodies("create events")}
+        # Stamped when they happened (n1 marked at 20.05 s), not when posted.
+        assert {r for r in reasons if r[0] == "n1"} == {
+            ("n1", "TaintAdded", "2026-01-01T00:00:20Z"),
+            ("n1", "EvictionStarted", "2026-01-01T00:00:20Z"),
+            ("n1", "NodeStatusUnknown", "2026-01-01T00:00:20Z")}
+        assert {r[1] for r in reasons if r[0] == "n2"} == {"TaintAdded", "EvictionStarted",
+                                                           "NodeStatusUnknown"}
+    run(4, t)
