@@ -534,6 +534,11 @@ def run_size(n: int, engine: str, args: argparse.Namespace) -> Row:
             decided = samples(om, "nodepulse_operator_taint_delay_seconds_count")
             decide_mean = samples(om, "nodepulse_operator_taint_delay_seconds_sum") / max(
                 1, decided)
+            writes = {ln.split("{", 1)[1].split("}")[0]: float(ln.rsplit(" ", 1)[1])
+                      for ln in om.splitlines()
+                      if ln.startswith(("nodepulse_operator_writes_total{",
+                                        "nodepulse_operator_events_total{"))}
+            print(f"  operator writes and Events: {writes}", file=sys.stderr)
             print(f"  operator: {ticks:.0f} monitor periods, mean work "
                   f"{tick_mean * 1000:.0f} ms; mean grace-expiry-to-write-done "
                   f"{decide_mean:.2f} s over {decided:.0f} taints", file=sys.stderr)
