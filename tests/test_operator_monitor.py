@@ -293,6 +293,26 @@ def test_taint_unreachable_false_only_noschedule_and_other_taints_kept() -> None
     run(t)
 
 
+def test_a_marked_node_is_left_alone_until_its_policy_or_it_changes() -> None:
+    """A period skips a node whose action's inputs did not change since it needed
+    nothing; a policy change that keeps the annotation but not the NoExecute still
+    reaches the node."""
+    async def t(env: Env) -> None:
+        clock, store, api, mon = env
+        api.add_policy("p", spec(grace=15))
+        api.add_node("n1")
+        await step(clock, mon, 16)
+        assert api.taints("n1") == {"NoSchedule", "NoExecute"}
+        writes = len(api.writes)
+        for _ in range(5):
+            await step(clock, mon, 2)
+        assert len(api.writes) == writes
+        api.add_policy("p", spec(grace=15, taintUnreachable=False), generation=2)
+        await step(clock, mon, 2)
+        assert api.taints("n1") == {"NoSchedule"}
+    run(t)
+
+
 def test_noexecute_is_paced_per_policy() -> None:
     async def t(env: Env) -> None:
         clock, store, api, mon = env
