@@ -237,7 +237,10 @@ class Agent:
                     node=cfg.agent_id if cfg.virtual else cfg.node_name)
         loop = SyncLoopConfig(runtime=runtime, clock=clock, kube=kube, answered=self.answered,
                               events=events, host_ip=hip, registry=registry,
-                              log_root=str((Path(cfg.root_dir) / "logs" / "pods").resolve()))
+                              log_root=str((Path(cfg.root_dir) / "logs" / "pods").resolve()),
+                              pods_dir=str((Path(cfg.root_dir) / "pods").resolve()),
+                              serialize_image_pulls=cfg.serialize_image_pulls,
+                              max_parallel_image_pulls=cfg.max_parallel_image_pulls)
         loops = NodeLoops(NodeLoopsConfig(cfg.node_names, loop), pleg, merge.updates,
                           merge.ready)
         return Pods(runtime, clock, loops, sources, PodsConfig(

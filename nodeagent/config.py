@@ -80,6 +80,8 @@ class AgentConfig:
     anonymous_auth: bool = False
     container_log_max_size: int = 10 * 1024 * 1024
     container_log_max_files: int = 5
+    serialize_image_pulls: bool = True
+    max_parallel_image_pulls: int = 0  # 0: no limit (with serialize_image_pulls off)
 
     @property
     def legacy(self) -> bool:
@@ -487,6 +489,11 @@ OPTIONS: tuple[Option, ...] = (
            _log_size, "a container's log file is rotated once it is this big (10Mi)"),
     Option("container_log_max_files", "container-log-max-files", "containerLogMaxFiles",
            _int(2, 1000), "log files kept per container, the current one included (5)"),
+    Option("serialize_image_pulls", "serialize-image-pulls", "serializeImagePulls", _bool,
+           "pull one image at a time (default true)"),
+    Option("max_parallel_image_pulls", "max-parallel-image-pulls", "maxParallelImagePulls",
+           _int(1, 1000), "with --serialize-image-pulls=false: at most this many pulls at "
+           "once (default: no limit)"),
 )
 _IGNORED_KEYS = {"apiVersion", "kind"}  # a KubeletConfiguration-style header
 
@@ -565,6 +572,11 @@ def load(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Agen
     values["config_file"] = Path(config_path) if config_path else None
     values.setdefault("port", 10250)
     _check_serving(values)
+    if values.get("serialize_image_pulls", True) and values.get("max_parallel_image_pulls",
+                                                                 1) > 1:
+        raise ConfigError(f"--max-parallel-image-pulls "
+                          f"({values['max_parallel_image_pulls']}) must be 1 or unset while "
+                          "--serialize-image-pulls is true; set --serialize-image-pulls=false")
     return AgentConfig(**values)
 
 

@@ -26,7 +26,7 @@ from nodeagent.api.answered import ApiAnswered
 from nodeagent.api.client import brief, is_retriable, status_of
 from nodeagent.api.clock import Clock
 from nodeagent.api.kube import PODS, Kube, describe
-from nodeagent.runtime.base import Container, ContainerState, PodRuntimeStatus
+from nodeagent.runtime.base import Container, ContainerState, PodRuntimeStatus, SandboxState
 from nodeagent.sources.types import Pod, is_static
 
 log = logging.getLogger(__name__)
@@ -36,8 +36,12 @@ Status = dict[str, Any]
 # The status fields this agent owns; others (qosClass, nominatedNodeName, conditions of
 # other writers) are left alone by the strategic merge patch.
 OWNED = ("phase", "conditions", "containerStatuses", "initContainerStatuses", "hostIP",
-         "hostIPs", "podIP", "podIPs", "startTime", "reason", "message")
-CONDITION_TYPES = ("PodScheduled", "Initialized", "ContainersReady", "Ready")
+         "hostIPs", "podIP", "podIPs", "startTime", "reason", "message",
+         "observedGeneration")
+# the conditions this agent writes (the kubelet's); any other type in a pod's status
+# (readiness gates, DisruptionTarget) belongs to someone else and is never written
+CONDITION_TYPES = ("PodReadyToStartContainers", "PodScheduled", "Initialized",
+                   "ContainersReady", "Ready")
 TERMINAL = ("Succeeded", "Failed")
 
 
@@ -48,27 +52,43 @@ class Waiting:
     message: str = ""
 
 
+@dataclass(frozen=True)
+class Probed:
+    """A container's started and ready as its probes say (containers without probes
+    are both as soon as they run)."""
+    started: bool
+    ready: bool
+
+
+def is_sidecar(container: Mapping[str, Any]) -> bool:
+    """A restartable init container (restartPolicy Always in initContainers)."""
+    return container.get("restartPolicy") == "Always"
+
+
 def rfc3339(t: dt.datetime | None) -> str | None:
     if t is None:
         return None
     return t.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def _terminated(c: Container, scheme: str) -> dict[str, Any]:
+def _terminated(c: Container, scheme: str, messages: Mapping[str, str]) -> dict[str, Any]:
     code = c.exit_code if c.exit_code is not None else 0
     out: dict[str, Any] = {"exitCode": code,
                            "reason": c.reason or ("Completed" if code == 0 else "Error"),
                            "startedAt": rfc3339(c.started_at or c.created_at),
                            "finishedAt": rfc3339(c.finished_at),
                            "containerID": f"{scheme}://{c.id}"}
-    if c.message:
-        out["message"] = c.message
+    # the runtime's message, then what the container left (the kubelet joins them)
+    message = ": ".join(m for m in (c.message, messages.get(c.id, "")) if m)
+    if message:
+        out["message"] = message
     return out
 
 
 def _container_statuses(specs: list[Mapping[str, Any]], rs: PodRuntimeStatus, *,
                         scheme: str, waiting: Mapping[str, Waiting],
-                        previous: Mapping[str, Any], default_reason: str
+                        previous: Mapping[str, Any], default_reason: str,
+                        probed: Mapping[str, Probed], messages: Mapping[str, str]
                         ) -> list[dict[str, Any]]:
     out = []
     for spec in specs:
@@ -91,18 +111,19 @@ def _container_statuses(specs: list[Mapping[str, Any]], rs: PodRuntimeStatus, *,
             st["restartCount"] = cur.restart_count
             if cur.state == ContainerState.RUNNING:
                 st["state"] = {"running": {"startedAt": rfc3339(cur.started_at)}}
-                st["ready"] = st["started"] = True
+                p = probed.get(cur.id, Probed(True, True))
+                st["started"], st["ready"] = p.started, p.started and p.ready
             elif cur.state == ContainerState.EXITED and w is not None:
                 # exited and waiting to be restarted (e.g. CrashLoopBackOff)
                 st["state"] = {"waiting": {"reason": w.reason,
                                            **({"message": w.message} if w.message else {})}}
-                st["lastState"] = {"terminated": _terminated(cur, scheme)}
+                st["lastState"] = {"terminated": _terminated(cur, scheme, messages)}
             elif cur.state == ContainerState.EXITED:
-                st["state"] = {"terminated": _terminated(cur, scheme)}
+                st["state"] = {"terminated": _terminated(cur, scheme, messages)}
             else:  # CREATED or UNKNOWN
                 st["state"] = {"waiting": {"reason": w.reason if w else "ContainerCreating"}}
             if not st["lastState"] and older is not None:
-                st["lastState"] = {"terminated": _terminated(older, scheme)}
+                st["lastState"] = {"terminated": _terminated(older, scheme, messages)}
         if not st["lastState"]:
             # the runtime may have removed the old attempt; keep what we reported before
             prev = previous.get(name) or {}
@@ -113,13 +134,19 @@ def _container_statuses(specs: list[Mapping[str, Any]], rs: PodRuntimeStatus, *,
 
 
 def _phase(pod: Pod, init_done: bool, statuses: list[dict[str, Any]], terminal: bool,
-           init_failed: bool) -> str:
+           init_failed: bool, sidecars: list[dict[str, Any]]) -> str:
     policy = (pod.get("spec") or {}).get("restartPolicy") or "Always"
     if init_failed:
         return "Failed"
     if not init_done:
         return "Pending"
     running = waiting = stopped = succeeded = failed = 0
+    for st in sidecars:  # a running sidecar keeps the pod Running; a stopped one is
+        # not the pod's outcome
+        if "running" in st["state"]:
+            running += 1
+        elif "waiting" in st["state"] and not st.get("lastState", {}).get("terminated"):
+            waiting += 1
     for st in statuses:
         state = st["state"]
         if "running" in state:
@@ -171,10 +198,16 @@ def _condition(ctype: str, ok: bool, previous: Mapping[str, Mapping[str, Any]], 
 
 def compute_pod_status(pod: Pod, rs: PodRuntimeStatus, *, host_ip: str, scheme: str,
                        now: dt.datetime, waiting: Mapping[str, Waiting] | None = None,
-                       previous: Status | None = None, terminal: bool = False) -> Status:
+                       previous: Status | None = None, terminal: bool = False,
+                       probed: Mapping[str, Probed] | None = None,
+                       messages: Mapping[str, str] | None = None,
+                       reason: str | None = None, message: str | None = None) -> Status:
     """The pod's status in API JSON form. `previous` is the last status we (or the API)
     had, for startTime, transition times and terminal phases. `terminal`: the worker
-    has stopped the pod for good (deleted, or finished), so no container will restart."""
+    has stopped the pod for good (deleted, or finished), so no container will restart.
+    `probed`: started/ready by container id for containers with probes; `messages`:
+    termination messages by container id; `reason`/`message`: the pod's own (e.g.
+    DeadlineExceeded), kept once the phase is terminal."""
     spec = pod.get("spec") or {}
     previous = previous or {}
     waiting = waiting or {}
@@ -184,48 +217,95 @@ def compute_pod_status(pod: Pod, rs: PodRuntimeStatus, *, host_ip: str, scheme: 
     prev_ics = {s["name"]: s for s in previous.get("initContainerStatuses") or []}
     prev_cond = {c["type"]: c for c in previous.get("conditions") or []}
 
+    probed = probed or {}
+    messages = messages or {}
     inits = spec.get("initContainers") or []
     init_statuses = _container_statuses(inits, rs, scheme=scheme, waiting=waiting,
-                                        previous=prev_ics, default_reason="PodInitializing")
-    init_done = all("terminated" in s["state"] and s["state"]["terminated"]["exitCode"] == 0
-                    for s in init_statuses)
+                                        previous=prev_ics, default_reason="PodInitializing",
+                                        probed=probed, messages=messages)
+    sidecar_names = {c["name"] for c in inits if is_sidecar(c)}
+    for s in init_statuses:
+        if s["name"] not in sidecar_names:  # a finished init container is "ready"
+            s["ready"] = "terminated" in s["state"] and \
+                s["state"]["terminated"]["exitCode"] == 0
+    statuses = _container_statuses(spec.get("containers") or [], rs, scheme=scheme,
+                                   waiting=waiting, previous=prev_cs,
+                                   default_reason="PodInitializing", probed=probed,
+                                   messages=messages)
+    # initialized: each init container done (a sidecar: started), or any regular
+    # container already ran (init containers may have been removed since)
+    not_init = [s["name"] for s in init_statuses
+                if not (s["started"] if s["name"] in sidecar_names else s["ready"])]
+    init_done = not not_init or any(
+        "waiting" not in s["state"] or s.get("lastState", {}).get("terminated")
+        for s in statuses)
     if not init_done and (prev_cond.get("Initialized") or {}).get("status") == "True":
-        init_done = True  # init containers may have been removed after they succeeded
+        init_done = True
+    if init_done:
+        for s in statuses:
+            w = s["state"].get("waiting")
+            if w and w.get("reason") == "PodInitializing":
+                w["reason"] = "ContainerCreating"
     policy = spec.get("restartPolicy") or "Always"
     init_failed = policy == "Never" and any(
         "terminated" in s["state"] and s["state"]["terminated"]["exitCode"] != 0
-        for s in init_statuses)
-    for s in init_statuses:  # an init container that finished is not "ready"
-        s["ready"] = "terminated" in s["state"] and s["state"]["terminated"]["exitCode"] == 0
-    statuses = _container_statuses(spec.get("containers") or [], rs, scheme=scheme,
-                                   waiting=waiting, previous=prev_cs,
-                                   default_reason="ContainerCreating" if init_done
-                                   else "PodInitializing")
+        for s in init_statuses if s["name"] not in sidecar_names)
 
-    phase = _phase(pod, init_done, statuses, terminal, init_failed)
+    sidecars = [s for s in init_statuses if s["name"] in sidecar_names]
+    phase = _phase(pod, init_done, statuses, terminal, init_failed, sidecars)
     if previous.get("phase") in TERMINAL:
         phase = previous["phase"]  # terminal phases never change back
+    elif reason is not None:
+        phase = "Failed"  # the pod was failed as a whole (e.g. its deadline passed)
+    if reason is None and phase in TERMINAL and previous.get("phase") in TERMINAL:
+        reason, message = previous.get("reason"), previous.get("message")
 
-    unready = [s["name"] for s in statuses if not s["ready"]]
+    generation = (pod.get("metadata") or {}).get("generation")
     deleting = bool((pod.get("metadata") or {}).get("deletionTimestamp"))
+    # ContainersReady: every container (and sidecar) ready
+    unready = [s["name"] for s in [*sidecars, *statuses] if not s["ready"]]
     containers_ready = not unready and phase == "Running" and not terminal
-    gates = [g.get("conditionType") for g in spec.get("readinessGates") or []]
-    gates_ok = all((prev_cond.get(g) or {}).get("status") == "True" for g in gates)
-    completed = phase == "Succeeded"
-    cr_reason = "PodCompleted" if completed else "ContainersNotReady"
-    cr_msg = "" if completed else f"containers with unready status: [{' '.join(unready)}]"
-    if not unready and not completed:
+    if phase in TERMINAL:
+        cr_reason, cr_msg = ("PodCompleted" if phase == "Succeeded" else "PodFailed"), ""
+    elif unready:
+        cr_reason = "ContainersNotReady"
+        cr_msg = f"containers with unready status: [{' '.join(unready)}]"
+    else:
+        cr_reason = "ContainersNotReady"
         cr_msg = "the pod is terminating" if (terminal or deleting) else ""
-    not_init = [s["name"] for s in init_statuses if not s["ready"]]
+    # readiness gates: conditions others write, as the API server has them
+    api_cond = {c.get("type"): c for c in (pod.get("status") or {}).get("conditions") or []}
+    gate_msgs = []
+    for g in spec.get("readinessGates") or []:
+        gtype = g.get("conditionType")
+        gc = api_cond.get(gtype)
+        if gc is None:
+            gate_msgs.append(f'corresponding condition of pod readiness gate "{gtype}" '
+                             "does not exist.")
+        elif gc.get("status") != "True":
+            gate_msgs.append(f'the status of pod readiness gate "{gtype}" is not "True", '
+                             f"but {gc.get('status')}")
+    ready = containers_ready and not gate_msgs and not deleting
+    if not containers_ready:
+        ready_reason, ready_msg = cr_reason, cr_msg
+    elif gate_msgs:
+        ready_reason, ready_msg = "ReadinessGatesNotReady", ", ".join(gate_msgs)
+    else:
+        ready_reason, ready_msg = "ContainersNotReady", "the pod is terminating"
+    sandbox_ready = any(sb.state == SandboxState.READY and (sb.host_network or sb.ip or
+                                                            spec.get("hostNetwork"))
+                        for sb in rs.sandboxes) and not terminal
     conditions = [
+        _condition("PodReadyToStartContainers", sandbox_ready, prev_cond, stamp),
         _condition("PodScheduled", True, prev_cond, stamp),
         _condition("Initialized", init_done, prev_cond, stamp, "ContainersNotInitialized",
                    f"containers with incomplete status: [{' '.join(not_init)}]"),
         _condition("ContainersReady", containers_ready, prev_cond, stamp, cr_reason, cr_msg),
-        _condition("Ready", containers_ready and gates_ok and not deleting, prev_cond, stamp,
-                   cr_reason if not containers_ready else "ReadinessGatesNotReady",
-                   cr_msg if not containers_ready else "readiness gates not all True"),
+        _condition("Ready", ready, prev_cond, stamp, ready_reason, ready_msg),
     ]
+    if generation is not None:
+        for c in conditions:
+            c["observedGeneration"] = generation
     pod_ip = host_ip if spec.get("hostNetwork") else rs.ip
     status: Status = {
         "phase": phase,
@@ -236,7 +316,11 @@ def compute_pod_status(pod: Pod, rs: PodRuntimeStatus, *, host_ip: str, scheme: 
         "podIP": pod_ip or None,
         "podIPs": [{"ip": pod_ip}] if pod_ip else None,
         "startTime": previous.get("startTime") or stamp,
+        "reason": reason,
+        "message": message,
     }
+    if generation is not None:
+        status["observedGeneration"] = generation
     if inits:
         status["initContainerStatuses"] = init_statuses
     return status
@@ -252,9 +336,13 @@ def _drop_nones(v: Any) -> Any:
 
 def owned(status: Mapping[str, Any] | None) -> Status:
     """The part of a status this agent writes, normalized for comparison: a null in
-    our patch means "remove", so None and a missing key compare equal."""
+    our patch means "remove", so None and a missing key compare equal; conditions of
+    types others own are not ours to compare."""
     status = status or {}
-    return {k: _drop_nones(status[k]) for k in OWNED if status.get(k) is not None}
+    out = {k: _drop_nones(status[k]) for k in OWNED if status.get(k) is not None}
+    if "conditions" in out:
+        out["conditions"] = [c for c in out["conditions"] if c.get("type") in CONDITION_TYPES]
+    return out
 
 
 # --- writing to the API -------------------------------------------------------------

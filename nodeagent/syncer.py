@@ -1,7 +1,7 @@
 """The syncer: what one sync of a pod does, turning its spec into runtime calls.
 
 `PodSyncer` makes the runtime match the pod spec (sandbox, init containers in order,
-containers, restartPolicy, CrashLoopBackOff, imagePullPolicy against present images),
+containers, restartPolicy, CrashLoopBackOff; images through the ImageManager, images.py),
 stops a pod within its grace period, cleans up a removed one, and hands the resulting
 status to the StatusManager. It holds no per-pod state but the crash backoff; the pod
 workers (workers.py) decide when it runs.
@@ -11,23 +11,38 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 import logging
 import math
+import os
+import shutil
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from nodeagent.actions import Actions, Target
 from nodeagent.api.clock import Clock, clock_timeout
 from nodeagent.api.kube import describe
 from nodeagent.events import WARNING, Events
+from nodeagent.images import ImageManager
+from nodeagent.lifecycle import (
+    DEADLINE_MESSAGE,
+    DEADLINE_REASON,
+    Hooks,
+    cap_messages,
+    termination_message,
+    termination_mount,
+)
 from nodeagent.pleg import CacheEntry
-from nodeagent.podstatus import StatusManager, Waiting, compute_pod_status
+from nodeagent.podstatus import StatusManager, Waiting, compute_pod_status, is_sidecar
+from nodeagent.probes import Kind, ProbeManager
 from nodeagent.runtime.base import (
     Container,
     ContainerConfig,
     ContainerRuntimeError,
     ContainerState,
     ImageNotPresent,
+    Mount,
     PodRuntimeStatus,
     Runtime,
     Sandbox,
@@ -38,6 +53,8 @@ from nodeagent.runtime.base import (
 from nodeagent.sources.types import Pod
 
 log = logging.getLogger(__name__)
+
+DEFAULT_MESSAGE_PATH = "/dev/termination-log"
 
 T = TypeVar("T")
 
@@ -54,17 +71,10 @@ def grace_of(pod: Pod, override: float | None = None) -> float:
     return 30.0
 
 
-def pull_policy(container: Mapping[str, Any]) -> str:
-    """imagePullPolicy with the API's default (Always for :latest or no tag)."""
-    p = container.get("imagePullPolicy")
-    if p:
-        return str(p)
-    image = str(container.get("image", ""))
-    last = image.rsplit("/", 1)[-1]
-    if "@" in last:
-        return "IfNotPresent"
-    tag = last.split(":", 1)[1] if ":" in last else "latest"
-    return "Always" if tag == "latest" else "IfNotPresent"
+def remove_pod_files(pods_dir: str, uid: str) -> None:
+    shutil.rmtree(os.path.join(pods_dir, uid, "containers"), ignore_errors=True)
+    with contextlib.suppress(OSError):
+        os.rmdir(os.path.join(pods_dir, uid))  # only when nothing else is left in it
 
 
 # --- CrashLoopBackOff ---------------------------------------------------------------
@@ -124,12 +134,15 @@ def _forget_call(inflight: set[asyncio.Future[Any]]) -> Callable[[asyncio.Future
 class SyncResult:
     terminal: bool = False              # nothing will run again: move to terminating
     requeue_after: float | None = None  # sync again this soon (backoff, image wait)
+    # sync again once any of these is done (image pulls under way)
+    wake: tuple[asyncio.Future[None], ...] = ()
 
 
 @dataclass
 class _Plan:
     waiting: dict[str, Waiting] = field(default_factory=dict)
     requeue: float = math.inf
+    wake: list[asyncio.Future[None]] = field(default_factory=list)
 
     def again(self, seconds: float) -> None:
         self.requeue = min(self.requeue, seconds)
@@ -144,7 +157,12 @@ class PodSyncer:
     def __init__(self, runtime: Runtime, status: StatusManager, clock: Clock, *,
                  node_name: str = "", host_ip: str = "", call_timeout: float = 60.0,
                  log_root: str = "", backoff: CrashBackoff | None = None,
-                 events: Events | None = None) -> None:
+                 events: Events | None = None, images: ImageManager | None = None,
+                 probes: ProbeManager | None = None, actions: Actions | None = None,
+                 pods_dir: str = "") -> None:
+        """`probes`: the node loop's probe manager (None: probes are not run, and a pod
+        that has one is refused); `pods_dir`: where per-pod files live on the host
+        (termination messages; "" for none)."""
         self.runtime = runtime
         self.status = status
         self.clock = clock
@@ -154,7 +172,15 @@ class PodSyncer:
         self.log_root = log_root
         self.backoff = backoff or CrashBackoff(clock)
         self.events = events
+        self.images = images or ImageManager(runtime, clock, events=events,
+                                             call_timeout=call_timeout)
+        self.probes = probes
+        self.hooks = Hooks(actions or Actions(runtime), clock, events)
+        self.pods_dir = pods_dir
         self._inflight: set[asyncio.Future[Any]] = set()  # runtime calls under way
+        # termination messages read, per pod uid and container id (read once: the file
+        # of an exited container no longer changes)
+        self._messages: dict[str, dict[str, str]] = {}
 
     async def _rt(self, aw: Awaitable[T], what: str, extra: float = 0.0) -> T:
         """One runtime call, bounded by the call timeout. Cancelling the caller (the
@@ -196,12 +222,40 @@ class PodSyncer:
         return len(left)
 
     def _publish(self, pod: Pod, rs: PodRuntimeStatus, waiting: Mapping[str, Waiting],
-                 terminal: bool = False) -> dict[str, Any]:
+                 terminal: bool = False, reason: str | None = None,
+                 message: str | None = None) -> dict[str, Any]:
         st = compute_pod_status(pod, rs, host_ip=self.host_ip, scheme=self.runtime.scheme,
                                 now=self.clock.now(), waiting=waiting,
-                                previous=self.status.previous(pod), terminal=terminal)
+                                previous=self.status.previous(pod), terminal=terminal,
+                                probed=self.probes.readiness(pod, rs) if self.probes else None,
+                                messages=self._termination_messages(pod, rs),
+                                reason=reason, message=message)
         self.status.set_status(pod, st)
         return st
+
+    def _termination_messages(self, pod: Pod, rs: PodRuntimeStatus) -> dict[str, str]:
+        spec = pod.get("spec") or {}
+        containers = [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]
+        by_name = {c.get("name"): c for c in containers}
+        cache = self._messages.setdefault(str(pod["metadata"]["uid"]), {})
+        for c in rs.containers:
+            if c.state != ContainerState.EXITED or c.id in cache or c.name not in by_name:
+                continue
+            cache[c.id] = termination_message(self.pods_dir, pod, by_name[c.name], c,
+                                              self.runtime.log_format)
+        for cid in cache.keys() - {c.id for c in rs.containers}:
+            del cache[cid]  # pruned
+        return cap_messages({k: v for k, v in cache.items() if v}, len(containers))
+
+    def _deadline_left(self, pod: Pod, previous: Mapping[str, Any]) -> float | None:
+        """Seconds until activeDeadlineSeconds runs out (from the pod's startTime)."""
+        secs = (pod.get("spec") or {}).get("activeDeadlineSeconds")
+        if secs is None:
+            return None
+        start = previous.get("startTime") or (pod.get("status") or {}).get("startTime")
+        begun = dt.datetime.fromisoformat(str(start).replace("Z", "+00:00")) if start \
+            else self.clock.now()
+        return float(secs) - (self.clock.now() - begun).total_seconds()
 
     async def sync_pod(self, pod: Pod, entry: CacheEntry) -> SyncResult:
         """Make the runtime match the spec. Raises on a runtime failure (retried)."""
@@ -215,6 +269,18 @@ class PodSyncer:
         previous = self.status.previous(pod)
         if previous.get("phase") in ("Succeeded", "Failed"):
             return SyncResult(terminal=True)
+        left = self._deadline_left(pod, previous)
+        if left is not None and left <= 0:
+            log.info("pod %s: activeDeadlineSeconds passed; failing it", describe(pod))
+            if self.events is not None:
+                self.events.pod(pod, "Normal", DEADLINE_REASON, DEADLINE_MESSAGE)
+            self._publish(pod, rs, plan.waiting, reason=DEADLINE_REASON,
+                          message=DEADLINE_MESSAGE)
+            return SyncResult(terminal=True)
+        if left is not None:
+            plan.again(left)
+        if self.probes is not None:
+            self.probes.update(pod)
 
         ready = sorted((s for s in rs.sandboxes if s.state == SandboxState.READY),
                        key=lambda s: s.attempt, reverse=True)
@@ -245,11 +311,21 @@ class PodSyncer:
             prev = latest(name, rs.containers)
             return (0, 0) if prev is None else (prev.attempt + 1, prev.restart_count + 1)
 
-        # init containers: one at a time, in order, each to success
+        # init containers: one at a time, in order, each to success; a sidecar (a
+        # restartable init container) to started, and kept running from then on
+        initialized = any(c.name in {x["name"] for x in spec.get("containers") or []}
+                          for c in current)
         init_blocked = False
         for ic in spec.get("initContainers") or []:
             cur = latest(ic["name"], current)
-            if cur is not None and cur.state == ContainerState.EXITED and cur.exit_code == 0:
+            if is_sidecar(ic):
+                if await self._sidecar(pod, ic, cur, sandbox, sc, fields, plan,
+                                       next_attempt) or initialized:
+                    continue
+                init_blocked = True
+                break
+            if initialized or (cur is not None and cur.state == ContainerState.EXITED
+                               and cur.exit_code == 0):
                 continue
             init_blocked = True
             if cur is None:
@@ -274,10 +350,16 @@ class PodSyncer:
                     if cur.spec_hash and cur.spec_hash != container_spec_hash(c):
                         log.info("pod %s container %s: spec changed, restarting",
                                  describe(pod), c["name"])
-                        await self._rt(self.runtime.stop_container(cur.id, grace_of(pod)),
-                                       "stop_container", grace_of(pod))
+                        await self._kill(pod, c, cur, f"Container {c['name']} definition "
+                                                      "changed, will be restarted", pod_ip)
                         await self._restart(pod, c, cur, sandbox, sc, fields, plan,
                                             backoff=False)
+                    elif (kind := self._probe_failed(cur)) is not None:
+                        restart = policy != "Never"
+                        await self._kill(pod, c, cur, f"Container {c['name']} failed "
+                                         f"{kind.value.lower()} probe"
+                                         + (", will be restarted" if restart else ""),
+                                         pod_ip, grace=self._probe_grace(pod, c, kind))
                 elif cur.state == ContainerState.CREATED:
                     await self._start_created(pod, cur, plan)
                 elif cur.state == ContainerState.EXITED:
@@ -289,7 +371,60 @@ class PodSyncer:
         terminal = self._all_done(pod, rs, current, init_blocked)
         self._publish(pod, rs, plan.waiting)
         return SyncResult(terminal=terminal,
-                          requeue_after=None if math.isinf(plan.requeue) else plan.requeue)
+                          requeue_after=None if math.isinf(plan.requeue) else plan.requeue,
+                          wake=tuple(plan.wake))
+
+    async def _sidecar(self, pod: Pod, ic: Mapping[str, Any], cur: Container | None,
+                       sandbox: Sandbox, sc: SandboxConfig, fields: Mapping[str, str],
+                       plan: _Plan, next_attempt: Callable[[str], tuple[int, int]]) -> bool:
+        """Keep a sidecar running (whatever the pod's restartPolicy); True once it has
+        started (its startup probe, if any, passed)."""
+        name = str(ic["name"])
+        sc_ip = fields.get("status.podIP", "")
+        if cur is None:
+            attempt, restarts = next_attempt(name)
+            await self._start(pod, ic, sandbox, sc, attempt, restarts, fields, plan,
+                              init=True)
+            return False
+        if cur.state == ContainerState.CREATED:
+            await self._start_created(pod, cur, plan)
+            return False
+        if cur.state != ContainerState.RUNNING:
+            await self._restart(pod, ic, cur, sandbox, sc, fields, plan, init=True)
+            return False
+        if cur.spec_hash and cur.spec_hash != container_spec_hash(ic):
+            await self._kill(pod, ic, cur, f"Init container {name} definition changed",
+                             sc_ip)
+            return False
+        kind = self._probe_failed(cur)
+        if kind is not None:
+            await self._kill(pod, ic, cur, f"Init container {name} failed "
+                                           f"{kind.value.lower()} probe", sc_ip,
+                             grace=self._probe_grace(pod, ic, kind))
+            return False
+        return self.probes is None or self.probes.started(str(pod["metadata"]["uid"]), cur)
+
+    def _probe_failed(self, cur: Container) -> Kind | None:
+        return self.probes.kill_reason(cur.id) if self.probes is not None else None
+
+    @staticmethod
+    def _probe_grace(pod: Pod, container: Mapping[str, Any], kind: Kind) -> float | None:
+        """A probe's own terminationGracePeriodSeconds, when it sets one."""
+        meta = pod.get("metadata") or {}
+        if meta.get("deletionGracePeriodSeconds") is not None:
+            return None
+        v = (container.get(kind.field) or {}).get("terminationGracePeriodSeconds")
+        return None if v is None else float(v)
+
+    async def _kill(self, pod: Pod, spec: Mapping[str, Any] | None, cur: Container,
+                    message: str, pod_ip: str, *, grace: float | None = None) -> None:
+        """Stop one container as the kubelet kills it: a `Killing` Event, its preStop
+        hook within the grace period, then SIGTERM and SIGKILL after what is left."""
+        grace = grace_of(pod) if grace is None else grace
+        if spec is not None:
+            self.hooks.killing(pod, cur.name, message)
+            grace = await self.hooks.pre_stop(pod, spec, Target(spec, cur.id, pod_ip), grace)
+        await self._rt(self.runtime.stop_container(cur.id, grace), "stop_container", grace)
 
     def _all_done(self, pod: Pod, rs: PodRuntimeStatus, current: list[Container],
                   init_blocked: bool) -> bool:
@@ -345,23 +480,38 @@ class PodSyncer:
                     f"{meta.get('namespace', 'default')}({uid})")
                 plan.again(wait)
                 return
-            self.backoff.restarted(key)
         await self._start(pod, spec, sandbox, sc, cur.attempt + 1, cur.restart_count + 1,
-                          fields, plan, init=init)
+                          fields, plan, init=init, crash_key=key if backoff else None)
 
     async def _start(self, pod: Pod, spec: Mapping[str, Any], sandbox: Sandbox,
                      sc: SandboxConfig, attempt: int, restarts: int,
-                     fields: Mapping[str, str], plan: _Plan, *, init: bool = False) -> None:
+                     fields: Mapping[str, str], plan: _Plan, *, init: bool = False,
+                     crash_key: tuple[str, str] | None = None) -> None:
+        """Create and start a container once its image is there. `crash_key`: a restart
+        after a crash, counted by the back-off when it is attempted (not while the image
+        is being pulled for it)."""
         name = str(spec["name"])
-        image = str(spec.get("image", ""))
-        policy = pull_policy(spec)
-        if not await self._rt(self.runtime.image_present(image), "image_present"):
-            self._image_missing(name, image, policy, plan)
+        image = await self.images.ensure(pod, spec)
+        if not image.ready:
+            if image.waiting is not None:
+                plan.waiting[name] = image.waiting
+            if image.failed and image.waiting is not None:
+                self._warn(pod, name, f"Error: {image.waiting.reason}")
+            if image.retry_after is not None:
+                plan.again(image.retry_after)
+            if image.pulling is not None:
+                plan.wake.append(image.pulling)
             return
+        if crash_key is not None:
+            self.backoff.restarted(crash_key)
         try:
             cfg = ContainerConfig.from_pod(pod, spec, attempt=attempt,
                                            restart_count=restarts, init=init,
                                            field_values=fields)
+            self._refuse_unsupported(spec, init)
+            mount = self._message_mount(pod, spec, attempt)
+            if mount is not None:
+                cfg.mounts.append(mount)
         except ValueError as e:  # a spec we cannot run (bad quantity, ...): say so
             plan.waiting[name] = Waiting("CreateContainerConfigError", str(e))
             self._warn(pod, name, f"Error: {e}")
@@ -370,8 +520,10 @@ class PodSyncer:
         try:
             cid = await self._rt(self.runtime.create_container(sandbox.id, cfg, sc),
                                  "create_container")
-        except ImageNotPresent:
-            self._image_missing(name, image, policy, plan)
+        except ImageNotPresent as e:  # removed since the image manager saw it
+            plan.waiting[name] = Waiting("ErrImagePull", str(e))
+            self._warn(pod, name, "Error: ErrImagePull")
+            plan.again(self.IMAGE_RETRY)
             return
         except ContainerRuntimeError as e:
             plan.waiting[name] = Waiting("CreateContainerError", str(e))
@@ -385,23 +537,64 @@ class PodSyncer:
             plan.waiting[name] = Waiting("RunContainerError", str(e))
             self.backoff.restarted((sc.uid, name))
             plan.again(max(1.0, self.backoff.remaining((sc.uid, name))))
+            return
+        pod_ip = fields.get("status.podIP", "")
+        failed = await self.hooks.post_start(pod, spec, Target(spec, cid, pod_ip))
+        if failed is not None:
+            # the kubelet's reason for a container whose postStart hook failed
+            started = Container(id=cid, sandbox_id=sandbox.id, pod_uid=sc.uid, name=name,
+                                image=str(spec.get("image", "")),
+                                state=ContainerState.RUNNING, attempt=attempt)
+            await self._kill(pod, spec, started, "FailedPostStartHook", pod_ip)
+            plan.waiting[name] = Waiting("PostStartHookError", failed)
+            self.backoff.restarted((sc.uid, name))
+            plan.again(max(1.0, self.backoff.remaining((sc.uid, name))))
+
+    def _refuse_unsupported(self, spec: Mapping[str, Any], init: bool) -> None:
+        """What of probes and lifecycle this agent does not do is refused, naming the
+        field, never run without it: probes where no probe manager runs, a container's
+        own stop signal, per-container restart policies and rules (alpha features)."""
+        name = spec["name"]
+        if self.probes is None:
+            for kind in Kind:
+                if spec.get(kind.field) is not None:
+                    raise ValueError(f"container {name}: {kind.field}: probes are not run "
+                                     "by this agent's pod loop")
+        if (spec.get("lifecycle") or {}).get("stopSignal"):
+            raise ValueError(f"container {name}: lifecycle.stopSignal is not supported by "
+                             "this agent")
+        if spec.get("restartPolicyRules"):
+            raise ValueError(f"container {name}: restartPolicyRules is not supported by "
+                             "this agent")
+        policy = spec.get("restartPolicy")
+        if policy is not None and not (init and policy == "Always"):
+            raise ValueError(f"container {name}: restartPolicy {policy}: only an init "
+                             "container's restartPolicy Always (a sidecar) is supported by "
+                             "this agent")
+
+    def _message_mount(self, pod: Pod, spec: Mapping[str, Any], attempt: int) -> Mount | None:
+        """The termination-message file, where the runtime can mount it. A runtime that
+        cannot (the process runtime) gets none for the API's default path, which every
+        pod has, and refuses any other path."""
+        path = spec.get("terminationMessagePath")
+        if not path or not self.pods_dir:
+            return None
+        if not self.runtime.can_mount:
+            if path != DEFAULT_MESSAGE_PATH:
+                raise ValueError(f"container {spec['name']}: terminationMessagePath "
+                                 f"{path}: the {self.runtime.scheme} runtime cannot mount "
+                                 "a file into a container")
+            return None
+        try:
+            return termination_mount(self.pods_dir, pod, spec, attempt)
+        except OSError as e:
+            raise ValueError(f"container {spec['name']}: terminationMessagePath: cannot "
+                             f"create its file: {e}") from e
 
     def _warn(self, pod: Pod, container: str, message: str, reason: str = "Failed") -> None:
         """A Warning Event on the pod about one container, as the kubelet's."""
         if self.events is not None:
             self.events.pod(pod, WARNING, reason, message, container=container)
-
-    def _image_missing(self, name: str, image: str, policy: str, plan: _Plan) -> None:
-        if policy == "Never":
-            plan.waiting[name] = Waiting(
-                "ErrImageNeverPull",
-                f'Container image "{image}" is not present with pull policy of Never')
-        else:
-            plan.waiting[name] = Waiting(
-                "ErrImagePull",
-                f'Container image "{image}" is not present and this node does not pull '
-                f"images (pull policy {policy}); import it into the container runtime")
-        plan.again(self.IMAGE_RETRY)
 
     async def _start_created(self, pod: Pod, cur: Container, plan: _Plan) -> None:
         try:
@@ -432,18 +625,40 @@ class PodSyncer:
                 await self._rt(self.runtime.remove_sandbox(s.id), "remove_sandbox")
 
     async def terminate_pod(self, pod: Pod, grace: float) -> None:
-        """Stop every container (SIGTERM, SIGKILL after `grace`) and the sandboxes."""
+        """Stop every container (preStop hooks, SIGTERM, SIGKILL after `grace`): the
+        regular ones together, then the sidecars one by one in reverse order, in the time
+        left; then the sandboxes."""
         uid = pod["metadata"]["uid"]
+        if self.probes is not None:
+            self.probes.stop_liveness_and_startup(uid)
         rs = await self._rt(self.runtime.pod_status(uid), "pod_status")
+        spec = pod.get("spec") or {}
+        pod_ip = self._pod_ip(pod, rs.ip)
+        sidecars = [c["name"] for c in spec.get("initContainers") or [] if is_sidecar(c)]
+        specs = {c.get("name"): c for c in [*(spec.get("initContainers") or []),
+                                            *(spec.get("containers") or [])]}
         live = [c for c in rs.containers if c.state != ContainerState.EXITED]
-        await asyncio.gather(*(self._rt(self.runtime.stop_container(c.id, grace),
-                                        "stop_container", grace) for c in live))
+        began = self.clock.monotonic()
+
+        def stop(c: Container, left: float) -> Awaitable[None]:
+            return self._kill(pod, specs.get(c.name), c, f"Stopping container {c.name}",
+                              pod_ip, grace=left)
+        await asyncio.gather(*(stop(c, grace) for c in live if c.name not in sidecars))
+        for name in reversed(sidecars):
+            for c in live:
+                if c.name == name:
+                    await stop(c, max(0.0, grace - (self.clock.monotonic() - began)))
         for s in rs.sandboxes:
             if s.state == SandboxState.READY:
                 await self._rt(self.runtime.stop_sandbox(s.id), "stop_sandbox")
 
+    def _pod_ip(self, pod: Pod, sandbox_ip: str) -> str:
+        return self.host_ip if (pod.get("spec") or {}).get("hostNetwork") else sandbox_ip
+
     def sync_terminated(self, pod: Pod, entry: CacheEntry) -> None:
         """Final status; a gracefully deleted API pod is then deleted for good."""
+        if self.probes is not None:
+            self.probes.remove(pod["metadata"]["uid"])
         self._publish(pod, entry.status, {}, terminal=True)
         if (pod.get("metadata") or {}).get("deletionTimestamp"):
             self.status.finish_deletion(pod)
@@ -457,4 +672,10 @@ class PodSyncer:
             await self._rt(self.runtime.stop_sandbox(s.id), "stop_sandbox")
             await self._rt(self.runtime.remove_sandbox(s.id), "remove_sandbox")
         self.backoff.forget(uid)
+        self.images.forget(uid)
         self.status.forget(uid)
+        if self.probes is not None:
+            self.probes.remove(uid)
+        self._messages.pop(uid, None)
+        if self.pods_dir:  # the pod's files (its termination messages: a few small files)
+            remove_pod_files(self.pods_dir, uid)

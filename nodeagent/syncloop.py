@@ -25,12 +25,15 @@ from dataclasses import dataclass
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter
 
+from nodeagent.actions import Actions
 from nodeagent.api.answered import ApiAnswered
 from nodeagent.api.clock import Clock
 from nodeagent.api.kube import Kube, describe
 from nodeagent.events import Events
+from nodeagent.images import ImageManager
 from nodeagent.pleg import EventType, Pleg, PodCache, PodLifecycleEvent
 from nodeagent.podstatus import StatusManager
+from nodeagent.probes import ProbeManager
 from nodeagent.runtime.base import LABEL_POD_NAME, LABEL_POD_NAMESPACE, Runtime
 from nodeagent.sources.types import Op, Pod, PodUpdate, SourcesReady, pod_node_name
 from nodeagent.syncer import CrashBackoff, PodSyncer
@@ -53,9 +56,19 @@ class SyncLoopConfig:
     sync_frequency: float = 60.0       # periodic resync of each pod
     call_timeout: float = 60.0         # any runtime call but the PLEG's
     log_root: str = ""                 # container logs (runtimes that write files)
+    pods_dir: str = ""                 # per-pod files (termination messages)
     crash_backoff_initial: float = 10.0
     crash_backoff_max: float = 300.0
     crash_backoff_reset: float = 600.0
+    serialize_image_pulls: bool = True  # the kubelet's --serialize-image-pulls
+    max_parallel_image_pulls: int = 0   # when not serialized; 0: no limit
+
+
+def image_manager(c: SyncLoopConfig) -> ImageManager:
+    return ImageManager(c.runtime, c.clock, kube=c.kube, events=c.events,
+                        serialize=c.serialize_image_pulls,
+                        max_parallel=c.max_parallel_image_pulls, call_timeout=c.call_timeout,
+                        registry=c.registry)
 
 
 @dataclass(frozen=True)
@@ -84,7 +97,9 @@ class SyncLoop:
     """One node's loop: takes that node's updates and PLEG events from its queues (its
     NodeLoops fills them) and turns them into pod worker updates."""
 
-    def __init__(self, node_name: str, config: SyncLoopConfig, cache: PodCache) -> None:
+    def __init__(self, node_name: str, config: SyncLoopConfig, cache: PodCache,
+                 images: ImageManager | None = None) -> None:
+        """`images`: the runtime's image manager, shared by every node's loop."""
         c = config
         self.node_name = node_name
         self.clock = c.clock
@@ -92,9 +107,14 @@ class SyncLoop:
         self.events: asyncio.Queue[PodLifecycleEvent] = asyncio.Queue()
         self.status = StatusManager(c.kube, c.clock, answered=c.answered, node=node_name,
                                     registry=c.registry)
+        actions = Actions(c.runtime)
+        self.probes = ProbeManager(actions, cache, c.clock, events=c.events,
+                                   host_ip=c.host_ip, on_change=self._probed)
         self.syncer = PodSyncer(c.runtime, self.status, c.clock, node_name=node_name,
                                 host_ip=c.host_ip, call_timeout=c.call_timeout,
-                                log_root=c.log_root, events=c.events,
+                                log_root=c.log_root, events=c.events, probes=self.probes,
+                                actions=actions, pods_dir=c.pods_dir,
+                                images=images or image_manager(c),
                                 backoff=CrashBackoff(c.clock, c.crash_backoff_initial,
                                                      c.crash_backoff_max,
                                                      c.crash_backoff_reset))
@@ -120,6 +140,7 @@ class SyncLoop:
             for f in (get_update, get_event):
                 f.cancel()
             await self.workers.stop()
+            await self.probes.close()
             await self.status.close()
 
     # --- inputs ---------------------------------------------------------------------
@@ -153,6 +174,16 @@ class SyncLoop:
                 if uid in self.pods:
                     self.pods[uid] = pod
                 self.status.reconcile(pod)
+                if (pod.get("spec") or {}).get("readinessGates"):
+                    # someone else's condition may have changed a gate: Ready follows
+                    self._probed(uid)
+
+    def _probed(self, uid: str) -> None:
+        """A probe result (or a readiness gate) changed: the pod's worker syncs (its
+        status, or a kill)."""
+        pod = self.pods.get(uid)
+        if pod is not None and not (pod.get("metadata") or {}).get("deletionTimestamp"):
+            self.workers.update(pod, UpdateKind.SYNC)
 
     def _kill(self, pod: Pod) -> None:
         grace = (pod.get("metadata") or {}).get("deletionGracePeriodSeconds")
@@ -226,7 +257,8 @@ class NodeLoops:
         self.pleg = pleg
         self.updates = updates
         self.sources_ready = sources_ready
-        self.loops = {name: SyncLoop(name, config.loop, pleg.cache)
+        self.images = image_manager(config.loop)  # one runtime: one set of pulls
+        self.loops = {name: SyncLoop(name, config.loop, pleg.cache, self.images)
                       for name in config.node_names}
         self.owner: dict[str, str] = {}  # pod uid -> node, from the routed updates
         self._task: asyncio.Task[None] | None = None
@@ -263,6 +295,7 @@ class NodeLoops:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            await self.images.close()
             await self.pleg.stop()
 
     def housekeeping(self) -> list[str]:

@@ -167,6 +167,13 @@ class PodWorkers:
         if w.task is None or w.task.done():
             w.task = asyncio.create_task(self._run(w), name=f"pod-worker-{uid}")
 
+    def _waker(self, uid: str) -> Callable[[object], None]:
+        def wake(_: object) -> None:
+            w = self._w.get(uid)
+            if w is not None and w.phase == Phase.SYNCING and not w.kill:
+                self.update(w.pod)
+        return wake
+
     def sync_due(self) -> list[str]:
         """Queue a sync for every pod that is due; returns their uids."""
         uids = self.due()
@@ -252,6 +259,8 @@ class PodWorkers:
                     w.pending = True  # go on terminating at once
                 elif res.requeue_after is not None:
                     requeue = min(requeue, res.requeue_after)
+                for f in res.wake:  # an image pull: sync again when it ends
+                    f.add_done_callback(self._waker(w.uid))
             elif w.phase == Phase.TERMINATING:
                 await self.syncer.terminate_pod(w.pod, grace_of(w.pod, w.grace))
                 w.phase = Phase.TERMINATED

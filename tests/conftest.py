@@ -11,6 +11,7 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import functools
+import socket
 import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
@@ -54,6 +55,13 @@ async def until(pred: Callable[[], bool], what: str = "the condition",
         if time.monotonic() > deadline:
             raise TimeoutError(f"never: {what}")
         await asyncio.sleep(0)
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on (for now) on loopback."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 class InlineExecutor(concurrent.futures.Executor):
@@ -177,7 +185,7 @@ class LoopRig:
     merge feeds them; the in-memory API holds the pods sent (status is written there)."""
 
     def __init__(self, rt: FakeRuntime, clock: FakeClock, ready: bool = True,
-                 nodes: Sequence[str] = ("n1",)) -> None:
+                 nodes: Sequence[str] = ("n1",), pods_dir: str = "") -> None:
         self.rt = rt
         self.clock = clock
         self.updates: asyncio.Queue[PodUpdate] = asyncio.Queue()
@@ -189,7 +197,8 @@ class LoopRig:
         self.events = Events(self.kube, nodes[0], clock, node_uid=lambda: "node-uid")
         config = SyncLoopConfig(runtime=rt, clock=clock, kube=self.kube,
                                 answered=ApiAnswered(clock), host_ip="192.0.2.10",
-                                registry=self.registry, events=self.events)
+                                registry=self.registry, events=self.events,
+                                pods_dir=pods_dir)
         label = nodes[0] if len(nodes) == 1 else "vn"
         self.loops = NodeLoops(NodeLoopsConfig(tuple(nodes), config),
                                Pleg(rt, clock, node=label, registry=self.registry),
@@ -201,6 +210,14 @@ class LoopRig:
         """The Warning Events written so far."""
         return [c.body for c in self.kube.calls_of("create events")
                 if c.body and c.body["type"] == "Warning"]
+
+    def events_of(self, reason: str) -> list[str]:
+        """The messages of the Events with this reason written so far."""
+        return [c.body["message"] for c in self.kube.calls_of("create events")
+                if c.body and c.body["reason"] == reason]
+
+    def condition(self, uid: str, ctype: str) -> dict[str, Any]:
+        return next(c for c in self.status(uid)["conditions"] if c["type"] == ctype)
 
     def send(self, op: Op, *pods: Pod) -> None:
         """What the API source would deliver; the API server holds the same pods."""
@@ -226,8 +243,9 @@ class LoopRig:
             await self.clock.advance(1)
 
 
-async def started(clock: FakeClock, rt: FakeRuntime | None = None) -> LoopRig:
-    a = LoopRig(rt or FakeRuntime(clock), clock)
+async def started(clock: FakeClock, rt: FakeRuntime | None = None,
+                  pods_dir: str = "") -> LoopRig:
+    a = LoopRig(rt or FakeRuntime(clock), clock, pods_dir=pods_dir)
     a.loops.start()
     await settle()
     return a

@@ -117,3 +117,31 @@ def test_the_doc_lists_every_spec_with_its_reason(tmp_path: Path) -> None:
     assert f"| {SPEC} | passed (expected pass) | 3 |  |" in text
     assert "| [sig-node] a \\| b | failed | 300 | Timed out \\| x |" in text
     assert "11.0 min of wall time" in text and "each other spec 100 s" in text
+
+
+def test_an_interrupted_run_kills_the_running_spec(tmp_path: Path) -> None:
+    """A Ctrl-C does not reach e2e.test (a session of its own): STOP ends it."""
+    import threading
+    fake = tmp_path / "e2e.test"
+    pidfile = tmp_path / "pid"
+    fake.write_text(f"#!/bin/sh\necho $$ > {pidfile}\nexec sleep 300\n")
+    fake.chmod(0o755)
+    target = run.Target(tmp_path / "kubeconfig", "unix:///nowhere.sock")
+    got: list[run.Result] = []
+    worker = threading.Thread(target=lambda: got.append(run.run_spec(
+        fake, Path("kubectl"), "[sig-node] a spec", target, tmp_path / "w", 300)))
+    worker.start()
+    try:
+        for _ in range(1000):  # bounded: until the fake has started
+            if pidfile.exists() and pidfile.read_text().strip():
+                break
+            threading.Event().wait(0.01)
+        run.STOP.set()
+        worker.join(20)
+    finally:
+        run.STOP.clear()
+    assert not worker.is_alive()
+    assert got and got[0].status == run.FAILED and "reported no result" in got[0].reason
+    pid = int(pidfile.read_text())
+    assert not Path(f"/proc/{pid}").exists() or \
+        Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"

@@ -21,6 +21,8 @@ from nodeagent.runtime import (
     ContainerState,
     ImageNotPresent,
     NotFound,
+    PullFailed,
+    RegistryAuth,
     RuntimeTimeout,
     SandboxConfig,
     SandboxState,
@@ -50,6 +52,7 @@ class FakeCri(pb_grpc.RuntimeServiceServicer, pb_grpc.ImageServiceServicer):
         self.containers: dict[str, pb.ContainerStatus] = {}
         self.container_sandbox: dict[str, str] = {}
         self.images = {"localhost/busybox:1"}
+        self.registry: dict[str, tuple[str, str] | None] = {}  # ref -> (user, password)
         self.hang: set[str] = set()
         self.vanish_on_status: set[str] = set()
         self._ids = itertools.count(1)
@@ -179,10 +182,22 @@ class FakeCri(pb_grpc.RuntimeServiceServicer, pb_grpc.ImageServiceServicer):
 
     async def ImageStatus(self, req: Any, ctx: Any) -> pb.ImageStatusResponse:
         await self._record("ImageStatus", req, ctx)
-        if req.image.image not in self.images:
+        if req.image.image not in self.images | {"sha256:abc"}:
             return pb.ImageStatusResponse()  # missing: OK with no image, as containerd
         return pb.ImageStatusResponse(image=pb.Image(id="sha256:abc",
                                                      repo_tags=[req.image.image], size=42))
+
+    async def PullImage(self, req: Any, ctx: grpc.aio.ServicerContext) -> pb.PullImageResponse:
+        await self._record("PullImage", req, ctx)
+        ref = req.image.image
+        if ref not in self.registry:
+            await ctx.abort(grpc.StatusCode.UNKNOWN, f"failed to resolve reference {ref!r}: "
+                            "not found")
+        need = self.registry[ref]
+        if need is not None and (req.auth.username, req.auth.password) != need:
+            await ctx.abort(grpc.StatusCode.UNKNOWN, f"pull {ref!r}: 401 Unauthorized")
+        self.images.add(ref)
+        return pb.PullImageResponse(image_ref="sha256:abc")
 
     async def ListImages(self, req: Any, ctx: Any) -> pb.ListImagesResponse:
         await self._record("ListImages", req, ctx)
@@ -380,6 +395,26 @@ async def test_version_conditions_and_images(tmp_path: Path) -> None:
         imgs = await rt.list_images()
         assert [(i.names, i.size_bytes) for i in imgs] == [
             (["localhost/busybox:1"], 42), (["localhost/pause:1"], 42)]
+
+
+@aio
+async def test_pull_image_sends_the_credentials_and_maps_refusals(tmp_path: Path) -> None:
+    async with served(tmp_path) as (fake, rt):
+        fake.registry = {"reg.example/app:1": ("u", "p"), "reg.example/open:1": None}
+        info = await rt.pull_image("reg.example/open:1")
+        assert (info.id, info.size_bytes) == ("sha256:abc", 42)
+        assert not fake.last("PullImage").HasField("auth")
+        with pytest.raises(PullFailed, match="401 Unauthorized"):
+            await rt.pull_image("reg.example/app:1", RegistryAuth(username="u", password="x"))
+        with pytest.raises(PullFailed, match="not found"):
+            await rt.pull_image("reg.example/nothing:1")
+        await rt.pull_image("reg.example/app:1", RegistryAuth(username="u", password="p",
+                                                              server_address="reg.example"))
+        sent = fake.last("PullImage")
+        assert (sent.image.image, sent.auth.username, sent.auth.password,
+                sent.auth.server_address) == ("reg.example/app:1", "u", "p", "reg.example")
+        assert await rt.image_present("reg.example/app:1")
+        assert "s3cret" not in repr(RegistryAuth(username="u", password="s3cret"))  # never logged
 
 
 def test_constructor_refuses_bad_settings() -> None:

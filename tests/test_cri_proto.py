@@ -91,6 +91,8 @@ OFFICIAL: dict[str, dict[str, int]] = {
     "ImageStatusRequest": {"image": 1, "verbose": 2},
     "ImageStatusResponse": {"image": 1, "info": 2},
     "ReopenContainerLogRequest": {"container_id": 1},
+    "ExecSyncRequest": {"container_id": 1, "cmd": 2, "timeout": 3},
+    "ExecSyncResponse": {"stdout": 1, "stderr": 2, "exit_code": 3},
     "ExecRequest": {"container_id": 1, "cmd": 2, "tty": 3, "stdin": 4, "stdout": 5,
                     "stderr": 6},
     "ExecResponse": {"url": 1},
@@ -144,7 +146,7 @@ def test_services_and_methods_are_the_official_names() -> None:
                             "PodSandboxStatus", "ListPodSandbox", "CreateContainer",
                             "StartContainer", "StopContainer", "RemoveContainer",
                             "ListContainers", "ContainerStatus", "Status",
-                            "ReopenContainerLog", "Exec", "Attach", "PortForward",
+                            "ReopenContainerLog", "ExecSync", "Exec", "Attach", "PortForward",
                             "ListContainerStats"}
     assert {m.name for m in img.methods} == {"ListImages", "ImageStatus", "PullImage"}
 

@@ -10,8 +10,16 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from nodeagent.runtime import spdy
-from nodeagent.runtime.base import ContainerConfig, SandboxConfig, StreamRequest
+from nodeagent.runtime.base import (
+    ContainerConfig,
+    ContainerRuntimeError,
+    RuntimeTimeout,
+    SandboxConfig,
+    StreamRequest,
+)
 from nodeagent.runtime.process import ProcessRuntime
 from tests.conftest import aio
 
@@ -108,5 +116,31 @@ async def test_exec_runs_beside_the_container_with_its_environment(tmp_path: Pat
         assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 404")
         writer.close()
         await rt.stop_container(cid, 1)
+    finally:
+        await rt.close()
+
+
+@aio
+async def test_exec_sync_runs_probe_commands_to_completion(tmp_path: Path) -> None:
+    """What exec probes and hooks use: exit code and output, killed at the timeout."""
+    rt = ProcessRuntime(tmp_path / "state")
+    try:
+        pod: dict[str, Any] = {
+            "metadata": {"name": "p", "namespace": "ns", "uid": "u1"},
+            "spec": {"containers": [{"name": "c", "image": "i", "command": ["sleep", "60"],
+                                     "env": [{"name": "GREETING", "value": "hello"}]}]}}
+        sc = SandboxConfig.from_pod(pod, log_root=str(tmp_path / "logs"))
+        sid = await rt.run_sandbox(sc)
+        cid = await rt.create_container(sid, ContainerConfig.from_pod(
+            pod, pod["spec"]["containers"][0]), sc)
+        await rt.start_container(cid)
+        r = await rt.exec_sync(cid, ["sh", "-c", "echo $GREETING; echo bad >&2; exit 4"], 5)
+        assert (r.exit_code, r.stdout, r.stderr) == (4, b"hello\n", b"bad\n")
+        assert (await rt.exec_sync(cid, ["no-such-program-here"], 5)).exit_code == 127
+        with pytest.raises(RuntimeTimeout, match='command "sleep 30" timed out'):
+            await rt.exec_sync(cid, ["sleep", "30"], 0.2)
+        await rt.stop_container(cid, 1)
+        with pytest.raises(ContainerRuntimeError, match="not running"):
+            await rt.exec_sync(cid, ["true"], 5)
     finally:
         await rt.close()

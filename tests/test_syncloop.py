@@ -126,30 +126,6 @@ async def test_graceful_delete_within_grace_then_remove() -> None:
 
 
 @aio
-async def test_image_pull_policy_against_present_images() -> None:
-    clock = FakeClock()
-    rt = FakeRuntime(clock, images=["localhost/busybox:1"])
-    a = await started(clock, rt)
-    never = mkpod("never", "u1", image="localhost/missing:1")
-    never["spec"]["containers"][0]["imagePullPolicy"] = "Never"
-    ifnp = mkpod("ifnp", "u2", image="localhost/missing:2")
-    a.send(Op.ADD, never, ifnp, mkpod("ok", "u3"))
-    await a.run_for(3)
-    w = a.cstatus("u1")["state"]["waiting"]
-    assert w["reason"] == "ErrImageNeverPull"
-    assert w["message"] == ('Container image "localhost/missing:1" is not present with '
-                            "pull policy of Never")
-    w2 = a.cstatus("u2")["state"]["waiting"]
-    assert w2["reason"] == "ErrImagePull" and "does not pull" in w2["message"]
-    assert a.status("u1")["phase"] == "Pending"
-    assert a.status("u3")["phase"] == "Running"
-    rt.images = {"localhost/busybox:1", "localhost/missing:1"}  # imported by hand
-    await a.run_for(12)
-    assert a.status("u1")["phase"] == "Running"
-    await a.loops.stop()
-
-
-@aio
 async def test_housekeeping_waits_for_sources_then_removes_orphans() -> None:
     clock = FakeClock()
     rt = FakeRuntime(clock)

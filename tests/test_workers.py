@@ -8,10 +8,11 @@ import asyncio
 from prometheus_client import CollectorRegistry
 
 from nodeagent.api.clock import FakeClock, settle
+from nodeagent.images import pull_policy
 from nodeagent.pleg import CacheEntry, PodCache
 from nodeagent.runtime import PodRuntimeStatus
 from nodeagent.sources.types import Op
-from nodeagent.syncer import CrashBackoff, SyncResult, grace_of, pull_policy
+from nodeagent.syncer import CrashBackoff, SyncResult, grace_of
 from nodeagent.workers import Phase, PodWorkers, UpdateKind
 from tests.conftest import aio, mkpod, started
 

@@ -15,6 +15,7 @@ netns mounts under the state dir, cgroupfs driver.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import ctypes
 import json
@@ -167,6 +168,22 @@ class Containerd:
         (folder / "hosts.toml").write_text(
             f'server = "https://{host}"\n\n[host."https://{host}"]\n'
             f'  capabilities = ["pull", "resolve"]\n  ca = "{ca}"\n')
+
+    def mirror_registry(self, upstream: str, mirror: str, ca: Path,
+                        auth: tuple[str, str] | None = None) -> None:
+        """Pulls of `upstream`'s images (as "registry.k8s.io") are served by https://`mirror`
+        (a local registry holding the same repositories and tags), whose CA is `ca`; with
+        `auth`, every request to the mirror carries it as basic auth. Test setup only:
+        the names the upstream tests pull resolve here without the internet."""
+        folder = self.base / "certs.d" / upstream
+        folder.mkdir(parents=True, exist_ok=True)
+        text = (f'server = "https://{upstream}"\n\n[host."https://{mirror}"]\n'
+                f'  capabilities = ["pull", "resolve"]\n  ca = "{ca}"\n')
+        if auth is not None:
+            token = base64.b64encode(f"{auth[0]}:{auth[1]}".encode()).decode()
+            text += (f'  [host."https://{mirror}".header]\n'
+                     f'    Authorization = "Basic {token}"\n')
+        (folder / "hosts.toml").write_text(text)
 
     def remove_all_sandboxes(self, timeout: float = 30.0) -> None:
         """Stop and remove every sandbox (this stops their containers and shims)."""

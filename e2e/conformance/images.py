@@ -147,3 +147,32 @@ def import_all(ctd) -> dict[str, str]:
                               ("Nonewprivs", build_nonewprivs_tar)):
         ctd.import_image(builder(names[image_id].rpartition(":")[2]), names[image_id])
     return {k: names[k] for k in ("BusyBox", "Pause", "Agnhost", "Nonewprivs")}
+
+
+# The specs that pull with imagePullPolicy Always, and what they pull ("should be able to
+# pull image": agnhost from registry.k8s.io)
+PULLED_FROM_UPSTREAM = ("Agnhost",)
+
+
+def serve_upstream_pulls(ctd, workdir: Path):  # -> e2e.cluster.registry.Registry
+    """A local registry (e2e/cluster/registry.py) holding the images the specs pull from
+    registry.k8s.io, under the same repository and tag, and containerd told to use it as
+    that host's mirror (its certs.d hosts.toml): so such a pull really goes to a registry
+    and back, here, where the internet is not reachable. Test setup only; the agent is
+    not told. Stop the registry returned."""
+    from e2e.cluster.registry import start_registry
+
+    names = upstream_names()
+    reg = start_registry(workdir)
+    try:
+        upstream = {names[i].partition("/")[0] for i in PULLED_FROM_UPSTREAM}
+        if upstream != {"registry.k8s.io"}:
+            raise RuntimeError(f"manifest.go moved the pulled images to {upstream}")
+        for image_id in PULLED_FROM_UPSTREAM:
+            repo_tag = names[image_id].partition("/")[2]
+            reg.push(build_agnhost_tar(repo_tag.rpartition(":")[2]), repo_tag)
+        ctd.mirror_registry("registry.k8s.io", reg.host, reg.ca, reg.auth)
+    except BaseException:
+        reg.stop()
+        raise
+    return reg

@@ -22,6 +22,7 @@ import os
 import re
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -172,6 +173,11 @@ def summarize(message: str, limit: int = 300) -> str:
     return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
+# set when a run is interrupted: each running e2e.test (in a session of its own, so a
+# Ctrl-C does not reach it) is killed, and no more are started
+STOP = threading.Event()
+
+
 def run_spec(e2e_test: Path, kubectl: Path, spec: str, target: Target, workdir: Path,
              timeout: int) -> Result:
     """One spec in one e2e.test process; its JSON report says how it went."""
@@ -185,11 +191,12 @@ def run_spec(e2e_test: Path, kubectl: Path, spec: str, target: Target, workdir: 
     with open(workdir / "e2e.log", "wb") as log:
         proc = subprocess.Popen(args, cwd=workdir, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
-        try:
-            proc.wait(timeout + 120)  # ginkgo stops itself at `timeout`; this is the backstop
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        # ginkgo stops itself at `timeout`; the deadline is the backstop, STOP the run's end
+        deadline = time.monotonic() + timeout + 120
+        while proc.poll() is None:
+            if STOP.wait(1.0) or time.monotonic() > deadline:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
     seconds = time.monotonic() - started
     found = [r for r in _spec_reports(report) if r[0] == spec] if report.exists() else []
     if not found:
@@ -209,6 +216,7 @@ def run_all(plan: Plan, target: Target, workdir: Path, only: str | None = None,
             log: Callable[[str], None] = print) -> tuple[list[Result], float]:
     """Every spec of the plan: run, or named with why not. Returns the results in the
     listing's order and the wall time of the runs in seconds."""
+    STOP.clear()
     bins = build.ensure(["e2e.test", "kubectl"], log=log)
     specs = list_specs(bins["e2e.test"], plan, target, workdir / "list")
     results: dict[str, Result] = {}
@@ -236,11 +244,16 @@ def run_all(plan: Plan, target: Target, workdir: Path, only: str | None = None,
                                    workdir / f"spec-{to_run.index(spec):03d}",
                                    plan.spec_timeout if spec in expected else plan.trial_timeout)
                        for spec in batch]
-            for future in concurrent.futures.as_completed(futures):
-                r = future.result()
-                results[r.spec] = r
-                done += 1
-                log(f"[{done}/{len(to_run)}] {r.status} {r.seconds:.0f}s {r.spec}")
+            try:
+                for future in concurrent.futures.as_completed(futures):
+                    r = future.result()
+                    results[r.spec] = r
+                    done += 1
+                    log(f"[{done}/{len(to_run)}] {r.status} {r.seconds:.0f}s {r.spec}")
+            except BaseException:  # interrupted: start nothing more, end what runs
+                pool.shutdown(wait=False, cancel_futures=True)
+                STOP.set()
+                raise
     return [results[s] for s in specs], time.monotonic() - started
 
 
@@ -304,7 +317,7 @@ def measure(workdir: Path, only: str | None = None, plan: Plan | None = None,
     upstream images, run the plan's specs against them, stop everything by PID.
     Logs of the run (each spec's e2e.log and report, the components' logs) stay in
     `workdir`."""
-    from e2e.conformance.images import import_all
+    from e2e.conformance.images import import_all, serve_upstream_pulls
     from e2e.stack import Stack
     from e2e.util import free_port
 
@@ -312,9 +325,12 @@ def measure(workdir: Path, only: str | None = None, plan: Plan | None = None,
     build.ensure(["e2e.test", "kubectl"], log=log)  # before anything runs
     stack = Stack(NODE_NAME, health_address=f"127.0.0.1:{free_port()}",
                   operator_metrics_port=free_port(), require_containerd=True)
+    mirror = None
     try:
         stack.start()
         log(f"images: {', '.join(import_all(stack.ctd).values())}")
+        mirror = serve_upstream_pulls(stack.ctd, workdir / "registry")
+        log(f"registry.k8s.io served by the local registry at {mirror.host}")
         wait_schedulable(stack.cluster.kubeconfig, NODE_NAME)
         return (*run_all(plan, Target(stack.cluster.kubeconfig, stack.ctd.endpoint),
                          workdir, only, log), plan)
@@ -322,6 +338,8 @@ def measure(workdir: Path, only: str | None = None, plan: Plan | None = None,
         subprocess.run(["cp", "-r", str(stack.cluster.log_dir), str(workdir / "logs")],
                        check=False)
         stack.stop()
+        if mirror is not None:
+            mirror.stop()
 
 
 def wait_schedulable(kubeconfig: Path, node: str, timeout: float = 120) -> None:

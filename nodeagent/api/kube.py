@@ -85,6 +85,8 @@ SUBJECT_ACCESS_REVIEWS = Resource("authorization.k8s.io", "v1", "subjectaccessre
 CERTIFICATE_SIGNING_REQUESTS = Resource("certificates.k8s.io", "v1",
                                         "certificatesigningrequests",
                                         "CertificateSigningRequest", False)
+SECRETS = Resource("", "v1", "secrets", "Secret", True)
+SERVICE_ACCOUNTS = Resource("", "v1", "serviceaccounts", "ServiceAccount", True)
 
 NODE_LEASE_NAMESPACE = "kube-node-lease"  # where each node's heartbeat Lease lives
 

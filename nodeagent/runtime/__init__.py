@@ -13,10 +13,13 @@ from nodeagent.runtime.base import (
     ContainerRuntimeError,
     ContainerState,
     ContainerStats,
+    ExecResult,
     ImageInfo,
     ImageNotPresent,
     NotFound,
     PodRuntimeStatus,
+    PullFailed,
+    RegistryAuth,
     RelistResult,
     Runtime,
     RuntimeTimeout,
@@ -31,8 +34,9 @@ from nodeagent.runtime.base import (
 
 __all__ = [
     "DEFAULT_CONTAINERD_SOCKET", "Container", "ContainerConfig", "ContainerRuntimeError",
-    "ContainerState", "ContainerStats", "ImageInfo", "ImageNotPresent", "NotFound", "PodRuntimeStatus",
-    "RelistResult", "Runtime", "RuntimeTimeout", "RuntimeVersion", "Sandbox",
+    "ContainerState", "ContainerStats", "ExecResult", "ImageInfo", "ImageNotPresent",
+    "NotFound", "PodRuntimeStatus", "PullFailed", "RegistryAuth", "RelistResult", "Runtime",
+    "RuntimeTimeout", "RuntimeVersion", "Sandbox",
     "SandboxConfig", "SandboxState", "StreamRequest", "Unavailable", "Unsupported",
     "make_runtime", "socket_path",
 ]

@@ -58,7 +58,13 @@ class NotFound(ContainerRuntimeError):
 
 
 class ImageNotPresent(ContainerRuntimeError):
-    """The image is not in the runtime's image store, and we never pull."""
+    """The image is not in the runtime's image store (create_container does not pull:
+    the image manager, nodeagent/images.py, pulls first)."""
+
+
+class PullFailed(ContainerRuntimeError):
+    """The runtime could not pull the image (unknown name, registry unreachable,
+    credentials refused); the message says why, in the runtime's words."""
 
 
 class RuntimeTimeout(ContainerRuntimeError, TimeoutError):
@@ -325,6 +331,21 @@ class ImageInfo:
 
 
 @dataclass(frozen=True)
+class RegistryAuth:
+    """Credentials for one image pull (CRI AuthConfig): basic auth (username and
+    password, or `auth`, base64 of "user:password"), or a token."""
+    username: str = ""
+    password: str = ""
+    auth: str = ""
+    server_address: str = ""
+    identity_token: str = ""
+    registry_token: str = ""
+
+    def __repr__(self) -> str:  # never a secret in a log line
+        return f"RegistryAuth(username={self.username!r}, server={self.server_address!r})"
+
+
+@dataclass(frozen=True)
 class ContainerStats:
     """One running container's usage, as the runtime measured it at `timestamp`."""
     container_id: str
@@ -343,6 +364,14 @@ class StreamRequest:
     stdout: bool = True
     stderr: bool = True
     tty: bool = False
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    """What a command run to completion in a container (CRI ExecSync) gave back."""
+    exit_code: int
+    stdout: bytes = b""
+    stderr: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -413,6 +442,13 @@ class Runtime(ABC):
         """Whether the image is in the local store. Never pulls."""
 
     @abstractmethod
+    async def pull_image(self, ref: str, auth: RegistryAuth | None = None) -> ImageInfo:
+        """Pull the image into the local store with `auth` (None: anonymously); returns
+        what the store then holds (its id and size). PullFailed when the registry
+        refuses or cannot be reached. Not bounded by the short call deadline: a big
+        image takes minutes."""
+
+    @abstractmethod
     async def list_images(self) -> list[ImageInfo]:
         """Images in the local store, for NodeStatus.images."""
 
@@ -420,6 +456,9 @@ class Runtime(ABC):
         """Release connections; the runtime's objects keep running."""
 
     # --- what the kubelet API serves (optional: the defaults refuse, naming the runtime)
+
+    # whether ContainerConfig.mounts can be honoured (files of the host in a container)
+    can_mount: bool = True
 
     # How container log files are written: "cri" (`<time> <stream> <P|F> <text>` lines,
     # as containerd writes them) or "raw" (the program's bytes as they came, no times).
@@ -429,6 +468,20 @@ class Runtime(ABC):
         """URL of the runtime's streaming server where this exec waits (CRI Exec); the
         caller proxies the client's upgraded connection to it."""
         raise Unsupported(f"the {self.scheme} runtime cannot exec into containers")
+
+    async def exec_sync(self, container_id: str, cmd: list[str],
+                        timeout: float) -> ExecResult:
+        """Run `cmd` in the running container to completion and return its exit code
+        and output (CRI ExecSync): what exec probes and exec lifecycle hooks do. Raises
+        RuntimeTimeout when it runs longer than `timeout` seconds (0: no limit)."""
+        raise Unsupported(f"the {self.scheme} runtime cannot run commands in containers")
+
+    def simulated_network(self, container_id: str, action: str) -> ExecResult | None:
+        """For a runtime whose containers run nothing (the fake one): the answer a
+        network probe or hook (`action`: httpGet, tcpSocket, grpc) gets from the
+        container, exit code 0 for success, the output in stdout. None (every real
+        runtime): the agent dials the pod."""
+        return None
 
     async def attach_url(self, container_id: str, req: StreamRequest) -> str:
         """URL where an attach to the container's main process waits (CRI Attach)."""

@@ -12,7 +12,7 @@ import itertools
 import os
 import shutil
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TypeVar
 
 from nodeagent.api.clock import Clock, RealClock
@@ -20,11 +20,15 @@ from nodeagent.runtime.base import (
     LABEL_POD_UID,
     Container,
     ContainerConfig,
+    ContainerRuntimeError,
     ContainerState,
+    ExecResult,
     ImageInfo,
     ImageNotPresent,
     NotFound,
     PodRuntimeStatus,
+    PullFailed,
+    RegistryAuth,
     RelistResult,
     Runtime,
     RuntimeVersion,
@@ -34,6 +38,8 @@ from nodeagent.runtime.base import (
 )
 
 R = TypeVar("R", Sandbox, Container)
+ExecAnswer = (ExecResult | BaseException
+              | Callable[[list[str]], "ExecResult | BaseException"])
 
 
 def _clone(rec: R) -> R:
@@ -51,7 +57,7 @@ class FakeRuntime(Runtime):
                  host_ip: str = "192.0.2.10", image_size: int = 5_000_000) -> None:
         """`images`: refs present in the store; None means every image is present."""
         self.clock = clock or RealClock()
-        self.images: set[str] | None = None if images is None else set(images)
+        self.images: set[str] | None = None if images is None else {_tagged(r) for r in images}
         self.image_size = image_size
         self.host_ip = host_ip
         self.sandboxes: dict[str, Sandbox] = {}
@@ -63,6 +69,24 @@ class FakeRuntime(Runtime):
         self.fail: dict[str, BaseException] = {}  # method name -> raise once
         self.ignore_sigterm: set[str] = set()    # container names that run to the kill
         self.exit_on_start: dict[str, int] = {}  # container name -> exits at once, code
+        # what exec_sync (exec probes and hooks) answers, by container name: an
+        # ExecResult, an exception to raise (RuntimeTimeout: the command timed out), or a
+        # function of the command giving either; unscripted commands exit 0
+        self.exec_results: dict[str, ExecAnswer] = {}
+        self.execs: list[tuple[str, list[str]]] = []  # (container name, cmd) as run
+        # network probes and hooks (httpGet, tcpSocket, grpc): nothing listens in a fake
+        # container, so they are answered here, by container name (unscripted: success),
+        # unless `dial` is set (a test or benchmark with real servers on the pod IP)
+        self.network_results: dict[str, ExecResult] = {}
+        self.network_probes: list[tuple[str, str]] = []  # (container name, action)
+        self.dial = False
+        # the registry pulls come from: ref -> the credentials it asks for (None: anyone
+        # may pull). A ref not listed cannot be pulled, unless every image is present.
+        self.registry: dict[str, RegistryAuth | None] = {}
+        self.pull_delay = 0.0   # seconds (on the clock) each pull takes
+        self.pulls: list[tuple[str, RegistryAuth | None]] = []  # every pull, as asked
+        self.pulling = 0        # pulls under way now, and the most there were at once
+        self.max_pulling = 0
         # pod uid -> its sandbox and container ids, so pod_status costs O(pod), like a
         # runtime with an index would (keeps the per-pod polling comparison fair)
         self._by_pod: dict[str, set[str]] = {}
@@ -128,7 +152,7 @@ class FakeRuntime(Runtime):
                 del self._by_pod[uid]
 
     def _present(self, ref: str) -> bool:
-        return self.images is None or ref in self.images
+        return self.images is None or _tagged(ref) in self.images
 
     # --- Runtime -------------------------------------------------------------------
 
@@ -260,6 +284,34 @@ class FakeRuntime(Runtime):
         if c is not None:
             self._forget(c.pod_uid, container_id)
 
+    async def exec_sync(self, container_id: str, cmd: list[str],
+                        timeout: float) -> ExecResult:
+        self._call("exec_sync")
+        c = self.containers.get(container_id)
+        if c is None:
+            raise NotFound(f"exec_sync: container {container_id} not found")
+        if c.state != ContainerState.RUNNING:
+            raise ContainerRuntimeError(f"exec_sync: container {c.name} is {c.state}, "
+                                        "not running")
+        self.execs.append((c.name, list(cmd)))
+        answer = self.exec_results.get(c.name, ExecResult(0))
+        if callable(answer) and not isinstance(answer, BaseException):
+            answer = answer(list(cmd))
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+    def simulated_network(self, container_id: str, action: str) -> ExecResult | None:
+        if self.dial:
+            return None
+        c = self.containers.get(container_id)
+        name = c.name if c is not None else ""
+        self.network_probes.append((name, action))
+        if c is None or c.state != ContainerState.RUNNING:
+            return ExecResult(1, f"fake: container {name or container_id} is not "
+                                 "running".encode())
+        return self.network_results.get(name, ExecResult(0))
+
     async def rotate_container_log(self, container_id: str, path: str, rotated: str) -> None:
         self._call("rotate_container_log")
         if container_id not in self.containers:
@@ -271,9 +323,38 @@ class FakeRuntime(Runtime):
         self._call("image_present")
         return self._present(ref)
 
+    async def pull_image(self, ref: str, auth: RegistryAuth | None = None) -> ImageInfo:
+        self._call("pull_image")
+        self.pulls.append((ref, auth))
+        self.pulling += 1
+        self.max_pulling = max(self.max_pulling, self.pulling)
+        try:
+            if self.pull_delay:
+                await self.clock.sleep(self.pull_delay)
+        finally:
+            self.pulling -= 1
+        if _tagged(ref) not in {_tagged(r) for r in self.registry}:
+            if self.images is not None:
+                raise PullFailed(f"fake PullImage {ref}: not found in the registry")
+        else:
+            need = next(v for r, v in self.registry.items() if _tagged(r) == _tagged(ref))
+            if need is not None and (auth is None or (auth.username, auth.password) !=
+                                     (need.username, need.password)):
+                raise PullFailed(f"fake PullImage {ref}: 401 Unauthorized")
+        if self.images is not None:
+            self.images.add(_tagged(ref))
+        return ImageInfo(id="sha256:" + hashlib.sha256(_tagged(ref).encode()).hexdigest(),
+                         names=[_tagged(ref)], size_bytes=self.image_size)
+
     async def list_images(self) -> list[ImageInfo]:
         self._call("list_images")
         refs = self.images if self.images is not None else {c.image for c in
                                                             self.containers.values()}
         return [ImageInfo(id="sha256:" + hashlib.sha256(r.encode()).hexdigest(), names=[r],
                           size_bytes=self.image_size) for r in sorted(refs)]
+
+
+def _tagged(ref: str) -> str:
+    """`ref` with the tag a runtime assumes when it names none (":latest")."""
+    last = ref.rsplit("/", 1)[-1]
+    return ref if ":" in last or "@" in last else ref + ":latest"

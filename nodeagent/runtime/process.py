@@ -1,8 +1,9 @@
 """ProcessRuntime: every container is a local process, so the agent runs anywhere.
 
-- A container runs `command + args` (env and workingDir from the pod spec; the image
-  name is only a label) in its own session and process group, with stdout and stderr
-  appended to its log file (`<log dir>/<container>/<attempt>.log`).
+- A container runs `command + args` (env and workingDir from the pod spec) in its own
+  session and process group, with stdout and stderr appended to its log file
+  (`<log dir>/<container>/<attempt>.log`). The image name is only a label: every image
+  is present, and a pull fetches nothing.
 - The process is started through a tiny `/bin/sh` wrapper that writes its PID to
   `<id>.pid`, waits for the workload and writes the exit code to `<id>.exit`. The exit
   code therefore survives an agent restart, even when the agent is no longer the
@@ -55,11 +56,14 @@ from nodeagent.runtime.base import (
     ContainerConfig,
     ContainerRuntimeError,
     ContainerState,
+    ExecResult,
     ImageInfo,
     NotFound,
     PodRuntimeStatus,
+    RegistryAuth,
     RelistResult,
     Runtime,
+    RuntimeTimeout,
     RuntimeVersion,
     Sandbox,
     SandboxConfig,
@@ -172,6 +176,7 @@ class ProcessRuntime(Runtime):
 
     scheme = "process"
     log_format = "raw"  # the program writes straight to the file: no times, no streams
+    can_mount = False  # a process sees the host's filesystem as it is
 
     def __init__(self, state_dir: str | Path | None = None, *, clock: Clock | None = None,
                  host_ip: str = "", kill_wait: float = 10.0) -> None:
@@ -697,6 +702,12 @@ class ProcessRuntime(Runtime):
     async def image_present(self, ref: str) -> bool:
         return True  # the image is only a label here
 
+    async def pull_image(self, ref: str, auth: RegistryAuth | None = None) -> ImageInfo:
+        """Nothing to fetch: an image is only a label here, so every image is present
+        and a pull (imagePullPolicy Always) succeeds at once, without a registry."""
+        return ImageInfo(id="sha256:" + hashlib.sha256(ref.encode()).hexdigest(),
+                         names=[ref], size_bytes=0)
+
     async def list_images(self) -> list[ImageInfo]:
         with self._lock:
             refs = sorted({c.image for c in self._containers.values()})
@@ -724,6 +735,38 @@ class ProcessRuntime(Runtime):
         return await self._streaming.url(ExecSpec(
             argv=list(cmd), env=env, cwd=cwd, stdin=req.stdin, stdout=req.stdout,
             stderr=req.stderr, tty=req.tty))
+
+    async def exec_sync(self, container_id: str, cmd: list[str],
+                        timeout: float) -> ExecResult:
+        """The command run beside the container's process with its environment and
+        working directory, to completion (exec probes and hooks); killed at `timeout`."""
+        with self._lock:
+            c = self._containers.get(container_id)
+            if c is None:
+                raise NotFound(f"process exec_sync: container {container_id} not found")
+            self._refresh(c)
+            if c.state != ContainerState.RUNNING.value:
+                raise ContainerRuntimeError(f"process exec_sync: container {c.name} is "
+                                            f"{c.state}, not running")
+            env = dict((k, v) for k, v in c.env)
+            cwd = c.working_dir or str(self.state_dir / "pods" / c.sandbox_id)
+        if not cmd:
+            raise ContainerRuntimeError("process exec_sync: no command")
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *cmd, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, start_new_session=True)
+        except OSError as e:  # no such program: what a shell says, exit 127 or 126
+            return ExecResult(127 if isinstance(e, FileNotFoundError) else 126,
+                              stderr=f"{cmd[0]}: {e.strerror}\n".encode())
+        try:
+            out, err = await asyncio.wait_for(proc.communicate(), timeout or None)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
+            raise RuntimeTimeout(f'command "{" ".join(cmd)}" timed out') from None
+        return ExecResult(proc.returncode or 0, out, err)
 
     async def rotate_container_log(self, container_id: str, path: str, rotated: str) -> None:
         """Copy, then truncate: the process keeps its file open in append mode, so its

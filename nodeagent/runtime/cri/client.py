@@ -35,10 +35,13 @@ from nodeagent.runtime.base import (
     ContainerRuntimeError,
     ContainerState,
     ContainerStats,
+    ExecResult,
     ImageInfo,
     ImageNotPresent,
     NotFound,
     PodRuntimeStatus,
+    PullFailed,
+    RegistryAuth,
     RelistResult,
     Resources,
     Runtime,
@@ -218,20 +221,25 @@ class CriRuntime(Runtime):
       start, remove; a stop gets its grace period on top). Like the kubelet's
       --runtime-request-timeout (2 min): under a burst, containerd on a small machine
       takes seconds per create.
+    pull_timeout: deadline of one image pull (30 min: big images over slow links; the
+      kubelet sets none, but a pull that never ends would hold every pull behind it).
     The channel is opened lazily inside the running event loop."""
 
     scheme = "containerd"
 
     def __init__(self, socket: str, *, call_timeout: float = 10.0,
-                 request_timeout: float = 120.0, runtime_handler: str = "") -> None:
+                 request_timeout: float = 120.0, pull_timeout: float = 1800.0,
+                 runtime_handler: str = "") -> None:
         if not socket:
             raise ValueError("cri: socket path is empty")
-        if call_timeout <= 0 or request_timeout <= 0:
-            raise ValueError(f"cri: call_timeout ({call_timeout}) and request_timeout "
-                             f"({request_timeout}) must be positive seconds")
+        if min(call_timeout, request_timeout, pull_timeout) <= 0:
+            raise ValueError(f"cri: call_timeout ({call_timeout}), request_timeout "
+                             f"({request_timeout}) and pull_timeout ({pull_timeout}) must "
+                             "be positive seconds")
         self.target = socket if socket.startswith("unix:") else f"unix://{socket}"
         self.call_timeout = call_timeout
         self.request_timeout = request_timeout
+        self.pull_timeout = pull_timeout
         self.runtime_handler = runtime_handler
         self.calls = 0  # gRPC calls made, for tests and benchmarks
         self._channel: grpc.aio.Channel | None = None
@@ -338,10 +346,10 @@ class CriRuntime(Runtime):
 
     async def create_container(self, sandbox_id: str, config: ContainerConfig,
                                sandbox_config: SandboxConfig) -> str:
-        # we never pull: a missing image is a clear error, not a pull attempt
+        # the image manager pulled it; gone since (removed by hand): say so clearly
         if not await self.image_present(config.image):
             raise ImageNotPresent(f"cri CreateContainer {config.name}: image {config.image} "
-                                  "is not present in the runtime and is never pulled")
+                                  "is not present in the runtime")
         rt, _ = self._stubs()
         r = await self._call(
             f"CreateContainer {config.name} in sandbox {sandbox_id}", rt.CreateContainer,
@@ -379,6 +387,25 @@ class CriRuntime(Runtime):
         # a missing image is OK with no image field, not NOT_FOUND
         return r.HasField("image") and bool(r.image.id)
 
+    async def pull_image(self, ref: str, auth: RegistryAuth | None = None) -> ImageInfo:
+        _, img = self._stubs()
+        req = pb.PullImageRequest(image=pb.ImageSpec(image=ref))
+        if auth is not None:
+            req.auth.CopyFrom(pb.AuthConfig(
+                username=auth.username, password=auth.password, auth=auth.auth,
+                server_address=auth.server_address, identity_token=auth.identity_token,
+                registry_token=auth.registry_token))
+        try:
+            r = await self._call(f"PullImage {ref}", img.PullImage, req, self.pull_timeout)
+        except (Unavailable, RuntimeTimeout):
+            raise
+        except ContainerRuntimeError as e:
+            raise PullFailed(str(e)) from e
+        st = await self._call(f"ImageStatus {r.image_ref}", img.ImageStatus,
+                              pb.ImageStatusRequest(image=pb.ImageSpec(image=r.image_ref)))
+        return ImageInfo(id=r.image_ref, names=list(st.image.repo_tags) or [ref],
+                         size_bytes=st.image.size)
+
     async def list_images(self) -> list[ImageInfo]:
         _, img = self._stubs()
         r = await self._call("ListImages", img.ListImages, pb.ListImagesRequest())
@@ -394,6 +421,23 @@ class CriRuntime(Runtime):
             container_id=container_id, cmd=cmd, tty=req.tty, stdin=req.stdin,
             stdout=req.stdout, stderr=req.stderr))
         return r.url
+
+    async def exec_sync(self, container_id: str, cmd: list[str],
+                        timeout: float) -> ExecResult:
+        rt, _ = self._stubs()
+        secs = int(timeout)  # CRI takes whole seconds, as the kubelet sends them
+        req = pb.ExecSyncRequest(container_id=container_id, cmd=cmd, timeout=secs)
+        what = f"ExecSync {container_id}"
+        self.calls += 1
+        try:
+            # the runtime ends the command at `timeout`; the call's own deadline leaves
+            # it time to clean up (0: the command may run as long as it likes)
+            r = await rt.ExecSync(req, timeout=secs + self.request_timeout if secs else None)
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise RuntimeTimeout(f'command "{" ".join(cmd)}" timed out') from e
+            raise map_error(e, what) from e
+        return ExecResult(r.exit_code, r.stdout, r.stderr)
 
     async def attach_url(self, container_id: str, req: StreamRequest) -> str:
         rt, _ = self._stubs()

@@ -104,6 +104,11 @@ class RuntimeServiceStub:
                 request_serializer=nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.ReopenContainerLogRequest.SerializeToString,
                 response_deserializer=nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.ReopenContainerLogResponse.FromString,
                 _registered_method=True)
+        self.ExecSync = channel.unary_unary(
+                '/runtime.v1.RuntimeService/ExecSync',
+                request_serializer=nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.ExecSyncRequest.SerializeToString,
+                response_deserializer=nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.ExecSyncResponse.FromString,
+                _registered_method=True)
         self.Exec = channel.unary_unary(
                 '/runtime.v1.RuntimeService/Exec',
                 request_serializer=nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.ExecRequest.SerializeToString,
@@ -213,6 +218,12 @@ class RuntimeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExecSync(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Exec(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -309,6 +320,11 @@ def add_RuntimeServiceServicer_to_server(servicer, server):
                     servicer.ReopenContainerLog,
                     request_deserializer=nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.ReopenContainerLogRequest.FromString,
                     response_serializer=nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.ReopenContainerLogResponse.SerializeToString,
+            ),
+            'ExecSync': grpc.unary_unary_rpc_method_handler(
+                    servicer.ExecSync,
+                    request_deserializer=nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.ExecSyncRequest.FromString,
+                    response_serializer=nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.ExecSyncResponse.SerializeToString,
             ),
             'Exec': grpc.unary_unary_rpc_method_handler(
                     servicer.Exec,
@@ -709,6 +725,33 @@ class RuntimeService:
             '/runtime.v1.RuntimeService/ReopenContainerLog',
             nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.ReopenContainerLogRequest.SerializeToString,
             nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.ReopenContainerLogResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExecSync(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/runtime.v1.RuntimeService/ExecSync',
+            nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.ExecSyncRequest.SerializeToString,
+            nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.ExecSyncResponse.FromString,
             options,
             channel_credentials,
             insecure,
