@@ -37,7 +37,7 @@ class Rig:
         self.kube = FakeKube(now=self.clock.monotonic)
         self.store = Store(self.clock)
         self.store.lease_sync(set())
-        self.writer = KubeWriter(self.kube)  # type: ignore[arg-type]
+        self.writer = KubeWriter(self.kube)
         self.events = NodeEvents(self.writer, self.clock)
         self.monitor = Monitor(self.store, self.clock, self.writer, period=2,
                                parallel=parallel, lifecycle=ALONE, events=self.events)
