@@ -19,7 +19,7 @@ from typing import Any
 import kopf
 from nodeoperator.election import KubeLeaseBackend, LeaderElector
 from nodeoperator.events import NodeEvents
-from nodeoperator.kube import KubeWriter
+from nodeoperator.kube import EVENT_WRITERS, KubeWriter
 from nodeoperator.lifecycle import Lifecycle
 from nodeoperator.monitor import Monitor
 from nodeoperator.state import Store
@@ -33,7 +33,6 @@ from nodeagent.api.policy import GROUP, PLURAL, VERSION
 from nodeagent.api.serve import HealthServer
 
 log = logging.getLogger("nodeoperator")
-
 
 @dataclasses.dataclass
 class Options:
@@ -49,7 +48,7 @@ class Options:
     monitor_period: float = 2.0
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = None  # None: no endpoint
-    writers: int = 16
+    writers: int = 32
     lifecycle: Lifecycle = dataclasses.field(default_factory=Lifecycle)
 
 
@@ -104,7 +103,7 @@ async def run(opts: Options, clock: Clock | None = None) -> None:
                             clock, opts.identity, duration=opts.lease_duration,
                             renew_deadline=opts.renew_deadline, retry=opts.retry_period)
     writer = KubeWriter(kube, workers=opts.writers)
-    events = NodeEvents(writer, clock, instance=opts.identity)
+    events = NodeEvents(writer, clock, instance=opts.identity, concurrency=EVENT_WRITERS)
     leases = LeaseWatch(kube, store, clock)
     # The monitor's first period waits for complete views: kopf's first lists of Nodes
     # and policies (sync.py) and the first Lease list.
@@ -114,6 +113,7 @@ async def run(opts: Options, clock: Clock | None = None) -> None:
                       api_ok_since=lambda: elector.api_ok_since, parallel=opts.writers,
                       events=events, synced=(synced.done, leases.listed),
                       lifecycle=opts.lifecycle)
+    events.after = monitor.marked.wait  # a mass marking's Events wait for it to be done
     ready = asyncio.Event()
     server = None
     if opts.metrics_port is not None:

@@ -59,8 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="coexist mode: the controller manager's --node-monitor-grace-"
                         "period, e.g. 40s (default: %(default)s, its default since "
                         "Kubernetes 1.32)")
-    parser.add_argument("--writers", type=int, default=16,
-                        help="concurrent API writes (default: %(default)s)")
+    parser.add_argument("--writers", type=int, default=32,
+                        help="API writes in flight at once, at most; more wait, a stale "
+                        "node's marking first (default: %(default)s)")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return parser
 
@@ -92,6 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     identity = args.identity or os.environ.get("POD_NAME")
     if identity:
         opts.identity = identity
+    if opts.writers < 1:
+        print(f"nodepulse-operator: --writers must be at least 1, got {opts.writers}",
+              file=sys.stderr)
+        return 2
     if not (opts.retry_period < opts.renew_deadline < opts.lease_duration):
         print("nodepulse-operator: need --leader-retry-period < --leader-renew-deadline < "
               "--leader-lease-duration", file=sys.stderr)

@@ -13,7 +13,10 @@ one already written gets its count raised and lastTimestamp moved (a PATCH), as 
 flapping node's would with client-go's correlator. A token bucket per node caps
 what one node can cost the API server. Events are posted in the background, a few at a
 time (`emit`), so a mass outage's Events never delay the taint writes or the next
-monitor period; past `max_pending` waiting, more are dropped and counted.
+monitor period; they also wait (`after`) while the monitor has nodes to mark, as a mass
+marking's Events would otherwise take as much of the API server as the marking itself
+(three Events per node against two writes); their timestamps are when they were
+emitted. Past `max_pending` waiting, more are dropped and counted.
 """
 
 from __future__ import annotations
@@ -21,8 +24,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import datetime as dt
 import logging
 import secrets
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from prometheus_client import Counter
@@ -77,6 +82,8 @@ class NodeEvents:
             collections.OrderedDict()
         self._tokens: dict[str, tuple[float, float]] = {}  # node -> (tokens, at)
         self.dropped = 0
+        # awaited before each post: what must go to the API server first
+        self.after: Callable[[], Awaitable[Any]] | None = None
 
     def _take(self, node: str) -> bool:
         now = self.clock.monotonic()
@@ -95,29 +102,32 @@ class NodeEvents:
             self.dropped += 1
             EVENTS.labels(ev.reason, "dropped").inc()
             return
-        task = asyncio.get_running_loop().create_task(self._post_later(ev))
+        task = asyncio.get_running_loop().create_task(self._post_later(ev, self.clock.now()))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _post_later(self, ev: NodeEvent) -> None:
+    async def _post_later(self, ev: NodeEvent, at: dt.datetime) -> None:
+        if self.after is not None:
+            await self.after()
         async with self._slots:
-            await self.post(ev)
+            await self.post(ev, at)
 
     async def drain(self) -> None:
         """Wait for the Events emitted so far (tests; shutdown)."""
         while self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
-    async def post(self, ev: NodeEvent) -> None:
-        """Write the Event, or raise the count of the same one written recently. Never
-        raises: an Event is a courtesy, the write it reports has been made."""
+    async def post(self, ev: NodeEvent, at: dt.datetime | None = None) -> None:
+        """Write the Event (`at`: when it happened, default now), or raise the count of
+        the same one written recently. Never raises: an Event is a courtesy, the write
+        it reports has been made."""
         if not self._take(f"{ev.kind}/{ev.node}"):
             self.dropped += 1
             EVENTS.labels(ev.reason, "dropped").inc()
             return
         key = (f"{ev.kind}/{ev.node}", ev.uid, ev.reason, ev.message)
         now = self.clock.monotonic()
-        ts = self.clock.now().strftime("%Y-%m-%dT%H:%M:%SZ")
+        ts = (at or self.clock.now()).strftime("%Y-%m-%dT%H:%M:%SZ")
         seen = self._written.get(key)
         try:
             if seen is not None and now - seen.at < self.window:

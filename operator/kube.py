@@ -16,6 +16,7 @@ from nodeagent.api.kube import (
 )
 
 TIMEOUT = 5  # seconds per write; see election.py for why it must stay short
+EVENT_WRITERS = 4  # Events are posted on connections of their own, this many at once
 
 
 def _version(written: Obj) -> str:
@@ -25,7 +26,7 @@ def _version(written: Obj) -> str:
 class KubeWriter:
     def __init__(self, kube: Kube, workers: int = 16) -> None:
         self.kube = kube.separate(workers)
-        self.events = kube.separate(4)
+        self.events = kube.separate(EVENT_WRITERS)
 
     async def patch_node(self, name: str, patch: dict[str, Any]) -> str:
         # Strategic merge: a Node's taint list has no merge key, so it is replaced

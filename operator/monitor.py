@@ -7,6 +7,11 @@ NoExecute taints are paced per policy by a token bucket, and stop for a policy w
 share of stale nodes is above its maxUnreachableFraction (the partition guard): when
 that many nodes fall silent together the likelier cause is the network, not the nodes.
 
+A period only decides: its writes run in the background, at most `parallel` at a time
+(limiter.py, the most urgent first), so writes for different nodes never wait for each
+other, nor for a period to end, and a node with a write under way is not planned again
+until the write is done and the watch shows it.
+
 In coexist mode (lifecycle.py) the controller manager's node-lifecycle controller runs
 too: the operator marks only the nodes of policies stricter than it, writes Ready=Unknown
 before its NoExecute taint (that controller takes unreachable:NoExecute off any node
@@ -20,12 +25,13 @@ import asyncio
 import dataclasses
 import logging
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any, Protocol
 
 from nodeoperator import selector, taints
 from nodeoperator.events import NodeEvent, NodeEvents
 from nodeoperator.lifecycle import OVERRIDDEN, OWNED_ANNOTATION, Lifecycle, encode_owned
+from nodeoperator.limiter import Limiter
 from nodeoperator.resolve import Resolution, resolve
 from nodeoperator.state import AGENT_CONDITIONS, UNREACHABLE_TAINT, NodeInfo, PolicyInfo, Store
 from prometheus_client import Counter, Gauge, Histogram
@@ -39,6 +45,7 @@ from nodeagent.api.policy import (
     VERSION,
     Failure,
     Heartbeat,
+    PolicySpec,
     encode_heartbeat_annotation,
 )
 
@@ -51,23 +58,27 @@ DEFAULT_GROUP = ""  # nodes no policy matches
 # a one- or two-node pool could never have its pods evicted.
 GUARD_MIN_STALE = 3
 # A period runs this long after a node's grace runs out (the verdict needs strictly
-# more silence than the grace), and never sooner than MIN_EXPIRY_WAIT after the last:
-# nodes that fall silent together are judged in one period, not one each.
+# more silence than the grace), and, whatever wakes it, never sooner than MIN_GAP after
+# the last one began: nodes that fall silent together, and a burst of Node updates (the
+# watch showing a mass marking), are decided in one period, not one each, which bounds
+# the monitor's CPU when writes no longer pace its periods.
 EXPIRY_SLACK = 0.05
-MIN_EXPIRY_WAIT = 0.2
+MIN_GAP = 0.2
 
 WRITES = Counter("nodepulse_operator_writes_total", "API writes by the operator",
                  ["kind", "result"])
 STALE = Gauge("nodepulse_operator_stale_nodes", "Nodes whose Lease is past their grace period")
 TAINT_DELAY = Histogram("nodepulse_operator_taint_delay_seconds",
-                        "From a node's grace expiry to its unreachable taint being written",
+                        "From a node's grace expiry to the API server's answer to its "
+                        "unreachable taint write",
                         buckets=(0.5, 1, 2, 3, 4, 5, 7.5, 10, 15, 20, 30, 60))
 MODE = Gauge("nodepulse_operator_node_lifecycle_info",
              "The operator's node lifecycle mode (1 for the one in use)", ["mode"])
 CLUSTER_GRACE = Gauge("nodepulse_operator_cluster_grace_period_seconds",
                       "The controller manager's node grace period the operator assumes "
                       "(coexist mode)")
-TICK = Histogram("nodepulse_operator_monitor_tick_seconds", "One monitor period's work",
+TICK = Histogram("nodepulse_operator_monitor_tick_seconds",
+                 "One monitor period's deciding (its writes run after it, in the background)",
                  buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
 
 
@@ -112,24 +123,39 @@ class NodeAction:
     base_rv: str
     node_patch: dict[str, Any] | None = None  # annotation and/or taints
     status_patch: dict[str, Any] | None = None  # conditions -> Unknown
-    taint_delay: float | None = None  # seconds past grace expiry, for a new taint
+    taint_delay: float | None = None  # seconds past grace expiry when planned, a new taint
+    over: float | None = None  # a stale node's seconds past grace expiry when planned
+    heard: float = 0.0  # monotonic: the last sign of life of the node, as planned
+    planned: float = 0.0  # monotonic
     granted: str | None = None  # the policy whose NoExecute token this action spends
     status_first: bool = False  # write the status before the node (coexist mode)
     events: list[NodeEvent] = dataclasses.field(default_factory=list)  # after node_patch
     status_events: list[NodeEvent] = dataclasses.field(default_factory=list)  # after status
 
+    @property
+    def priority(self) -> tuple[float, ...]:
+        """Marking a stale node goes first, the longest overdue first; then the node's
+        other writes (a taint off a node heard from again, annotations)."""
+        return (0, -self.over) if self.over is not None else (1,)
+
 
 @dataclasses.dataclass
 class GroupState:
     failure: Failure
+    annotation: str  # the heartbeat annotation its nodes get
     acts: bool = True  # the operator marks these nodes (always, but in coexist mode)
     grace: float = 50.0  # after how long a silent node is marked (by us or the cluster)
     matched: int = 0
     stale: int = 0
 
     @classmethod
-    def of(cls, failure: Failure, lifecycle: Lifecycle) -> GroupState:
-        return cls(failure, lifecycle.acts(failure), lifecycle.grace(failure))
+    def of(cls, policy: str | None, spec: PolicySpec | None, lifecycle: Lifecycle
+           ) -> GroupState:
+        """The group of a valid policy, or (None, None) of the nodes no policy matches."""
+        failure = spec.failure if spec else Failure()
+        heartbeat = spec.heartbeat if spec else Heartbeat()
+        return cls(failure, encode_heartbeat_annotation(policy, heartbeat),
+                   lifecycle.acts(failure), lifecycle.grace(failure))
 
     @property
     def guarded(self) -> bool:
@@ -152,7 +178,7 @@ class Monitor:
     def __init__(self, store: Store, clock: Clock, writer: Writer, *,
                  period: float = 2.0, is_leader: Callable[[], bool] = lambda: True,
                  api_ok_since: Callable[[], float | None] = lambda: -math.inf,
-                 parallel: int = 16, events: NodeEvents | None = None,
+                 parallel: int = 32, events: NodeEvents | None = None,
                  synced: Sequence[asyncio.Event] = (),
                  lifecycle: Lifecycle | None = None) -> None:
         """`synced`: set once each watch's first list is in the Store; no period runs
@@ -169,7 +195,15 @@ class Monitor:
         self.api_ok_since = api_ok_since
         self.pacer = Pacer(clock, period)
         self.next_stale: float | None = None  # from the last plan; see _timeout
-        self._sem = asyncio.Semaphore(parallel)
+        self._last_start = -math.inf  # monotonic, when the last period began
+        self._slots = Limiter(parallel)
+        # node -> what its action was worked out from, when it needed no write
+        self._quiet: dict[str, tuple[Any, ...]] = {}
+        # "node/<name>" or "policy/<name>" -> its write under way
+        self._inflight: dict[str, asyncio.Task[None]] = {}
+        self._marking = 0  # of those, stale nodes' markings
+        self.marked = asyncio.Event()  # set while no marking is under way (Events wait)
+        self.marked.set()
         # object key -> resourceVersions our last write went through; until the
         # index shows a newer one, a difference is only our write not seen yet.
         self._written: dict[str, set[str]] = {}
@@ -181,32 +215,38 @@ class Monitor:
     async def run(self) -> None:
         for ev in self.synced:
             await ev.wait()
-        while True:
-            await self._wait()
-            leading = self.is_leader()
-            if leading and not self.was_leader:
-                log.info("leading: taking over the monitor")
-                self._written.clear()
-                self._guard_told.clear()
-            self.was_leader = leading
-            if not leading:
-                continue
-            try:
-                await self.tick()
-            except Exception:  # one bad period must not stop the monitor
-                log.exception("monitor period failed")
+        try:
+            while True:
+                await self._wait()
+                leading = self.is_leader()
+                if leading and not self.was_leader:
+                    log.info("leading: taking over the monitor")
+                    self._written.clear()
+                    self._quiet.clear()
+                    self._guard_told.clear()
+                self.was_leader = leading
+                if not leading:
+                    continue
+                try:
+                    self.start_period()
+                except Exception:  # one bad period must not stop the monitor
+                    log.exception("monitor period failed")
+        finally:
+            for task in list(self._inflight.values()):
+                task.cancel()
 
     async def _wait(self) -> None:
-        if self.store.changed.is_set():
-            self.store.changed.clear()
-            return
-        sleeper = asyncio.ensure_future(self.clock.sleep(self._timeout()))
-        waker = asyncio.ensure_future(self.store.changed.wait())
-        try:
-            await asyncio.wait({sleeper, waker}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            sleeper.cancel()
-            waker.cancel()
+        if not self.store.changed.is_set():
+            sleeper = asyncio.ensure_future(self.clock.sleep(self._timeout()))
+            waker = asyncio.ensure_future(self.store.changed.wait())
+            try:
+                await asyncio.wait({sleeper, waker}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                sleeper.cancel()
+                waker.cancel()
+        rest = self._last_start + MIN_GAP - self.clock.monotonic()
+        if rest > 0:
+            await self.clock.sleep(rest)
         self.store.changed.clear()
 
     def _timeout(self) -> float:
@@ -216,28 +256,68 @@ class Monitor:
         if self.next_stale is None or not self.was_leader:
             return self.period
         return min(self.period, max(self.next_stale - self.clock.monotonic() + EXPIRY_SLACK,
-                                    MIN_EXPIRY_WAIT))
+                                    0.0))
 
-    async def tick(self) -> Plan:
-        started = self.clock.monotonic()
+    def start_period(self) -> Plan:
+        """Decide, and start the writes (they run in the background)."""
+        started = self._last_start = self.clock.monotonic()
         plan = self.plan()
         for ev in plan.events:
             self._post(ev)
-        await asyncio.gather(*(self._apply_node(a) for a in plan.nodes),
-                             *(self._apply_policy(n, s, plan.policy_events.get(n, []))
-                               for n, s in plan.policies.items()))
+        for a in plan.nodes:
+            self._start("node/" + a.name, self._apply_node(a), marking=a.over is not None)
+        for name, status in plan.policies.items():
+            self._start("policy/" + name,
+                        self._apply_policy(name, status, plan.policy_events.get(name, [])))
         TICK.observe(max(0.0, self.clock.monotonic() - started))
         return plan
+
+    async def tick(self) -> Plan:
+        """A period, and then its writes awaited (tests, and anyone who must know the
+        writes are done)."""
+        plan = self.start_period()
+        await self.drain()
+        return plan
+
+    async def drain(self) -> None:
+        """Wait for the writes under way."""
+        while self._inflight:
+            await asyncio.gather(*self._inflight.values(), return_exceptions=True)
+
+    def _start(self, key: str, write: Coroutine[Any, Any, None], marking: bool = False
+               ) -> None:
+        task = asyncio.get_running_loop().create_task(write)
+        self._inflight[key] = task
+        if marking:
+            self._marking += 1
+            self.marked.clear()
+
+        def done(_: asyncio.Task[None]) -> None:
+            if self._inflight.get(key) is task:
+                del self._inflight[key]
+            if marking:
+                self._marking -= 1
+                if not self._marking:
+                    self.marked.set()
+        task.add_done_callback(done)
+
+    def heard(self, name: str) -> float:
+        """When this process last heard from a node: its Lease renewed or its agent's
+        status post (our Unknown write keeps the lastHeartbeatTime, so it does not
+        count), monotonic."""
+        node, lease = self.store.nodes.get(name), self.store.leases.get(name)
+        status = node.status_heard if node else -math.inf
+        return max(lease.observed, status) if lease else status
 
     # ---- deciding
     def plan(self) -> Plan:
         store, now = self.store, self.clock.monotonic()
         policies = store.policies
         res = resolve(policies.values(), {n: i.labels for n, i in store.nodes.items()})
-        groups = {DEFAULT_GROUP: GroupState.of(Failure(), self.lifecycle)}
+        groups = {DEFAULT_GROUP: GroupState.of(None, None, self.lifecycle)}
         for p in policies.values():
             if p.spec is not None:
-                groups[p.name] = GroupState.of(p.spec.failure, self.lifecycle)
+                groups[p.name] = GroupState.of(p.name, p.spec, self.lifecycle)
 
         # Staleness first, so each group's stale share is known before any NoExecute.
         # Silence is counted from when we could hear again at the earliest: after an
@@ -253,10 +333,9 @@ class Monitor:
             group = groups[pname or DEFAULT_GROUP]
             group.matched += 1
             lease = store.leases.get(name)
-            # The agent's own status post counts as renewal does (our Unknown write
-            # keeps its lastHeartbeatTime, so it does not): a node that posts Ready
-            # before its Lease renewal reaches us is not marked Unknown over it.
-            heard = max(lease.observed, node.status_heard) if lease else node.status_heard
+            # The agent's own status post counts as renewal does: a node that posts
+            # Ready before its Lease renewal reaches us is not marked Unknown over it.
+            heard = self.heard(name)
             silent = now - heard
             heard_since = node.posted or (lease is not None and lease.renewed)
             grace = group.grace
@@ -290,9 +369,11 @@ class Monitor:
         self.next_stale = next_stale if next_stale < math.inf else None
         STALE.set(len(stale))
 
-        # Nodes whose last write the index does not show yet are left alone this time.
+        # Nodes with a write under way, or whose last write the index does not show
+        # yet, are left alone this time.
         pending = {name for name, node in store.nodes.items()
-                   if node.rv in self._written.get("node/" + name, ())}
+                   if node.rv in self._written.get("node/" + name, ())
+                   or "node/" + name in self._inflight}
         for key in [k for k in self._written if k.startswith("node/")]:
             if key[5:] not in store.nodes:
                 del self._written[key]
@@ -314,25 +395,40 @@ class Monitor:
                 grants.add(name)
 
         actions = []
+        # What a node needs follows from these alone: one that needed nothing is not
+        # worked out again until one of them changes (most nodes, most periods; a
+        # marked node stays so while it is silent).
+        quiet: dict[str, tuple[Any, ...]] = {}
         for name, node in store.nodes.items():
             if name in pending:
                 continue
             pname = res.effective[name]
             group = groups[pname or DEFAULT_GROUP]
-            over = stale.get(name) if group.acts else None
+            late = stale.get(name) if group.acts else None
+            inputs = (node.rv, group.annotation, group.acts, group.failure.taintUnreachable,
+                      late is not None, name in grants)
+            if self._quiet.get(name) == inputs:
+                quiet[name] = inputs
+                continue
             if self.lifecycle.exclusive:
-                action = self._node_action(node, pname, group, over, name in grants)
+                action = self._node_action(node, pname, group, late, name in grants)
             else:
-                action = self._coexist_action(node, pname, group, over, name in grants)
+                action = self._coexist_action(node, pname, group, late, name in grants)
             if action.node_patch or action.status_patch:
+                action.over, action.planned = late, now
+                action.heard = self.heard(name)
                 actions.append(action)
+            else:
+                quiet[name] = inputs
+        self._quiet = quiet
 
         statuses, policy_events = {}, {}
         for key in [k for k in self._written if k.startswith("policy/")]:
             if key[7:] not in policies:
                 del self._written[key]
         for p in policies.values():
-            if p.rv in self._written.get("policy/" + p.name, ()):
+            if (p.rv in self._written.get("policy/" + p.name, ())
+                    or "policy/" + p.name in self._inflight):
                 continue
             status = self._policy_status(p, res, groups.get(p.name), stale)
             if _status_differs(p.status, status):
@@ -376,19 +472,18 @@ class Monitor:
             del self._guard_told[g]  # the policy is gone
         return out
 
-    def _heartbeat_patch(self, node: NodeInfo, policy: str | None) -> dict[str, Any]:
+    @staticmethod
+    def _heartbeat_patch(node: NodeInfo, group: GroupState) -> dict[str, Any]:
         """The annotation the agent follows, when it is not what the policy says."""
-        spec = self.store.policies[policy].spec if policy else None
-        want = encode_heartbeat_annotation(policy, spec.heartbeat if spec else Heartbeat())
-        if node.heartbeat == want:
+        if node.heartbeat == group.annotation:
             return {}
-        return {"metadata": {"annotations": {HEARTBEAT_ANNOTATION: want}}}
+        return {"metadata": {"annotations": {HEARTBEAT_ANNOTATION: group.annotation}}}
 
     def _node_action(self, node: NodeInfo, policy: str | None, group: GroupState,
                      over: float | None, grant: bool) -> NodeAction:
         """Exclusive mode: the unreachable and condition taints are all ours."""
         action = NodeAction(node.name, node.rv)
-        patch = self._heartbeat_patch(node, policy)
+        patch = self._heartbeat_patch(node, group)
 
         # Unreachable follows the Lease verdict: NoSchedule while stale, NoExecute
         # (paced, guarded) once granted and kept until the Lease is renewed.
@@ -431,7 +526,7 @@ class Monitor:
         off when the agent reports Ready=True again (while Ready is Unknown the
         controller manager would put a NoExecute straight back)."""
         action = NodeAction(node.name, node.rv, status_first=True)
-        patch = self._heartbeat_patch(node, policy)
+        patch = self._heartbeat_patch(node, group)
         owned, new_taints = set(node.owned), list(node.taints)
         ready = (node.conditions.get("Ready") or {}).get("status")
         if over is not None:
@@ -555,11 +650,28 @@ class Monitor:
         return status
 
     # ---- writing
+    def _outdated(self, a: NodeAction) -> bool:
+        """Whether a write that waited for its slot was overtaken: the index shows a
+        newer Node (the write would be refused, or decided on an old view), or a stale
+        node was heard from meanwhile. The next period decides again."""
+        node = self.store.nodes.get(a.name)
+        if node is None:
+            return True
+        changed = node.rv != a.base_rv and node.rv not in self._written.get("node/" + a.name,
+                                                                            ())
+        return changed or (a.over is not None and self.heard(a.name) > a.heard)
+
     async def _apply_node(self, a: NodeAction) -> None:
         seen = [a.base_rv]
         posts: list[NodeEvent] = []  # the Events of the writes that went through
         node_written = False
-        async with self._sem:
+        async with self._slots.slot(a.priority):
+            if self._outdated(a):
+                if a.granted is not None:
+                    self.pacer.refund(a.granted)
+                WRITES.labels("node", "overtaken").inc()
+                self.store.changed.set()  # decided again at once
+                return
             try:
                 for part in ("status", "node") if a.status_first else ("node", "status"):
                     if part == "node" and a.node_patch and self.is_leader():
@@ -572,7 +684,8 @@ class Monitor:
                         WRITES.labels("node", "ok").inc()
                         posts += a.events
                         if a.taint_delay is not None:
-                            TAINT_DELAY.observe(a.taint_delay)
+                            TAINT_DELAY.observe(a.taint_delay + self.clock.monotonic()
+                                                - a.planned)
                     elif part == "status" and a.status_patch and self.is_leader():
                         # Only on top of the version judged stale (or our own write on
                         # it): a status the agent posted meanwhile is not overwritten.
@@ -602,7 +715,7 @@ class Monitor:
     async def _apply_policy(self, name: str, status: dict[str, Any],
                             events: Sequence[NodeEvent] = ()) -> None:
         base = self.store.policies[name].rv
-        async with self._sem:
+        async with self._slots.slot((2,)):  # after the nodes' writes
             if not self.is_leader():
                 return
             try:

@@ -56,6 +56,7 @@ class Call:
     timeout: Timeout
     query: dict[str, Any]
     error: BaseException | None = None  # what the call raised
+    held: bool = False  # sent, not answered yet (see FakeKube.hold)
 
     @property
     def key(self) -> str:
@@ -71,11 +72,12 @@ def _logged(verb: Callable[Concatenate[FakeKube, P], Coroutine[Any, Any, T]]
     """Writes down on the call's log entry what it raised."""
     @functools.wraps(verb)
     async def call(self: FakeKube, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        mine = len(self.calls)  # each verb logs its call before it first awaits
         try:
             return await verb(self, *args, **kwargs)
         except BaseException as e:
-            if self.calls:
-                self.calls[-1].error = e
+            if len(self.calls) > mine:
+                self.calls[mine].error = e
             raise
     return call
 
@@ -104,6 +106,8 @@ class FakeKube:
         self._intercepts: dict[str, Callable[[Call], BaseException | None]] = {}
         self._answers: dict[str, Callable[[Call], Obj]] = {}
 
+        self._holds: dict[tuple[str, str], asyncio.Event] = {}
+
     # -- test controls ----------------------------------------------------------------
 
     def fail(self, key: str, *errors: Failure) -> None:
@@ -122,6 +126,16 @@ class FakeKube:
         """Calls with this key that the fake cannot serve from its store (a create on a
         subresource: "create serviceaccounts/token") are answered by `fn(call)`."""
         self._answers[key] = fn
+
+    def hold(self, key: str, name: str) -> asyncio.Event:
+        """Writes with this key ("patch nodes") to the object `name` are answered only
+        once the returned Event is set, as by a slow API server: each is logged when
+        sent and takes effect (and may conflict) when answered."""
+        return self._holds.setdefault((key, name), asyncio.Event())
+
+    def in_flight(self, key: str) -> int:
+        """Calls with this key sent and not answered yet (held)."""
+        return sum(1 for c in self.calls_of(key) if c.held)
 
     def calls_of(self, key: str, ok: bool | None = None) -> list[Call]:
         """The calls with this key; `ok`: only those that went through (or failed)."""
@@ -336,8 +350,9 @@ class FakeKube:
                     namespace: str | None = None, subresource: str | None = None,
                     content_type: str = STRATEGIC_MERGE, timeout: Timeout = 30.0,
                     parse: bool = True) -> Obj:
-        self._enter("patch", res, namespace, name, body, timeout, subresource=subresource,
-                    contentType=content_type)
+        call = self._enter("patch", res, namespace, name, body, timeout,
+                           subresource=subresource, contentType=content_type)
+        await self._answered(call)
         current = self._existing(res, namespace, name)
         _preconditions(current, body.get("metadata") or {})
         merge = strategic_merge if content_type == STRATEGIC_MERGE else merge_patch
@@ -379,7 +394,7 @@ class FakeKube:
 
     def _enter(self, verb: str, res: Resource, namespace: str | None, name: str | None,
                body: Obj | None, timeout: Timeout, subresource: str | None = None,
-               **query: Any) -> None:
+               **query: Any) -> Call:
         plural = res.plural + (f"/{subresource}" if subresource else "")
         call = Call(self._now(), verb, plural, namespace, name, copy.deepcopy(body), timeout,
                     {k: v for k, v in query.items() if v not in (None, "", 0, False)})
@@ -395,6 +410,16 @@ class FakeKube:
             raise err
         if self.down:
             raise api_error(503, "ServiceUnavailable", "down")
+        return call
+
+    async def _answered(self, call: Call) -> None:
+        gate = self._holds.get((call.key, call.name or ""))
+        if gate is not None and not gate.is_set():
+            call.held = True
+            try:
+                await gate.wait()
+            finally:
+                call.held = False
 
     def _write(self, res: Resource, key: tuple[str, str], obj: Obj, kind: str) -> Obj:
         self._rv += 1

@@ -38,6 +38,11 @@ def test_bad_leader_timings_refused(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--leader-renew-deadline" in capsys.readouterr().err
 
 
+def test_writers_below_one_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--writers", "0"]) == 2
+    assert "--writers must be at least 1, got 0" in capsys.readouterr().err
+
+
 def test_missing_kubeconfig_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     missing = tmp_path / "nope"
     assert cli.main(["--kubeconfig", str(missing)]) == 2

@@ -293,6 +293,26 @@ def test_taint_unreachable_false_only_noschedule_and_other_taints_kept() -> None
     run(t)
 
 
+def test_a_marked_node_is_left_alone_until_its_policy_or_it_changes() -> None:
+    """A period skips a node whose action's inputs did not change since it needed
+    nothing; a policy change that keeps the annotation but not the NoExecute still
+    reaches the node."""
+    async def t(env: Env) -> None:
+        clock, store, api, mon = env
+        api.add_policy("p", spec(grace=15))
+        api.add_node("n1")
+        await step(clock, mon, 16)
+        assert api.taints("n1") == {"NoSchedule", "NoExecute"}
+        writes = len(api.writes)
+        for _ in range(5):
+            await step(clock, mon, 2)
+        assert len(api.writes) == writes
+        api.add_policy("p", spec(grace=15, taintUnreachable=False), generation=2)
+        await step(clock, mon, 2)
+        assert api.taints("n1") == {"NoSchedule"}
+    run(t)
+
+
 def test_noexecute_is_paced_per_policy() -> None:
     async def t(env: Env) -> None:
         clock, store, api, mon = env
@@ -495,10 +515,18 @@ def test_not_leader_writes_nothing_and_run_loop_wakes_on_change() -> None:
         leading = True
         await clock.advance(2)
         assert api.taints("n1") == {"NoSchedule", "NoExecute"}
+        await clock.advance(0.5)  # well within the 2 s period
         api.add_policy("p", spec())  # wakes the loop at once, no time passes
         from nodeagent.api.clock import settle
         await settle()
         assert "conditions" in api.policies["p"]["status"]
+        # Changes that follow at once are decided together, at most one period per
+        # MIN_GAP (0.2 s): a burst of Node updates costs a few periods, not one each.
+        api.add_policy("q", spec())
+        await settle()
+        assert "q" not in {w[1] for w in api.writes}
+        await clock.advance(0.2)
+        assert "conditions" in api.policies["q"]["status"]
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

@@ -265,11 +265,13 @@ class LocalCluster(Cluster):
     `node_grace`: None (the default configuration) runs the controller manager without
     its node-lifecycle controller, for the operator's exclusive mode. Seconds: the
     second configuration, for coexist mode: that controller runs, with this
-    --node-monitor-grace-period, and the audit log also has every Node write."""
+    --node-monitor-grace-period, and the audit log also has every Node write (unless
+    `audit_node_writes` is False: benchmarks, where the log would cost the API server)."""
 
     ORDER = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler")
 
-    def __init__(self, workdir: Path | None = None, *, node_grace: float | None = None) -> None:
+    def __init__(self, workdir: Path | None = None, *, node_grace: float | None = None,
+                 audit_node_writes: bool = True) -> None:
         workdir = workdir or Path(tempfile.mkdtemp(prefix="nodepulse-cluster-"))
         super().__init__(workdir / "admin.kubeconfig", workdir)
         self.pki_dir = workdir / "pki"
@@ -278,6 +280,7 @@ class LocalCluster(Cluster):
         self.ports: dict[str, int] = {}
         self._args: dict[str, list[str]] = {}
         self.node_grace = node_grace
+        self.audit_node_writes = audit_node_writes
         if self.state_file.exists():  # a cluster started by an earlier process
             state = json.loads(self.state_file.read_text())
             self.pids, self.ports, self._args = state["pids"], state["ports"], state["args"]
@@ -440,7 +443,7 @@ class LocalCluster(Cluster):
 
     def _pki(self) -> None:
         policy = AUDIT_POLICY
-        if self.node_grace is not None:
+        if self.node_grace is not None and self.audit_node_writes:
             rules = AUDIT_POLICY["rules"]
             policy = {**AUDIT_POLICY, "rules": [NODE_WRITES_RULE, *rules]}
         (self.workdir / "audit-policy.yaml").write_text(yaml.safe_dump(policy))
