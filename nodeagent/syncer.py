@@ -453,13 +453,16 @@ class PodSyncer:
         naming it, a Warning Event per container), one that cannot be set up now waits
         (a FailedMount Event, tried again)."""
         uid = str(pod["metadata"]["uid"])
+        # a node whose containers run nothing (virtual nodes) plans the volumes without
+        # making them: nothing could read them, and no ConfigMap, Secret or token is read
+        made = self.settings.runs_workloads
         if self.objects is not None:
-            refs = env_refs(pod) | (self.volumes.refs(pod) if self.volumes else set())
+            refs = env_refs(pod) | (self.volumes.refs(pod) if self.volumes and made else set())
             self.objects.track(uid, refs)
         spec = pod.get("spec") or {}
         try:
             if self.volumes is not None:
-                return await self.volumes.setup(pod)
+                return await self.volumes.setup(pod) if made else self.volumes.plan(pod)
             if spec.get("volumes"):
                 raise VolumeRefused("spec.volumes: this agent was started without volume "
                                     "support")
