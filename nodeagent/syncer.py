@@ -163,8 +163,10 @@ class NodePodSettings:
     admission: AdmissionSettings = field(default_factory=AdmissionSettings)
     pods_dir: str = ""      # <root-dir>/pods: each pod's managed /etc/hosts ("": none)
     seccomp_root: str = ""  # <root-dir>/seccomp: where Localhost seccomp profiles are
-    # False (virtual nodes, whose containers run nothing): no resolver configuration,
-    # no DNS and container lifecycle Events (they would only load the API server)
+    # False (virtual nodes and the fake runtime, whose containers run nothing): no
+    # resolver configuration, volumes planned but not made (nothing could read them; no
+    # ConfigMap, Secret or token read), no container lifecycle Events (they would only
+    # load the API server)
     runs_workloads: bool = True
 
 

@@ -485,6 +485,11 @@ class Runtime(ABC):
     # /etc/hosts, its termination-message file, its volumes).
     can_mount: bool = True
 
+    # Whether anything runs in its containers (the fake runtime runs nothing): a node
+    # whose runtime runs nothing gets no files for its containers (volumes are planned,
+    # not made; no /etc/hosts, no DNS config), see NodePodSettings.runs_workloads.
+    runs_workloads: bool = True
+
     # How container log files are written: "cri" (`<time> <stream> <P|F> <text>` lines,
     # as containerd writes them) or "raw" (the program's bytes as they came, no times).
     log_format: str = "cri"

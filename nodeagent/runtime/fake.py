@@ -59,6 +59,7 @@ def _clone(rec: R) -> R:
 
 class FakeRuntime(Runtime):
     scheme = "fake"
+    runs_workloads = False  # what the agent builds with it; its tests may say otherwise
 
     def __init__(self, clock: Clock | None = None, *, images: Iterable[str] | None = None,
                  host_ip: str = "192.0.2.10", image_size: int = 5_000_000) -> None:
