@@ -267,9 +267,9 @@ class FakeRuntime(Runtime):
         if config.target_id and (target is None or target.sandbox_id != sandbox_id
                                  or target.state != ContainerState.RUNNING):
             # containerd cannot join the PID namespace of a container not running
-            raise ContainerRuntimeError(f"fake: create_container {config.name}: target "
-                                        f"container {config.target_id} is not running in "
-                                        "the sandbox")
+            raise ContainerRuntimeError(f"fake: create_container {config.name}: "
+                                        f"targetContainerName: container "
+                                        f"{config.target_id} is not running in the sandbox")
         try:
             script = script_for(sb.annotations, config.name)
         except ScriptError as e:
