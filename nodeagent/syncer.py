@@ -1,10 +1,10 @@
 """The syncer: what one sync of a pod does, turning its spec into runtime calls.
 
 `PodSyncer` makes the runtime match the pod spec (sandbox, init containers in order,
-containers, restartPolicy, CrashLoopBackOff; images through the ImageManager, images.py),
-stops a pod within its grace period, cleans up a removed one, and hands the resulting
-status to the StatusManager. It holds no per-pod state but the crash backoff; the pod
-workers (workers.py) decide when it runs.
+containers, restartPolicy, CrashLoopBackOff, ephemeral containers once each; images
+through the ImageManager, images.py), stops a pod within its grace period, cleans up a
+removed one, and hands the resulting status to the StatusManager. It holds no per-pod
+state but the crash backoff; the pod workers (workers.py) decide when it runs.
 """
 
 from __future__ import annotations
