@@ -6,17 +6,19 @@ honour (fake runtime, FakeClock)."""
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 from nodeagent import podspec
 from nodeagent.api.clock import FakeClock
+from nodeagent.api.kube import PODS
 from nodeagent.runtime.base import ContainerConfig, PodRuntimeStatus, SandboxConfig
 from nodeagent.runtime.cri.client import container_config_pb
 from nodeagent.runtime.cri.gen import api_pb2 as pb
 from nodeagent.runtime.fake import FakeRuntime
 from nodeagent.server.app import RequestError, pick_container
 from nodeagent.sources.types import Op, Pod
-from tests.conftest import LoopRig, aio, mkpod, started
+from tests.conftest import AgentRig, LoopRig, aio, mkpod, started
 
 IMAGE = "localhost/busybox:1"
 
@@ -203,3 +205,24 @@ async def test_logs_previous_is_never_an_ephemeral_container() -> None:
         assert e.status == 400
     else:
         raise AssertionError("an ephemeral container has no previous instance")
+
+
+@aio
+async def test_the_agents_pod_watch_brings_it(tmp_path: Path) -> None:
+    """As `kubectl debug` adds it: the API's pod changes, the watch delivers it, the
+    agent runs it and writes its status to the API."""
+    rig = AgentRig(tmp_path)
+    await rig.start()
+    pod = mkpod(uid="u1")
+    rig.kube.put(PODS, pod)
+    for _ in range(3):
+        await rig.clock.advance(1)
+    rig.kube.put(PODS, debugged(rig.kube.obj(PODS, "web", "ns"), debug()))
+    for _ in range(3):
+        await rig.clock.advance(1)
+    [dbg] = rig.rt.find("u1", "debugger")
+    api = rig.kube.obj(PODS, "web", "ns")["status"]
+    [st] = api["ephemeralContainerStatuses"]
+    assert st["containerID"] == f"fake://{dbg.id}" and "running" in st["state"]
+    assert api["phase"] == "Running"
+    await rig.finish()
