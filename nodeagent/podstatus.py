@@ -43,6 +43,9 @@ OWNED = ("phase", "conditions", "containerStatuses", "initContainerStatuses",
 CONDITION_TYPES = ("PodReadyToStartContainers", "PodScheduled", "Initialized",
                    "ContainersReady", "Ready")
 TERMINAL = ("Succeeded", "Failed")
+# the state of a container that ran and that the runtime no longer knows
+GONE = {"exitCode": 137, "reason": "ContainerStatusUnknown",
+        "message": "The container could not be located; it used to be running"}
 
 
 @dataclass(frozen=True)
@@ -247,6 +250,13 @@ def compute_pod_status(pod: Pod, rs: PodRuntimeStatus, *, host_ip: str, scheme: 
     for s in ephemeral_statuses:  # neither probed nor counted as ready (the kubelet's)
         s["ready"] = False
         del s["started"]
+        before = prev_ecs.get(s["name"]) or {}
+        if s["name"] not in ran and before.get("containerID"):
+            # it ran, and the runtime no longer has it: it ended (the API refuses an
+            # ephemeral container's status going back from terminated)
+            s.update(containerID=before["containerID"], imageID=before.get("imageID", ""),
+                     state=before["state"] if "terminated" in (before.get("state") or {})
+                     else {"terminated": GONE})
     # initialized: each init container done (a sidecar: started), or any regular
     # container already ran (init containers may have been removed since)
     not_init = [s["name"] for s in init_statuses

@@ -488,12 +488,17 @@ class PodSyncer:
                          plan: _Plan) -> None:
         """The ephemeral containers (kubectl debug), added to the running pod: each
         created and started once, whatever the pod's restartPolicy, and never again
-        once the runtime has any record of it (in any sandbox of the pod). One with a
+        once the runtime has any record of it (in any sandbox of the pod) or its status
+        said it ran. One with a
         targetContainerName joins that container's process namespace."""
         spec = pod.get("spec") or {}
+        # what ran already, also as reported (the runtime may have removed it since)
+        ran = {c.name for c in rs.containers} | {
+            s["name"] for s in self.status.previous(pod).get("ephemeralContainerStatuses")
+            or [] if s.get("containerID")}
         for i, ec in enumerate(spec.get("ephemeralContainers") or []):
             name = str(ec["name"])
-            if any(c.name == name for c in rs.containers):
+            if name in ran:
                 continue
             target_id = ""
             if (target := ec.get("targetContainerName")):

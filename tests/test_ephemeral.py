@@ -226,3 +226,28 @@ async def test_the_agents_pod_watch_brings_it(tmp_path: Path) -> None:
     assert st["containerID"] == f"fake://{dbg.id}" and "running" in st["state"]
     assert api["phase"] == "Running"
     await rig.finish()
+
+
+@aio
+async def test_one_the_runtime_lost_stays_ended_and_is_not_run_again() -> None:
+    """The API refuses an ephemeral container's status going back from terminated; the
+    runtime removing its record (a restart, garbage collection) changes neither that nor
+    "never restarted"."""
+    clock = FakeClock()
+    a, pod = await running_pod(clock)
+    a.send(Op.UPDATE, debugged(pod, debug(), debug(name="d2")))
+    await a.run_for(3)
+    [one] = a.rt.find("u1", "debugger")
+    [two] = a.rt.find("u1", "d2")
+    a.rt.exit_container(one.id, 3)
+    await a.run_for(3)
+    await a.rt.remove_container(one.id)
+    await a.rt.remove_container(two.id)  # gone while it ran
+    await a.run_for(30)
+    assert a.rt.find("u1", "debugger") == [] and a.rt.find("u1", "d2") == []
+    first, second = a.status("u1")["ephemeralContainerStatuses"]
+    assert first["state"]["terminated"]["exitCode"] == 3
+    assert first["containerID"] == f"fake://{one.id}"
+    assert second["state"]["terminated"]["reason"] == "ContainerStatusUnknown"
+    assert second["containerID"] == f"fake://{two.id}"
+    await a.loops.stop()
