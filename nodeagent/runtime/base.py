@@ -228,6 +228,9 @@ class ContainerConfig:
     tty: bool = False
     mounts: list[Mount] = field(default_factory=list)
     security: ContainerSecurity = field(default_factory=ContainerSecurity)
+    # an ephemeral container's targetContainerName, resolved: the id of the container
+    # whose process namespace it joins ("": none)
+    target_id: str = ""
 
     @classmethod
     def from_pod(cls, pod: Mapping[str, Any], container: Mapping[str, Any], *,

@@ -264,6 +264,13 @@ class FakeRuntime(Runtime):
         if not self._present(config.image):
             raise ImageNotPresent(f"create_container {config.name}: image {config.image} "
                                   "is not present")
+        target = self.containers.get(config.target_id) if config.target_id else None
+        if config.target_id and (target is None or target.sandbox_id != sandbox_id
+                                 or target.state != ContainerState.RUNNING):
+            # containerd cannot join the PID namespace of a container not running
+            raise ContainerRuntimeError(f"fake: create_container {config.name}: "
+                                        f"targetContainerName: container "
+                                        f"{config.target_id} is not running in the sandbox")
         try:
             script = script_for(sb.annotations, config.name)
         except ScriptError as e:
