@@ -9,8 +9,9 @@ the same image digest on every run.
 Images:
 - PAUSE_IMAGE: the sandbox image, one static C program (/pause) that sleeps until
   SIGTERM/SIGINT and reaps children. Built with `gcc -static -Os -s`.
-- BUSYBOX_IMAGE: busybox-static (/bin/busybox) with a symlink per applet, so
-  `sh`, `sleep`, `nc`, `cat`... work; default command `sh`.
+- BUSYBOX_IMAGE: busybox as upstream releases it (built once from the source Debian's
+  archive carries, static; see upstream_busybox) with a symlink per applet, so `sh`,
+  `sleep`, `nc`, `cat`... work; default command `sh`.
 
 `import_image` hands a tar to containerd with `ctr -n k8s.io images import
 --base-name`, which makes it visible to CRI at once.
@@ -26,6 +27,8 @@ import os
 import shutil
 import subprocess
 import tarfile
+import tempfile
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -182,14 +185,82 @@ def build_pause_tar(cache: Path = CACHE) -> Path:
     return out
 
 
-def busybox_rootfs(busybox: Path = Path("/bin/busybox")) -> Rootfs:
-    """busybox-static (/bin/busybox) with a symlink per applet, and a root user."""
-    if not busybox.exists():
-        raise RuntimeError(f"{busybox} not found: install the apt package busybox-static")
+# Upstream busybox, not Debian's busybox-static: Debian's ash drops environment variables
+# whose names are not shell identifiers (`data-1`), which upstream's passes on, and the
+# Kubernetes e2e specs read such variables (envFrom keys) back with `sh -c env`. The
+# source is the .orig tarball of Debian's busybox package (upstream's release, as Debian
+# archives it), checked against its hash.
+BUSYBOX_VERSION = "1.37.0"
+BUSYBOX_SHA256 = "3311dff32e746499f4df0d5df04d7eb396382d7e108bb9250e7b519b837043a4"
+
+
+def debian_mirror() -> str:
+    """The Debian archive apt uses here (its sources lists)."""
+    lists = sorted(Path("/etc/apt/sources.list.d").glob("*.sources"))
+    for path in lists + [Path("/etc/apt/sources.list")]:
+        if not path.exists():
+            continue
+        for line in path.read_text().splitlines():
+            words = line.split()
+            uris = (words[1:] if words[:1] == ["URIs:"] else
+                    [w for w in words[1:] if "://" in w][:1] if words[:1] == ["deb"] else [])
+            for uri in uris:
+                if uri.rstrip("/").endswith("/debian"):
+                    return uri.rstrip("/")
+    raise RuntimeError("no Debian archive in apt's sources lists (/etc/apt/sources.list.d): "
+                       "needed to fetch busybox's source")
+
+
+def upstream_busybox(cache: Path = CACHE) -> Path:
+    """Upstream busybox BUSYBOX_VERSION, static (its default config, with busybox's own
+    passwd/group code, so no NSS library is needed in the image), built once and cached.
+    About a minute on 2 cores; Go builds' lock keeps it from running beside one."""
+    from e2e.cluster import build  # the build lock; images is imported by build's users
+
+    out = cache / f"busybox-{BUSYBOX_VERSION}" / "busybox"
+    if out.exists():
+        return out
+    with build._build_lock():
+        if out.exists():
+            return out
+        out.parent.mkdir(parents=True, exist_ok=True)
+        name = f"busybox_{BUSYBOX_VERSION}.orig.tar.bz2"
+        url = f"{debian_mirror()}/pool/main/b/busybox/{name}"
+        with urllib.request.urlopen(url, timeout=120) as answer:
+            source = answer.read()
+        if hashlib.sha256(source).hexdigest() != BUSYBOX_SHA256:
+            raise RuntimeError(f"{url}: sha256 {hashlib.sha256(source).hexdigest()}, "
+                               f"expected {BUSYBOX_SHA256}")
+        with tempfile.TemporaryDirectory(prefix="busybox-", dir=out.parent) as tmp:
+            with tarfile.open(fileobj=io.BytesIO(source), mode="r:bz2") as tar:
+                tar.extractall(tmp, filter="data")
+            src = Path(tmp) / f"busybox-{BUSYBOX_VERSION}"
+            subprocess.run(["make", "defconfig"], cwd=src, check=True, capture_output=True)
+            config = (src / ".config").read_text()
+            config = config.replace("# CONFIG_STATIC is not set", "CONFIG_STATIC=y")
+            # tc does not build against current kernel headers (upstream's own releases
+            # leave it out too)
+            config = config.replace("CONFIG_TC=y", "# CONFIG_TC is not set")
+            (src / ".config").write_text(config)
+            res = subprocess.run(["make", f"-j{os.cpu_count() or 1}"], cwd=src,
+                                 capture_output=True, text=True)
+            if res.returncode != 0:
+                raise RuntimeError(f"building busybox {BUSYBOX_VERSION} failed: "
+                                   f"{res.stderr[-2000:]}")
+            partial = out.with_suffix(".partial")
+            shutil.copy(src / "busybox", partial)
+            partial.rename(out)  # only a finished build is ever seen as cached
+    return out
+
+
+def busybox_rootfs(busybox: Path | None = None) -> Rootfs:
+    """Static busybox (upstream_busybox by default) with a symlink per applet, and a root
+    user."""
+    busybox = busybox or upstream_busybox()
     data = busybox.read_bytes()
-    # busybox-static is a static binary; a dynamic one would not run in the image.
+    # the image holds nothing else: a dynamic binary would not run in it
     if b"/lib64/ld-linux" in data[:4096]:
-        raise RuntimeError(f"{busybox} is dynamically linked: install busybox-static")
+        raise RuntimeError(f"{busybox} is dynamically linked")
     applets = subprocess.run([str(busybox), "--list"], capture_output=True, text=True,
                              check=True, timeout=30).stdout.split()
     rootfs = Rootfs(files={"bin/busybox": (data, 0o755)},
@@ -200,8 +271,10 @@ def busybox_rootfs(busybox: Path = Path("/bin/busybox")) -> Rootfs:
     return rootfs
 
 
-def build_busybox_tar(cache: Path = CACHE, busybox: Path = Path("/bin/busybox")) -> Path:
-    """Wrap busybox-static as BUSYBOX_IMAGE, one symlink per applet."""
+def build_busybox_tar(cache: Path = CACHE, busybox: Path | None = None) -> Path:
+    """Wrap static busybox (upstream_busybox by default) as BUSYBOX_IMAGE, one symlink
+    per applet."""
+    busybox = busybox or upstream_busybox(cache)
     out = cache / f"busybox-{file_hash(busybox)}.tar"
     if not out.exists():
         build_oci_tar(out, busybox_rootfs(busybox), ref=_split(BUSYBOX_IMAGE)[1], cmd=["sh"])

@@ -73,7 +73,7 @@ def build_agnhost_tar(tag: str, cache: Path = CACHE) -> Path:
             raise RuntimeError(f"{program} not found: install the apt package {program.name}")
     porter = module_source() / "test/images/agnhost/porter"
     pause_tar = images.build_pause_tar(cache)
-    inputs = file_hash(agnhost, pause_tar, Path("/bin/busybox"), *FROM_DEBIAN)
+    inputs = file_hash(agnhost, pause_tar, images.upstream_busybox(cache), *FROM_DEBIAN)
     out = cache / f"agnhost-{tag}-{inputs}.tar"
     if out.exists():
         return out
