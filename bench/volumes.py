@@ -4,9 +4,10 @@ The local control plane, one nodepulse-agent with node credentials on a private
 containerd (or the fake runtime), then N pods (default 110, the default max-pods) in one
 namespace, each with what a typical pod carries: the API server's kube-api-access
 projected volume (a TokenRequest token, kube-root-ca.crt, the namespace), a ConfigMap
-and a Secret of its own as volumes, an emptyDir, and env from its ConfigMap. Reported:
-the agent's RSS and thread count before the pods, once all are Running, and after they
-are deleted (each watch, one per referenced ConfigMap or Secret, has a reader thread).
+and a Secret of its own as volumes, an emptyDir, env from its ConfigMap, and an exec
+liveness and readiness probe every 10 s. Reported: the agent's RSS and thread count
+before the pods, once all are Running and Ready, and after they are deleted (one watch
+per referenced ConfigMap or Secret, read on the event loop).
 
     .venv/bin/python bench/volumes.py                       # containerd, 110 pods
     .venv/bin/python bench/volumes.py --runtime fake --pods 110
@@ -71,6 +72,7 @@ def run(runtime: str, n: int, timeout: float) -> None:
         print(f"{runtime} runtime, node {node}, {n} pods (agent log {log_path})", flush=True)
         print(f"  before: RSS {_status(agent.pid, 'VmRSS') / 1024:.1f} MiB, "
               f"{_status(agent.pid, 'Threads')} threads", flush=True)
+        probe = {"exec": {"command": ["true"]}, "periodSeconds": 10}
         t0 = time.monotonic()
         for i in range(n):
             core.create_namespaced_config_map(ns, {"metadata": {"name": f"cfg-{i}"},
@@ -83,6 +85,7 @@ def run(runtime: str, n: int, timeout: float) -> None:
                 "containers": [{"name": "main", "image": BUSYBOX_IMAGE,
                                 "imagePullPolicy": "Never", "command": ["sleep", "3600"],
                                 "envFrom": [{"configMapRef": {"name": f"cfg-{i}"}}],
+                                "livenessProbe": probe, "readinessProbe": probe,
                                 "volumeMounts": [
                                     {"name": "cfg", "mountPath": "/etc/app"},
                                     {"name": "sec", "mountPath": "/etc/secret"},
@@ -93,24 +96,24 @@ def run(runtime: str, n: int, timeout: float) -> None:
         running = 0
         while time.monotonic() - t0 < timeout:
             pods = core.list_namespaced_pod(ns).items
-            running = sum(1 for p in pods if p.status and p.status.phase == "Running")
+            running = sum(1 for p in pods if p.status and p.status.phase == "Running"
+                          and any(c.type == "Ready" and c.status == "True"
+                                  for c in p.status.conditions or []))
             if running == n:
                 break
             time.sleep(2)
         took = time.monotonic() - t0
         time.sleep(10)  # settled: watches open, first token writes done
-        print(f"  {running}/{n} Running after {took:.0f} s", flush=True)
+        print(f"  {running}/{n} Running and Ready after {took:.0f} s", flush=True)
         print(f"  after:  RSS {_status(agent.pid, 'VmRSS') / 1024:.1f} MiB, "
-              f"{_status(agent.pid, 'Threads')} threads (a watch is read by a thread of its "
-              "own)", flush=True)
+              f"{_status(agent.pid, 'Threads')} threads", flush=True)
         core.delete_namespace(ns)
         gone = time.monotonic() + 180
         while core.list_namespaced_pod(ns).items and time.monotonic() < gone:
             time.sleep(1)
         time.sleep(5)
         print(f"  pods deleted: RSS {_status(agent.pid, 'VmRSS') / 1024:.1f} MiB, "
-              f"{_status(agent.pid, 'Threads')} threads (a watch is read by a thread of its "
-              "own)", flush=True)
+              f"{_status(agent.pid, 'Threads')} threads", flush=True)
     finally:
         if agent is not None and agent.poll() is None:
             agent.send_signal(signal.SIGTERM)
