@@ -5,15 +5,18 @@ over at the normal period while the stream is broken, and steps back when it is 
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 from nodeagent.api.clock import FakeClock, settle
+from nodeagent.config import ConfigError
 from nodeagent.pleg import EventType, Pleg, PlegConfig, PodLifecycleEvent
 from nodeagent.runtime import ContainerConfig, ContainerRuntimeError, SandboxConfig
 from nodeagent.runtime.fake import FakeRuntime
 from nodeagent.sources.types import Op
-from tests.conftest import aio, mkpod, started
+from tests.conftest import AgentRig, agent_config, aio, mkpod, started
 from tests.test_pleg import drain, start_pod
 
 CONFIG = PlegConfig(relist_period=1.0, evented_relist_period=60.0)
@@ -157,3 +160,14 @@ async def test_a_runtime_without_events_is_relisted_at_the_normal_period() -> No
     assert rt.calls["relist"] == 6
     assert rt.calls["container_events"] == 1  # asked once, never again
     await pleg.stop()
+
+
+def test_the_long_period_is_a_setting(tmp_path: Path) -> None:
+    rig = AgentRig(tmp_path, "--evented-pleg-relist-period", "5m")
+    assert rig.pods.loops.pleg.evented_relist_period == 300.0
+    assert AgentRig(tmp_path).pods.loops.pleg.evented_relist_period == 60.0
+    (tmp_path / "agent.yaml").write_text("eventedPlegRelistPeriod: 2m\n")
+    cfg = agent_config(tmp_path, "--node-name", "n1", "--config", str(tmp_path / "agent.yaml"))
+    assert cfg.evented_pleg_relist_period == 120.0
+    with pytest.raises(ConfigError, match="--evented-pleg-relist-period"):
+        agent_config(tmp_path, "--node-name", "n1", "--evented-pleg-relist-period", "0s")
