@@ -171,3 +171,18 @@ def test_the_long_period_is_a_setting(tmp_path: Path) -> None:
     assert cfg.evented_pleg_relist_period == 120.0
     with pytest.raises(ConfigError, match="--evented-pleg-relist-period"):
         agent_config(tmp_path, "--node-name", "n1", "--evented-pleg-relist-period", "0s")
+
+
+@aio
+async def test_a_removed_pods_late_events_leave_no_cache_entry() -> None:
+    clock = FakeClock()
+    a = await started(clock)
+    pods = [mkpod(f"web-{i}", f"u{i}") for i in range(3)]
+    a.send(Op.ADD, *pods)
+    await a.run_for(3)
+    assert a.loops.pleg.cache.uids() == {"u0", "u1", "u2"}
+    a.send(Op.REMOVE, *pods[:2])
+    await a.run_for(3)
+    assert not a.rt.find("u0", "c") and not a.rt.find("u1", "c")
+    assert a.loops.pleg.cache.uids() == {"u2"}
+    await a.loops.stop()
