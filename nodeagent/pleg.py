@@ -234,7 +234,8 @@ def pleg_metrics(registry: CollectorRegistry) -> PlegMetrics:
     (virtual nodes, tests) can share a process."""
     m = _METRICS.get(registry)
     if m is None:
-        buckets = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+        # up to 300 s: the relists' interval while events flow (60 s by default)
+        buckets = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
         m = PlegMetrics(
             relist_duration=Histogram("nodepulse_pleg_relist_duration_seconds",
                                       "Time one PLEG relist took (list + diff + dispatch).",
