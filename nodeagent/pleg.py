@@ -9,9 +9,9 @@ back, one relist covers the gap and the long period resumes. A worker waiting fo
 newer than its last sync has its pod inspected at once while events flow (the relist
 that would otherwise answer it is far off).
 
-The relist, each period: one `runtime.relist()` call, a diff against the previous records, and for
-the pods that changed only, a `pod_status` inspection to refresh the pod cache, then
-that pod's events. Inspections run as background tasks, bounded and each with a
+The relist, each period: one `runtime.relist()` call, a diff against the previous
+records, and for the pods that changed only, a `pod_status` inspection to refresh the
+pod cache, then that pod's events. Inspections run as background tasks, bounded and each with a
 timeout, so a pod whose inspection hangs delays only its own events: the relist keeps
 its period and the other pods' events keep flowing (the kubelet's "PLEG is not
 healthy" failure, where one slow pod stalled every pod, cannot happen here).
