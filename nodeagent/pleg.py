@@ -307,7 +307,7 @@ class Pleg:
         self.evented_relist_period = c.evented_relist_period
         self.event_retry, self.event_retry_max = c.event_retry, c.event_retry_max
         self.evented = False  # the event stream is up: relists at the long period
-        self._stream_changed = asyncio.Event()  # up or down: relist now
+        self._relist_now = asyncio.Event()  # set: relist at once (see relist_soon)
         self.relist_timeout = c.relist_timeout
         self.inspect_timeout = c.inspect_timeout
         self.health_threshold = c.health_threshold
@@ -401,7 +401,7 @@ class Pleg:
     async def _relist_loop(self) -> None:
         next_at = self.clock.monotonic()
         while True:
-            self._stream_changed.clear()
+            self._relist_now.clear()
             try:
                 await self.relist()
             except asyncio.CancelledError:
@@ -414,18 +414,24 @@ class Pleg:
             now = self.clock.monotonic()
             if next_at < now:  # fell behind (slow runtime): do not burst to catch up
                 next_at = now
-            # the stream coming or going ends the wait: a relist after a subscription
-            # covers what happened before it; one after a break, what the stream lost
+            # the stream coming or going ends the wait (a relist after a subscription
+            # covers what happened before it; one after a break, what the stream lost),
+            # and so does relist_soon()
             with contextlib.suppress(TimeoutError):
-                await clock_timeout(self.clock, self._stream_changed.wait(), next_at - now,
+                await clock_timeout(self.clock, self._relist_now.wait(), next_at - now,
                                     "relist period")
-            if self._stream_changed.is_set():
+            if self._relist_now.is_set():
                 next_at = self.clock.monotonic()
 
     def _set_evented(self, up: bool) -> None:
         if self.evented != up:
             self.evented = up
-            self._stream_changed.set()
+            self._relist_now.set()
+
+    def relist_soon(self) -> None:
+        """Relist now rather than at the period's end: something only a relist shows
+        (housekeeping reads the last one) has happened."""
+        self._relist_now.set()
 
     async def _watch_events(self) -> None:
         """Keep the runtime's event stream open and turn its events into inspections."""
