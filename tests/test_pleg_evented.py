@@ -186,3 +186,22 @@ async def test_a_removed_pods_late_events_leave_no_cache_entry() -> None:
     assert not a.rt.find("u0", "c") and not a.rt.find("u1", "c")
     assert a.loops.pleg.cache.uids() == {"u2"}
     await a.loops.stop()
+
+
+@aio
+async def test_idle_pods_cost_a_relist_a_minute_and_a_read_per_resync() -> None:
+    """What the evented PLEG saves: with relists only, 50 idle pods cost 120 relists in
+    two minutes (each copying every record); with events, two, plus one read of each pod
+    at its 60 s resync."""
+    clock = FakeClock()
+    a = await started(clock)
+    a.send(Op.ADD, *(mkpod(f"p{i}", f"u{i}") for i in range(50)))
+    await a.run_for(5)
+    assert len(a.rt.running()) == 50
+    before = dict(a.rt.calls)
+    await a.run_for(120)
+    spent = {k: v - before.get(k, 0) for k, v in a.rt.calls.items() if v != before.get(k, 0)}
+    assert spent["relist"] == 2
+    assert spent["pod_status"] <= 2 * 50
+    assert set(spent) == {"relist", "pod_status"}
+    await a.loops.stop()
