@@ -459,6 +459,10 @@ class Pleg:
                     async for ev in events:
                         self._on_event(ev)
                     raise ContainerRuntimeError("the stream ended")
+                except Unsupported as e:  # some runtimes say so only at the first read
+                    self._set_evented(False)
+                    log.info("PLEG: %s; relisting every %gs", e, self.relist_period)
+                    return
                 except Exception as e:
                     error = str(e) or type(e).__name__
                 self._set_evented(False)

@@ -5,6 +5,7 @@ over at the normal period while the stream is broken, and steps back when it is 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,13 @@ from prometheus_client import CollectorRegistry
 from nodeagent.api.clock import FakeClock, settle
 from nodeagent.config import ConfigError
 from nodeagent.pleg import EventType, Pleg, PlegConfig, PodLifecycleEvent
-from nodeagent.runtime import ContainerConfig, ContainerRuntimeError, SandboxConfig
+from nodeagent.runtime import (
+    ContainerConfig,
+    ContainerEvent,
+    ContainerRuntimeError,
+    SandboxConfig,
+    Unsupported,
+)
 from nodeagent.runtime.fake import FakeRuntime
 from nodeagent.sources.types import Op
 from tests.conftest import AgentRig, agent_config, aio, mkpod, started
@@ -159,6 +166,32 @@ async def test_a_runtime_without_events_is_relisted_at_the_normal_period() -> No
     await clock.advance(5)
     assert rt.calls["relist"] == 6
     assert rt.calls["container_events"] == 1  # asked once, never again
+    await pleg.stop()
+
+
+
+@aio
+async def test_a_stream_refused_at_its_first_read_means_relists_only() -> None:
+    """CRI's UNIMPLEMENTED (containerd 1.6) arrives with the stream's first answer."""
+    clock = FakeClock()
+    rt = FakeRuntime(clock)
+
+    async def refused() -> AsyncIterator[ContainerEvent]:
+        raise Unsupported("cri GetContainerEvents: UNIMPLEMENTED")
+        yield  # an async generator
+
+    async def container_events() -> AsyncIterator[ContainerEvent]:
+        rt.calls["container_events"] += 1
+        return refused()
+
+    rt.container_events = container_events  # type: ignore[method-assign]
+    pleg = Pleg(rt, clock, CONFIG, registry=CollectorRegistry())
+    pleg.start()
+    await settle()
+    await clock.advance(5)
+    assert not pleg.evented and pleg.period == 1.0
+    assert rt.calls["relist"] == 7 and rt.calls["container_events"] == 1  # 0 (twice: the
+    # stream looked up for a moment), 1, ..., 5
     await pleg.stop()
 
 

@@ -499,8 +499,9 @@ class Runtime(ABC):
         iterator then yields, in order, every event of our containers and sandboxes
         from then on, until it raises (the stream broke; events until the next
         subscription are lost, so a caller relists after subscribing again). Raises
-        `Unsupported` when the runtime has no event stream, a ContainerRuntimeError
-        when subscribing failed."""
+        `Unsupported` when the runtime has no event stream (a runtime that tells only
+        when the stream is first read, as CRI's UNIMPLEMENTED does, raises it from the
+        iterator), a ContainerRuntimeError when subscribing failed."""
         raise Unsupported(f"the {self.scheme} runtime streams no container events")
 
     async def close(self) -> None:  # noqa: B027 (optional hook, nothing to do by default)
