@@ -342,6 +342,7 @@ class Pleg:
             lambda: 0.0 if self.runtime_problem() else 1.0)
         m.event_stream_up.labels(node=node).set_function(lambda: float(self.evented))
         self._task: asyncio.Task[None] | None = None
+        self._watcher: asyncio.Task[None] | None = None  # ends when the runtime has no events
 
     # --- health ---------------------------------------------------------------------
 
@@ -390,13 +391,14 @@ class Pleg:
         self._task = None
 
     async def run(self) -> None:
-        watch = asyncio.create_task(self._watch_events(), name=f"pleg-events-{self.node}")
+        self._watcher = asyncio.create_task(self._watch_events(),
+                                            name=f"pleg-events-{self.node}")
         try:
             await self._relist_loop()
         finally:
-            watch.cancel()
+            self._watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await watch
+                await self._watcher
 
     async def _relist_loop(self) -> None:
         next_at = self.clock.monotonic()
