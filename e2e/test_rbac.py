@@ -411,7 +411,8 @@ def _event(node: str, namespace: str = "default", *, kind: str = "Node",
     now = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     body = {"apiVersion": "v1", "kind": "Event",
             "metadata": {"name": f"{node}.{uuid.uuid4().hex[:8]}", "namespace": namespace},
-            "involvedObject": {"apiVersion": api_version, "kind": kind, "name": node},
+            "involvedObject": {"apiVersion": api_version, "kind": kind, "name": node,
+                               **({"namespace": namespace} if kind == "Pod" else {})},
             "reason": "E2E", "message": "made up", "type": "Warning",
             "firstTimestamp": now, "lastTimestamp": now, "count": 1}
     if source or host:

@@ -249,14 +249,15 @@ class Agent:
                     registry=registry,
                     node=cfg.agent_id if cfg.virtual else cfg.node_name)
         root = Path(cfg.root_dir).resolve()
+        workloads = not cfg.virtual and runtime.runs_workloads
         node_pods = NodePodSettings(
             dns=DnsSettings(cluster_dns=cfg.cluster_dns, cluster_domain=cfg.cluster_domain,
                             resolv_conf=cfg.resolv_conf),
             admission=AdmissionSettings(allowed_unsafe_sysctls=cfg.allowed_unsafe_sysctls),
-            # virtual nodes' containers run nothing that could read a hosts file or
-            # resolve a name
-            pods_dir="" if cfg.virtual else str(root / "pods"),
-            runs_workloads=not cfg.virtual,
+            # virtual nodes' and the fake runtime's containers run nothing that could
+            # read a hosts file, a volume or resolve a name
+            pods_dir=str(root / "pods") if workloads else "",
+            runs_workloads=workloads,
             seccomp_root=str(root / "seccomp"))
         def allocatable(node: str) -> Mapping[str, Any] | None:
             controller = self.nodes.get(node)

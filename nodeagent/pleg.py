@@ -63,12 +63,12 @@ class PodLifecycleEvent:
     container_id: str  # a container or sandbox id
 
 
-_EVENT_TYPES = {ContainerEventType.STARTED: EventType.CONTAINER_STARTED,
-                ContainerEventType.DIED: EventType.CONTAINER_DIED,
-                ContainerEventType.REMOVED: EventType.CONTAINER_REMOVED}
-
 # A record's state as the diff sees it; sandboxes map READY->RUNNING, NOTREADY->EXITED.
 _NONEXISTENT = "NONEXISTENT"
+# ... and the state a runtime event says a record is in now
+_EVENT_STATES = {ContainerEventType.STARTED: ContainerState.RUNNING,
+                 ContainerEventType.DIED: ContainerState.EXITED,
+                 ContainerEventType.REMOVED: _NONEXISTENT}
 
 
 def _events_for(uid: str, cid: str, old: str, new: str) -> list[PodLifecycleEvent]:
@@ -478,8 +478,19 @@ class Pleg:
             retry = min(retry * 2, self.event_retry_max)
 
     def _on_event(self, ev: ContainerEvent) -> None:
-        self._inspect(ev.pod_uid, self.clock.monotonic(),
-                      [PodLifecycleEvent(ev.pod_uid, _EVENT_TYPES[ev.type], ev.container_id)])
+        """The event's change, as the relist's diff would name it (a running container
+        removed also died), applied to the records; its pod inspected."""
+        uid, cid, new = ev.pod_uid, ev.container_id, _EVENT_STATES[ev.type]
+        pod = self._records.setdefault(uid, {})
+        evs = _events_for(uid, cid, pod.get(cid, _NONEXISTENT), new)
+        if new == _NONEXISTENT:
+            pod.pop(cid, None)
+        else:
+            pod[cid] = new
+        if not pod:
+            del self._records[uid]
+        if evs:  # else a relist or an earlier event has it already
+            self._inspect(uid, self.clock.monotonic(), evs)
 
     def _refresh(self, uid: str, t: float) -> None:
         """A worker waits for the pod's state newer than `t` (the end of its last

@@ -33,8 +33,7 @@ POD_FIELDS: dict[str, Rule] = {
     "volumes": None,                 # nodeagent/volumes (each volume type it mounts)
     "initContainers": None,          # syncer.py; each checked against CONTAINER_FIELDS
     "containers": None,              # syncer.py; each checked against CONTAINER_FIELDS
-    "ephemeralContainers": refused("ephemeral containers (kubectl debug) are not run by "
-                                   "this agent"),
+    "ephemeralContainers": None,     # syncer.py; each checked against EPHEMERAL_FIELDS
     "restartPolicy": None,           # syncer.py
     "terminationGracePeriodSeconds": None,  # syncer.py (grace_of)
     "activeDeadlineSeconds": None,   # the lifecycle code (probes.py and its neighbours)
@@ -119,6 +118,14 @@ REGULAR_CONTAINER_FIELDS: dict[str, Rule] = {
         "restartPolicy Always (a sidecar) is supported by this agent",
 }
 
+# Of the ephemeral containers (kubectl debug): a regular container's fields (the API
+# server refuses the ones an ephemeral container may not have: ports, probes, lifecycle,
+# resources, resizePolicy, restartPolicy) and the process namespace it debugs.
+EPHEMERAL_FIELDS: dict[str, Rule] = {
+    **REGULAR_CONTAINER_FIELDS,
+    "targetContainerName": None,     # syncer.py: CRI pid namespace TARGET of that container
+}
+
 LIFECYCLE_FIELDS: dict[str, Rule] = {
     "postStart": None,               # lifecycle.py
     "preStop": None,                 # lifecycle.py
@@ -201,13 +208,14 @@ def unhandled(pod: Mapping[str, Any]) -> list[Unhandled]:
     psc = spec.get("securityContext")
     if isinstance(psc, Mapping):
         out += _check(psc, POD_SECURITY_FIELDS, "spec.securityContext", None)
-    for kind in ("initContainers", "containers"):
+    for kind, table in (("initContainers", CONTAINER_FIELDS),
+                        ("containers", REGULAR_CONTAINER_FIELDS),
+                        ("ephemeralContainers", EPHEMERAL_FIELDS)):
         for i, c in enumerate(spec.get(kind) or []):
             if not isinstance(c, Mapping):
                 continue
             name = str(c.get("name") or "")
             path = f"spec.{kind}[{i}]"
-            table = CONTAINER_FIELDS if kind == "initContainers" else REGULAR_CONTAINER_FIELDS
             out += _check(c, table, path, name)
             for field, fields in (("securityContext", SECURITY_FIELDS),
                                   ("lifecycle", LIFECYCLE_FIELDS)):

@@ -35,14 +35,17 @@ Status = dict[str, Any]
 
 # The status fields this agent owns; others (qosClass, nominatedNodeName, conditions of
 # other writers) are left alone by the strategic merge patch.
-OWNED = ("phase", "conditions", "containerStatuses", "initContainerStatuses", "hostIP",
-         "hostIPs", "podIP", "podIPs", "startTime", "reason", "message",
-         "observedGeneration")
+OWNED = ("phase", "conditions", "containerStatuses", "initContainerStatuses",
+         "ephemeralContainerStatuses", "hostIP", "hostIPs", "podIP", "podIPs", "startTime",
+         "reason", "message", "observedGeneration")
 # the conditions this agent writes (the kubelet's); any other type in a pod's status
 # (readiness gates, DisruptionTarget) belongs to someone else and is never written
 CONDITION_TYPES = ("PodReadyToStartContainers", "PodScheduled", "Initialized",
                    "ContainersReady", "Ready")
 TERMINAL = ("Succeeded", "Failed")
+# the state of a container that ran and that the runtime no longer knows
+GONE = {"exitCode": 137, "reason": "ContainerStatusUnknown",
+        "message": "The container could not be located; it used to be running"}
 
 
 @dataclass(frozen=True)
@@ -219,6 +222,7 @@ def compute_pod_status(pod: Pod, rs: PodRuntimeStatus, *, host_ip: str, scheme: 
     assert stamp is not None
     prev_cs = {s["name"]: s for s in previous.get("containerStatuses") or []}
     prev_ics = {s["name"]: s for s in previous.get("initContainerStatuses") or []}
+    prev_ecs = {s["name"]: s for s in previous.get("ephemeralContainerStatuses") or []}
     prev_cond = {c["type"]: c for c in previous.get("conditions") or []}
 
     probed = probed or {}
@@ -236,6 +240,23 @@ def compute_pod_status(pod: Pod, rs: PodRuntimeStatus, *, host_ip: str, scheme: 
                                    waiting=waiting, previous=prev_cs,
                                    default_reason="PodInitializing", probed=probed,
                                    messages=messages)
+    ephemerals = spec.get("ephemeralContainers") or []
+    # an ephemeral container is never restarted: once it ran, nothing keeps it waiting
+    ran = {c.name for c in rs.containers}
+    ephemeral_statuses = _container_statuses(
+        ephemerals, rs, scheme=scheme, previous=prev_ecs,
+        waiting={k: w for k, w in waiting.items() if k not in ran},
+        default_reason="PodInitializing", probed={}, messages=messages)
+    for s in ephemeral_statuses:  # neither probed nor counted as ready (the kubelet's)
+        s["ready"] = False
+        del s["started"]
+        before = prev_ecs.get(s["name"]) or {}
+        if s["name"] not in ran and before.get("containerID"):
+            # it ran, and the runtime no longer has it: it ended (the API refuses an
+            # ephemeral container's status going back from terminated)
+            s.update(containerID=before["containerID"], imageID=before.get("imageID", ""),
+                     state=before["state"] if "terminated" in (before.get("state") or {})
+                     else {"terminated": GONE})
     # initialized: each init container done (a sidecar: started), or any regular
     # container already ran (init containers may have been removed since)
     not_init = [s["name"] for s in init_statuses
@@ -246,7 +267,7 @@ def compute_pod_status(pod: Pod, rs: PodRuntimeStatus, *, host_ip: str, scheme: 
     if not init_done and (prev_cond.get("Initialized") or {}).get("status") == "True":
         init_done = True
     if init_done:
-        for s in statuses:
+        for s in [*statuses, *ephemeral_statuses]:
             w = s["state"].get("waiting")
             if w and w.get("reason") == "PodInitializing":
                 w["reason"] = "ContainerCreating"
@@ -327,6 +348,8 @@ def compute_pod_status(pod: Pod, rs: PodRuntimeStatus, *, host_ip: str, scheme: 
         status["observedGeneration"] = generation
     if inits:
         status["initContainerStatuses"] = init_statuses
+    if ephemerals:
+        status["ephemeralContainerStatuses"] = ephemeral_statuses
     if previous.get("phase") in TERMINAL:
         for k in ("reason", "message"):  # why it ended stays with it
             if previous.get(k):

@@ -1,10 +1,10 @@
 """The syncer: what one sync of a pod does, turning its spec into runtime calls.
 
 `PodSyncer` makes the runtime match the pod spec (sandbox, init containers in order,
-containers, restartPolicy, CrashLoopBackOff; images through the ImageManager, images.py),
-stops a pod within its grace period, cleans up a removed one, and hands the resulting
-status to the StatusManager. It holds no per-pod state but the crash backoff; the pod
-workers (workers.py) decide when it runs.
+containers, restartPolicy, CrashLoopBackOff, ephemeral containers once each; images
+through the ImageManager, images.py), stops a pod within its grace period, cleans up a
+removed one, and hands the resulting status to the StatusManager. It holds no per-pod
+state but the crash backoff; the pod workers (workers.py) decide when it runs.
 """
 
 from __future__ import annotations
@@ -163,8 +163,10 @@ class NodePodSettings:
     admission: AdmissionSettings = field(default_factory=AdmissionSettings)
     pods_dir: str = ""      # <root-dir>/pods: each pod's managed /etc/hosts ("": none)
     seccomp_root: str = ""  # <root-dir>/seccomp: where Localhost seccomp profiles are
-    # False (virtual nodes, whose containers run nothing): no resolver configuration,
-    # no DNS and container lifecycle Events (they would only load the API server)
+    # False (virtual nodes and the fake runtime, whose containers run nothing): no
+    # resolver configuration, volumes planned but not made (nothing could read them; no
+    # ConfigMap, Secret or token read), no container lifecycle Events (they would only
+    # load the API server)
     runs_workloads: bool = True
 
 
@@ -277,8 +279,7 @@ class PodSyncer:
         return st
 
     def _termination_messages(self, pod: Pod, rs: PodRuntimeStatus) -> dict[str, str]:
-        spec = pod.get("spec") or {}
-        containers = [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]
+        containers = all_containers(pod)
         by_name = {c.get("name"): c for c in containers}
         cache = self._messages.setdefault(str(pod["metadata"]["uid"]), {})
         for c in rs.containers:
@@ -365,7 +366,7 @@ class PodSyncer:
         try:
             sc = self._sandbox_config(pod, sandbox.attempt)
         except PodDnsError as e:  # cannot happen for a sandbox we made; a spec edit?
-            plan.refused = {c["name"]: str(e) for c in podspec_containers(pod)}
+            plan.refused = {c["name"]: str(e) for c in all_containers(pod)}
             sc = SandboxConfig.from_pod(pod, attempt=sandbox.attempt, log_root=self.log_root)
         pod_ip = self.host_ip if spec.get("hostNetwork") else sandbox.ip
         fields = {"spec.nodeName": self.node_name, "status.hostIP": self.host_ip,
@@ -379,6 +380,9 @@ class PodSyncer:
         def next_attempt(name: str) -> tuple[int, int]:
             prev = latest(name, rs.containers)
             return (0, 0) if prev is None else (prev.attempt + 1, prev.restart_count + 1)
+
+        if ready:  # not in a sandbox made by this sync (the kubelet's rule too)
+            await self._ephemeral(pod, rs, current, sandbox, sc, fields, plan)
 
         # init containers: one at a time, in order, each to success; a sidecar (a
         # restartable init container) to started, and kept running from then on
@@ -453,23 +457,25 @@ class PodSyncer:
         naming it, a Warning Event per container), one that cannot be set up now waits
         (a FailedMount Event, tried again)."""
         uid = str(pod["metadata"]["uid"])
+        # a node whose containers run nothing (virtual nodes) plans the volumes without
+        # making them: nothing could read them, and no ConfigMap, Secret or token is read
+        made = self.settings.runs_workloads
         if self.objects is not None:
-            refs = env_refs(pod) | (self.volumes.refs(pod) if self.volumes else set())
+            refs = env_refs(pod) | (self.volumes.refs(pod) if self.volumes and made else set())
             self.objects.track(uid, refs)
         spec = pod.get("spec") or {}
         try:
             if self.volumes is not None:
-                return await self.volumes.setup(pod)
+                return await self.volumes.setup(pod) if made else self.volumes.plan(pod)
             if spec.get("volumes"):
                 raise VolumeRefused("spec.volumes: this agent was started without volume "
                                     "support")
             return PodVolumes()
         except VolumeRefused as e:
             waiting = {}
-            for group in ("initContainers", "containers"):
-                for c in spec.get(group) or []:
-                    waiting[str(c["name"])] = Waiting("CreateContainerConfigError", str(e))
-                    self._warn(pod, str(c["name"]), f"Error: {e}")
+            for c in all_containers(pod):
+                waiting[str(c["name"])] = Waiting("CreateContainerConfigError", str(e))
+                self._warn(pod, str(c["name"]), f"Error: {e}")
             self._publish(pod, rs, waiting)
             return SyncResult()
         except MountFailed as e:
@@ -481,6 +487,39 @@ class PodSyncer:
                                     f"{message}")
             self._publish(pod, rs, {})
             return SyncResult(requeue_after=self.MOUNT_RETRY)
+
+    async def _ephemeral(self, pod: Pod, rs: PodRuntimeStatus, current: list[Container],
+                         sandbox: Sandbox, sc: SandboxConfig, fields: Mapping[str, str],
+                         plan: _Plan) -> None:
+        """The ephemeral containers (kubectl debug), added to the running pod: each
+        created and started once, whatever the pod's restartPolicy, and never again
+        once the runtime has any record of it (in any sandbox of the pod) or its status
+        said it ran. One with a
+        targetContainerName joins that container's process namespace."""
+        spec = pod.get("spec") or {}
+        # what ran already, also as reported (the runtime may have removed it since)
+        ran = {c.name for c in rs.containers} | {
+            s["name"] for s in self.status.previous(pod).get("ephemeralContainerStatuses")
+            or [] if s.get("containerID")}
+        for i, ec in enumerate(spec.get("ephemeralContainers") or []):
+            name = str(ec["name"])
+            if name in ran:
+                continue
+            target_id = ""
+            if (target := ec.get("targetContainerName")):
+                running = [c for c in current if c.name == target
+                           and c.state == ContainerState.RUNNING]
+                if not running:
+                    why = f"spec.ephemeralContainers[{i}].targetContainerName: container " \
+                          f"{target!r} is not running, so its process namespace cannot " \
+                          "be joined"
+                    plan.waiting[name] = Waiting("CreateContainerConfigError", why)
+                    self._warn(pod, name, f"Error: {why}")
+                    plan.again(self.IMAGE_RETRY)
+                    continue
+                target_id = max(running, key=lambda c: c.attempt).id
+            await self._start(pod, ec, sandbox, sc, 0, 0, fields, plan, target_id=target_id)
+
     async def _sidecar(self, pod: Pod, ic: Mapping[str, Any], cur: Container | None,
                        sandbox: Sandbox, sc: SandboxConfig, fields: Mapping[str, str],
                        plan: _Plan, next_attempt: Callable[[str], tuple[int, int]]) -> bool:
@@ -582,12 +621,12 @@ class PodSyncer:
             if p.container is not None:
                 plan.refused.setdefault(p.container, p.message)
         if pod_level is not None:
-            for c in podspec_containers(pod):
+            for c in all_containers(pod):
                 plan.refused.setdefault(str(c.get("name")), pod_level.message)
         return pod_level is not None
 
     def _refuse_all(self, pod: Pod, plan: _Plan) -> None:
-        for c in podspec_containers(pod):
+        for c in all_containers(pod):
             name = str(c.get("name"))
             if name in plan.refused:
                 self._refuse(pod, name, plan)
@@ -666,10 +705,11 @@ class PodSyncer:
     async def _start(self, pod: Pod, spec: Mapping[str, Any], sandbox: Sandbox,
                      sc: SandboxConfig, attempt: int, restarts: int,
                      fields: Mapping[str, str], plan: _Plan, *, init: bool = False,
-                     crash_key: tuple[str, str] | None = None) -> None:
+                     crash_key: tuple[str, str] | None = None, target_id: str = "") -> None:
         """Create and start a container once its image is there. `crash_key`: a restart
         after a crash, counted by the back-off when it is attempted (not while the image
-        is being pulled for it)."""
+        is being pulled for it); `target_id`: the container whose process namespace an
+        ephemeral container joins."""
         name = str(spec["name"])
         if name in plan.refused:
             self._refuse(pod, name, plan)
@@ -694,6 +734,7 @@ class PodSyncer:
                                            restart_count=restarts, init=init, env=env,
                                            mounts=mounts,
                                            seccomp_root=self.settings.seccomp_root)
+            cfg.target_id = target_id
             cfg.command, cfg.args = expand_command(spec, env)
             await self._check_non_root(pod, cfg)
             self._mount_etc_hosts(pod, spec, sandbox, sc, cfg)
@@ -863,8 +904,7 @@ class PodSyncer:
         spec = pod.get("spec") or {}
         pod_ip = self._pod_ip(pod, rs.ip)
         sidecars = [c["name"] for c in spec.get("initContainers") or [] if is_sidecar(c)]
-        specs = {c.get("name"): c for c in [*(spec.get("initContainers") or []),
-                                            *(spec.get("containers") or [])]}
+        specs = {c.get("name"): c for c in all_containers(pod)}
         live = [c for c in rs.containers if c.state != ContainerState.EXITED]
         began = self.clock.monotonic()
 
@@ -922,3 +962,9 @@ class _NoRuntimeClass(Exception):
 def podspec_containers(pod: Pod) -> list[Mapping[str, Any]]:
     spec = pod.get("spec") or {}
     return [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]
+
+
+def all_containers(pod: Pod) -> list[Mapping[str, Any]]:
+    """The init, regular and ephemeral containers of the pod's spec."""
+    return [*podspec_containers(pod), *((pod.get("spec") or {}).get("ephemeralContainers")
+                                        or [])]

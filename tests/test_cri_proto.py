@@ -21,7 +21,7 @@ OFFICIAL: dict[str, dict[str, int]] = {
     "DNSConfig": {"servers": 1, "searches": 2, "options": 3},
     "PortMapping": {"protocol": 1, "container_port": 2, "host_port": 3, "host_ip": 4},
     "Mount": {"container_path": 1, "host_path": 2, "readonly": 3, "propagation": 5},
-    "NamespaceOption": {"network": 1, "pid": 2, "ipc": 3},
+    "NamespaceOption": {"network": 1, "pid": 2, "ipc": 3, "target_id": 4},
     "Int64Value": {"value": 1},
     "KeyValue": {"key": 1, "value": 2},
     "ImageSpec": {"image": 1, "annotations": 2},

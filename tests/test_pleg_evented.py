@@ -238,3 +238,18 @@ async def test_idle_pods_cost_a_relist_a_minute_and_a_read_per_resync() -> None:
     assert spent["pod_status"] <= 2 * 50
     assert set(spent) == {"relist", "pod_status"}
     await a.loops.stop()
+
+
+@aio
+async def test_a_running_container_removed_also_died() -> None:
+    """As the relist's diff names it: the worker syncs on the death (a removal alone is
+    the agent's own doing and syncs nothing)."""
+    clock = FakeClock()
+    rt = FakeRuntime(clock)
+    (cid,) = await start_pod(rt, "a")
+    pleg = await evented(clock, rt)
+    await rt.remove_container(cid)
+    await settle()
+    assert drain(pleg.events) == [PodLifecycleEvent("a", EventType.CONTAINER_DIED, cid),
+                                  PodLifecycleEvent("a", EventType.CONTAINER_REMOVED, cid)]
+    await pleg.stop()

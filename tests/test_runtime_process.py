@@ -492,3 +492,22 @@ async def test_events_report_starts_exits_as_they_happen_and_removals(tmp_path: 
             ("died", sid), ("removed", cid), ("removed", sid)]
         await events.aclose()  # type: ignore[attr-defined]
         assert rt._exit_fds == {} and rt._streams == []
+
+
+@aio
+async def test_an_ephemeral_container_joins_only_a_running_target(tmp_path: Path) -> None:
+    """Every process is in the node's PID namespace, its target's too: a target that
+    runs is joined, one that does not is refused, naming the field."""
+    from nodeagent.runtime.base import ContainerRuntimeError
+    p = pod(["sleep", "600"])
+    async with runtime(tmp_path) as rt:
+        sid, target = await start(rt, p)
+        sc = SandboxConfig.from_pod(p)
+        dbg = ContainerConfig.from_pod(p, {"name": "debugger", "image": "i",
+                                           "command": ["true"]})
+        dbg.target_id = target
+        await rt.start_container(await rt.create_container(sid, dbg, sc))
+        await rt.stop_container(target, 0)
+        dbg.name, dbg.log_path = "debugger2", "debugger2/0.log"
+        with pytest.raises(ContainerRuntimeError, match="targetContainerName"):
+            await rt.create_container(sid, dbg, sc)

@@ -20,6 +20,7 @@ from nodeagent.objects import ObjectCache
 from nodeagent.runtime.base import Mount
 from nodeagent.runtime.fake import FakeRuntime
 from nodeagent.sources.types import Op
+from nodeagent.syncer import NodePodSettings
 from nodeagent.volumes import MountFailed, TokenManager, VolumeManager, VolumeRefused, atomic
 from nodeagent.volumes.atomic import DATA, File
 from tests.conftest import FakeMounter, LoopRig, aio, mkpod, token_answers
@@ -421,4 +422,34 @@ async def test_running_pod_gets_its_token_refreshed_before_expiry(tmp_path: Path
     await a.run_for(15)  # past 560 s: a new one (the 60 s resyncs fall before and after)
     assert token.read_text() == "tok-2"
     assert a.kube.count("create serviceaccounts/token") == 2
+    await a.loops.stop()
+
+
+@aio
+async def test_virtual_nodes_plan_volumes_without_reading_or_making_them(tmp_path: Path) -> None:
+    """A node whose containers run nothing (virtual nodes) needs none of a volume's
+    content: the pod runs with its mounts recorded, and no ConfigMap, Secret or token is
+    read (the chart's agent may not read them); an unsupported volume is still refused."""
+    clock = FakeClock(T0)
+    root = tmp_path / "root"
+    a = LoopRig(FakeRuntime(clock), clock, volumes=root,
+                pod_settings=NodePodSettings(runs_workloads=False))
+    a.loops.start()
+    await settle()
+    c = {"name": "c", "image": "localhost/busybox:1",
+         "volumeMounts": [{"name": "conf", "mountPath": "/conf"},
+                          {"name": "kube-api-access-x", "mountPath": "/var/run/secrets"}]}
+    a.send(Op.ADD, mkpod("web", "u1", containers=[c], volumes=[
+        {"name": "conf", "configMap": {"name": "absent"}}, KUBE_API_ACCESS]),
+        mkpod("nfs", "u2", containers=[{"name": "c", "image": "i"}],
+              volumes=[{"name": "n", "nfs": {"server": "s", "path": "/"}}]))
+    await a.run_for(3)
+    [running] = a.rt.running("u1")
+    projected = root / "pods" / "u1" / "volumes" / "kubernetes.io~projected"
+    assert Mount("/var/run/secrets", str(projected / "kube-api-access-x"), True) \
+        in a.rt.configs[running.id].mounts
+    assert not (root / "pods").exists()  # nothing made
+    assert [c.key for c in a.kube.calls if "configmaps" in c.key or "token" in c.key] == []
+    waiting = a.cstatus("u2")["state"]["waiting"]
+    assert waiting["reason"] == "CreateContainerConfigError" and "nfs" in waiting["message"]
     await a.loops.stop()

@@ -231,6 +231,9 @@ class ContainerConfig:
     tty: bool = False
     mounts: list[Mount] = field(default_factory=list)
     security: ContainerSecurity = field(default_factory=ContainerSecurity)
+    # an ephemeral container's targetContainerName, resolved: the id of the container
+    # whose process namespace it joins ("": none)
+    target_id: str = ""
 
     @classmethod
     def from_pod(cls, pod: Mapping[str, Any], container: Mapping[str, Any], *,
@@ -513,6 +516,11 @@ class Runtime(ABC):
     # ContainerConfig.mounts can be made (the files the agent writes for it: its managed
     # /etc/hosts, its termination-message file, its volumes).
     can_mount: bool = True
+
+    # Whether anything runs in its containers (the fake runtime runs nothing): a node
+    # whose runtime runs nothing gets no files for its containers (volumes are planned,
+    # not made; no /etc/hosts, no DNS config), see NodePodSettings.runs_workloads.
+    runs_workloads: bool = True
 
     # How container log files are written: "cri" (`<time> <stream> <P|F> <text>` lines,
     # as containerd writes them) or "raw" (the program's bytes as they came, no times).

@@ -64,6 +64,7 @@ def _clone(rec: R) -> R:
 
 class FakeRuntime(Runtime):
     scheme = "fake"
+    runs_workloads = False  # what the agent builds with it; its tests may say otherwise
 
     def __init__(self, clock: Clock | None = None, *, images: Iterable[str] | None = None,
                  host_ip: str = "192.0.2.10", image_size: int = 5_000_000) -> None:
@@ -330,6 +331,13 @@ class FakeRuntime(Runtime):
         if not self._present(config.image):
             raise ImageNotPresent(f"create_container {config.name}: image {config.image} "
                                   "is not present")
+        target = self.containers.get(config.target_id) if config.target_id else None
+        if config.target_id and (target is None or target.sandbox_id != sandbox_id
+                                 or target.state != ContainerState.RUNNING):
+            # containerd cannot join the PID namespace of a container not running
+            raise ContainerRuntimeError(f"fake: create_container {config.name}: "
+                                        f"targetContainerName: container "
+                                        f"{config.target_id} is not running in the sandbox")
         try:
             script = script_for(sb.annotations, config.name)
         except ScriptError as e:

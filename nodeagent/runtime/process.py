@@ -625,6 +625,15 @@ class ProcessRuntime(Runtime):
                 raise NotFound(f"{where}: sandbox {sandbox_id} not found")
             if sb.state != SandboxState.READY.value:
                 raise NotFound(f"{where}: sandbox {sandbox_id} is not ready")
+            # every process runs in the node's PID namespace, the target's too: an
+            # ephemeral container sees its target's processes as long as it runs
+            target = self._containers.get(config.target_id) if config.target_id else None
+            if target is not None:
+                self._refresh(target)
+            if config.target_id and (target is None or target.sandbox_id != sandbox_id
+                                     or target.state != ContainerState.RUNNING.value):
+                raise ContainerRuntimeError(f"{where}: targetContainerName: container "
+                                            f"{config.target_id} is not running in the pod")
             cid = uuid.uuid4().hex
             rel = config.log_path or f"{config.name}/{config.attempt}.log"
             labels = {**config.labels, LABEL_POD_UID: config.pod_uid,

@@ -100,8 +100,11 @@ def _spec_containers(pod: Pod) -> list[str]:
 
 def _restarts(pod: Pod, c: Container) -> bool:
     """Whether the agent will start this exited container again (then `--previous`
-    means it, as the kubelet's lastState does)."""
-    policy = (pod.get("spec") or {}).get("restartPolicy") or "Always"
+    means it, as the kubelet's lastState does). An ephemeral container never is."""
+    spec = pod.get("spec") or {}
+    if any(e.get("name") == c.name for e in spec.get("ephemeralContainers") or []):
+        return False
+    policy = spec.get("restartPolicy") or "Always"
     return policy == "Always" or (policy == "OnFailure" and (c.exit_code or 0) != 0)
 
 

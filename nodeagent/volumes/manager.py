@@ -253,6 +253,20 @@ class VolumeManager:
             raise MountFailed(failures)
         return out
 
+    def plan(self, pod: Pod) -> PodVolumes:
+        """Where each volume of the pod would be, without making it: for nodes whose
+        containers run nothing that could read it (virtual nodes), so their pods need
+        no ConfigMap, Secret or token read. What is not supported is still refused."""
+        self.check(pod)
+        uid = str((pod.get("metadata") or {})["uid"])
+        out = PodVolumes()
+        for vol in (pod.get("spec") or {}).get("volumes") or []:
+            name, kind = str(vol["name"]), volume_kind(vol)
+            path = (Path(str((vol[kind] or {}).get("path") or "/")) if kind == "hostPath"
+                    else self.pod_dir(uid) / "volumes" / PLUGINS[kind] / name)
+            out.dirs[name] = VolumeDir(kind, path, read_only=kind in API_DATA)
+        return out
+
     def mounts(self, pod: Pod, container: Mapping[str, Any], volumes: PodVolumes,
                env: Iterable[tuple[str, str]]) -> list[Mount]:
         """The container's volumeMounts as host paths. VolumeRefused for a subPath that

@@ -136,14 +136,16 @@ def linux_resources(r: Resources) -> pb.LinuxContainerResources:
     return out
 
 
-def namespaces_pb(c: SandboxConfig) -> pb.NamespaceOption:
+def namespaces_pb(c: SandboxConfig, target_id: str = "") -> pb.NamespaceOption:
     """hostNetwork/hostPID/hostIPC share the node's; shareProcessNamespace makes one
-    PID namespace for the pod, else each container has its own."""
+    PID namespace for the pod, else each container has its own, or, with `target_id`
+    (an ephemeral container's target), that container's."""
     sec = c.security
     pid = pb.NODE if sec.host_pid else pb.POD if sec.share_process_namespace \
-        else pb.CONTAINER
+        else pb.TARGET if target_id else pb.CONTAINER
     return pb.NamespaceOption(network=pb.NODE if c.host_network else pb.POD, pid=pid,
-                              ipc=pb.NODE if sec.host_ipc else pb.POD)
+                              ipc=pb.NODE if sec.host_ipc else pb.POD,
+                              target_id=target_id if pid == pb.TARGET else "")
 
 
 def _profile_pb(p: Profile) -> pb.SecurityProfile:
@@ -231,7 +233,7 @@ def container_config_pb(c: ContainerConfig, sandbox: SandboxConfig) -> pb.Contai
         linux=pb.LinuxContainerConfig(
             resources=linux_resources(c.resources),
             security_context=pb.LinuxContainerSecurityContext(
-                namespace_options=namespaces_pb(sandbox),
+                namespace_options=namespaces_pb(sandbox, c.target_id),
                 run_as_user=_int64(sec.run_as_user), run_as_group=_int64(sec.run_as_group),
                 supplemental_groups=sec.supplemental_groups, privileged=sec.privileged,
                 readonly_rootfs=sec.readonly_rootfs, no_new_privs=sec.no_new_privs,

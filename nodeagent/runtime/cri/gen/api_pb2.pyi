@@ -157,14 +157,16 @@ class Mount(_message.Message):
     def __init__(self, container_path: _Optional[str] = ..., host_path: _Optional[str] = ..., readonly: _Optional[bool] = ..., propagation: _Optional[_Union[MountPropagation, str]] = ...) -> None: ...
 
 class NamespaceOption(_message.Message):
-    __slots__ = ("network", "pid", "ipc")
+    __slots__ = ("network", "pid", "ipc", "target_id")
     NETWORK_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     IPC_FIELD_NUMBER: _ClassVar[int]
+    TARGET_ID_FIELD_NUMBER: _ClassVar[int]
     network: NamespaceMode
     pid: NamespaceMode
     ipc: NamespaceMode
-    def __init__(self, network: _Optional[_Union[NamespaceMode, str]] = ..., pid: _Optional[_Union[NamespaceMode, str]] = ..., ipc: _Optional[_Union[NamespaceMode, str]] = ...) -> None: ...
+    target_id: str
+    def __init__(self, network: _Optional[_Union[NamespaceMode, str]] = ..., pid: _Optional[_Union[NamespaceMode, str]] = ..., ipc: _Optional[_Union[NamespaceMode, str]] = ..., target_id: _Optional[str] = ...) -> None: ...
 
 class Int64Value(_message.Message):
     __slots__ = ("value",)
