@@ -244,7 +244,9 @@ class Agent:
         if cfg.pod_manifest_path or cfg.manifest_url:
             sources.append(MirrorManager(kube, cfg.node_name, merge, clock, node_uid=node_uid,
                                          answered=self.answered))
-        pleg = Pleg(runtime, clock, PlegConfig(), registry=registry,
+        pleg = Pleg(runtime, clock,
+                    PlegConfig(evented_relist_period=cfg.evented_pleg_relist_period),
+                    registry=registry,
                     node=cfg.agent_id if cfg.virtual else cfg.node_name)
         root = Path(cfg.root_dir).resolve()
         workloads = not cfg.virtual and runtime.runs_workloads

@@ -88,6 +88,7 @@ class AgentConfig:
     allowed_unsafe_sysctls: tuple[str, ...] = ()
     serialize_image_pulls: bool = True
     max_parallel_image_pulls: int = 0  # 0: no limit (with serialize_image_pulls off)
+    evented_pleg_relist_period: float = 60.0  # the PLEG's relist while events flow
 
     @property
     def legacy(self) -> bool:
@@ -526,6 +527,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("max_parallel_image_pulls", "max-parallel-image-pulls", "maxParallelImagePulls",
            _int(1, 1000), "with --serialize-image-pulls=false: at most this many pulls at "
            "once (default: no limit)"),
+    Option("evented_pleg_relist_period", "evented-pleg-relist-period",
+           "eventedPlegRelistPeriod", _period,
+           "while the runtime streams container events, the PLEG relists this often, as "
+           "the check for events lost (default 60s; at 1s when there is no stream)"),
 )
 _IGNORED_KEYS = {"apiVersion", "kind"}  # a KubeletConfiguration-style header
 

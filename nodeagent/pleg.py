@@ -1,8 +1,17 @@
-"""PLEG, generic relist: one runtime list per period turned into pod lifecycle events.
+"""PLEG: the runtime's container events and a periodic relist turned into pod
+lifecycle events.
 
-Each period: one `runtime.relist()` call, a diff against the previous records, and for
-the pods that changed only, a `pod_status` inspection to refresh the pod cache, then
-that pod's events. Inspections run as background tasks, bounded and each with a
+Evented: while the runtime's event stream (`Runtime.container_events`) is up, each event
+has its pod inspected at once and its worker woken, and the relist runs only every
+`evented_relist_period`, as the check that catches what the stream lost. When the stream
+breaks, or the runtime has none, the relist takes over at `relist_period`; when it is
+back, one relist covers the gap and the long period resumes. A worker waiting for state
+newer than its last sync has its pod inspected at once while events flow (the relist
+that would otherwise answer it is far off).
+
+The relist, each period: one `runtime.relist()` call, a diff against the previous
+records, and for the pods that changed only, a `pod_status` inspection to refresh the
+pod cache, then that pod's events. Inspections run as background tasks, bounded and each with a
 timeout, so a pod whose inspection hangs delays only its own events: the relist keeps
 its period and the other pods' events keep flowing (the kubelet's "PLEG is not
 healthy" failure, where one slow pod stalled every pod, cannot happen here).
@@ -20,18 +29,22 @@ import enum
 import logging
 import math
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
 from nodeagent.api.clock import Clock, clock_timeout
 from nodeagent.runtime.base import (
+    ContainerEvent,
+    ContainerEventType,
+    ContainerRuntimeError,
     ContainerState,
     PodRuntimeStatus,
     RelistResult,
     Runtime,
     SandboxState,
+    Unsupported,
 )
 
 log = logging.getLogger(__name__)
@@ -52,6 +65,10 @@ class PodLifecycleEvent:
 
 # A record's state as the diff sees it; sandboxes map READY->RUNNING, NOTREADY->EXITED.
 _NONEXISTENT = "NONEXISTENT"
+# ... and the state a runtime event says a record is in now
+_EVENT_STATES = {ContainerEventType.STARTED: ContainerState.RUNNING,
+                 ContainerEventType.DIED: ContainerState.EXITED,
+                 ContainerEventType.REMOVED: _NONEXISTENT}
 
 
 def _events_for(uid: str, cid: str, old: str, new: str) -> list[PodLifecycleEvent]:
@@ -119,6 +136,8 @@ class PodCache:
         # waiting workers per uid: a store wakes only that pod's waiters, a relist only
         # the pods someone waits for (no thundering herd at thousands of pods)
         self._waiters: dict[str, list[tuple[float, asyncio.Future[None]]]] = {}
+        # called with (uid, t) when a worker starts waiting for state newer than t
+        self.on_stale: Callable[[str, float], None] | None = None
 
     def get(self, uid: str) -> CacheEntry:
         return self._entries.get(uid) or CacheEntry(PodRuntimeStatus(uid), None, -math.inf)
@@ -135,6 +154,8 @@ class PodCache:
         if not self._fresh(uid, t):
             fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             self._waiters.setdefault(uid, []).append((t, fut))
+            if self.on_stale is not None:
+                self.on_stale(uid, t)
             try:
                 await fut
             finally:
@@ -164,6 +185,12 @@ class PodCache:
 
     async def store(self, uid: str, status: PodRuntimeStatus, error: BaseException | None,
                     modified: float, *, done: bool = True) -> None:
+        if (error is None and not status.sandboxes and not status.containers
+                and uid not in self._entries and uid not in self._waiters):
+            # what get() answers anyway: a removed pod's late events (after its worker
+            # deleted the entry) would otherwise leave an entry per pod for ever
+            self._pending.discard(uid)
+            return
         self._entries[uid] = CacheEntry(status, error, modified)
         if done:
             self._pending.discard(uid)
@@ -195,6 +222,7 @@ class PlegMetrics:
     healthy: Gauge
     relist_failures: Counter
     runtime_up: Gauge
+    event_stream_up: Gauge
 
 
 # per registry object (not id(): ids of dead registries are reused)
@@ -206,7 +234,8 @@ def pleg_metrics(registry: CollectorRegistry) -> PlegMetrics:
     (virtual nodes, tests) can share a process."""
     m = _METRICS.get(registry)
     if m is None:
-        buckets = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+        # up to 300 s: the relists' interval while events flow (60 s by default)
+        buckets = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
         m = PlegMetrics(
             relist_duration=Histogram("nodepulse_pleg_relist_duration_seconds",
                                       "Time one PLEG relist took (list + diff + dispatch).",
@@ -236,6 +265,10 @@ def pleg_metrics(registry: CollectorRegistry) -> PlegMetrics:
                              "0 while the runtime is down as PLEG sees it (its last "
                              "relists failed in a row), else 1.", ["node"],
                              registry=registry),
+            event_stream_up=Gauge("nodepulse_pleg_event_stream_up",
+                                  "1 while the runtime's container event stream is up "
+                                  "(relists at the long period), else 0.", ["node"],
+                                  registry=registry),
         )
         _METRICS[registry] = m
     return m
@@ -246,13 +279,19 @@ def pleg_metrics(registry: CollectorRegistry) -> PlegMetrics:
 @dataclass(frozen=True)
 class PlegConfig:
     relist_period: float = 1.0         # the kubelet's relistPeriod
+    # while the event stream is up: the relist is then only the check for lost events
+    # (the kubelet's evented PLEG relists every 300 s; see README, "Evented PLEG")
+    evented_relist_period: float = 60.0
     relist_timeout: float = 30.0       # one runtime list
     inspect_timeout: float = 10.0      # one pod's status call
     inspect_concurrency: int = 8
-    health_threshold: float = 180.0    # no relist for this long: PLEG is not healthy
+    health_threshold: float = 180.0    # no relist for this long (or for two periods,
+    # when the period in force is longer): PLEG is not healthy
     channel_capacity: int = 1000       # events waiting for the sync loops
     runtime_failure_threshold: int = 2  # failed relists in a row before the runtime is
     # reported down (one failure may be a blip)
+    event_retry: float = 1.0           # a broken event stream is subscribed again after
+    event_retry_max: float = 30.0      # this, doubling up to the max
 
 
 class Pleg:
@@ -265,10 +304,15 @@ class Pleg:
         self.clock = clock
         self.node = node
         self.relist_period = c.relist_period
+        self.evented_relist_period = c.evented_relist_period
+        self.event_retry, self.event_retry_max = c.event_retry, c.event_retry_max
+        self.evented = False  # the event stream is up: relists at the long period
+        self._relist_now = asyncio.Event()  # set: relist at once (see relist_soon)
         self.relist_timeout = c.relist_timeout
         self.inspect_timeout = c.inspect_timeout
         self.health_threshold = c.health_threshold
         self.cache = cache or PodCache()
+        self.cache.on_stale = self._refresh
         self.events: asyncio.Queue[PodLifecycleEvent] = asyncio.Queue(c.channel_capacity)
         self.last_result: RelistResult | None = None  # for housekeeping and adoption
         self.last_result_at = -math.inf  # monotonic start of the relist that made it
@@ -296,19 +340,27 @@ class Pleg:
         self._m_relist_failures = m.relist_failures.labels(node=node)
         m.runtime_up.labels(node=node).set_function(
             lambda: 0.0 if self.runtime_problem() else 1.0)
+        m.event_stream_up.labels(node=node).set_function(lambda: float(self.evented))
         self._task: asyncio.Task[None] | None = None
+        self._watcher: asyncio.Task[None] | None = None  # ends when the runtime has no events
 
     # --- health ---------------------------------------------------------------------
+
+    @property
+    def period(self) -> float:
+        """The relist period in force."""
+        return self.evented_relist_period if self.evented else self.relist_period
 
     def health(self) -> str | None:
         """None when healthy; usable as a HealthServer check."""
         since = self._last_relist_done if self._last_relist_done is not None else self._started
         idle = self.clock.monotonic() - since
-        if idle > self.health_threshold:
+        threshold = max(self.health_threshold, 2 * self.period)
+        if idle > threshold:
             what = "last relist completed" if self._last_relist_done is not None else \
                 "no relist completed since start"
             return (f"PLEG is not healthy: {what} {idle:.0f}s ago "
-                    f"(threshold {self.health_threshold:.0f}s)")
+                    f"(threshold {threshold:.0f}s)")
         return None
 
     def runtime_problem(self) -> str | None:
@@ -339,8 +391,19 @@ class Pleg:
         self._task = None
 
     async def run(self) -> None:
+        self._watcher = asyncio.create_task(self._watch_events(),
+                                            name=f"pleg-events-{self.node}")
+        try:
+            await self._relist_loop()
+        finally:
+            self._watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watcher
+
+    async def _relist_loop(self) -> None:
         next_at = self.clock.monotonic()
         while True:
+            self._relist_now.clear()
             try:
                 await self.relist()
             except asyncio.CancelledError:
@@ -349,11 +412,93 @@ class Pleg:
                 # once, not every period while the runtime is down
                 (log.warning if self.relist_failures == 1 else log.debug)(
                     "PLEG relist failed: %s", e)
-            next_at += self.relist_period
+            next_at += self.period
             now = self.clock.monotonic()
             if next_at < now:  # fell behind (slow runtime): do not burst to catch up
                 next_at = now
-            await self.clock.sleep(next_at - now)
+            # the stream coming or going ends the wait (a relist after a subscription
+            # covers what happened before it; one after a break, what the stream lost),
+            # and so does relist_soon()
+            with contextlib.suppress(TimeoutError):
+                await clock_timeout(self.clock, self._relist_now.wait(), next_at - now,
+                                    "relist period")
+            if self._relist_now.is_set():
+                next_at = self.clock.monotonic()
+
+    def _set_evented(self, up: bool) -> None:
+        if self.evented != up:
+            self.evented = up
+            self._relist_now.set()
+
+    def relist_soon(self) -> None:
+        """Relist now rather than at the period's end: something only a relist shows
+        (housekeeping reads the last one) has happened."""
+        self._relist_now.set()
+
+    async def _watch_events(self) -> None:
+        """Keep the runtime's event stream open and turn its events into inspections."""
+        retry = self.event_retry
+        warned = False
+        while True:
+            try:
+                events = await clock_timeout(
+                    self.clock, self.runtime.container_events(), self.relist_timeout,
+                    f"subscribing to the runtime's events took longer than "
+                    f"{self.relist_timeout}s")
+            except Unsupported as e:
+                log.info("PLEG: %s; relisting every %gs", e, self.relist_period)
+                return
+            except Exception as e:
+                error = str(e) or type(e).__name__
+            else:
+                subscribed = self.clock.monotonic()
+                self._set_evented(True)
+                if warned:
+                    log.info("PLEG: the runtime's event stream is back; relisting every %gs",
+                             self.evented_relist_period)
+                    warned = False
+                try:
+                    async for ev in events:
+                        self._on_event(ev)
+                    raise ContainerRuntimeError("the stream ended")
+                except Unsupported as e:  # some runtimes say so only at the first read
+                    self._set_evented(False)
+                    log.info("PLEG: %s; relisting every %gs", e, self.relist_period)
+                    return
+                except Exception as e:
+                    error = str(e) or type(e).__name__
+                self._set_evented(False)
+                if self.clock.monotonic() - subscribed >= self.event_retry_max:
+                    retry = self.event_retry  # it had worked for a while: not a flapping one
+            (log.debug if warned else log.warning)(
+                "PLEG: the runtime's event stream failed (%s); relisting every %gs, "
+                "subscribing again in %gs", error, self.relist_period, retry)
+            warned = True
+            await self.clock.sleep(retry)
+            retry = min(retry * 2, self.event_retry_max)
+
+    def _on_event(self, ev: ContainerEvent) -> None:
+        """The event's change, as the relist's diff would name it (a running container
+        removed also died), applied to the records; its pod inspected."""
+        uid, cid, new = ev.pod_uid, ev.container_id, _EVENT_STATES[ev.type]
+        pod = self._records.setdefault(uid, {})
+        evs = _events_for(uid, cid, pod.get(cid, _NONEXISTENT), new)
+        if new == _NONEXISTENT:
+            pod.pop(cid, None)
+        else:
+            pod[cid] = new
+        if not pod:
+            del self._records[uid]
+        if evs:  # else a relist or an earlier event has it already
+            self._inspect(uid, self.clock.monotonic(), evs)
+
+    def _refresh(self, uid: str, t: float) -> None:
+        """A worker waits for the pod's state newer than `t` (the end of its last
+        sync). While events flow the next relist is far off: read the pod now. The
+        read starts after that sync ended, so it is newer than `t` even when the clock
+        reads the same."""
+        if self.evented:
+            self._inspect(uid, max(self.clock.monotonic(), math.nextafter(t, math.inf)), [])
 
     async def relist(self) -> None:
         """One relist: list, diff, inspect changed pods in the background, emit."""
@@ -433,6 +578,13 @@ class Pleg:
             await self.cache.store(uid, self.cache.get(uid).status, error, t)
         else:
             assert status is not None
+            # what the next relist's diff starts from: it then finds only changes no
+            # event or inspection has seen
+            pod = records_of(RelistResult(status.sandboxes, status.containers)).get(uid)
+            if pod:
+                self._records[uid] = pod
+            else:
+                self._records.pop(uid, None)
             await self.cache.store(uid, status, None, t, done=uid not in self._again)
         self._emit(evs)
 

@@ -362,7 +362,10 @@ class NodeLoops:
             node = self.owner.get(ev.pod_uid)
             if node is not None:
                 self.loops[node].events.put_nowait(ev)
-            # a pod no node knows: housekeeping removes it
+            elif ev.type == EventType.CONTAINER_STARTED:
+                # a pod no node knows: housekeeping removes it, from a relist that
+                # shows it (while events flow the next one is far off)
+                self.pleg.relist_soon()
 
     async def _housekeeping(self) -> None:
         while True:

@@ -98,7 +98,8 @@ async def test_stuck_pleg_fails_healthz_and_readiness(tmp_path: Path) -> None:
     body = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read())
     assert b"ok" in body
     rig.rt.relist = stuck  # type: ignore[method-assign]
-    for _ in range(60):
+    # events flow: relists come every minute, so the threshold is two of them
+    for _ in range(130):
         await rig.clock.advance(1)
     with pytest.raises(urllib.error.HTTPError) as e:
         await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read())

@@ -14,7 +14,10 @@ from typing import Any
 import grpc
 import grpc.aio
 import pytest
+from prometheus_client import CollectorRegistry
 
+from nodeagent.api.clock import FakeClock
+from nodeagent.pleg import Pleg
 from nodeagent.runtime import (
     ContainerConfig,
     ContainerRuntimeError,
@@ -27,6 +30,7 @@ from nodeagent.runtime import (
     SandboxConfig,
     SandboxState,
     Unavailable,
+    Unsupported,
     make_runtime,
 )
 from nodeagent.runtime.base import (
@@ -40,7 +44,7 @@ from nodeagent.runtime.cri import CriRuntime
 from nodeagent.runtime.cri.client import ANNOTATION_HOST_NETWORK, LABEL_ATTEMPT
 from nodeagent.runtime.cri.gen import api_pb2 as pb
 from nodeagent.runtime.cri.gen import api_pb2_grpc as pb_grpc
-from tests.conftest import aio, mkpod
+from tests.conftest import aio, mkpod, until
 
 
 class FakeCri(pb_grpc.RuntimeServiceServicer, pb_grpc.ImageServiceServicer):
@@ -56,6 +60,35 @@ class FakeCri(pb_grpc.RuntimeServiceServicer, pb_grpc.ImageServiceServicer):
         self.hang: set[str] = set()
         self.vanish_on_status: set[str] = set()
         self._ids = itertools.count(1)
+        # GetContainerEvents: off answers UNIMPLEMENTED, as containerd 1.6 does
+        self.streams_events = True
+        self.event_streams: list[asyncio.Queue[pb.ContainerEventResponse | grpc.StatusCode]] = []
+
+    def event(self, rid: str, kind: pb.ContainerEventType) -> None:
+        """What containerd sends on a change: the sandbox's status and the container's."""
+        sb = self.sandboxes.get(self.container_sandbox.get(rid, rid))
+        c = self.containers.get(rid)
+        r = pb.ContainerEventResponse(container_id=rid, container_event_type=kind,
+                                      created_at=3 * 10**18, pod_sandbox_status=sb,
+                                      containers_statuses=[c] if c else [])
+        for q in self.event_streams:
+            q.put_nowait(r)
+
+    async def GetContainerEvents(self, req: Any, ctx: Any) -> AsyncIterator[Any]:
+        await self._record("GetContainerEvents", req, ctx)
+        if not self.streams_events:
+            await ctx.abort(grpc.StatusCode.UNIMPLEMENTED, "unknown method GetContainerEvents "
+                            "for service runtime.v1.RuntimeService")
+        q: asyncio.Queue[pb.ContainerEventResponse | grpc.StatusCode] = asyncio.Queue()
+        self.event_streams.append(q)
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, grpc.StatusCode):
+                    await ctx.abort(item, "the runtime is going away")
+                yield item
+        finally:
+            self.event_streams.remove(q)
 
     async def _record(self, name: str, req: Any, ctx: grpc.aio.ServicerContext) -> None:
         self.requests.append((name, req))
@@ -85,6 +118,7 @@ class FakeCri(pb_grpc.RuntimeServiceServicer, pb_grpc.ImageServiceServicer):
             id=sid, metadata=c.metadata, state=pb.SANDBOX_READY, created_at=10**18,
             network=pb.PodSandboxNetworkStatus(ip="10.88.0.7"),
             labels=c.labels, annotations=c.annotations)
+        self.event(sid, pb.CONTAINER_STARTED_EVENT)
         return pb.RunPodSandboxResponse(pod_sandbox_id=sid)
 
     async def StopPodSandbox(self, req: Any, ctx: Any) -> pb.StopPodSandboxResponse:
@@ -124,6 +158,7 @@ class FakeCri(pb_grpc.RuntimeServiceServicer, pb_grpc.ImageServiceServicer):
             id=cid, metadata=c.metadata, state=pb.CONTAINER_CREATED, created_at=2 * 10**18,
             image=c.image, image_ref="sha256:abc", labels=c.labels, annotations=c.annotations)
         self.container_sandbox[cid] = req.pod_sandbox_id
+        self.event(cid, pb.CONTAINER_CREATED_EVENT)
         return pb.CreateContainerResponse(container_id=cid)
 
     async def StartContainer(self, req: Any, ctx: Any) -> pb.StartContainerResponse:
@@ -135,12 +170,14 @@ class FakeCri(pb_grpc.RuntimeServiceServicer, pb_grpc.ImageServiceServicer):
             await ctx.abort(grpc.StatusCode.UNKNOWN, "container is in EXITED state")
         else:
             c.state, c.started_at = pb.CONTAINER_RUNNING, 2 * 10**18 + 1
+            self.event(req.container_id, pb.CONTAINER_STARTED_EVENT)
         return pb.StartContainerResponse()
 
     def exit(self, cid: str, code: int, reason: str) -> None:
         c = self.containers[cid]
         c.state, c.exit_code, c.reason, c.finished_at = pb.CONTAINER_EXITED, code, reason, \
             2 * 10**18 + 5 * 10**9
+        self.event(cid, pb.CONTAINER_STOPPED_EVENT)
 
     async def StopContainer(self, req: Any, ctx: Any) -> pb.StopContainerResponse:
         await self._record("StopContainer", req, ctx)
@@ -153,6 +190,7 @@ class FakeCri(pb_grpc.RuntimeServiceServicer, pb_grpc.ImageServiceServicer):
         await self._record("RemoveContainer", req, ctx)
         if self.containers.pop(req.container_id, None) is None:
             await ctx.abort(grpc.StatusCode.NOT_FOUND, f"container {req.container_id}")
+        self.event(req.container_id, pb.CONTAINER_DELETED_EVENT)
         return pb.RemoveContainerResponse()
 
     async def ListContainers(self, req: Any, ctx: Any) -> pb.ListContainersResponse:
@@ -478,3 +516,49 @@ def test_security_namespaces_sysctls_and_dns_reach_cri() -> None:
     assert qs.seccomp.profile_type == pb.SecurityProfile.Unconfined  # the kubelet's default
     assert qs.namespace_options.pid == pb.CONTAINER
     assert not sandbox_config_pb(qsc).HasField("dns_config")  # the node's resolv.conf
+
+
+@aio
+async def test_container_events_from_get_container_events(tmp_path: Path) -> None:
+    async with served(tmp_path) as (fake, rt):
+        events = await rt.container_events()
+        await until(lambda: fake.event_streams != [], "the server has the stream")
+
+        async def next_event() -> tuple[str, str, str]:
+            ev = await asyncio.wait_for(anext(events), 5)
+            return ev.type.value, ev.pod_uid, ev.container_id
+
+        sid, cid = await start(rt, pod("u1"))
+        # created is left out: the agent's own doing, followed by its start
+        assert await next_event() == ("started", "u1", sid)
+        assert await next_event() == ("started", "u1", cid)
+        fake.exit(cid, 1, "Error")
+        assert await next_event() == ("died", "u1", cid)
+        # an object that is not ours (no pod uid label) is left out, as from a relist
+        fake.containers["other"] = pb.ContainerStatus(id="other", state=pb.CONTAINER_EXITED)
+        fake.event("other", pb.CONTAINER_STOPPED_EVENT)
+        await rt.remove_container(cid)
+        assert await next_event() == ("removed", "u1", cid)
+        # the runtime goes away: the stream fails with the interface's error
+        fake.event_streams[0].put_nowait(grpc.StatusCode.UNAVAILABLE)
+        with pytest.raises(Unavailable, match="GetContainerEvents"):
+            await next_event()
+        await until(lambda: fake.event_streams == [], "the server saw the stream end")
+
+
+@aio
+async def test_a_runtime_without_container_events_says_so(tmp_path: Path) -> None:
+    """containerd 1.6 answers UNIMPLEMENTED, at the stream's first read; the PLEG then
+    only relists."""
+    async with served(tmp_path) as (fake, rt):
+        fake.streams_events = False
+        events = await rt.container_events()
+        with pytest.raises(Unsupported, match="UNIMPLEMENTED|unknown method"):
+            await asyncio.wait_for(anext(events), 5)
+        pleg = Pleg(rt, FakeClock(), registry=CollectorRegistry())
+        pleg.start()
+        await until(lambda: pleg._watcher is not None and pleg._watcher.done(),
+                    "the PLEG gave up on events")  # a failed stream would be retried
+        assert fake.calls("GetContainerEvents") == 2 and not pleg.evented
+        await until(lambda: pleg.relists >= 1, "the PLEG relists")
+        await pleg.stop()

@@ -119,6 +119,9 @@ OFFICIAL: dict[str, dict[str, int]] = {
     "FilesystemUsage": {"timestamp": 1, "fs_id": 2, "used_bytes": 3, "inodes_used": 4},
     "ContainerStats": {"attributes": 1, "cpu": 2, "memory": 3, "writable_layer": 4},
     "ListContainerStatsResponse": {"stats": 1},
+    "GetEventsRequest": {},
+    "ContainerEventResponse": {"container_id": 1, "container_event_type": 2, "created_at": 3,
+                               "pod_sandbox_status": 4, "containers_statuses": 5},
 }
 
 OFFICIAL_ENUMS: dict[str, dict[str, int]] = {
@@ -127,6 +130,8 @@ OFFICIAL_ENUMS: dict[str, dict[str, int]] = {
     "PodSandboxState": {"SANDBOX_READY": 0, "SANDBOX_NOTREADY": 1},
     "ContainerState": {"CONTAINER_CREATED": 0, "CONTAINER_RUNNING": 1,
                        "CONTAINER_EXITED": 2, "CONTAINER_UNKNOWN": 3},
+    "ContainerEventType": {"CONTAINER_CREATED_EVENT": 0, "CONTAINER_STARTED_EVENT": 1,
+                           "CONTAINER_STOPPED_EVENT": 2, "CONTAINER_DELETED_EVENT": 3},
 }
 
 
@@ -154,7 +159,11 @@ def test_services_and_methods_are_the_official_names() -> None:
                             "StartContainer", "StopContainer", "RemoveContainer",
                             "ListContainers", "ContainerStatus", "Status",
                             "ReopenContainerLog", "ExecSync", "Exec", "Attach", "PortForward",
-                            "ListContainerStats"}
+                            "ListContainerStats", "GetContainerEvents"}
+    events = rt.methods_by_name["GetContainerEvents"]
+    assert (events.input_type.name, events.output_type.name) == ("GetEventsRequest",
+                                                                 "ContainerEventResponse")
+    assert events.server_streaming
     assert {m.name for m in img.methods} == {"ListImages", "ImageStatus", "PullImage"}
 
 

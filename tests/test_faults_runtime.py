@@ -6,31 +6,55 @@ outage); an agent that stops lets the runtime calls in flight finish, within a b
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
 from nodeagent.api.clock import FakeClock, settle
 from nodeagent.pleg import Pleg
-from nodeagent.runtime import ContainerState, RelistResult, Unavailable
+from nodeagent.runtime import (
+    ContainerEvent,
+    ContainerState,
+    RelistResult,
+    Unavailable,
+)
 from nodeagent.runtime.fake import FakeRuntime
 from nodeagent.sources.types import Op
 from tests.conftest import AgentRig, aio, mkpod, started
 
 
 class Switch:
-    """Makes a FakeRuntime's relist fail (Unavailable) while `down` is set."""
+    """Makes a FakeRuntime unreachable (Unavailable) while `down` is set: its relists
+    and subscriptions fail, and going down breaks its event streams."""
 
     def __init__(self, rt: FakeRuntime) -> None:
-        self.down = False
-        self.real = rt.relist
+        self.rt = rt
+        self._down = False
+        real_relist, real_events = rt.relist, rt.container_events
 
         async def relist() -> RelistResult:
-            if self.down:
+            if self._down:
                 raise Unavailable("cri: connection refused (socket gone)")
-            return await self.real()
+            return await real_relist()
+
+        async def container_events() -> AsyncIterator[ContainerEvent]:
+            if self._down:
+                raise Unavailable("cri: connection refused (socket gone)")
+            return await real_events()
 
         rt.relist = relist  # type: ignore[method-assign]
+        rt.container_events = container_events  # type: ignore[method-assign]
+
+    @property
+    def down(self) -> bool:
+        return self._down
+
+    @down.setter
+    def down(self, down: bool) -> None:
+        self._down = down
+        if down:
+            self.rt.break_event_streams(Unavailable("cri: connection reset"))
 
 
 @aio

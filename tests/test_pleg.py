@@ -100,6 +100,7 @@ async def test_relist_emits_events_and_refreshes_only_changed_pods() -> None:
 async def test_one_hung_pod_does_not_stall_others_or_the_period() -> None:
     clock = FakeClock()
     rt = FakeRuntime(clock)
+    rt.has_events = False  # relists only: their period is what is tested
     pleg = Pleg(rt, clock, PlegConfig(inspect_timeout=10), registry=CollectorRegistry())
     for uid in ("hung", "b", "c"):
         await start_pod(rt, uid)
@@ -138,6 +139,7 @@ async def test_one_hung_pod_does_not_stall_others_or_the_period() -> None:
 async def test_health_turns_bad_when_relist_hangs_and_metrics_show_it() -> None:
     clock = FakeClock()
     rt = FakeRuntime(clock)
+    rt.has_events = False  # relists only: the 1 s period and its 180 s threshold
     reg = CollectorRegistry()
     pleg = Pleg(rt, clock, PlegConfig(relist_timeout=30), node="n1", registry=reg)
     pleg.start()

@@ -472,6 +472,29 @@ async def test_security_settings_a_process_cannot_honour_are_refused(tmp_path: P
 
 
 @aio
+async def test_events_report_starts_exits_as_they_happen_and_removals(tmp_path: Path) -> None:
+    async with runtime(tmp_path) as rt:
+        events = await rt.container_events()
+
+        async def next_event() -> tuple[str, str]:
+            ev = await asyncio.wait_for(anext(events), WAIT)
+            assert ev.pod_uid == "u1"
+            return ev.type.value, ev.container_id
+
+        sid, cid = await start(rt, pod(["sh", "-c", "exit 3"]))
+        assert await next_event() == ("started", sid)
+        assert await next_event() == ("started", cid)
+        # the exit is reported by itself (no call reads the container meanwhile)
+        assert await next_event() == ("died", cid)
+        assert rt._containers[cid].exit_code == 3
+        await rt.remove_sandbox(sid)
+        assert [await next_event() for _ in range(3)] == [
+            ("died", sid), ("removed", cid), ("removed", sid)]
+        await events.aclose()  # type: ignore[attr-defined]
+        assert rt._exit_fds == {} and rt._streams == []
+
+
+@aio
 async def test_an_ephemeral_container_joins_only_a_running_target(tmp_path: Path) -> None:
     """Every process is in the node's PID namespace, its target's too: a target that
     runs is joined, one that does not is refused, naming the field."""

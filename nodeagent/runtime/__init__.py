@@ -10,6 +10,8 @@ from nodeagent.runtime.base import (
     DEFAULT_CONTAINERD_SOCKET,
     Container,
     ContainerConfig,
+    ContainerEvent,
+    ContainerEventType,
     ContainerRuntimeError,
     ContainerState,
     ContainerStats,
@@ -33,7 +35,8 @@ from nodeagent.runtime.base import (
 )
 
 __all__ = [
-    "DEFAULT_CONTAINERD_SOCKET", "Container", "ContainerConfig", "ContainerRuntimeError",
+    "DEFAULT_CONTAINERD_SOCKET", "Container", "ContainerConfig", "ContainerEvent",
+    "ContainerEventType", "ContainerRuntimeError",
     "ContainerState", "ContainerStats", "ExecResult", "ImageInfo", "ImageNotPresent",
     "NotFound", "PodRuntimeStatus", "PullFailed", "RegistryAuth", "RelistResult", "Runtime",
     "RuntimeTimeout", "RuntimeVersion", "Sandbox",

@@ -14,6 +14,9 @@ Contracts shared by all implementations:
 - Calls that need an existing object (`start_container`, `create_container` into a
   sandbox, `pod_status` never does) raise `NotFound` when the id is unknown.
 - A failed call raises a `ContainerRuntimeError` subclass; anything else is a bug.
+- `container_events()` streams what happens to containers and sandboxes as it happens
+  (the evented PLEG); a runtime without such a stream raises `Unsupported`, and the
+  PLEG then learns everything from relists.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import hashlib
 import json
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -343,6 +346,22 @@ class PodRuntimeStatus:
         return ""
 
 
+class ContainerEventType(enum.StrEnum):
+    STARTED = "started"  # a container runs, a sandbox is ready
+    DIED = "died"        # a container exited (by itself, stopped, or failing to start);
+    # a sandbox stopped
+    REMOVED = "removed"  # a container or sandbox is gone from the runtime
+
+
+@dataclass(frozen=True, slots=True)
+class ContainerEvent:
+    """One change of a container or sandbox, as the runtime saw it happen."""
+    type: ContainerEventType
+    pod_uid: str
+    container_id: str  # a container's or a sandbox's id
+    at: dt.datetime
+
+
 @dataclass(frozen=True)
 class ImageInfo:
     id: str
@@ -477,6 +496,16 @@ class Runtime(ABC):
         (None, name) for a user name, (None, "") when the image names none (root).
         What runAsNonRoot is checked against."""
         raise Unsupported(f"the {self.scheme} runtime cannot tell an image's user")
+
+    async def container_events(self) -> AsyncIterator[ContainerEvent]:
+        """Subscribe to the runtime's container events. Returns once subscribed: the
+        iterator then yields, in order, every event of our containers and sandboxes
+        from then on, until it raises (the stream broke; events until the next
+        subscription are lost, so a caller relists after subscribing again). Raises
+        `Unsupported` when the runtime has no event stream (a runtime that tells only
+        when the stream is first read, as CRI's UNIMPLEMENTED does, raises it from the
+        iterator), a ContainerRuntimeError when subscribing failed."""
+        raise Unsupported(f"the {self.scheme} runtime streams no container events")
 
     async def close(self) -> None:  # noqa: B027 (optional hook, nothing to do by default)
         """Release connections; the runtime's objects keep running."""

@@ -3,14 +3,16 @@
 Used by unit tests (with FakeClock) and scale runs (virtual nodes, bench/). Containers
 "run" until a test (or `stop_container`) ends them, or as their pod's annotations
 script them (runtime/script.py: exit after a time with a code, fail to start); nothing
-executes. A scripted exit happens at its time on the clock, seen by the next call that
-reads containers (a relist, a pod's status), as a real runtime's exit is seen by the
-next relist.
+executes. A scripted exit happens at its time on the clock: an open event stream
+(`container_events`) delivers it then, and without one the next call that reads
+containers (a relist, a pod's status) sees it, as a real runtime's exit is seen by the
+next relist. Every change is an event on the open streams, as it happens.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import hashlib
 import heapq
@@ -18,14 +20,16 @@ import itertools
 import os
 import shutil
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import TypeVar
 
-from nodeagent.api.clock import Clock, RealClock
+from nodeagent.api.clock import Clock, RealClock, clock_timeout
 from nodeagent.runtime.base import (
     LABEL_POD_UID,
     Container,
     ContainerConfig,
+    ContainerEvent,
+    ContainerEventType,
     ContainerRuntimeError,
     ContainerState,
     ExecResult,
@@ -41,6 +45,7 @@ from nodeagent.runtime.base import (
     Sandbox,
     SandboxConfig,
     SandboxState,
+    Unsupported,
 )
 from nodeagent.runtime.script import Script, ScriptError, script_for
 
@@ -107,6 +112,10 @@ class FakeRuntime(Runtime):
         self._log_dirs: dict[str, str] = {}  # sandbox id -> its log directory
         self.scripts: dict[str, Script] = {}  # container id -> its pod's script for it
         self._exits: list[tuple[float, str]] = []  # (monotonic time, container id) heap
+        # open event streams; None in one wakes it (a new scripted exit to wait for)
+        self._streams: list[asyncio.Queue[ContainerEvent | BaseException | None]] = []
+        self.lost_events = 0  # the next this many events reach no stream (a lossy runtime)
+        self.has_events = True  # False: no event stream, like containerd 1.6 (relists only)
 
     # --- test helpers --------------------------------------------------------------
 
@@ -116,6 +125,14 @@ class FakeRuntime(Runtime):
         if c.state != ContainerState.RUNNING:
             raise ValueError(f"fake: container {container_id} is {c.state}, not RUNNING")
         self._finish(c, code, reason or ("Completed" if code == 0 else "Error"))
+
+    def break_event_streams(self, error: BaseException | None = None) -> None:
+        """Every open event stream fails with `error` (a runtime restart, a dropped
+        connection); only streams subscribed after this see later events."""
+        err = error or ContainerRuntimeError("fake: the event stream broke")
+        for q in self._streams:
+            q.put_nowait(err)
+        self._streams.clear()
 
     def write_log(self, container_id: str, text: str, stream: str = "stdout") -> None:
         """The container "prints" `text`: one CRI log line per line of it, stamped with
@@ -150,12 +167,24 @@ class FakeRuntime(Runtime):
     def _new_id(self, prefix: str) -> str:
         return f"{prefix}{next(self._ids):08x}"
 
+    def _event(self, type_: ContainerEventType, pod_uid: str, rid: str,
+               at: dt.datetime | None = None) -> None:
+        if not self._streams:
+            return
+        if self.lost_events > 0:
+            self.lost_events -= 1
+            return
+        ev = ContainerEvent(type_, pod_uid, rid, at or self.clock.now())
+        for q in self._streams:
+            q.put_nowait(ev)
+
     def _finish(self, c: Container, code: int, reason: str,
                 at: dt.datetime | None = None) -> None:
         c.state = ContainerState.EXITED
         c.exit_code = code
         c.reason = reason
         c.finished_at = at or self.clock.now()
+        self._event(ContainerEventType.DIED, c.pod_uid, c.id, c.finished_at)
         self.write_log(c.id, f"fake runtime: container {c.name} exited with code {code} "
                              f"({reason})", "stderr")
 
@@ -181,7 +210,40 @@ class FakeRuntime(Runtime):
             self._finish(c, code, "Completed" if code == 0 else "Error",
                          at=self.clock.now() - dt.timedelta(seconds=now - at))
 
+    async def _deliver(self, q: asyncio.Queue[ContainerEvent | BaseException | None]
+                       ) -> AsyncIterator[ContainerEvent]:
+        """One stream's events. It also ends scripted runs at their time: nothing
+        else would notice them before a call reads containers."""
+        try:
+            while True:
+                self._scripted_exits()
+                if q.empty() and self._exits:
+                    try:
+                        item = await clock_timeout(
+                            self.clock, q.get(), self._exits[0][0] - self.clock.monotonic(),
+                            "the next scripted exit is due")
+                    except TimeoutError:
+                        continue
+                else:
+                    item = await q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item is not None:
+                    yield item
+        finally:
+            with contextlib.suppress(ValueError):
+                self._streams.remove(q)
+
     # --- Runtime -------------------------------------------------------------------
+
+    async def container_events(self) -> AsyncIterator[ContainerEvent]:
+        self._call("container_events")
+        if not self.has_events:
+            raise Unsupported("the fake runtime streams no container events (has_events "
+                              "is off)")
+        q: asyncio.Queue[ContainerEvent | BaseException | None] = asyncio.Queue()
+        self._streams.append(q)
+        return self._deliver(q)
 
     async def version(self) -> RuntimeVersion:
         self._call("version")
@@ -225,6 +287,7 @@ class FakeRuntime(Runtime):
         self._by_pod.setdefault(config.uid, set()).add(sid)
         if config.log_directory:
             self._log_dirs[sid] = config.log_directory
+        self._event(ContainerEventType.STARTED, config.uid, sid)
         return sid
 
     async def stop_sandbox(self, sandbox_id: str) -> None:
@@ -235,7 +298,9 @@ class FakeRuntime(Runtime):
         for c in list(self.containers.values()):
             if c.sandbox_id == sandbox_id and c.state == ContainerState.RUNNING:
                 self._finish(c, 137, "Killed")
-        sb.state = SandboxState.NOTREADY
+        if sb.state == SandboxState.READY:
+            sb.state = SandboxState.NOTREADY
+            self._event(ContainerEventType.DIED, sb.pod_uid, sandbox_id)
 
     async def remove_sandbox(self, sandbox_id: str) -> None:
         self._call("remove_sandbox")
@@ -246,7 +311,9 @@ class FakeRuntime(Runtime):
             if c.sandbox_id == sandbox_id:
                 self._forget(uid, cid)
                 del self.containers[cid]
+                self._event(ContainerEventType.REMOVED, uid, cid)
         del self.sandboxes[sandbox_id]
+        self._event(ContainerEventType.REMOVED, uid, sandbox_id)
         self.sandbox_configs.pop(sandbox_id, None)
         log_dir = self._log_dirs.pop(sandbox_id, None)
         if log_dir and log_dir not in self._log_dirs.values():
@@ -308,6 +375,7 @@ class FakeRuntime(Runtime):
             raise ContainerRuntimeError(f"fake: start_container {c.name}: {script.fail_start}")
         c.state = ContainerState.RUNNING
         c.started_at = self.clock.now()
+        self._event(ContainerEventType.STARTED, c.pod_uid, c.id, c.started_at)
         self.write_log(c.id, f"fake runtime: container {c.name} started (image {c.image}); "
                              "nothing runs in a fake container")
         if c.name in self.exit_on_start:
@@ -315,6 +383,8 @@ class FakeRuntime(Runtime):
             self._finish(c, code, "Completed" if code == 0 else "Error")
         elif script.run_for is not None:
             heapq.heappush(self._exits, (self.clock.monotonic() + script.run_for, c.id))
+            for q in self._streams:  # each stream waits for the next exit due
+                q.put_nowait(None)
             self._scripted_exits()  # run-for 0: at once
 
     async def stop_container(self, container_id: str, timeout: float) -> None:
@@ -340,6 +410,7 @@ class FakeRuntime(Runtime):
         self.scripts.pop(container_id, None)
         if c is not None:
             self._forget(c.pod_uid, container_id)
+            self._event(ContainerEventType.REMOVED, c.pod_uid, container_id)
 
     async def exec_sync(self, container_id: str, cmd: list[str],
                         timeout: float) -> ExecResult:

@@ -16,6 +16,9 @@
   time in /proc), so it never starts a duplicate. A lock file keeps two agents from
   sharing one state dir.
 - stop = SIGTERM to the process group, SIGKILL after the timeout.
+- Events (`container_events`): starts, stops and removals are reported as this runtime
+  does them; exits as they happen, each running wrapper watched with a pidfd on the
+  event loop while a stream is open.
 
 Blocking work (fork/exec, /proc reads, waits) runs in threads; one lock guards state.
 """
@@ -38,7 +41,7 @@ import subprocess
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -54,6 +57,8 @@ from nodeagent.runtime.base import (
     LABEL_POD_UID,
     Container,
     ContainerConfig,
+    ContainerEvent,
+    ContainerEventType,
     ContainerRuntimeError,
     ContainerState,
     ExecResult,
@@ -224,6 +229,12 @@ class ProcessRuntime(Runtime):
         self._starting: set[str] = set()  # between fork and the saved RUNNING record
         self._boot = _boot_id()
         self._streaming: StreamingServer | None = None  # exec, started at the first one
+        # open event streams, all on one event loop; the pidfds watched on it, by
+        # container id, and the tasks reading the exits they report
+        self._streams: list[asyncio.Queue[ContainerEvent]] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._exit_fds: dict[str, int] = {}
+        self._exit_tasks: set[asyncio.Task[None]] = set()
         # Our own threads, not the event loop's default pool: the pod status writes and
         # the API source use that one, and while the API server is down each of their
         # calls holds a thread for up to its timeout; relists must not queue behind them.
@@ -325,6 +336,7 @@ class ProcessRuntime(Runtime):
         c.started_at = _iso(dt.datetime.fromtimestamp(mtime, dt.UTC))
         c.state = ContainerState.RUNNING.value
         self._save(c)
+        self._emit(ContainerEventType.STARTED, c.pod_uid, c.id)
 
     def _is_wrapper(self, pid: int, cid: str) -> bool:
         try:
@@ -375,6 +387,7 @@ class ProcessRuntime(Runtime):
             finished = started
         c.finished_at = _iso(finished)
         self._save(c)
+        self._emit(ContainerEventType.DIED, c.pod_uid, c.id)
 
     def _reap_group(self, c: _ContainerRec) -> None:
         """When the wrapper is gone the container is gone: like a container's PID 1
@@ -437,6 +450,87 @@ class ProcessRuntime(Runtime):
     def _locked_same(self, c: _ContainerRec) -> bool:
         with self._lock:
             return self._same_process(c)
+
+    # --- events ----------------------------------------------------------------------
+
+    def _emit(self, type_: ContainerEventType, pod_uid: str, rid: str) -> None:
+        """Called with the lock held, from any thread."""
+        if not self._streams or self._loop is None:
+            return
+        ev = ContainerEvent(type_, pod_uid, rid, self.clock.now())
+        for q in self._streams:
+            self._loop.call_soon_threadsafe(q.put_nowait, ev)
+        if type_ == ContainerEventType.STARTED and rid in self._containers:
+            self._loop.call_soon_threadsafe(self._watch_exit, rid)
+
+    def _watch_exit(self, cid: str) -> None:
+        """On the event loop: report the container's exit when its wrapper ends."""
+        with self._lock:
+            c = self._containers.get(cid)
+            if (c is None or c.pid is None or cid in self._exit_fds or not self._streams
+                    or c.state != ContainerState.RUNNING.value):
+                return
+            try:
+                fd = os.pidfd_open(c.pid)
+            except OSError:  # already gone
+                fd = -1
+            if fd >= 0 and not self._same_process(c):  # checked after pinning the pid
+                os.close(fd)
+                fd = -1
+        if fd < 0:
+            self._exited(cid)
+            return
+        self._exit_fds[cid] = fd
+        asyncio.get_running_loop().add_reader(fd, self._exited, cid)
+
+    def _exited(self, cid: str) -> None:
+        fd = self._exit_fds.pop(cid, None)
+        if fd is not None:
+            asyncio.get_running_loop().remove_reader(fd)
+            os.close(fd)
+        c = self._containers.get(cid)
+        if c is not None:  # the exit code is read, and DIED sent, by the refresh
+            task = asyncio.create_task(self._call(self._settle, c))
+            self._exit_tasks.add(task)
+            task.add_done_callback(self._exit_tasks.discard)
+
+    def _unwatch_all(self) -> None:
+        for cid in list(self._exit_fds):
+            fd = self._exit_fds.pop(cid)
+            if self._loop is not None:
+                self._loop.remove_reader(fd)
+            os.close(fd)
+
+    async def container_events(self) -> AsyncIterator[ContainerEvent]:
+        try:
+            os.close(os.pidfd_open(os.getpid()))
+        except OSError as e:
+            raise Unsupported(f"the process runtime watches exits with pidfds, which this "
+                              f"kernel does not offer ({e})") from None
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue[ContainerEvent] = asyncio.Queue()
+        with self._lock:
+            if self._loop is not None and self._loop is not loop:
+                raise ContainerRuntimeError("process runtime: event streams are served on "
+                                            "one event loop only")
+            self._loop = loop
+            self._streams.append(q)
+            running = [c.id for c in self._containers.values()
+                       if c.state == ContainerState.RUNNING.value]
+        for cid in running:
+            self._watch_exit(cid)
+        return self._deliver(q)
+
+    async def _deliver(self, q: asyncio.Queue[ContainerEvent]) -> AsyncIterator[ContainerEvent]:
+        try:
+            while True:
+                yield await q.get()
+        finally:
+            with self._lock:
+                self._streams.remove(q)
+                if not self._streams:
+                    self._unwatch_all()
+                    self._loop = None
 
     # --- records to interface objects ----------------------------------------------
 
@@ -506,6 +600,7 @@ class ProcessRuntime(Runtime):
         with self._lock:
             self._sandboxes[sid] = rec
             self._save_sandbox(rec)
+            self._emit(ContainerEventType.STARTED, rec.uid, sid)
         return sid
 
     def _create(self, sandbox_id: str, config: ContainerConfig) -> str:
@@ -569,6 +664,7 @@ class ProcessRuntime(Runtime):
         c.exit_code, c.reason, c.message = START_ERROR_CODE, "StartError", message
         c.finished_at = _iso(self.clock.now())
         self._save(c)
+        self._emit(ContainerEventType.DIED, c.pod_uid, c.id)
         return ContainerRuntimeError(f"process start_container {c.id} ({c.name}): {message}")
 
     def _start(self, cid: str) -> None:
@@ -619,6 +715,7 @@ class ProcessRuntime(Runtime):
                 c.state = ContainerState.RUNNING.value
                 c.started_at = _iso(self.clock.now())
                 self._save(c)
+                self._emit(ContainerEventType.STARTED, c.pod_uid, cid)
         finally:
             with self._lock:
                 self._starting.discard(cid)
@@ -658,6 +755,7 @@ class ProcessRuntime(Runtime):
                 c.state, c.exit_code, c.reason = ContainerState.EXITED.value, 0, "Stopped"
                 c.finished_at = _iso(self.clock.now())
                 self._save(c)
+                self._emit(ContainerEventType.DIED, c.pod_uid, cid)
                 return None
             if c.state != ContainerState.RUNNING.value:
                 return None
@@ -681,14 +779,18 @@ class ProcessRuntime(Runtime):
     def _mark_sandbox(self, sid: str, state: SandboxState) -> None:
         with self._lock:
             sb = self._sandboxes.get(sid)
-            if sb is not None:
+            if sb is not None and sb.state != state.value:
                 sb.state = state.value
                 self._save_sandbox(sb)
+                self._emit(ContainerEventType.STARTED if state == SandboxState.READY
+                           else ContainerEventType.DIED, sb.uid, sid)
 
     def _forget_container(self, cid: str) -> None:
         with self._lock:
-            if self._containers.pop(cid, None) is None:
+            c = self._containers.pop(cid, None)
+            if c is None:
                 return
+            self._emit(ContainerEventType.REMOVED, c.pod_uid, cid)
             self._children.pop(cid, None)
             base = self._base(cid)
             for suffix in (".json", ".pid", ".exit"):
@@ -700,6 +802,7 @@ class ProcessRuntime(Runtime):
             sb = self._sandboxes.pop(sid, None)
             if sb is None:
                 return
+            self._emit(ContainerEventType.REMOVED, sb.uid, sid)
             with contextlib.suppress(FileNotFoundError):
                 (self.state_dir / "sandboxes" / f"{sid}.json").unlink()
             shutil.rmtree(self.state_dir / "pods" / sid, ignore_errors=True)
@@ -862,6 +965,8 @@ class ProcessRuntime(Runtime):
         same dir adopts them)."""
         if self._streaming is not None:
             await self._streaming.close()
+        with self._lock:
+            self._unwatch_all()
         self._pool.shutdown(wait=False)
         with self._lock:
             if self._lockfile is not None:

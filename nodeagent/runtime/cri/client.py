@@ -4,7 +4,8 @@ One relist is exactly two calls (ListPodSandbox + ListContainers) whatever the p
 count; details (exit codes, IPs, timestamps) come from pod_status, which PLEG asks
 only for pods that changed. Every call has a deadline, and gRPC status codes map to
 the interface's errors (NOT_FOUND -> NotFound, DEADLINE_EXCEEDED -> RuntimeTimeout,
-UNAVAILABLE -> Unavailable).
+UNAVAILABLE -> Unavailable). Container events come from GetContainerEvents where the
+runtime has it (containerd 1.7 and 2.x; 1.6 answers UNIMPLEMENTED: relists only).
 
 Identity for adoption lives in labels (pod uid/name/namespace, container name,
 attempt) and annotations (restart count, spec hash), which containerd keeps with the
@@ -17,7 +18,7 @@ import asyncio
 import contextlib
 import datetime as dt
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
@@ -32,6 +33,8 @@ from nodeagent.runtime.base import (
     LABEL_POD_UID,
     Container,
     ContainerConfig,
+    ContainerEvent,
+    ContainerEventType,
     ContainerRuntimeError,
     ContainerState,
     ContainerStats,
@@ -52,6 +55,7 @@ from nodeagent.runtime.base import (
     SandboxState,
     StreamRequest,
     Unavailable,
+    Unsupported,
     int_or,
 )
 from nodeagent.runtime.cri.gen import api_pb2 as pb
@@ -92,6 +96,11 @@ _CONTAINER_STATE = {
 }
 _SANDBOX_STATE = {pb.SANDBOX_READY: SandboxState.READY,
                   pb.SANDBOX_NOTREADY: SandboxState.NOTREADY}
+# CONTAINER_CREATED_EVENT is left out: a creation is the agent's own doing, and what
+# happens to the container next is an event of its own
+_EVENT_TYPE = {pb.CONTAINER_STARTED_EVENT: ContainerEventType.STARTED,
+               pb.CONTAINER_STOPPED_EVENT: ContainerEventType.DIED,
+               pb.CONTAINER_DELETED_EVENT: ContainerEventType.REMOVED}
 
 
 def _time(ns: int) -> dt.datetime | None:
@@ -251,6 +260,20 @@ def _sandbox(s: Any) -> Sandbox:
         labels=labels, annotations=annotations)
 
 
+def _event(r: pb.ContainerEventResponse) -> ContainerEvent | None:
+    """A CRI event as ours; None for a kind we do not act on, or for an object that is
+    not ours (no pod uid label, as the relist filters). The pod's uid is on its
+    sandbox's status, or on the container's when the sandbox is gone already."""
+    kind = _EVENT_TYPE.get(r.container_event_type)
+    uid = r.pod_sandbox_status.labels.get(LABEL_POD_UID) or next(
+        (c.labels[LABEL_POD_UID] for c in r.containers_statuses if LABEL_POD_UID in c.labels),
+        "")
+    if kind is None or not uid:
+        return None
+    return ContainerEvent(kind, uid, r.container_id,
+                          _time(r.created_at) or dt.datetime.now(dt.UTC))
+
+
 def _container(c: pb.Container, st: pb.ContainerStatus | None = None) -> Container:
     labels, annotations = dict(c.labels), dict(c.annotations)
     out = Container(
@@ -322,6 +345,31 @@ class CriRuntime(Runtime):
             return await fn(req, timeout=timeout or self.call_timeout)
         except grpc.aio.AioRpcError as e:
             raise map_error(e, what) from e
+
+    async def container_events(self) -> AsyncIterator[ContainerEvent]:
+        """GetContainerEvents (no deadline: it streams). The call is sent when this
+        returns, but containerd answers nothing before its first event: a runtime
+        without the call is known only at the first read, which raises Unsupported, and
+        an event in the moment before containerd has subscribed the call is lost (the
+        PLEG's next relist, at the long period, catches it)."""
+        rt, _ = self._stubs()
+        self.calls += 1
+        return self._events(rt.GetContainerEvents(pb.GetEventsRequest()))
+
+    @staticmethod
+    async def _events(call: Any) -> AsyncIterator[ContainerEvent]:
+        try:
+            async for r in call:
+                ev = _event(r)
+                if ev is not None:
+                    yield ev
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+                raise Unsupported(f"cri GetContainerEvents: the runtime streams no container "
+                                  f"events ({e.details()})") from e
+            raise map_error(e, "GetContainerEvents") from e
+        finally:
+            call.cancel()
 
     async def close(self) -> None:
         if self._channel is not None:

@@ -37,6 +37,13 @@ class ContainerState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CONTAINER_RUNNING: _ClassVar[ContainerState]
     CONTAINER_EXITED: _ClassVar[ContainerState]
     CONTAINER_UNKNOWN: _ClassVar[ContainerState]
+
+class ContainerEventType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CONTAINER_CREATED_EVENT: _ClassVar[ContainerEventType]
+    CONTAINER_STARTED_EVENT: _ClassVar[ContainerEventType]
+    CONTAINER_STOPPED_EVENT: _ClassVar[ContainerEventType]
+    CONTAINER_DELETED_EVENT: _ClassVar[ContainerEventType]
 TCP: Protocol
 UDP: Protocol
 SCTP: Protocol
@@ -53,6 +60,10 @@ CONTAINER_CREATED: ContainerState
 CONTAINER_RUNNING: ContainerState
 CONTAINER_EXITED: ContainerState
 CONTAINER_UNKNOWN: ContainerState
+CONTAINER_CREATED_EVENT: ContainerEventType
+CONTAINER_STARTED_EVENT: ContainerEventType
+CONTAINER_STOPPED_EVENT: ContainerEventType
+CONTAINER_DELETED_EVENT: ContainerEventType
 
 class VersionRequest(_message.Message):
     __slots__ = ("version",)
@@ -1090,3 +1101,21 @@ class ListContainerStatsResponse(_message.Message):
     STATS_FIELD_NUMBER: _ClassVar[int]
     stats: _containers.RepeatedCompositeFieldContainer[ContainerStats]
     def __init__(self, stats: _Optional[_Iterable[_Union[ContainerStats, _Mapping]]] = ...) -> None: ...
+
+class GetEventsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ContainerEventResponse(_message.Message):
+    __slots__ = ("container_id", "container_event_type", "created_at", "pod_sandbox_status", "containers_statuses")
+    CONTAINER_ID_FIELD_NUMBER: _ClassVar[int]
+    CONTAINER_EVENT_TYPE_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    POD_SANDBOX_STATUS_FIELD_NUMBER: _ClassVar[int]
+    CONTAINERS_STATUSES_FIELD_NUMBER: _ClassVar[int]
+    container_id: str
+    container_event_type: ContainerEventType
+    created_at: int
+    pod_sandbox_status: PodSandboxStatus
+    containers_statuses: _containers.RepeatedCompositeFieldContainer[ContainerStatus]
+    def __init__(self, container_id: _Optional[str] = ..., container_event_type: _Optional[_Union[ContainerEventType, str]] = ..., created_at: _Optional[int] = ..., pod_sandbox_status: _Optional[_Union[PodSandboxStatus, _Mapping]] = ..., containers_statuses: _Optional[_Iterable[_Union[ContainerStatus, _Mapping]]] = ...) -> None: ...

@@ -129,6 +129,11 @@ class RuntimeServiceStub:
                 request_serializer=nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.ListContainerStatsRequest.SerializeToString,
                 response_deserializer=nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.ListContainerStatsResponse.FromString,
                 _registered_method=True)
+        self.GetContainerEvents = channel.unary_stream(
+                '/runtime.v1.RuntimeService/GetContainerEvents',
+                request_serializer=nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.GetEventsRequest.SerializeToString,
+                response_deserializer=nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.ContainerEventResponse.FromString,
+                _registered_method=True)
 
 
 class RuntimeServiceServicer:
@@ -248,6 +253,12 @@ class RuntimeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetContainerEvents(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RuntimeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -345,6 +356,11 @@ def add_RuntimeServiceServicer_to_server(servicer, server):
                     servicer.ListContainerStats,
                     request_deserializer=nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.ListContainerStatsRequest.FromString,
                     response_serializer=nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.ListContainerStatsResponse.SerializeToString,
+            ),
+            'GetContainerEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetContainerEvents,
+                    request_deserializer=nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.GetEventsRequest.FromString,
+                    response_serializer=nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.ContainerEventResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -860,6 +876,33 @@ class RuntimeService:
             '/runtime.v1.RuntimeService/ListContainerStats',
             nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.ListContainerStatsRequest.SerializeToString,
             nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.ListContainerStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetContainerEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/runtime.v1.RuntimeService/GetContainerEvents',
+            nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.GetEventsRequest.SerializeToString,
+            nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.ContainerEventResponse.FromString,
             options,
             channel_credentials,
             insecure,
