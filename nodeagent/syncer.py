@@ -46,7 +46,7 @@ from nodeagent.lifecycle import (
     termination_mount,
 )
 from nodeagent.objects import ObjectCache
-from nodeagent.pleg import CacheEntry
+from nodeagent.pleg import CacheEntry, PodCache
 from nodeagent.podstatus import StatusManager, Waiting, compute_pod_status, is_sidecar
 from nodeagent.probes import Kind, ProbeManager
 from nodeagent.runtime.base import (
@@ -201,7 +201,8 @@ class PodSyncer:
                  volumes: VolumeManager | None = None, env: EnvResolver | None = None,
                  objects: ObjectCache | None = None,
                  probes: ProbeManager | None = None, actions: Actions | None = None,
-                 settings: NodePodSettings | None = None) -> None:
+                 settings: NodePodSettings | None = None,
+                 cache: PodCache | None = None) -> None:
         """`probes`: the node loop's probe manager (None: probes are not run, and a pod
         that has one is refused); `settings`: what the node adds to every pod, and
         where per-pod files live on the host (its pods_dir; "" for none)."""
@@ -221,6 +222,7 @@ class PodSyncer:
         self.images = images or ImageManager(runtime, clock, events=events,
                                              call_timeout=call_timeout)
         self.probes = probes
+        self.cache = cache  # the PLEG's: what this sync reads fresh is written there too
         self.hooks = Hooks(actions or Actions(runtime), clock, events)
         self._inflight: set[asyncio.Future[Any]] = set()  # runtime calls under way
         # termination messages read, per pod uid and container id (read once: the file
@@ -444,8 +446,13 @@ class PodSyncer:
         terminal = self._all_done(pod, rs, current, init_blocked)
         if plan.started:
             # what this sync started, in the status now rather than after the PLEG's
-            # next relist (up to a period later): one pod_status call
+            # next relist (up to a period later): one pod_status call. Into the cache
+            # too: the kubelet API and the probes read it, and a client that sees
+            # Running may exec or read logs at once
+            read_at = self.clock.monotonic()
             rs = await self._rt(self.runtime.pod_status(sc.uid), "pod_status")
+            if self.cache is not None:
+                await self.cache.store(sc.uid, rs, None, read_at, done=False)
         self._publish(pod, rs, plan.waiting)
         return SyncResult(terminal=terminal,
                           requeue_after=None if math.isinf(plan.requeue) else plan.requeue,

@@ -121,6 +121,7 @@ class SyncLoop:
                                 log_root=c.log_root, events=c.events,
                                 volumes=c.volumes, env=c.env, objects=c.objects,
                                 probes=self.probes, actions=actions, settings=c.pod_settings,
+                                cache=cache,
                                 images=images or image_manager(c),
                                 backoff=CrashBackoff(c.clock, c.crash_backoff_initial,
                                                      c.crash_backoff_max,

@@ -351,6 +351,9 @@ async def test_a_started_pod_is_reported_running_without_waiting_for_a_relist() 
     assert a.rt.calls["relist"] == relists
     st = a.status("u1")
     assert st["phase"] == "Running" and "running" in st["containerStatuses"][0]["state"]
+    # and the cache the kubelet API reads knows the container (an exec right away works)
+    [cached] = a.loops.pleg.cache.get("u1").status.containers
+    assert cached.state == ContainerState.RUNNING
     writes = len(a.patches())
     await a.run_for(3)  # the relist's ContainerStarted syncs again: nothing new to write
     assert len(a.patches()) == writes
