@@ -591,8 +591,12 @@ def test_agent_sigkill_during_burst_converges(
           "after the burst")
     tag = "brst-" + ("ctd" if kind == "containerd" else "proc")
     with node_env(cluster, kind, tag, tmp_path_factory.mktemp(tag)) as env:
-        # debug: every update and sync step is in agent.log for a failure's message
-        agent = start_agent(cluster, env, "--log-level=debug")
+        # debug: every update and sync step is in agent.log for a failure's message.
+        # While the process runtime's event stream flows the PLEG relists only every
+        # --evented-pleg-relist-period (60 s by default); at 5 s the stability check
+        # below sees its relists within 30 s. Convergence itself still rests on events.
+        agent = start_agent(cluster, env, "--log-level=debug",
+                            "--evented-pleg-relist-period=5s")
         live: set[str] = set()
         gone: set[str] = set()
         started = time.monotonic()
@@ -734,6 +738,9 @@ class InProcessAgent:
             f"--node-name={name}", f"--kubeconfig={kubeconfig}", f"--root-dir={root}",
             f"--healthz-bind-address=127.0.0.1:{self.port}",
             "--node-status-update-frequency=2s", "--runtime=process", "--port=0",
+            # the hang test pins the relist's period while an inspection hangs, so the
+            # relist keeps its 1 s period even while the event stream flows
+            "--evented-pleg-relist-period=1s",
             f"--register-with-taints={TAINT_KEY}={name}:NoSchedule"]))
         self.cfg = config.load(self.flags, {})
         self.name = name
