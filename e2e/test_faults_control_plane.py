@@ -670,6 +670,12 @@ def test_etcd_restart(cluster: Cluster, core: client.CoreV1Api, ns: str,
     # healthy again: the agents' own renewals went through (not only a write that
     # landed after its request had timed out)
     each(agents, lambda a: a.healthz() == "ok", "/healthz ok after etcd's restart", 20)
+    # the API shows Running as soon as the agent started the pod, and its PLEG reports
+    # the starts a relist (or a runtime event) later: wait for them, then for anything
+    # more a relist would emit
+    each(agents, lambda a: a.counters()["started"] - before[a.name]["started"]
+         >= STARTS_PER_POD, "the PLEG to report the new pod's starts", 20)
+    time.sleep(2)
     for a in agents:
         after = a.counters()
         d = {k: after[k] - before[a.name][k] for k in after}
