@@ -20,7 +20,7 @@ from tests.conftest import aio, mkpod, started
 def test_crash_backoff_doubles_caps_and_resets() -> None:
     clock = FakeClock()
     b = CrashBackoff(clock)
-    key = ("u", "c")
+    key = ("u", "c", "spec-hash")
     assert b.remaining(key) == 0  # first restart: at once
     delays = []
     for _ in range(8):

@@ -230,9 +230,10 @@ def run_all(plan: Plan, target: Target, workdir: Path, only: str | None = None,
             results[spec] = Result(spec, NOT_RUN, reason=f"not in this run's --only {only!r}")
         else:
             to_run.append(spec)
-    # the specs not yet passing tend to wait out their timeouts: start them first
+    # the specs not yet passing tend to wait out their timeouts: start them first; then
+    # the [Slow] ones (minutes each), so the others fill the workers around them
     expected = set(plan.expected_pass)
-    to_run.sort(key=lambda s: s in expected)
+    to_run.sort(key=lambda s: (s in expected, "[Slow]" not in s))
     serial = [s for s in to_run if re.search(plan.serial, s)]
     log(f"{len(specs)} specs: running {len(to_run) - len(serial)}, {plan.workers} at a "
         f"time, then {len(serial)} one at a time")
