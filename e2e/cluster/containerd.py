@@ -187,6 +187,7 @@ class Containerd:
     base: Path
     proc: subprocess.Popen[bytes] | None
     bridge: str
+    build: str  # one of BUILDS
     program: str  # the containerd executable
     shim: str  # the runc shim executable it starts
     subnet: str = ""  # the pods' addresses (CNI host-local), when networked
@@ -426,8 +427,8 @@ def start_containerd(*, build: str = "debian", cni: bool = True, subnet: str | N
         root=base / "root", state=base / "state", sock=base / "containerd.sock",
         ttrpc=base / "containerd.ttrpc.sock", base=base, sandbox_image=images.PAUSE_IMAGE,
         cni_bin=CNI_BIN_DIR, cni_conf=cni_conf, runc_root=base / "runc", shim=shim))
-    ctd = Containerd(base=base, proc=_spawn(base, program), bridge=bridge, program=program,
-                     shim=shim, subnet=subnet or "", keep_files=keep_files)
+    ctd = Containerd(base=base, proc=_spawn(base, program), bridge=bridge, build=build,
+                     program=program, shim=shim, subnet=subnet or "", keep_files=keep_files)
     try:
         _wait_ready(ctd, ready_timeout)
         if import_images:
