@@ -75,10 +75,11 @@ def kill_workload(env: Env, name: str) -> client.V1ContainerStatus:
 
 # how the killed container ended, as containerd reports it: SIGKILL. When it died while
 # containerd was down, containerd 2.4 has lost the exit by the time CRI reads it back
-# (at start it reaps the task as a leaked shim: not a sandbox, no process left) and
-# says exit 255, reason Unknown; the agent reports what the runtime says.
+# (its log: "cleaning leaked shim process": at start it reaps a task that is not a
+# sandbox and has no process left) and says exit 255, reason Unknown; the agent
+# reports what the runtime says.
 KILLED = {(137, "Error")}
-KILLED_DURING_OUTAGE = KILLED | {(255, "Unknown")}
+KILLED_DURING_OUTAGE = {(255, "Unknown")}
 
 
 def restarted(env: Env, name: str, before: client.V1ContainerStatus,
