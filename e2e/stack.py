@@ -22,6 +22,7 @@ from typing import Any
 
 from e2e.cluster import LocalCluster
 from e2e.cluster.images import BUSYBOX_IMAGE
+from e2e.util import stop_process
 
 ROOT = Path(__file__).resolve().parent.parent
 CRDS = ROOT / "charts" / "nodepulse" / "crds"
@@ -99,13 +100,7 @@ class Stack:
 
     def stop(self) -> None:
         for name, proc in reversed(list(self.procs.items())):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(20)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+            stop_process(proc)
             print(f"{name} stopped ({proc.returncode})", file=sys.stderr)
         # a stopped agent leaves its pods running for the next one to adopt; here
         # nothing may outlive the stack

@@ -20,7 +20,6 @@ import contextlib
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -38,7 +37,7 @@ from kubernetes.client.exceptions import ApiException
 
 from e2e.cluster import Cluster
 from e2e.promtext import samples
-from e2e.util import eventually, free_port
+from e2e.util import eventually, free_port, stop_process
 
 AGENT = Path(sys.executable).parent / "nodepulse-agent"
 TAINT_KEY = "nodepulse.dev/e2e-bad-input"
@@ -219,16 +218,6 @@ def start_agent(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
                                 stdin=subprocess.DEVNULL, start_new_session=True)
 
 
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 @pytest.fixture(scope="module")
 def agent(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Agent]:
     name = f"bad-{uuid.uuid4().hex[:6]}"
@@ -267,7 +256,7 @@ def agent(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterato
             a.baseline[pod] = (p.metadata.uid, p.status.container_statuses[0].container_id)
         yield a
     finally:
-        stop(proc)
+        stop_process(proc)
         server.stop()
         for p in a.core.list_namespaced_pod(
                 "default", field_selector=f"spec.nodeName={name}").items:

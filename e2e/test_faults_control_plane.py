@@ -60,7 +60,7 @@ from e2e.cluster import Cluster
 from e2e.cluster.images import BUSYBOX_IMAGE
 from e2e.promtext import samples
 from e2e.tcpproxy import TcpProxy
-from e2e.util import alive, first_seen, free_port, marked
+from e2e.util import alive, first_seen, free_port, marked, stop_process
 from nodeagent.api.policy import GROUP, HEARTBEAT_ANNOTATION, PLURAL, VERSION
 from nodeagent.runtime.base import ANNOTATION_RESTART_COUNT, LABEL_POD_UID
 from nodeagent.runtime.cri.gen import api_pb2 as pb
@@ -440,13 +440,7 @@ def teardown(core: client.CoreV1Api, ns: str, agents: list[NodeAgent], ctd: Any)
                 cleaned[a.name] = eventually(functools.partial(lambda n: not marked(n), a.name),
                                              f"{a.name}'s cleanup", 40)
     for a in agents:
-        if a.proc.poll() is None:
-            a.proc.send_signal(signal.SIGTERM)
-            try:
-                a.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                a.proc.kill()
-                a.proc.wait()
+        stop_process(a.proc)
         a.proxy.stop()
     if ctd is not None:
         ctd.stop()  # sandboxes, shims, containerd, by PID
@@ -676,6 +670,12 @@ def test_etcd_restart(cluster: Cluster, core: client.CoreV1Api, ns: str,
     # healthy again: the agents' own renewals went through (not only a write that
     # landed after its request had timed out)
     each(agents, lambda a: a.healthz() == "ok", "/healthz ok after etcd's restart", 20)
+    # the API shows Running as soon as the agent started the pod, and its PLEG reports
+    # the starts a relist (or a runtime event) later: wait for them, then for anything
+    # more a relist would emit
+    each(agents, lambda a: a.counters()["started"] - before[a.name]["started"]
+         >= STARTS_PER_POD, "the PLEG to report the new pod's starts", 20)
+    time.sleep(2)
     for a in agents:
         after = a.counters()
         d = {k: after[k] - before[a.name][k] for k in after}
@@ -763,13 +763,7 @@ class Operator:
             return False
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
 
 
 def unreachable_effects(core: client.CoreV1Api, name: str) -> set[str]:

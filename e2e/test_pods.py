@@ -45,7 +45,7 @@ from kubernetes.client.exceptions import ApiException
 from e2e.cluster import Cluster
 from e2e.cluster.images import BUSYBOX_IMAGE
 from e2e.promtext import samples
-from e2e.util import alive, eventually, free_port, marked
+from e2e.util import alive, eventually, free_port, marked, stop_process
 from nodeagent.runtime.cri.gen import api_pb2 as pb
 from nodeagent.runtime.cri.gen import api_pb2_grpc as pb_grpc
 
@@ -155,16 +155,6 @@ def start_runtime(kind: str, base: Path) -> tuple[Any, list[str]]:
     return ctd, ["--runtime=cri", f"--container-runtime-endpoint={ctd.endpoint}"]
 
 
-def stop_agent(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 @pytest.fixture(scope="module", params=["containerd", "process"])
 def node(request: pytest.FixtureRequest, cluster: Cluster,
          tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
@@ -221,7 +211,7 @@ def teardown(n: Node) -> None:
     if n.proc.poll() is None:
         with contextlib.suppress(AssertionError):
             cleaned = eventually(lambda: not marked(n.name), "the agent's cleanup", 40)
-    stop_agent(n.proc)
+    stop_process(n.proc)
     if n.ctd is not None:
         n.ctd.stop()  # sandboxes, shims, containerd, by PID
     leftovers = marked(n.name)

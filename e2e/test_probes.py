@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -32,7 +31,7 @@ from kubernetes.client.exceptions import ApiException
 
 from e2e.cluster import Cluster
 from e2e.cluster.images import BUSYBOX_IMAGE
-from e2e.util import eventually, free_port
+from e2e.util import eventually, free_port, stop_process
 
 AGENT = Path(sys.executable).parent / "nodepulse-agent"
 TAINT_KEY = "nodepulse.dev/e2e-probes"
@@ -115,13 +114,7 @@ def agent(cluster: Cluster, root: Path, name: str, runtime: list[str],
             core.delete_namespace(name)
         with contextlib.suppress(AssertionError):  # the agent stops the pods' containers
             eventually(lambda: not core.list_namespaced_pod(name).items, "pods gone", 60)
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_process(proc)
         log.close()
         with contextlib.suppress(ApiException):
             core.delete_node(name)

@@ -25,7 +25,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import ctypes
-import signal
 import subprocess
 import sys
 import uuid
@@ -40,7 +39,7 @@ from kubernetes.client.exceptions import ApiException
 
 from e2e.cluster import Cluster
 from e2e.cluster.images import BUSYBOX_IMAGE
-from e2e.util import eventually, free_port, marked
+from e2e.util import eventually, free_port, marked, stop_process
 from nodeagent.api.client import new_api_client
 
 AGENT = Path(sys.executable).parent / "nodepulse-agent"
@@ -137,13 +136,7 @@ def node(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator
             core.delete_namespace(name)
         with contextlib.suppress(AssertionError):
             eventually(lambda: not marked(name), "the agent's cleanup", 40)
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_process(proc)
         ctd.stop()
         _unmount_under(root)
         with contextlib.suppress(ApiException):

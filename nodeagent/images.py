@@ -35,7 +35,6 @@ import fnmatch
 import json
 import logging
 import re
-import weakref
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,6 +46,7 @@ from nodeagent.api.client import brief, status_of
 from nodeagent.api.clock import Clock, clock_timeout
 from nodeagent.api.kube import SECRETS, SERVICE_ACCOUNTS, Kube, describe
 from nodeagent.events import NORMAL, WARNING, Events
+from nodeagent.metrics import per_registry
 from nodeagent.podstatus import Waiting
 from nodeagent.runtime.base import ContainerRuntimeError, ImageInfo, RegistryAuth, Runtime
 from nodeagent.sources.types import Pod
@@ -368,22 +368,16 @@ class _PullMetrics:
     duration: Histogram
 
 
-# per registry object (not id(): ids of dead registries are reused)
-_PM: weakref.WeakKeyDictionary[CollectorRegistry, _PullMetrics] = weakref.WeakKeyDictionary()
-
-
+@per_registry
 def _pull_metrics(registry: CollectorRegistry) -> _PullMetrics:
-    m = _PM.get(registry)
-    if m is None:
-        m = _PM[registry] = _PullMetrics(
-            pulls=Counter("nodepulse_image_pulls_total",
-                          "Image pulls by result (pulled, failed).", ["result"],
-                          registry=registry),
-            duration=Histogram("nodepulse_image_pull_duration_seconds",
-                               "Time one image pull took, not counting its wait for a turn.",
-                               buckets=(0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800),
-                               registry=registry))
-    return m
+    return _PullMetrics(
+        pulls=Counter("nodepulse_image_pulls_total",
+                      "Image pulls by result (pulled, failed).", ["result"],
+                      registry=registry),
+        duration=Histogram("nodepulse_image_pull_duration_seconds",
+                           "Time one image pull took, not counting its wait for a turn.",
+                           buckets=(0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800),
+                           registry=registry))
 
 
 class ImageManager:

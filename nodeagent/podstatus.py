@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import datetime as dt
 import logging
-import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +25,7 @@ from nodeagent.api.answered import ApiAnswered
 from nodeagent.api.client import brief, is_retriable, status_of
 from nodeagent.api.clock import Clock
 from nodeagent.api.kube import PODS, Kube, describe
+from nodeagent.metrics import per_registry
 from nodeagent.runtime.base import Container, ContainerState, PodRuntimeStatus, SandboxState
 from nodeagent.sources.types import Pod, is_static
 
@@ -388,18 +388,11 @@ class _Entry:
     deleted: bool = False
 
 
-# per registry object (not id(): ids of dead registries are reused)
-_COUNTERS: weakref.WeakKeyDictionary[CollectorRegistry, Counter] = weakref.WeakKeyDictionary()
-
-
+@per_registry
 def _writes_counter(registry: CollectorRegistry) -> Counter:
-    c = _COUNTERS.get(registry)
-    if c is None:
-        c = Counter("nodepulse_pod_status_writes_total",
-                    "Pod status API writes by result (ok, error, gone) and kind.",
-                    ["node", "kind", "result"], registry=registry)
-        _COUNTERS[registry] = c
-    return c
+    return Counter("nodepulse_pod_status_writes_total",
+                   "Pod status API writes by result (ok, error, gone) and kind.",
+                   ["node", "kind", "result"], registry=registry)
 
 
 class StatusManager:

@@ -96,8 +96,17 @@ def remove_pod_files(pods_dir: str, uid: str) -> None:
 
 # --- CrashLoopBackOff ---------------------------------------------------------------
 
+CrashKey = tuple[str, str, str]  # pod uid, container name, container_spec_hash
+
+
+def crash_key(uid: str, spec: Mapping[str, Any]) -> CrashKey:
+    """A container's back-off key. Its definition is part of it, as in the kubelet's:
+    a crash-looping container given a new image starts without the old delay."""
+    return (uid, str(spec["name"]), container_spec_hash(spec))
+
+
 class CrashBackoff:
-    """Restart delays per (pod uid, container name): the first restart is immediate,
+    """Restart delays per container (crash_key): the first restart is immediate,
     then 10 s, 20 s, ... up to 5 min; a container that ran `reset_after` (10 min) since
     its last restart starts over."""
 
@@ -107,9 +116,9 @@ class CrashBackoff:
         self.initial = initial
         self.maximum = maximum
         self.reset_after = reset_after
-        self._e: dict[tuple[str, str], tuple[float, float]] = {}  # key -> (delay, last)
+        self._e: dict[CrashKey, tuple[float, float]] = {}  # key -> (delay, last)
 
-    def remaining(self, key: tuple[str, str]) -> float:
+    def remaining(self, key: CrashKey) -> float:
         """Seconds until the container may be restarted (0: now)."""
         e = self._e.get(key)
         if e is None:
@@ -120,11 +129,11 @@ class CrashBackoff:
             return 0.0
         return max(0.0, last + delay - now)
 
-    def delay(self, key: tuple[str, str]) -> float:
+    def delay(self, key: CrashKey) -> float:
         e = self._e.get(key)
         return e[0] if e else 0.0
 
-    def restarted(self, key: tuple[str, str]) -> None:
+    def restarted(self, key: CrashKey) -> None:
         now = self.clock.monotonic()
         e = self._e.get(key)
         if e is None or now - e[1] >= self.reset_after:
@@ -694,7 +703,7 @@ class PodSyncer:
                        sandbox: Sandbox, sc: SandboxConfig, fields: Mapping[str, str],
                        plan: _Plan, *, init: bool = False, backoff: bool = True) -> None:
         uid = pod["metadata"]["uid"]
-        key = (uid, str(spec["name"]))
+        key = crash_key(uid, spec)
         if backoff:
             wait = self.backoff.remaining(key)
             if wait > 0:
@@ -707,13 +716,13 @@ class PodSyncer:
                 plan.again(wait)
                 return
         await self._start(pod, spec, sandbox, sc, cur.attempt + 1, cur.restart_count + 1,
-                          fields, plan, init=init, crash_key=key if backoff else None)
+                          fields, plan, init=init, backoff_key=key if backoff else None)
 
     async def _start(self, pod: Pod, spec: Mapping[str, Any], sandbox: Sandbox,
                      sc: SandboxConfig, attempt: int, restarts: int,
                      fields: Mapping[str, str], plan: _Plan, *, init: bool = False,
-                     crash_key: tuple[str, str] | None = None, target_id: str = "") -> None:
-        """Create and start a container once its image is there. `crash_key`: a restart
+                     backoff_key: CrashKey | None = None, target_id: str = "") -> None:
+        """Create and start a container once its image is there. `backoff_key`: a restart
         after a crash, counted by the back-off when it is attempted (not while the image
         is being pulled for it); `target_id`: the container whose process namespace an
         ephemeral container joins."""
@@ -732,8 +741,8 @@ class PodSyncer:
             if image.pulling is not None:
                 plan.wake.append(image.pulling)
             return
-        if crash_key is not None:
-            self.backoff.restarted(crash_key)
+        if backoff_key is not None:
+            self.backoff.restarted(backoff_key)
         try:
             env = await self.env.resolve(pod, spec, fields)
             mounts = self.volumes.mounts(pod, spec, plan.volumes, env) if self.volumes else []
@@ -774,8 +783,9 @@ class PodSyncer:
             # counts as a crash: the next attempt waits for the back-off
             plan.waiting[name] = Waiting("RunContainerError", str(e))
             self._warn(pod, name, f"Error: {e}")
-            self.backoff.restarted((sc.uid, name))
-            plan.again(max(1.0, self.backoff.remaining((sc.uid, name))))
+            key = crash_key(sc.uid, spec)
+            self.backoff.restarted(key)
+            plan.again(max(1.0, self.backoff.remaining(key)))
             return
         self._note(pod, name, "Started", "Container started")
         pod_ip = fields.get("status.podIP", "")
@@ -787,8 +797,9 @@ class PodSyncer:
                                 state=ContainerState.RUNNING, attempt=attempt)
             await self._kill(pod, spec, started, "FailedPostStartHook", pod_ip)
             plan.waiting[name] = Waiting("PostStartHookError", failed)
-            self.backoff.restarted((sc.uid, name))
-            plan.again(max(1.0, self.backoff.remaining((sc.uid, name))))
+            key = crash_key(sc.uid, spec)
+            self.backoff.restarted(key)
+            plan.again(max(1.0, self.backoff.remaining(key)))
 
     def _message_mount(self, pod: Pod, spec: Mapping[str, Any], attempt: int) -> Mount | None:
         """The termination-message file, where the runtime can mount it. A runtime that
@@ -878,7 +889,7 @@ class PodSyncer:
             plan.waiting[cur.name] = Waiting("RunContainerError", str(e))
             self._warn(pod, cur.name, f"Error: {e}")
             await self._rt(self.runtime.remove_container(cur.id), "remove_container")
-            key = (pod["metadata"]["uid"], cur.name)
+            key = (pod["metadata"]["uid"], cur.name, cur.spec_hash)
             self.backoff.restarted(key)
             plan.again(max(1.0, self.backoff.remaining(key)))
 

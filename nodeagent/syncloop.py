@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -32,6 +31,7 @@ from nodeagent.api.kube import Kube, describe
 from nodeagent.env import EnvResolver
 from nodeagent.events import Events
 from nodeagent.images import ImageManager
+from nodeagent.metrics import per_registry
 from nodeagent.objects import ObjectCache
 from nodeagent.pleg import EventType, Pleg, PodCache, PodLifecycleEvent
 from nodeagent.podstatus import StatusManager
@@ -85,18 +85,11 @@ class NodeLoopsConfig:
     orphan_grace: float = 10.0         # stop timeout for containers of unknown pods
 
 
-# per registry object (not id(): ids of dead registries are reused)
-_HK: weakref.WeakKeyDictionary[CollectorRegistry, Counter] = weakref.WeakKeyDictionary()
-
-
+@per_registry
 def _housekeeping_counter(registry: CollectorRegistry) -> Counter:
-    c = _HK.get(registry)
-    if c is None:
-        c = _HK[registry] = Counter(
-            "nodepulse_housekeeping_orphans_total",
-            "Pods found in the runtime that belong to no known pod, sent for removal.",
-            ["node"], registry=registry)
-    return c
+    return Counter("nodepulse_housekeeping_orphans_total",
+                   "Pods found in the runtime that belong to no known pod, sent for removal.",
+                   ["node"], registry=registry)
 
 
 class SyncLoop:

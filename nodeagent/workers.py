@@ -15,7 +15,6 @@ import contextlib
 import enum
 import logging
 import math
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -23,6 +22,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 
 from nodeagent.api.clock import Clock
 from nodeagent.api.kube import describe
+from nodeagent.metrics import per_registry
 from nodeagent.pleg import CacheEntry, PodCache
 from nodeagent.sources.types import Pod, pod_full_name
 from nodeagent.syncer import PodSyncer, grace_of
@@ -73,25 +73,19 @@ class _WorkerMetrics:
     calls: Gauge
 
 
-# per registry object (not id(): ids of dead registries are reused)
-_WM: weakref.WeakKeyDictionary[CollectorRegistry, _WorkerMetrics] = weakref.WeakKeyDictionary()
-
-
+@per_registry
 def _worker_metrics(registry: CollectorRegistry) -> _WorkerMetrics:
-    m = _WM.get(registry)
-    if m is None:
-        m = _WM[registry] = _WorkerMetrics(
-            syncs=Counter("nodepulse_pod_worker_syncs_total",
-                          "Pod worker syncs by lifecycle phase and result.",
-                          ["node", "phase", "result"], registry=registry),
-            duration=Histogram("nodepulse_pod_worker_sync_duration_seconds",
-                               "Time one pod sync took.", ["node"], registry=registry),
-            workers=Gauge("nodepulse_pod_workers", "Pod workers by lifecycle phase.",
-                          ["node", "phase"], registry=registry),
-            calls=Gauge("nodepulse_runtime_calls_in_flight",
-                        "Runtime calls the pod workers have under way (what a stop waits "
-                        "for).", ["node"], registry=registry))
-    return m
+    return _WorkerMetrics(
+        syncs=Counter("nodepulse_pod_worker_syncs_total",
+                      "Pod worker syncs by lifecycle phase and result.",
+                      ["node", "phase", "result"], registry=registry),
+        duration=Histogram("nodepulse_pod_worker_sync_duration_seconds",
+                           "Time one pod sync took.", ["node"], registry=registry),
+        workers=Gauge("nodepulse_pod_workers", "Pod workers by lifecycle phase.",
+                      ["node", "phase"], registry=registry),
+        calls=Gauge("nodepulse_runtime_calls_in_flight",
+                    "Runtime calls the pod workers have under way (what a stop waits "
+                    "for).", ["node"], registry=registry))
 
 
 class PodWorkers:

@@ -152,7 +152,9 @@ async def test_stop_kills_after_timeout_when_sigterm_is_ignored(tmp_path: Path) 
         await rt.stop_container(cid, 0.2)
         c = await one(rt, cid)
         assert (c.state, c.exit_code) == (ContainerState.EXITED, 137)
-        assert not pid_running(pid) and not pid_running(inner)
+        # the group's SIGKILL reaches each process on its own: the workload may still
+        # be dying when the wrapper has been reaped (CI, under load)
+        assert not pid_running(pid) and _wait_gone(inner)
 
 
 @aio

@@ -72,6 +72,33 @@ async def test_crash_restarts_with_doubling_backoff() -> None:
 
 
 @aio
+async def test_new_image_restarts_a_crash_looping_container_without_its_backoff() -> None:
+    clock = FakeClock()
+    a = await started(clock)
+    pod = mkpod("web", "u1")
+    a.send(Op.ADD, pod)
+    await a.run_for(3)
+    for _ in range(3):  # restarted at once, then after 10 s and 20 s: 40 s comes next
+        a.rt.exit_container(a.rt.running("u1")[0].id, 2)
+        await a.run_for(2)
+        while not a.rt.running("u1"):
+            await a.run_for(1)
+    a.rt.exit_container(a.rt.running("u1")[0].id, 2)
+    await a.run_for(2)
+    assert a.cstatus("u1")["state"]["waiting"]["message"].startswith("back-off 40s")
+    # the kubelet keys the back-off by the container's definition too: a new image starts
+    # its container at the next sync, not 40 s later
+    spec = pod["spec"]
+    a.send(Op.UPDATE, {**pod, "spec": {**spec, "containers": [
+        {**spec["containers"][0], "image": "localhost/busybox:2"}]}})
+    await a.run_for(2)
+    now = a.rt.running("u1")
+    assert len(now) == 1 and now[0].image == "localhost/busybox:2"
+    assert a.cstatus("u1")["restartCount"] == 4
+    await a.loops.stop()
+
+
+@aio
 async def test_restart_policies() -> None:
     clock = FakeClock()
     a = await started(clock)

@@ -17,6 +17,9 @@ the Kubernetes pin. What each image holds:
   coredns are not there: a test that needs them fails, and docs/conformance.md says so.
 - nonewprivs: the nnp program from the module (test/images/nonewprivs), setuid root
   in /usr/local/bin as its Dockerfile makes it, on busybox.
+- nginx: Debian's nginx (the packages nginx and nginx-common, fetched with `apt-get
+  download`, not installed) with the libraries it loads, on busybox; it serves a page
+  on port 80 in the foreground, as the upstream image does.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import json
 import re
 import subprocess
 import tarfile
+import tempfile
 from pathlib import Path
 
 from e2e.cluster import build, images
@@ -137,6 +141,69 @@ def build_nonewprivs_tar(tag: str, cache: Path = CACHE) -> Path:
     return out
 
 
+NGINX_PACKAGES = ("nginx", "nginx-common")
+NGINX_CONF = b"""\
+# the upstream nginx test image's behaviour: a page on port 80, nginx in the foreground
+worker_processes 1;
+error_log /dev/stderr;
+pid /run/nginx.pid;
+events { worker_connections 256; }
+http {
+    include /etc/nginx/mime.types;
+    access_log /dev/stdout;
+    server {
+        listen 80;
+        root /usr/share/nginx/html;
+    }
+}
+"""
+
+
+def _debian_packages(names: tuple[str, ...], into: Path) -> list[Path]:
+    """The .deb files of Debian's candidate versions of `names`, downloaded into `into`
+    (nothing installed); apt's lists are refreshed once if they do not know them."""
+    def download() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["apt-get", "download", "-q", *names], cwd=into,
+                              capture_output=True, text=True, timeout=300)
+    res = download()
+    if res.returncode != 0:
+        subprocess.run(["apt-get", "update", "-qq"], capture_output=True, timeout=600)
+        res = download()
+    if res.returncode != 0:
+        raise RuntimeError(f"apt-get download {' '.join(names)} failed: {res.stderr[-1000:]}")
+    return sorted(into.glob("*.deb"))
+
+
+def build_nginx_tar(tag: str, cache: Path = CACHE) -> Path:
+    with tempfile.TemporaryDirectory(prefix="nginx-") as tmp:
+        debs = _debian_packages(NGINX_PACKAGES, Path(tmp))
+        busybox = images.upstream_busybox(cache)
+        out = cache / f"nginx-{tag}-{file_hash(busybox, *debs)}.tar"
+        if out.exists():
+            return out
+        root = Path(tmp) / "root"
+        for deb in debs:
+            subprocess.run(["dpkg-deb", "-x", str(deb), str(root)], check=True, timeout=120)
+        nginx = root / "usr/sbin/nginx"
+        rootfs = images.busybox_rootfs(busybox)
+        rootfs.files["usr/sbin/nginx"] = (nginx.read_bytes(), 0o755)
+        for path, data in _ldd_closure(nginx).items():
+            rootfs.files[path] = (data, 0o755)
+        rootfs.files["etc/nginx/mime.types"] = ((root / "etc/nginx/mime.types").read_bytes(),
+                                                0o644)
+        rootfs.files["etc/nginx/nginx.conf"] = (NGINX_CONF, 0o644)
+        rootfs.files["usr/share/nginx/html/index.html"] = (
+            b"<html><body>nginx (nodepulse e2e image)</body></html>\n", 0o644)
+        # nginx's workers run as nobody:nogroup when no user is configured
+        rootfs.files["etc/passwd"] = (b"root:x:0:0:root:/root:/bin/sh\n"
+                                      b"nobody:x:65534:65534::/nonexistent:/bin/false\n", 0o644)
+        rootfs.files["etc/group"] = (b"root:x:0:\nnogroup:x:65534:\n", 0o644)
+        rootfs.dirs |= {"run", "var/lib/nginx", "var/log/nginx"}
+        build_oci_tar(out, rootfs, ref=tag, entrypoint=["/usr/sbin/nginx"],
+                      cmd=["-g", "daemon off;"])
+    return out
+
+
 def import_all(ctd) -> dict[str, str]:
     """Build (cached) and import into the containerd `ctd` (e2e.cluster.containerd) every
     upstream image the node tests can have here; return ImageID -> name."""
@@ -144,9 +211,10 @@ def import_all(ctd) -> dict[str, str]:
     ctd.tag_image(images.BUSYBOX_IMAGE, names["BusyBox"])
     ctd.tag_image(images.PAUSE_IMAGE, names["Pause"])
     for image_id, builder in (("Agnhost", build_agnhost_tar),
-                              ("Nonewprivs", build_nonewprivs_tar)):
+                              ("Nonewprivs", build_nonewprivs_tar),
+                              ("Nginx", build_nginx_tar)):
         ctd.import_image(builder(names[image_id].rpartition(":")[2]), names[image_id])
-    return {k: names[k] for k in ("BusyBox", "Pause", "Agnhost", "Nonewprivs")}
+    return {k: names[k] for k in ("BusyBox", "Pause", "Agnhost", "Nonewprivs", "Nginx")}
 
 
 # The specs that pull with imagePullPolicy Always, and what they pull ("should be able to

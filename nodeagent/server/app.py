@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -27,6 +26,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
 from nodeagent.api.clock import Clock
+from nodeagent.metrics import per_registry
 from nodeagent.runtime.base import (
     Container,
     ContainerRuntimeError,
@@ -69,20 +69,15 @@ class ServerMetrics:
     streams: Gauge
 
 
-_METRICS: weakref.WeakKeyDictionary[CollectorRegistry, ServerMetrics] = weakref.WeakKeyDictionary()
-
-
+@per_registry
 def server_metrics(registry: CollectorRegistry) -> ServerMetrics:
-    m = _METRICS.get(registry)
-    if m is None:
-        m = _METRICS[registry] = ServerMetrics(
-            requests=Counter("nodepulse_kubelet_api_requests_total",
-                             "Requests to the kubelet API by endpoint and HTTP status.",
-                             ["endpoint", "code"], registry=registry),
-            streams=Gauge("nodepulse_kubelet_api_streams",
-                          "Log streams and exec/attach/port-forward sessions open now.",
-                          ["endpoint"], registry=registry))
-    return m
+    return ServerMetrics(
+        requests=Counter("nodepulse_kubelet_api_requests_total",
+                         "Requests to the kubelet API by endpoint and HTTP status.",
+                         ["endpoint", "code"], registry=registry),
+        streams=Gauge("nodepulse_kubelet_api_streams",
+                      "Log streams and exec/attach/port-forward sessions open now.",
+                      ["endpoint"], registry=registry))
 
 
 class RequestError(Exception):
