@@ -9,6 +9,7 @@ containerd. Two builds, both on Debian's runc:
   over the plugins io.containerd.grpc.v1.cri (streaming), io.containerd.cri.v1.runtime
   and io.containerd.cri.v1.images). Its CRI streams container events. Its own runc
   shim is named by absolute path in the config, so Debian's shim is never used with it.
+  Images go in through Debian's `ctr` for both (the containerd API it uses is the same).
 
     from e2e.cluster.containerd import start_containerd
     ctd = start_containerd()            # returns when CRI answers; images imported
