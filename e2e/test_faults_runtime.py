@@ -311,9 +311,10 @@ class Env:
 
 
 @contextlib.contextmanager
-def node_env(cluster: Cluster, kind: str, tag: str, base: Path) -> Iterator[Env]:
-    """A node name, its runtime (a private containerd for kind=containerd), namespace;
-    teardown deletes the namespace through the agent (if one runs), stops whatever
+def node_env(cluster: Cluster, kind: str, tag: str, base: Path, build: str = "debian"
+             ) -> Iterator[Env]:
+    """A node name, its runtime (a private containerd of `build` for kind=containerd),
+    namespace; teardown deletes the namespace through the agent (if one runs), stops whatever
     runs by PID and sweeps leftovers, then deletes the Node."""
     name = f"flt-{tag}-{os.getpid() % 10000}"
     root = base / name
@@ -325,7 +326,7 @@ def node_env(cluster: Cluster, kind: str, tag: str, base: Path) -> Iterator[Env]
         if kind == "containerd":
             from e2e.cluster.containerd import start_containerd  # names a missing package
             # hostNetwork pods only: no CNI conf, no bridge
-            env.ctd = start_containerd(cni=False)
+            env.ctd = start_containerd(build=build, cni=False)
         core.create_namespace({"metadata": {"name": env.ns}})
         eventually(lambda: core.list_namespaced_service_account(
             env.ns, field_selector="metadata.name=default").items, "default ServiceAccount")

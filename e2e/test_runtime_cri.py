@@ -1,10 +1,12 @@
-"""CriRuntime against a real containerd (Debian's containerd + runc), started privately
-by e2e.cluster.containerd with locally built images. The module's containerd is
-stopped at the end, and the test checks that it and every shim are gone."""
+"""CriRuntime against a real containerd, started privately by e2e.cluster.containerd
+with locally built images: every test runs against both builds, Debian's containerd 1.6
+and the pinned 2.x built from source (both on Debian's runc). Each build's containerd is
+stopped by the last test of its group, which checks that it and every shim are gone."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import json
 import os
@@ -16,16 +18,19 @@ from pathlib import Path
 
 import pytest
 
-from e2e.cluster.containerd import Containerd, start_containerd
+from e2e.cluster import build as gobuild
+from e2e.cluster.containerd import BUILDS, Containerd, start_containerd
 from e2e.cluster.images import BUSYBOX_IMAGE, PAUSE_IMAGE
 from nodeagent.runtime import (
     ContainerConfig,
+    ContainerEventType,
     ContainerState,
     ImageNotPresent,
     NotFound,
     SandboxConfig,
     SandboxState,
     Unavailable,
+    Unsupported,
     make_runtime,
 )
 from nodeagent.runtime.base import (
@@ -39,13 +44,10 @@ from nodeagent.runtime.cri.client import LABEL_ATTEMPT
 from nodeagent.runtime.cri.gen import api_pb2 as pb
 from nodeagent.runtime.cri.gen import api_pb2_grpc as pb_grpc
 
-_started: list[Containerd] = []
 
-
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=BUILDS)
 def ctd(request: pytest.FixtureRequest) -> Iterator[Containerd]:
-    c = start_containerd(cni=True)
-    _started.append(c)
+    c = start_containerd(build=request.param, cni=True)
     failed = request.session.testsfailed
     try:
         yield c
@@ -118,6 +120,11 @@ def test_version_conditions_and_images(ctd: Containerd) -> None:
     async def body(rt: CriRuntime) -> None:
         v = await rt.version()
         assert v.runtime_name == "containerd" and v.api_version == "v1"
+        # the build asked for is the one that answers
+        if ctd.build == "built":
+            assert v.runtime_version == gobuild.TOOLS["containerd"].version
+        else:
+            assert v.runtime_version.startswith("1.6."), v.runtime_version
         conds = await rt.conditions()
         assert conds["RuntimeReady"][0] is True
         assert conds["NetworkReady"][0] is True  # the bridge conflist was written
@@ -134,6 +141,9 @@ def test_host_network_pod_lifecycle_kill_and_restart(ctd: Containerd) -> None:
 
     async def body(rt: CriRuntime) -> None:
         sc, sid, cid = await start_pod(rt, ctd, p)
+        # the pod's shim is the build's own (2.x never runs Debian's 1.6 shim)
+        shims = {os.readlink(f"/proc/{pid}/exe") for pid in ctd.shim_pids()}
+        assert shims == {os.path.realpath(ctd.shim)}, shims
         calls = rt.calls
         listed = await rt.relist()
         assert rt.calls - calls == 2  # the relist is two calls
@@ -296,11 +306,53 @@ def test_client_recovers_when_containerd_restarts(ctd: Containerd) -> None:
     run(body, ctd)
 
 
-def test_zz_teardown_leaves_nothing_running() -> None:
-    """Runs last in this module: stop the module's containerd (as the fixture does)
-    and check containerd and every shim it started are gone."""
-    assert _started, "the containerd fixture never ran"
-    c = _started[-1]
+def test_container_events(ctd: Containerd) -> None:
+    """containerd 2.x streams a container's start, death and removal, each naming the
+    pod; Debian's 1.6 has no GetContainerEvents, which the first read reports as
+    Unsupported (the PLEG then relists only)."""
+    p = pod("ev", "uid-ev", ["sleep", "3600"])
+
+    async def body(rt: CriRuntime) -> None:
+        events = await rt.container_events()
+        seen: list[tuple[ContainerEventType, str, str]] = []
+
+        async def read() -> None:
+            async for ev in events:
+                seen.append((ev.type, ev.pod_uid, ev.container_id))
+
+        reader = asyncio.create_task(read())
+        try:
+            if ctd.build == "debian":
+                with pytest.raises(Unsupported, match="GetContainerEvents"):
+                    await asyncio.wait_for(reader, 20)
+                return
+            # containerd subscribes the call only once it has it: let that happen
+            # before the first change (a real PLEG's relist covers that moment)
+            await asyncio.sleep(1)
+            _, sid, cid = await start_pod(rt, ctd, p)
+            os.kill(container_pid(ctd, cid), signal.SIGKILL)
+            await eventually(lambda: _async((ContainerEventType.DIED, "uid-ev", cid) in seen),
+                             "the container's death as an event")
+            await rt.stop_sandbox(sid)
+            await rt.remove_sandbox(sid)
+            await eventually(lambda: _async((ContainerEventType.REMOVED, "uid-ev", cid)
+                                            in seen), "the container's removal as an event")
+            mine = [t for t, _, c in seen if c == cid]
+            assert mine == [ContainerEventType.STARTED, ContainerEventType.DIED,
+                            ContainerEventType.REMOVED], seen
+            # the sandbox's own changes carry the pod's uid too
+            assert (ContainerEventType.STARTED, "uid-ev", sid) in seen, seen
+        finally:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Unsupported):
+                await reader
+    run(body, ctd)
+
+
+def test_zz_teardown_leaves_nothing_running(ctd: Containerd) -> None:
+    """Runs last of its build's tests: stop the containerd (as the fixture does) and
+    check containerd and every shim it started are gone."""
+    c = ctd
     pid = c.pid
     assert pid is not None
     # leave a running pod behind on purpose: stop() must still clean it up

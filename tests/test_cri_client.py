@@ -547,6 +547,23 @@ async def test_container_events_from_get_container_events(tmp_path: Path) -> Non
 
 
 @aio
+async def test_subscribing_to_a_runtime_that_is_down_fails(tmp_path: Path) -> None:
+    """containerd answers a stream only with its first event, so the subscription asks
+    for the runtime's version first: a runtime that is down fails the subscription
+    itself, and the PLEG never takes the stream for up meanwhile."""
+    down = make_runtime("cri", f"unix://{tmp_path / 'absent.sock'}", call_timeout=5)
+    try:
+        with pytest.raises(Unavailable, match="Version"):
+            await down.container_events()
+    finally:
+        await down.close()
+    async with served(tmp_path) as (fake, rt):
+        await rt.container_events()
+        assert fake.requests[0][0] == "Version"
+        await until(lambda: fake.event_streams != [], "the server has the stream")
+
+
+@aio
 async def test_a_runtime_without_container_events_says_so(tmp_path: Path) -> None:
     """containerd 1.6 answers UNIMPLEMENTED, at the stream's first read; the PLEG then
     only relists."""

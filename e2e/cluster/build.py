@@ -34,6 +34,7 @@ class Tool:
     package: str  # Go package path of its main
     module: str  # the Go module whose pinned version names the cache folder
     test: bool = False  # a test binary of `package` (`go test -c`), not a main
+    tags: str = ""  # Go build tags, comma-separated
 
     @property
     def version(self) -> str:
@@ -72,9 +73,20 @@ TOOLS = {t.name: t for t in [
          "github.com/distribution/distribution/v3"),
     Tool("crane", "registry", "github.com/google/go-containerregistry/cmd/crane",
          "github.com/google/go-containerregistry"),
+    # containerd 2.x, the CRI runtime with container events (e2e/cluster/containerd.py);
+    # without cgo, so without the btrfs snapshotter (the only cgo plugin), and without the
+    # zfs and devmapper snapshotters nobody here uses. The shim has no gRPC server (ttrpc
+    # only), as containerd's own release build makes it.
+    Tool("containerd", "containerd", "github.com/containerd/containerd/v2/cmd/containerd",
+         "github.com/containerd/containerd/v2",
+         tags="urfave_cli_no_docs,no_btrfs,no_zfs,no_devmapper"),
+    Tool("containerd-shim-runc-v2", "containerd",
+         "github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2",
+         "github.com/containerd/containerd/v2", tags="urfave_cli_no_docs,no_grpc"),
 ]}
 ON_DEMAND = {"kwok", "e2e.test", "agnhost", "nonewprivs", "registry", "crane",
-             "kind", "crictl", "coredns", "kubelet", "kubeadm", "kube-proxy"}
+             "kind", "crictl", "coredns", "kubelet", "kubeadm", "kube-proxy",
+             "containerd", "containerd-shim-runc-v2"}
 FOR_TESTS = [n for n in TOOLS if n not in ON_DEMAND]
 
 
@@ -100,6 +112,9 @@ def _ldflags(tool: Tool) -> str:
         pkg = "k8s.io/component-base/version"
         flags += (f" -X {pkg}.gitVersion={v} -X {pkg}.gitMajor={major}"
                   f" -X {pkg}.gitMinor={minor} -X {pkg}.gitTreeState=clean")
+    elif tool.gomod == "containerd":
+        pkg = "github.com/containerd/containerd/v2/version"
+        flags += f" -X {pkg}.Version={tool.version}"
     elif tool.name == "helm":
         flags += f" -X helm.sh/helm/v3/internal/version.version={tool.version}"
         # As helm's own release build does: the Kubernetes version helm assumes when it
@@ -150,6 +165,8 @@ def _build(tool: Tool, log) -> None:
     log(f"building {tool.name} {tool.version} (once; cached in {tool.path.parent})")
     started = time.monotonic()
     verb = ["test", "-c"] if tool.test else ["build"]
+    if tool.tags:
+        verb += ["-tags", tool.tags]
     subprocess.run(["go", *verb, "-ldflags", _ldflags(tool), "-o", str(partial),
                     tool.package], cwd=GOMOD / tool.gomod, env=go_env(), check=True)
     partial.rename(tool.path)  # only a finished build is ever seen as cached

@@ -1,9 +1,19 @@
-"""A private containerd for e2e tests: Debian's containerd + runc, with its own
-root, state, sockets and CNI config under one temp folder, so nothing touches
-/var/lib/containerd or a system containerd.
+"""A private containerd for e2e tests, with its own root, state, sockets and CNI
+config under one temp folder, so nothing touches /var/lib/containerd or a system
+containerd. Two builds, both on Debian's runc:
+
+- "debian": Debian's containerd 1.6 (config version 2). Its CRI has no container
+  events (GetContainerEvents answers UNIMPLEMENTED): the agent relists only.
+- "built": containerd 2.x built from the Go module pinned in
+  e2e/cluster/gomod/containerd (config version 3, where the CRI settings are split
+  over the plugins io.containerd.grpc.v1.cri (streaming), io.containerd.cri.v1.runtime
+  and io.containerd.cri.v1.images). Its CRI streams container events. Its own runc
+  shim is named by absolute path in the config, so Debian's shim is never used with it.
+  Images go in through Debian's `ctr` for both (the containerd API it uses is the same).
 
     from e2e.cluster.containerd import start_containerd
     ctd = start_containerd()            # returns when CRI answers; images imported
+    ctd = start_containerd(build="built")
     ctd.endpoint                         # "unix:///tmp/np-ctd-.../containerd.sock"
     ...
     ctd.stop()                           # sandboxes, shims, containerd, bridge, files
@@ -33,13 +43,16 @@ from pathlib import Path
 
 import grpc
 
+from e2e.cluster import build as gobuild
 from e2e.cluster import images
 from nodeagent.runtime.cri.gen import api_pb2 as pb
 from nodeagent.runtime.cri.gen import api_pb2_grpc as pb_grpc
 
 CNI_BIN_DIR = Path("/usr/lib/cni")
 
-CONFIG = """\
+BUILDS = ("debian", "built")
+
+CONFIG_DEBIAN = """\
 version = 2
 root = "{root}"
 state = "{state}"
@@ -86,6 +99,64 @@ plugin_dir = ""
         SystemdCgroup = false
 """
 
+# The same settings in containerd 2.x's layout (keys from its internal/cri/config and
+# plugins/cri sources). NRI is off: it would listen on /var/run/nri.
+CONFIG_BUILT = """\
+version = 3
+root = "{root}"
+state = "{state}"
+
+[grpc]
+  address = "{sock}"
+
+[ttrpc]
+  address = "{ttrpc}"
+
+[debug]
+  level = "info"
+
+[plugins."io.containerd.internal.v1.opt"]
+  path = "{base}/opt"
+
+[plugins."io.containerd.nri.v1.nri"]
+  disable = true
+
+[plugins."io.containerd.grpc.v1.cri"]
+  stream_server_address = "127.0.0.1"
+  stream_server_port = "0"
+
+[plugins."io.containerd.cri.v1.images"]
+  snapshotter = "overlayfs"
+
+  [plugins."io.containerd.cri.v1.images".pinned_images]
+    sandbox = "{sandbox_image}"
+
+  # one folder per registry host (hosts.toml: its CA, ...), read at each pull
+  [plugins."io.containerd.cri.v1.images".registry]
+    config_path = "{base}/certs.d"
+
+[plugins."io.containerd.cri.v1.runtime"]
+  restrict_oom_score_adj = true
+  disable_apparmor = true
+  netns_mounts_under_state_dir = true
+  enable_selinux = false
+
+  [plugins."io.containerd.cri.v1.runtime".cni]
+    bin_dirs = ["{cni_bin}"]
+    conf_dir = "{cni_conf}"
+
+  [plugins."io.containerd.cri.v1.runtime".containerd]
+    default_runtime_name = "runc"
+
+    [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+      runtime_path = "{shim}"
+
+      [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc.options]
+        Root = "{runc_root}"
+        SystemdCgroup = false
+"""
+
 
 def _cni_conflist(bridge: str, subnet: str, data_dir: Path) -> dict:
     return {
@@ -117,6 +188,9 @@ class Containerd:
     base: Path
     proc: subprocess.Popen[bytes] | None
     bridge: str
+    build: str  # one of BUILDS
+    program: str  # the containerd executable
+    shim: str  # the runc shim executable it starts
     subnet: str = ""  # the pods' addresses (CNI host-local), when networked
     images: dict[str, str] = field(default_factory=dict)  # role -> image name
     keep_files: bool = False
@@ -228,7 +302,7 @@ class Containerd:
         the sandboxes and containers whose shims still run."""
         if self.proc is not None and self.proc.poll() is None:
             raise RuntimeError(f"containerd already runs as pid {self.proc.pid}")
-        self.proc = _spawn(self.base)
+        self.proc = _spawn(self.base, self.program)
         _wait_ready(self, ready_timeout)
 
     def restart(self, timeout: float = 20.0) -> None:
@@ -305,20 +379,37 @@ def free_subnet() -> str:
     return str(random.choice(free))
 
 
-def start_containerd(*, cni: bool = True, subnet: str | None = None,
+def programs(build: str) -> tuple[str, str]:
+    """Paths of the containerd and runc shim executables of `build` (one of BUILDS);
+    the pinned 2.x is built (once, cached) when first asked for."""
+    if build not in BUILDS:
+        raise ValueError(f"containerd build {build!r}: not one of {', '.join(BUILDS)}")
+    found = {tool: shutil.which(tool) for tool in
+             ("runc", "ctr", "containerd", "containerd-shim-runc-v2")}
+    needed = ["runc", "ctr"] + (["containerd", "containerd-shim-runc-v2"]
+                                if build == "debian" else [])
+    for tool in needed:
+        if found[tool] is None:
+            raise RuntimeError(f"{tool} not found: install the apt packages containerd and runc")
+    if build == "debian":
+        return str(found["containerd"]), str(found["containerd-shim-runc-v2"])
+    built = gobuild.ensure(["containerd", "containerd-shim-runc-v2"])
+    return str(built["containerd"]), str(built["containerd-shim-runc-v2"])
+
+
+def start_containerd(*, build: str = "debian", cni: bool = True, subnet: str | None = None,
                      import_images: bool = True, base_dir: Path | None = None,
                      keep_files: bool = False, ready_timeout: float = 30.0) -> Containerd:
     """Start a private containerd and wait until its CRI service answers.
 
+    build: "debian" (1.6, no CRI container events) or "built" (the pinned 2.x).
     cni: write a bridge+portmap conflist (pod networking); without it only
       hostNetwork pods run (NetworkReady=False).
     subnet: the pods' addresses; by default a free one (free_subnet).
     import_images: build (cached) and import PAUSE_IMAGE and BUSYBOX_IMAGE.
     Raises RuntimeError naming the log file if containerd exits or never answers.
     """
-    for tool in ("containerd", "runc", "ctr", "containerd-shim-runc-v2"):
-        if shutil.which(tool) is None:
-            raise RuntimeError(f"{tool} not found: install the apt packages containerd and runc")
+    program, shim = programs(build)
     # short path: unix socket paths are limited to 107 bytes
     base = Path(base_dir) if base_dir else Path(tempfile.mkdtemp(prefix="np-ctd-", dir="/tmp"))
     base.mkdir(parents=True, exist_ok=True)
@@ -332,12 +423,13 @@ def start_containerd(*, cni: bool = True, subnet: str | None = None,
         conflist = _cni_conflist(bridge, subnet, base / "cni-ipam")
         (cni_conf / "10-nodepulse.conflist").write_text(json.dumps(conflist, indent=2))
     config = base / "config.toml"
-    config.write_text(CONFIG.format(
+    template = CONFIG_DEBIAN if build == "debian" else CONFIG_BUILT
+    config.write_text(template.format(
         root=base / "root", state=base / "state", sock=base / "containerd.sock",
         ttrpc=base / "containerd.ttrpc.sock", base=base, sandbox_image=images.PAUSE_IMAGE,
-        cni_bin=CNI_BIN_DIR, cni_conf=cni_conf, runc_root=base / "runc"))
-    ctd = Containerd(base=base, proc=_spawn(base), bridge=bridge, subnet=subnet or "",
-                     keep_files=keep_files)
+        cni_bin=CNI_BIN_DIR, cni_conf=cni_conf, runc_root=base / "runc", shim=shim))
+    ctd = Containerd(base=base, proc=_spawn(base, program), bridge=bridge, build=build,
+                     program=program, shim=shim, subnet=subnet or "", keep_files=keep_files)
     try:
         _wait_ready(ctd, ready_timeout)
         if import_images:
@@ -351,9 +443,9 @@ def start_containerd(*, cni: bool = True, subnet: str | None = None,
     return ctd
 
 
-def _spawn(base: Path) -> subprocess.Popen[bytes]:
+def _spawn(base: Path, program: str) -> subprocess.Popen[bytes]:
     with open(base / "containerd.log", "ab") as log:
-        return subprocess.Popen(["containerd", "--config", str(base / "config.toml")],
+        return subprocess.Popen([program, "--config", str(base / "config.toml")],
                                 stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
 
@@ -377,15 +469,18 @@ def _wait_ready(ctd: Containerd, timeout: float) -> None:
 
 
 def main() -> None:
-    """python -m e2e.cluster.containerd [--no-cni]: a private containerd in the
-    foreground with the images imported; Ctrl-C (or SIGTERM) tears it all down."""
+    """python -m e2e.cluster.containerd [--no-cni] [--build built]: a private
+    containerd in the foreground with the images imported; Ctrl-C (or SIGTERM) tears
+    it all down."""
     import argparse
     import threading
 
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("--no-cni", action="store_true", help="hostNetwork pods only")
+    ap.add_argument("--build", choices=BUILDS, default="debian",
+                    help="Debian's containerd 1.6 or the pinned 2.x built from source")
     args = ap.parse_args()
-    ctd = start_containerd(cni=not args.no_cni)
+    ctd = start_containerd(build=args.build, cni=not args.no_cni)
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())

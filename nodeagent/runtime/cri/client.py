@@ -351,8 +351,11 @@ class CriRuntime(Runtime):
         returns, but containerd answers nothing before its first event: a runtime
         without the call is known only at the first read, which raises Unsupported, and
         an event in the moment before containerd has subscribed the call is lost (the
-        PLEG's next relist, at the long period, catches it)."""
+        PLEG's next relist, at the long period, catches it). A Version call first: a
+        runtime that is down fails the subscription itself (Unavailable), rather than
+        looking subscribed until the stream's first read fails."""
         rt, _ = self._stubs()
+        await self._call("Version", rt.Version, pb.VersionRequest(version=CRI_CLIENT_VERSION))
         self.calls += 1
         return self._events(rt.GetContainerEvents(pb.GetEventsRequest()))
 
