@@ -554,6 +554,7 @@ class Pleg:
         status: PodRuntimeStatus | None = None
         error: BaseException | None = None
         async with self._sem:
+            read_at = self.clock.monotonic()
             try:
                 status = await clock_timeout(
                     self.clock, self.runtime.pod_status(uid), self.inspect_timeout,
@@ -571,15 +572,29 @@ class Pleg:
             await self.cache.store(uid, self.cache.get(uid).status, error, t)
         else:
             assert status is not None
-            # what the next relist's diff starts from: it then finds only changes no
-            # event or inspection has seen
-            pod = records_of(RelistResult(status.sandboxes, status.containers)).get(uid)
-            if pod:
-                self._records[uid] = pod
-            else:
-                self._records.pop(uid, None)
+            if self._records_follow(read_at):
+                # what the next relist's diff starts from: it then finds only changes no
+                # event or inspection has seen
+                pod = records_of(RelistResult(status.sandboxes, status.containers)).get(uid)
+                if pod:
+                    self._records[uid] = pod
+                else:
+                    self._records.pop(uid, None)
             await self.cache.store(uid, status, None, t, done=uid not in self._again)
         self._emit(evs)
+
+    def _records_follow(self, read_at: float) -> bool:
+        """Whether an inspection read at `read_at` may set the relist's records. Only
+        while events flow: the next relist is then far off, and its diff must not report
+        again what events already did. Never from a read older than the last relist's
+        start, nor while a relist is under way: a relist's list replaces the records when
+        it ends, so an older read stored after it, or a newer one stored before it ends,
+        would make the next diff report a start or an exit a second time (CI: a
+        container's ContainerStarted counted twice)."""
+        if not self.evented:
+            return False
+        start, done = self._last_relist_start, self._last_relist_done
+        return start is None or (read_at >= start and done is not None and done >= start)
 
     def _emit(self, evs: Iterable[PodLifecycleEvent]) -> None:
         for ev in evs:

@@ -97,6 +97,30 @@ async def test_relist_emits_events_and_refreshes_only_changed_pods() -> None:
 
 
 @aio
+async def test_without_events_only_relists_set_what_the_next_diff_starts_from() -> None:
+    """An inspection's answer may describe a pod otherwise than the list does (or be
+    older than the last list): with relists only, it never becomes what the next diff
+    compares against, so nothing is reported twice (CI, containerd 1.6: a running pod's
+    ContainerStarted counted again, without a restart)."""
+    clock = FakeClock()
+    rt = FakeRuntime(clock)
+    rt.has_events = False
+    pleg = Pleg(rt, clock, registry=CollectorRegistry())
+    await start_pod(rt, "a", 1)
+
+    async def nothing_yet(uid: str) -> PodRuntimeStatus:  # an answer older than the list
+        return PodRuntimeStatus(uid)
+    rt.pod_status = nothing_yet  # type: ignore[method-assign,assignment]
+    await pleg.relist()
+    await settle()
+    assert len(drain(pleg.events)) == 2  # the sandbox and the container started
+    for _ in range(3):
+        await pleg.relist()
+        await settle()
+    assert drain(pleg.events) == []
+
+
+@aio
 async def test_one_hung_pod_does_not_stall_others_or_the_period() -> None:
     clock = FakeClock()
     rt = FakeRuntime(clock)
