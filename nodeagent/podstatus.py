@@ -401,6 +401,7 @@ class StatusManager:
     may do to the pods bound to it."""
 
     REQUEST_TIMEOUT = 30.0
+    MIRROR_RETRY_MAX = 2.0  # between writes to a static pod's mirror that is not there
 
     def __init__(self, kube: Kube, clock: Clock, *, answered: ApiAnswered | None = None,
                  node: str = "", retry_initial: float = 1.0, retry_max: float = 60.0,
@@ -483,6 +484,7 @@ class StatusManager:
 
     async def _send(self, uid: str, e: _Entry) -> None:
         delay = self.retry_initial
+        cap = self.retry_max
         while self._pods.get(uid) is e and self.dirty(uid):
             want = owned(e.status)
             kind = "delete" if want == e.sent and e.delete else "patch"
@@ -500,12 +502,16 @@ class StatusManager:
                 raise
             except Exception as exc:
                 code = status_of(exc)
-                if code == 404 and kind == "patch" and is_static(e.pod):
+                if code in (404, 409, 422) and kind == "patch" and is_static(e.pod):
                     # a static pod's status goes to its mirror pod, which the mirror
-                    # manager may not have created yet: keep trying
+                    # manager may not have created yet, or is replacing (an outdated
+                    # one being deleted answers 422): the static pod is still here, so
+                    # keep trying (CI: a pod that replaced another of its name never
+                    # showed Running, its first write having met the old mirror)
                     self._writes.labels(node=self.node, kind=kind, result="error").inc()
-                    log.info("pod %s: no mirror pod yet for its status; retry in %.0fs",
-                             describe(e.pod), delay)
+                    log.info("pod %s: no mirror pod (yet) for its status (%s); retry in "
+                             "%.0fs", describe(e.pod), code, delay)
+                    cap = self.MIRROR_RETRY_MAX  # the mirror comes within seconds
                 elif code in (404, 409, 422):
                     # the pod is gone or was replaced by a new one with the same name
                     log.info("pod %s: status %s gave %s; the pod is gone", describe(e.pod),
@@ -520,7 +526,7 @@ class StatusManager:
                                 kind, brief(exc), delay,
                                 "" if is_retriable(exc) else " (not retriable?)")
             back = await self.answered.wait(delay)  # the API server answers again
-            delay = self.retry_initial if back else min(delay * 2, self.retry_max)
+            delay = self.retry_initial if back else min(delay * 2, cap)
 
     async def _patch(self, pod: Pod, status: Status) -> None:
         meta = pod["metadata"]

@@ -286,6 +286,25 @@ async def test_static_pod_status_waits_for_its_mirror_pod() -> None:
 
 
 @aio
+async def test_static_pod_status_outlasts_its_mirror_being_replaced() -> None:
+    """The mirror manager replaces an outdated mirror pod (delete, create): a status
+    write that meets the old one (422) or none (404) is tried again every 2 s at most,
+    never dropped as if the static pod were gone."""
+    clock = FakeClock()
+    kube = api({"metadata": {"name": "web", "namespace": "ns", "uid": "old-mirror"}})
+    m = StatusManager(kube, clock, registry=CollectorRegistry())
+    static = web()
+    static["metadata"]["annotations"] = {"kubernetes.io/config.source": "file"}
+    kube.fail("patch pods/status", *[api_error(422)] * 2, *[api_error(404)] * 4)
+    m.set_status(static, status(static, rs()))
+    await settle()
+    await clock.advance(1 + 2 + 2 + 2 + 2)  # five more tries, 2 s apart once grown
+    assert kube.count("patch pods/status") == 6 and m.dirty("u1")
+    await clock.advance(2)  # the new mirror is there
+    assert len(status_patches(kube)) == 1 and not m.dirty("u1")
+
+
+@aio
 async def test_writes_a_strategic_patch_with_a_uid_precondition() -> None:
     pod = web()
     static = web()
