@@ -180,14 +180,34 @@ def test_mirror_pods_are_kept_apart() -> None:
         ev.clear()
         mirror = pod("s-n1", uid="mirror-uid")
         mirror["metadata"]["annotations"] = {ANN_CONFIG_MIRROR: "static-uid"}
+        mirror["status"] = {"phase": "Running"}
         drain(m)
         m.set(Source.API, [mirror, pod("a")])
-        assert ops(m) == [(Op.ADD, Source.API, ["a"])]  # the mirror is not a pod to run
+        # the mirror is not a pod to run; the status it holds is its static pod's as the
+        # API has it (a RECONCILE, as for an API pod)
+        updates = drain(m)
+        assert [(u.op, u.source) for u in updates] == [(Op.RECONCILE, Source.FILE),
+                                                      (Op.ADD, Source.API)]
+        reconciled = updates[0].pods[0]
+        assert reconciled["metadata"]["uid"] == "static-uid"
+        assert reconciled["status"] == {"phase": "Running"}
         assert m.mirrors == {"ns/s-n1": mirror} and ev.is_set()
         ev.clear()
         m.upsert(Source.API, mirror)
-        assert not ev.is_set()
-        m.remove(Source.API, mirror)
+        assert not ev.is_set() and drain(m) == []
+        # a mirror replaced by a new one (Pending, nothing of ours): the status is
+        # written again, even if the last write landed on the old mirror
+        fresh = pod("s-n1", uid="mirror-uid-2")
+        fresh["metadata"]["annotations"] = {ANN_CONFIG_MIRROR: "static-uid"}
+        m.upsert(Source.API, fresh)
+        assert [(u.op, u.pods[0]["status"]) for u in drain(m)] == [
+            (Op.RECONCILE, fresh["status"])]
+        # a mirror of another version of the static pod says nothing about this one
+        other = pod("s-n1", uid="mirror-uid-3")
+        other["metadata"]["annotations"] = {ANN_CONFIG_MIRROR: "older-static-uid"}
+        m.upsert(Source.API, other)
+        assert drain(m) == []
+        m.remove(Source.API, other)
         assert m.mirrors == {} and ev.is_set()
         assert m.pod("static-uid") is static
     asyncio.run(main())

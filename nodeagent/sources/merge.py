@@ -21,6 +21,7 @@ from collections.abc import Iterable
 from nodeagent.sources import metrics
 from nodeagent.sources.problems import Problems
 from nodeagent.sources.types import (
+    ANN_CONFIG_MIRROR,
     ANN_CONFIG_SEEN,
     SOURCE_PRECEDENCE,
     Op,
@@ -124,6 +125,7 @@ class Merge:
         if source is Source.API and is_mirror(pod):
             if self.mirrors.get(name) is not pod:
                 self.mirrors[name] = pod
+                self._mirror_status(name, pod)
                 self._notify()
             return
         self._apply(source, {name: pod})
@@ -148,10 +150,29 @@ class Merge:
             raise ValueError(f"source {source.value!r} is not configured in this merge")
 
     def _set_mirrors(self, mirrors: dict[str, Pod]) -> None:
-        if mirrors.keys() != self.mirrors.keys() or any(
-                self.mirrors[n] is not p for n, p in mirrors.items()):
+        changed = [n for n, p in mirrors.items() if self.mirrors.get(n) is not p]
+        if changed or mirrors.keys() != self.mirrors.keys():
             self.mirrors = mirrors
+            for name in changed:
+                self._mirror_status(name, mirrors[name])
             self._notify()
+
+    def _mirror_status(self, name: str, mirror: Pod) -> None:
+        """A mirror pod is the API's copy of its static pod: the status it holds goes to
+        the sync loop as that static pod's RECONCILE, as an API pod's does. A new mirror
+        holds none, so the static pod's status is written again, also when the last
+        write landed on the mirror this one replaced."""
+        visible = self._visible.get(name)
+        if visible is None or visible[0] not in (Source.FILE, Source.HTTP):
+            return
+        source, static = visible
+        ann = mirror.get("metadata", {}).get("annotations") or {}
+        if ann.get(ANN_CONFIG_MIRROR) != pod_uid(static):  # a static pod's uid is its hash
+            return
+        metrics.UPDATES.labels(Op.RECONCILE.value, source.value).inc()
+        self.updates.put_nowait(PodUpdate(Op.RECONCILE,
+                                          ({**static, "status": mirror.get("status") or {}},),
+                                          source))
 
     def _notify(self) -> None:
         for ev in self._listeners:
