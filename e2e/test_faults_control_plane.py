@@ -101,6 +101,15 @@ def each(agents: list[NodeAgent], pred: Callable[[NodeAgent], T | None], what: s
             for a in agents}
 
 
+def reported(agents: list[NodeAgent], since: dict[str, dict[str, float]], starts: int,
+             what: str) -> None:
+    """The API shows Running as soon as an agent started a pod; its PLEG reports the
+    starts a relist (or a runtime event) later. Wait until each agent's PLEG counted
+    `starts` more ContainerStarted than in `since` (its counters())."""
+    each(agents, lambda a: a.counters()["started"] - since[a.name]["started"] >= starts,
+         what, 20)
+
+
 def now_rfc3339() -> str:
     """Now, as the audit log writes requestReceivedTimestamp (comparable as text)."""
     return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
@@ -644,9 +653,11 @@ def test_apiserver_down_20s(cluster: Cluster, core: client.CoreV1Api, ns: str,
 def test_etcd_restart(cluster: Cluster, core: client.CoreV1Api, ns: str,
                       agents: list[NodeAgent], restore: None) -> None:
     coord = client.CoordinationV1Api(core.api_client)
+    start = {a.name: a.counters() for a in agents}
     for a in agents:
         core.create_namespaced_pod(ns, pod_body(f"etcd-keep-{a.name}", a.name, ns))
     keep = {a.name: Witness.take(core, a, f"etcd-keep-{a.name}", ns) for a in agents}
+    reported(agents, start, STARTS_PER_POD, "the PLEG to report the kept pod's starts")
     wait_converged(core, agents, "API and runtimes to agree before etcd stops")
     before = {a.name: a.counters() for a in agents}
     since = now_rfc3339()
@@ -673,8 +684,7 @@ def test_etcd_restart(cluster: Cluster, core: client.CoreV1Api, ns: str,
     # the API shows Running as soon as the agent started the pod, and its PLEG reports
     # the starts a relist (or a runtime event) later: wait for them, then for anything
     # more a relist would emit
-    each(agents, lambda a: a.counters()["started"] - before[a.name]["started"]
-         >= STARTS_PER_POD, "the PLEG to report the new pod's starts", 20)
+    reported(agents, before, STARTS_PER_POD, "the PLEG to report the new pod's starts")
     time.sleep(2)
     for a in agents:
         after = a.counters()
@@ -797,6 +807,7 @@ def test_network_cut_past_grace(cluster: Cluster, core: client.CoreV1Api, ns: st
     op = Operator(cluster)
     try:
         eventually(op.ready, "the operator ready", 60)
+        start = {a.name: a.counters() for a in agents}
         for a in agents:
             core.create_namespaced_pod(ns, pod_body(f"cut-{a.name}", a.name, ns))
 
@@ -808,6 +819,7 @@ def test_network_cut_past_grace(cluster: Cluster, core: client.CoreV1Api, ns: st
              and not unreachable_effects(core, a.name), "Ready, untainted")
         for a in agents:
             Witness.take(core, a, f"cut-{a.name}", ns)
+        reported(agents, start, STARTS_PER_POD, "the PLEG to report the cut pod's starts")
         # every pod running on the nodes (earlier tests' too) must outlive the cut
         witnesses = {a.name: [Witness.take(core, a, p.metadata.name, p.metadata.namespace)
                               for p in core.list_pod_for_all_namespaces(
