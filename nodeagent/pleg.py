@@ -589,8 +589,7 @@ class Pleg:
         again what events already did. Never from a read older than the last relist's
         start, nor while a relist is under way: a relist's list replaces the records when
         it ends, so an older read stored after it, or a newer one stored before it ends,
-        would make the next diff report a start or an exit a second time (CI: a
-        container's ContainerStarted counted twice)."""
+        would make the next diff report a start or an exit a second time."""
         if not self.evented:
             return False
         start, done = self._last_relist_start, self._last_relist_done

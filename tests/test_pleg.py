@@ -100,8 +100,7 @@ async def test_relist_emits_events_and_refreshes_only_changed_pods() -> None:
 async def test_without_events_only_relists_set_what_the_next_diff_starts_from() -> None:
     """An inspection's answer may describe a pod otherwise than the list does (or be
     older than the last list): with relists only, it never becomes what the next diff
-    compares against, so nothing is reported twice (CI, containerd 1.6: a running pod's
-    ContainerStarted counted again, without a restart)."""
+    compares against, so nothing is reported twice."""
     clock = FakeClock()
     rt = FakeRuntime(clock)
     rt.has_events = False
