@@ -182,8 +182,11 @@ def test_static_manifest_to_mirror_pod_lifecycle(cluster: Cluster, tmp_path: Pat
             ups: list[PodUpdate] = []
             while not merge.updates.empty():
                 ups.append(merge.updates.get_nowait())
-            assert [u.op for u in ups if u.source is Source.FILE] == [
+            file_ops = [u.op for u in ups if u.source is Source.FILE]
+            assert [op for op in file_ops if op is not Op.RECONCILE] == [
                 Op.ADD, Op.REMOVE, Op.ADD, Op.REMOVE]
+            # each mirror pod's status went to its static pod, as an API pod's would
+            assert Op.RECONCILE in file_ops
         finally:
             for t in tasks:
                 t.cancel()
