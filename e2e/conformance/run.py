@@ -295,7 +295,7 @@ def write_doc(results: list[Result], plan: Plan, wall: float, path: Path = DOC,
         f"the spec, {counts[NOT_RUN]} not run** of {len(results)}; "
         f"{len(expected)} are expected to pass (specs.yaml). The runs took "
         f"{wall / 60:.1f} min of wall time, {plan.workers} e2e.test processes at a time "
-        "(the [Serial] ones alone, after the others); "
+        "(those specs.yaml names serial alone, after the others); "
         f"each expected pass was given {plan.spec_timeout} s, each other spec "
         f"{plan.trial_timeout} s.",
         *(["", note] if note else []),
