@@ -128,17 +128,21 @@ def node(cluster: Cluster, registry: Registry, tmp_path_factory: pytest.TempPath
         admin.close()
 
 
-def reasons_until(n: Node, pod: str, want: str, timeout: float = 60) -> list[str]:
-    """The waiting reasons (or "running") the pod's container shows, in order, until
-    `want` is seen."""
-    seen: list[str] = []
+def reasons_until(n: Node, pods: list[str], want: str,
+                  timeout: float = 60) -> dict[str, list[str]]:
+    """The waiting reasons (or "running") each pod's container shows, in order, until
+    every pod shows `want`. The pods are watched together: pods made at the same time
+    go through their states at the same time (CI at e10247c: the second pod of two,
+    looked at only after the first reached ImagePullBackOff, was past ErrImagePull)."""
+    seen: dict[str, list[str]] = {pod: [] for pod in pods}
 
     def look() -> bool:
-        _, reason, _ = n.state(pod)
-        if reason and (not seen or seen[-1] != reason):
-            seen.append(reason)
-        return reason == want
-    eventually(look, f"pod {pod} {want} (seen {seen})", timeout, every=0.2)
+        for pod, reasons in seen.items():
+            _, reason, _ = n.state(pod)
+            if reason and (not reasons or reasons[-1] != reason):
+                reasons.append(reason)
+        return all(reasons and reasons[-1] == want for reasons in seen.values())
+    eventually(look, f"pods {pods} {want} (seen {seen})", timeout, every=0.2)
     return seen
 
 
@@ -151,9 +155,9 @@ def test_without_or_with_a_wrong_secret_err_image_pull_then_back_off(node: Node)
     n = node
     n.pod("no-secret", policy="Always")
     n.pod("wrong-secret", policy="Always", imagePullSecrets=[{"name": "wrongcred"}])
+    seen = reasons_until(n, ["no-secret", "wrong-secret"], "ImagePullBackOff")
     for pod in ("no-secret", "wrong-secret"):
-        seen = reasons_until(n, pod, "ImagePullBackOff")
-        assert "ErrImagePull" in seen and "running" not in seen, seen
+        assert "ErrImagePull" in seen[pod] and "running" not in seen[pod], seen
         phase, _, message = n.state(pod)
         assert phase == "Pending"
         assert message.startswith(f'Back-off pulling image "{n.image}": ErrImagePull: ')
@@ -216,7 +220,7 @@ def test_never_with_a_missing_image(node: Node) -> None:
     n = node
     missing = n.image.replace(":1", ":never-pushed")
     n.pod("never", image=missing, policy="Never")
-    seen = reasons_until(n, "never", "ErrImageNeverPull")
+    seen = reasons_until(n, ["never"], "ErrImageNeverPull")["never"]
     assert "running" not in seen
     assert n.state("never")[2] == (f'Container image "{missing}" is not present with pull '
                                    "policy of Never")
