@@ -20,7 +20,7 @@ import logging
 import math
 import random
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -406,20 +406,49 @@ class Agent:
                                        health_checks=checks)
         return await self.kubelet_api.start()
 
+    # seconds a stop may take in all: a step still waiting then (a request or stream
+    # that does not end) is left behind, by name, so SIGTERM always ends the process
+    # well within a supervisor's grace (CI at 22561cf: one stop hung past 30 s)
+    STOP_BUDGET = 15.0
+
     async def shutdown(self, tasks: Sequence[asyncio.Task[Any]]) -> None:
         """No new work; writes already sent finish before the pools close."""
         log.info("stopping")
+        deadline = self.clock.monotonic() + self.STOP_BUDGET
         if self.watch:
             self.watch.stop()
         if self.kubelet_api:
-            await self.kubelet_api.stop()
-        await self.pods.stop()  # pods keep running; a restarted agent adopts them
-        await self.renewals.stop()
-        await self.ticker.stop()
+            await _within(self.clock, deadline, "the kubelet API", self.kubelet_api.stop())
+        # pods keep running; a restarted agent adopts them
+        await _within(self.clock, deadline, "the pod workers", self.pods.stop())
+        await _within(self.clock, deadline, "the lease renewals", self.renewals.stop())
+        await _within(self.clock, deadline, "the status ticks", self.ticker.stop())
         for t in tasks:
             t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await asyncio.to_thread(self.pools.status.shutdown, wait=True, cancel_futures=True)
+        await _within(self.clock, deadline, "the agent's loops",
+                      asyncio.gather(*tasks, return_exceptions=True))
+        await _within(self.clock, deadline, "the status pool", asyncio.to_thread(
+            self.pools.status.shutdown, wait=True, cancel_futures=True))
         if self.health:
             self.health.stop()
         log.info("stopped")
+
+
+async def _within(clock: Clock, deadline: float, what: str, step: Awaitable[Any]) -> None:
+    """Await one step of a stop until the stop's deadline (on `clock`); past it, say which
+    step did not finish and go on. Its task is cancelled, not awaited: a step that
+    ignores cancellation must not hold the stop either."""
+    left = deadline - clock.monotonic()
+    task = asyncio.ensure_future(step)
+    if left > 0:
+        timer = asyncio.ensure_future(clock.sleep(left))
+        await asyncio.wait({task, timer}, return_when=asyncio.FIRST_COMPLETED)
+        timer.cancel()
+    else:  # the budget is spent: the step gets its start, no wait
+        await asyncio.wait({task}, timeout=0)
+    if task.done():
+        task.result()  # a step's failure is the stop's, as before
+        return
+    task.cancel()
+    log.warning("stopping: %s did not finish within the %.0f s a stop may take; going on "
+                "without it", what, Agent.STOP_BUDGET)

@@ -5,6 +5,7 @@ containerRuntimeVersion, readiness) and /healthz shows PLEG's health."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -14,7 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from nodeagent import config
 from nodeagent.agent import Agent, Parts, build_runtime, host_ip
-from nodeagent.api.clock import FakeClock
+from nodeagent.api.clock import FakeClock, settle
 from nodeagent.api.kube import PODS
 from nodeagent.runtime import RelistResult, RuntimeVersion, Unavailable
 from nodeagent.runtime.fake import FakeRuntime
@@ -213,3 +214,31 @@ async def test_lease_through_again_ends_the_watch_backoffs(
     assert rig.kube.count("update leases") >= 4
     assert rig.agent.answered.delivered == 1
     await rig.finish()
+
+
+@aio
+async def test_a_step_that_hangs_does_not_hold_the_stop(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="nodeagent.agent")
+    rig = AgentRig(tmp_path)
+    await rig.start()
+    hung = asyncio.Event()  # never set
+
+    async def stop_hangs() -> None:
+        await asyncio.shield(hung.wait())  # and ignores cancellation
+
+    rig.pods.stop = stop_hangs  # type: ignore[method-assign]
+    rig.stop.set()
+    assert rig.task is not None
+    await until(lambda: "stopping" in caplog.text, "the stop begun")
+    await settle()  # the stop's timer is set
+    assert not rig.task.done()
+    await rig.clock.advance(Agent.STOP_BUDGET - 1)
+    assert not rig.task.done()  # the stop waits for the step within its budget
+    await rig.clock.advance(1)
+    await until(rig.task.done, "the stop ended")
+    assert ("stopping: the pod workers did not finish within the 15 s a stop may take"
+            in caplog.text)
+    assert "stopped" in caplog.text
+    # the renewals and ticks were stopped after it
+    assert rig.agent.renewals._stopping and rig.agent.ticker._stopping
