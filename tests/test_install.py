@@ -68,3 +68,17 @@ def test_console_scripts_print_help(fresh_install: tuple[Path, dict[str, str]],
                          capture_output=True, text=True, cwd=env_dir)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith(f"usage: {program}")
+
+
+# Heavy packages the agent imports only when a feature needs them, so a process of
+# virtual nodes does not carry them: grpc (CRI runtime, grpc probes; 8.5 MB),
+# cryptography (the kubelet API's TLS).
+LAZY = ("grpc", "cryptography")
+
+
+def test_the_agent_imports_heavy_packages_only_when_used() -> None:
+    script = ("import sys, nodeagent.cli, nodeagent.agent\n"
+              f"print(sorted({{m.split('.')[0] for m in sys.modules}} & {set(LAZY)!r}))\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "[]", out.stdout
