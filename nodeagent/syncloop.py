@@ -11,7 +11,9 @@ is the case N=1): it routes each update to the SyncLoop of the pod's `spec.nodeN
 and each PLEG event to the loop of the node that owns the pod, ticks every loop's
 resyncs from one timer, and does the housekeeping once for all (a pod of one node is
 never an orphan of another). A `SyncLoop` is one node's: its pods, workers, syncer and
-status manager, built from the SyncLoopConfig all nodes share.
+status manager, built from the SyncLoopConfig all nodes share. It is made when its node
+first has a pod: a process of thousands of virtual nodes, most of them idle, holds no
+queues, task or metric series for a node that never ran anything.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter
@@ -211,20 +213,19 @@ class SyncLoop:
 
 
 def housekeeping(pleg: Pleg, sources_ready: SourcesReady, loops: Sequence[SyncLoop],
-                 orphan_grace: float) -> list[str]:
+                 orphan_grace: float, remover: Callable[[], SyncLoop]) -> list[str]:
     """REMOVE for runtime pods that none of `loops` knows (all loops on one runtime:
     a pod of another node is not an orphan), only once every source has delivered its
-    first full set (before that, absence proves nothing). The first loop's workers
-    remove them."""
+    first full set (before that, absence proves nothing). The workers of the loop
+    `remover` gives remove them."""
     if not sources_ready.all_ready():
         return []
     result = pleg.last_result
-    if result is None or not loops:
+    if result is None:
         return []
     known: set[str] = set()
     for loop in loops:
         known |= loop.known_uids(pleg.last_result_at)
-    first = loops[0]
     names: dict[str, tuple[str, str]] = {}
     for s in result.sandboxes:
         names.setdefault(s.pod_uid, (s.name, s.namespace))
@@ -232,7 +233,9 @@ def housekeeping(pleg: Pleg, sources_ready: SourcesReady, loops: Sequence[SyncLo
         names.setdefault(c.pod_uid, (c.labels.get(LABEL_POD_NAME, ""),
                                      c.labels.get(LABEL_POD_NAMESPACE, "")))
     orphans = sorted(names.keys() - known)
+    first = remover() if orphans else None
     for uid in orphans:
+        assert first is not None
         name, ns = names[uid]
         log.info("housekeeping: pod %s/%s (uid %s) runs but no source has it; removing",
                  ns, name, uid)
@@ -259,12 +262,36 @@ class NodeLoops:
         self.updates = updates
         self.sources_ready = sources_ready
         self.images = image_manager(config.loop)  # one runtime: one set of pulls
-        self.loops = {name: SyncLoop(name, config.loop, pleg.cache, self.images)
-                      for name in config.node_names}
+        self.node_names = frozenset(config.node_names)
+        self.loops: dict[str, SyncLoop] = {}  # made by loop(): when a node first has a pod
         self.owner: dict[str, str] = {}  # pod uid -> node, from the routed updates
         self._task: asyncio.Task[None] | None = None
+        self._loop_tasks: list[asyncio.Task[None]] = []
+        # set to the first loop task that ends while running (a failure: loops run
+        # until stopped)
+        self._loop_ended: asyncio.Future[asyncio.Task[None]] | None = None
         if config.loop.objects is not None:
             config.loop.objects.on_change = self.objects_changed
+
+    def loop(self, node: str) -> SyncLoop:
+        """The node's SyncLoop, made (and started, when the loops run) on first use."""
+        loop = self.loops.get(node)
+        if loop is None:
+            loop = self.loops[node] = SyncLoop(node, self.config.loop, self.pleg.cache,
+                                               self.images)
+            if self._loop_ended is not None:
+                self._start_loop(node, loop)
+        return loop
+
+    def _start_loop(self, node: str, loop: SyncLoop) -> None:
+        task = asyncio.create_task(loop.run(), name=f"syncloop-{node}")
+        self._loop_tasks.append(task)
+
+        def ended(t: asyncio.Task[None]) -> None:
+            waiter = self._loop_ended
+            if waiter is not None and not waiter.done() and not t.cancelled():
+                waiter.set_result(t)
+        task.add_done_callback(ended)
 
     def objects_changed(self, uids: set[str]) -> None:
         """A ConfigMap or Secret these pods use changed: sync them (their volumes)."""
@@ -292,17 +319,23 @@ class NodeLoops:
 
     async def run(self) -> None:
         self.pleg.start()
+        ended = self._loop_ended = asyncio.get_running_loop().create_future()
+        for name, loop in self.loops.items():
+            self._start_loop(name, loop)
         tasks = [asyncio.create_task(self._route_updates(), name="route-updates"),
                  asyncio.create_task(self._route_events(), name="route-events"),
                  asyncio.create_task(self._housekeeping(), name="housekeeping"),
-                 asyncio.create_task(self._tick(), name="resync-tick"),
-                 *(asyncio.create_task(loop.run(), name=f"syncloop-{name}")
-                   for name, loop in self.loops.items())]
+                 asyncio.create_task(self._tick(), name="resync-tick")]
         try:
-            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait([*tasks, ended], return_when=asyncio.FIRST_COMPLETED)
             for t in done:
-                t.result()  # a loop that ends is a failure: raise it
+                # a loop that ends is a failure: raise it
+                (t.result() if t is ended else t).result()
         finally:
+            self._loop_ended = None
+            ended.cancel()
+            tasks += self._loop_tasks
+            self._loop_tasks = []
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -316,7 +349,8 @@ class NodeLoops:
 
     def housekeeping(self) -> list[str]:
         orphans = housekeeping(self.pleg, self.sources_ready, list(self.loops.values()),
-                               self.config.orphan_grace)
+                               self.config.orphan_grace,
+                               lambda: self.loop(self.config.node_names[0]))
         volumes = self.config.loop.volumes
         result = self.pleg.last_result
         if volumes is not None and result is not None and self.sources_ready.all_ready():
@@ -338,7 +372,7 @@ class NodeLoops:
         for pod in u.pods:
             node = pod_node_name(pod)
             uid = str((pod.get("metadata") or {}).get("uid") or "")
-            if node not in self.loops:
+            if node not in self.node_names:
                 log.warning("pod %s: node %r is not served here; ignored", describe(pod), node)
                 continue
             by_node.setdefault(node, []).append(pod)
@@ -348,7 +382,7 @@ class NodeLoops:
                 else:
                     self.owner[uid] = node
         for node, pods in by_node.items():
-            self.loops[node].updates.put_nowait(PodUpdate(u.op, tuple(pods), u.source))
+            self.loop(node).updates.put_nowait(PodUpdate(u.op, tuple(pods), u.source))
 
     async def _route_events(self) -> None:
         while True:

@@ -266,7 +266,7 @@ class LoopRig:
         self.loops = NodeLoops(NodeLoopsConfig(tuple(nodes), config),
                                Pleg(rt, clock, node=label, registry=self.registry),
                                self.updates, self.ready)
-        self.loop = self.loops.loops[nodes[0]]  # the first node's own
+        self.loop = self.loops.loop(nodes[0])  # the first node's own
         self.pods = Pods(rt, clock, self.loops)  # with the runtime's readings, no sources
 
     def warnings(self) -> list[dict[str, Any]]:

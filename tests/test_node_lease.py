@@ -212,3 +212,20 @@ def test_a_renewal_after_unreachable_attempts_tells_once():
         listener.cancel()
         await rig.finish(task)
     run(main())
+
+
+def test_the_kept_lease_drops_the_servers_managed_fields():
+    """Between renewals each node keeps the server's last answer; its managedFields
+    (most of its bytes, times thousands of virtual nodes) are not kept, nor sent."""
+    async def main():
+        rig = Rig()
+        rig.kube.put(LEASES, {"metadata": {"name": "n1", "namespace": NODE_LEASE_NAMESPACE,
+                                           "managedFields": [{"manager": "someone"}]},
+                              "spec": {"holderIdentity": "n1"}})
+        task = await rig.start()
+        await rig.clock.advance(21)
+        assert rig.kube.count("get leases") == 1 and rig.kube.count("update leases") == 3
+        assert all("managedFields" not in b["metadata"] for b in rig.kube.bodies("update leases"))
+        assert "managedFields" not in rig.renewer.lease["metadata"]
+        await rig.finish(task)
+    run(main())

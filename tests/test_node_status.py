@@ -196,3 +196,21 @@ def test_thresholds_parse_both_forms_and_refuse_bad_ones():
         with pytest.raises(QuantityError, match=words):
             parse_thresholds(bad)
     assert parse_quantity("250m") == 0.25 and parse_quantity("1Ki") == 1024
+
+
+def test_statuses_from_one_reading_share_their_parts():
+    """Virtual nodes share one reading and one image list: their statuses hold the same
+    capacity, allocatable, addresses, nodeInfo and images objects (one copy for all),
+    and so does a later status whose parts are equal; a part that changed is new."""
+    a, b = status(), status(at=10)
+    later = status(dataclasses.replace(READINGS, memoryAvailable=3 * GI), at=20,
+                   images=list(IMAGES))
+    for key in ("capacity", "allocatable", "addresses", "nodeInfo", "images"):
+        assert a[key] is b[key] is later[key], key
+    assert a["conditions"] is not b["conditions"]  # heartbeat times are each status's own
+    kernel = status(dataclasses.replace(READINGS, kernelVersion="6.2.0"), at=30)
+    assert kernel["nodeInfo"] is not a["nodeInfo"]
+    assert kernel["nodeInfo"]["kernelVersion"] == "6.2.0"
+    assert a["nodeInfo"]["kernelVersion"] != "6.2.0"  # the shared one was not changed
+    assert kernel["capacity"] is a["capacity"]
+    assert meaningful_changes(a, later) == [] and meaningful_changes(a, kernel) == ["nodeInfo"]

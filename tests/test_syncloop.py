@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry
 from nodeagent.api.answered import ApiAnswered
 from nodeagent.api.clock import FakeClock, settle
 from nodeagent.pleg import Pleg
-from nodeagent.runtime import ContainerState, RuntimeTimeout, SandboxState
+from nodeagent.runtime import ContainerState, RuntimeTimeout, SandboxConfig, SandboxState
 from nodeagent.runtime.fake import FakeRuntime
 from nodeagent.sources.types import Op, PodUpdate, Source, SourcesReady
 from nodeagent.syncloop import NodeLoops, NodeLoopsConfig, SyncLoopConfig
@@ -343,6 +343,7 @@ def test_updates_are_split_by_node_in_order() -> None:
             (q1.get_nowait(), q1.get_nowait())] == [(Op.ADD, ["ua"]), (Op.REMOVE, ["ua"])]
     assert q2.get_nowait().pods == (p2,) and q2.empty()
     assert loops.owner == {"ub": "n2"}  # where the PLEG's events for a pod go
+    assert set(loops.loops) == {"n1", "n2"}  # nothing made for a node not served here
 
 
 @aio
@@ -385,3 +386,24 @@ async def test_a_started_pod_is_reported_running_without_waiting_for_a_relist() 
     await a.run_for(3)  # the relist's ContainerStarted syncs again: nothing new to write
     assert len(a.patches()) == writes
     await a.loops.stop()
+
+
+@aio
+async def test_an_orphan_is_removed_before_any_node_has_a_loop() -> None:
+    """Loops are made when a node first has a pod; a pod an earlier agent left in the
+    runtime, which no source has, is still removed (by a loop made for it)."""
+    clock = FakeClock()
+    rt = FakeRuntime(clock)
+    await rt.run_sandbox(SandboxConfig.from_pod(mkpod("left", "old")))
+    config = SyncLoopConfig(runtime=rt, clock=clock, kube=FakeKube(), answered=ApiAnswered(clock),
+                            registry=CollectorRegistry())
+    ready = SourcesReady({Source.API})
+    loops = NodeLoops(NodeLoopsConfig(("n1", "n2"), config),
+                      Pleg(rt, clock, registry=CollectorRegistry()), asyncio.Queue(), ready)
+    loops.start()
+    ready.mark(Source.API)  # the API's first full list: no pod for n1 or n2
+    for _ in range(4):
+        await clock.advance(1)
+    assert loops.loops.keys() == {"n1"}
+    assert "old" not in {s.pod_uid for s in (await rt.relist()).sandboxes}
+    await loops.stop()

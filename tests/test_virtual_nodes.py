@@ -212,7 +212,7 @@ async def test_pods_run_on_their_node_loop_with_one_pleg() -> None:
     assert not rig.rt.running("x")  # not one of ours
     assert set(rig.loops.loops["vn-0"].pods) == {"a"}
     assert set(rig.loops.loops["vn-2"].pods) == {"b"}
-    assert not rig.loops.loops["vn-1"].pods
+    assert "vn-1" not in rig.loops.loops  # no pod: no loop, no queues, no metric series
     # one PLEG for the three nodes: one event stream, and no relist while it is up
     # (its period is a minute), not three
     assert rig.rt.calls["container_events"] == 1
@@ -266,7 +266,8 @@ def test_one_pod_watch_for_all_nodes_and_the_runtime(tmp_path: Path) -> None:
     watches = [p for p in agent.pods.sources if isinstance(p, APISource)]
     assert len(agent.pods.sources) == 1 and len(watches) == 1
     assert watches[0].nodes == {"vn-0", "vn-1", "vn-2", "vn-3"}
-    assert len(agent.pods.loops.loops) == 4
+    assert agent.pods.loops.node_names == {"vn-0", "vn-1", "vn-2", "vn-3"}
+    assert agent.pods.loops.loops == {}  # each made when its node first has a pod
     assert isinstance(agent.pods.runtime, FakeRuntime)
 
 

@@ -167,15 +167,17 @@ class LeaseRenewer:
         PUT of it with a new renewTime."""
         if self.lease is None:
             try:
-                self.lease = await self.kube.get(LEASES, self.node,
-                                                 namespace=NODE_LEASE_NAMESPACE, timeout=timeout)
+                self.lease = _kept(await self.kube.get(
+                    LEASES, self.node, namespace=NODE_LEASE_NAMESPACE, timeout=timeout))
             except ApiException as e:
                 if e.status != 404:
                     raise
-                self.lease = await self.kube.create(LEASES, self._body(None), timeout=timeout)
+                self.lease = _kept(await self.kube.create(LEASES, self._body(None),
+                                                          timeout=timeout))
                 return "created"
         try:
-            self.lease = await self.kube.update(LEASES, self._body(self.lease), timeout=timeout)
+            self.lease = _kept(await self.kube.update(LEASES, self._body(self.lease),
+                                                      timeout=timeout))
         except ApiException as e:
             if e.status in (404, 409):
                 self.lease = None  # deleted or changed under us: re-read on the next try
@@ -191,7 +193,6 @@ class LeaseRenewer:
         lease.setdefault("apiVersion", "coordination.k8s.io/v1")
         lease.setdefault("kind", "Lease")
         meta = lease.setdefault("metadata", {})
-        meta.pop("managedFields", None)
         if self.owner_uid:
             meta["ownerReferences"] = [{"apiVersion": "v1", "kind": "Node",
                                         "name": self.node, "uid": self.owner_uid}]
@@ -200,3 +201,10 @@ class LeaseRenewer:
         spec["leaseDurationSeconds"] = self.heartbeat.leaseDurationSeconds
         spec["renewTime"] = api_microtime(self.clock.now())
         return lease
+
+
+def _kept(lease: Obj) -> Obj:
+    """The server's answer as kept until the next renewal, without its managedFields
+    (most of its bytes; a PUT without them leaves the server's as they are)."""
+    (lease.get("metadata") or {}).pop("managedFields", None)
+    return lease

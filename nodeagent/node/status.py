@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from nodeagent.api.quantity import format_bytes, format_cpu
@@ -73,8 +73,51 @@ def crossed(readings: HostReadings, thresholds: Sequence[Threshold]) -> list[Thr
     return out
 
 
+class _Kept:
+    """The parts of a status made from the same inputs as the last time, kept: virtual
+    nodes share one host reading and one image list, so the statuses of a thousand
+    nodes (computed and reported) hold one copy of capacity, allocatable, addresses,
+    nodeInfo and images instead of two each, and a tick does not build them again.
+    These objects are shared: nothing changes a status in place. A part equal to the
+    one kept (a new reading, the same values) is the kept object too, which makes
+    comparing them an identity check. One entry per kind; any thread may use it (a
+    race only makes a part again)."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, tuple[Any, Any]] = {}  # kind -> (inputs, part)
+
+    def get(self, kind: str, inputs: Any, same: Callable[[Any, Any], bool],
+            make: Callable[[], Any]) -> Any:
+        last = self._last.get(kind)
+        if last is not None and same(last[0], inputs):
+            return last[1]
+        part = make()
+        if last is not None:
+            old = last[1]
+            if isinstance(part, dict):  # parts by name: each one kept while equal
+                part = {k: old[k] if k in old and old[k] == v else v for k, v in part.items()}
+            elif part == old:
+                part = old
+        self._last[kind] = (inputs, part)
+        return part
+
+
+_kept = _Kept()
+
+
+def _same_images(a: tuple[Sequence[Mapping[str, Any]], int],
+                 b: tuple[Sequence[Mapping[str, Any]], int]) -> bool:
+    return a[1] == b[1] and len(a[0]) == len(b[0]) and all(
+        x is y for x, y in zip(a[0], b[0], strict=True))
+
+
 def _images(images: Sequence[Mapping[str, Any]], limit: int) -> list[dict[str, Any]]:
-    """Largest first, at most `limit`, as the kubelet orders them."""
+    """Largest first, at most `limit`, as the kubelet orders them (kept: see _Kept)."""
+    return _kept.get("images", (list(images), limit), _same_images,
+                     lambda: _make_images(images, limit))
+
+
+def _make_images(images: Sequence[Mapping[str, Any]], limit: int) -> list[dict[str, Any]]:
     clean: list[dict[str, Any]] = []
     for img in images:
         names = [str(n) for n in (img.get("names") or [])]
@@ -103,20 +146,8 @@ def compute_status(readings: HostReadings | HostReadError, settings: StatusSetti
         statuses["Ready"] = ("False", "HostReadingsFailed", str(readings))
     else:
         r = readings
-        capacity = {"cpu": r.cpu, "memory": float(r.memoryTotal),
-                    "ephemeral-storage": float(r.fsTotal), "pods": float(settings.max_pods)}
-        status["capacity"] = _format_resources(capacity)
-        allocatable = {k: max(0.0, v - settings.system_reserved.get(k, 0.0))
-                       for k, v in capacity.items()}
-        status["allocatable"] = _format_resources(allocatable)
-        status["addresses"] = [{"type": t, "address": a} for t, a in r.addresses]
-        status["nodeInfo"] = {
-            "machineID": r.machineID, "systemUUID": r.systemUUID, "bootID": r.bootID,
-            "kernelVersion": r.kernelVersion, "osImage": r.osImage,
-            "containerRuntimeVersion": settings.runtime_version,
-            "kubeletVersion": settings.agent_version, "kubeProxyVersion": "",
-            "operatingSystem": r.operatingSystem, "architecture": r.architecture,
-        }
+        for key, part in _host_parts(r, settings).items():
+            status[key] = part
         hit = crossed(r, settings.thresholds)
         for ctype, (signals, yes, no) in _PRESSURE.items():
             mine = [t for t in hit if t.signal in signals]
@@ -143,31 +174,66 @@ def compute_status(readings: HostReadings | HostReadError, settings: StatusSetti
     return status
 
 
+def _host_parts(r: HostReadings, settings: StatusSettings) -> dict[str, Any]:
+    """capacity, allocatable, addresses and nodeInfo of a reading (kept: see _Kept)."""
+    inputs = (r, settings.max_pods, tuple(settings.system_reserved.items()),
+              settings.runtime_version, settings.agent_version)
+    kept: dict[str, Any] = _kept.get(
+        "host", inputs, lambda a, b: a[0] is b[0] and a[1:] == b[1:],
+        lambda: _make_host_parts(r, settings))
+    return kept
+
+
+def _make_host_parts(r: HostReadings, settings: StatusSettings) -> dict[str, Any]:
+    capacity = {"cpu": r.cpu, "memory": float(r.memoryTotal),
+                "ephemeral-storage": float(r.fsTotal), "pods": float(settings.max_pods)}
+    allocatable = {k: max(0.0, v - settings.system_reserved.get(k, 0.0))
+                   for k, v in capacity.items()}
+    return {
+        "capacity": _format_resources(capacity),
+        "allocatable": _format_resources(allocatable),
+        "addresses": [{"type": t, "address": a} for t, a in r.addresses],
+        "nodeInfo": {
+            "machineID": r.machineID, "systemUUID": r.systemUUID, "bootID": r.bootID,
+            "kernelVersion": r.kernelVersion, "osImage": r.osImage,
+            "containerRuntimeVersion": settings.runtime_version,
+            "kubeletVersion": settings.agent_version, "kubeProxyVersion": "",
+            "operatingSystem": r.operatingSystem, "architecture": r.architecture,
+        },
+    }
+
+
 def _format_resources(values: Mapping[str, float]) -> dict[str, str]:
     return {k: format_cpu(v) if k == "cpu" else
             str(int(v)) if k == "pods" else format_bytes(int(v)) for k, v in values.items()}
 
 
-def _projection(status: Status) -> dict[str, Any]:
-    """What counts as a change: heartbeat times and messages do not."""
-    out: dict[str, Any] = {
-        f"conditions/{c['type']}": (c.get("status"), c.get("reason"))
-        for c in status.get("conditions", [])}
-    for key in ("capacity", "allocatable", "nodeInfo"):
-        out[key] = dict(status.get(key) or {})
-    out["addresses"] = [(a.get("type"), a.get("address")) for a in status.get("addresses", [])]
-    out["images"] = [(tuple(i.get("names", [])), i.get("sizeBytes"))
-                     for i in status.get("images", [])]
-    out["daemonEndpoints"] = status.get("daemonEndpoints") or {}
-    return out
+# the parts compared whole: how a missing one reads, and what of it counts
+_PARTS: dict[str, tuple[Callable[[], Any], Callable[[Any], Any]]] = {
+    "capacity": (dict, dict), "allocatable": (dict, dict), "nodeInfo": (dict, dict),
+    "daemonEndpoints": (dict, dict),
+    "addresses": (list, lambda v: [(a.get("type"), a.get("address")) for a in v]),
+    "images": (list, lambda v: [(tuple(i.get("names", [])), i.get("sizeBytes")) for i in v]),
+}
+
+
+def _conditions(status: Status) -> dict[str, tuple[Any, Any]]:
+    """What counts of the conditions: heartbeat times and messages do not."""
+    return {f"conditions/{c['type']}": (c.get("status"), c.get("reason"))
+            for c in status.get("conditions", [])}
 
 
 def meaningful_changes(old: Status | None, new: Status) -> list[str]:
     """Names of what changed meaningfully, e.g. ['conditions/DiskPressure', 'images']."""
     if old is None:
         return ["all"]
-    a, b = _projection(old), _projection(new)
-    return sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+    a, b = _conditions(old), _conditions(new)
+    changed = [k for k in a.keys() | b.keys() if a.get(k) != b.get(k)]
+    for key, (empty, counted) in _PARTS.items():
+        x, y = old.get(key), new.get(key)
+        if x is not y and counted(x or empty()) != counted(y or empty()):
+            changed.append(key)
+    return sorted(changed)
 
 
 def report_reason(now: float, last_full_report: float | None, changed: bool,
