@@ -69,7 +69,7 @@ from bench.scale import machine  # noqa: E402
 from e2e.cluster import LocalCluster, build  # noqa: E402
 from e2e.cluster.cluster import free_port  # noqa: E402
 from e2e.promtext import samples  # noqa: E402
-from nodeagent.api.client import load_configuration  # noqa: E402
+from nodeagent.api.client import load_credentials  # noqa: E402
 from nodeagent.api.policy import GROUP, PLURAL, VERSION  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -86,11 +86,11 @@ class Raw:
     generator and the watch need no models, only speed."""
 
     def __init__(self, kubeconfig: Path, pool: int = 32) -> None:
-        cfg = load_configuration(kubeconfig)
-        self.host = cfg.host
+        creds = load_credentials(kubeconfig)
+        self.host = creds.server
         self.http = urllib3.PoolManager(
-            maxsize=pool, cert_reqs=ssl.CERT_REQUIRED, ca_certs=cfg.ssl_ca_cert,
-            cert_file=cfg.cert_file, key_file=cfg.key_file)
+            maxsize=pool, cert_reqs=ssl.CERT_REQUIRED, ca_certs=creds.file_of("ca"),
+            cert_file=creds.file_of("cert"), key_file=creds.file_of("key"))
 
     def req(self, method: str, path: str, body: Any = None, ctype: str = "application/json",
             **kw: Any) -> Any:
@@ -118,11 +118,10 @@ class LeaseRenewer:
     PATH = "/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases/"
 
     def __init__(self, kubeconfig: Path) -> None:
-        cfg = load_configuration(kubeconfig)
-        url = urllib.parse.urlsplit(cfg.host)
+        creds = load_credentials(kubeconfig)
+        url = urllib.parse.urlsplit(creds.server)
         self.host, self.port = url.hostname or "127.0.0.1", url.port or 443
-        self.ctx = ssl.create_default_context(cafile=cfg.ssl_ca_cert)
-        self.ctx.load_cert_chain(cfg.cert_file, cfg.key_file)
+        self.ctx = creds.ssl_context() or ssl.create_default_context()
         self.local = threading.local()
 
     def renew(self, name: str, t: float) -> None:

@@ -149,8 +149,8 @@ async def bench_api(pods: int) -> None:
     print(f"== API source: {pods} pods bound to one node")
     try:
         from e2e.cluster import LocalCluster
-        from nodeagent.api.client import new_api_client
-        from nodeagent.api.rest import request, request_json
+        from e2e.util import request, request_json
+        from nodeagent.api.client import load_credentials, new_api_client
         cluster = LocalCluster()
         cluster.up(log=lambda m: print(f"  {m}"))
     except Exception as e:  # noqa: BLE001
@@ -188,7 +188,8 @@ async def bench_api(pods: int) -> None:
 
         clock = FakeClock()
         merge = Merge([Source.API])
-        src = APISource(RestKube(api), [node], merge, clock)
+        src = APISource(RestKube(load_credentials(cluster.node_kubeconfig(node))), [node],
+                        merge, clock)
         t = time.perf_counter()
         task = asyncio.create_task(src.run())
         await merge.ready.wait()

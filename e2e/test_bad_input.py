@@ -571,10 +571,10 @@ def test_host_network_static_pod_when_allowed(cluster: Cluster, tmp_path: Path) 
     composition root, nodeagent/agent.py.)"""
     import asyncio
 
-    from nodeagent.api.client import new_api_client
+    from e2e.util import request_json
+    from nodeagent.api.client import load_credentials, new_api_client
     from nodeagent.api.clock import RealClock
     from nodeagent.api.kube import RestKube
-    from nodeagent.api.rest import request_json
     from nodeagent.sources.api import APISource
     from nodeagent.sources.file import FileSource
     from nodeagent.sources.merge import Merge
@@ -584,6 +584,7 @@ def test_host_network_static_pod_when_allowed(cluster: Cluster, tmp_path: Path) 
 
     node = f"allow-{uuid.uuid4().hex[:6]}"
     api = new_api_client(cluster.node_kubeconfig(node), component="e2e-node")
+    creds = load_credentials(cluster.node_kubeconfig(node))
     uid = request_json(api, "POST", "/api/v1/nodes", body={
         "apiVersion": "v1", "kind": "Node", "metadata": {"name": node}})["metadata"]["uid"]
     folder = tmp_path / "manifests"
@@ -606,8 +607,8 @@ def test_host_network_static_pod_when_allowed(cluster: Cluster, tmp_path: Path) 
         merge = Merge([Source.API, Source.FILE], problems)
         tasks = [asyncio.create_task(x.run()) for x in (
             FileSource(folder, node, merge, clock, allow_privileged=True),
-            APISource(RestKube(api), [node], merge, clock),
-            MirrorManager(RestKube(api), node, merge, clock, node_uid=lambda: uid))]
+            APISource(RestKube(creds), [node], merge, clock),
+            MirrorManager(RestKube(creds), node, merge, clock, node_uid=lambda: uid))]
         try:
             deadline = time.monotonic() + WAIT
             while (m := await asyncio.to_thread(mirror)) is None:

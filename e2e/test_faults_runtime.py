@@ -788,13 +788,12 @@ class InProcessAgent:
 
     async def _serve(self) -> None:
         from nodeagent.agent import Agent, Parts, host_ip, host_probe
-        from nodeagent.api.client import new_api_client
+        from nodeagent.api.client import load_credentials
         from nodeagent.api.clock import RealClock
         from nodeagent.api.kube import RestKube
 
         cfg = self.cfg
-        api = new_api_client(cfg.kubeconfig, component="agent", retries=0)
-        self.kube = kube = RestKube(api)
+        self.kube = kube = RestKube(load_credentials(cfg.kubeconfig), component="agent")
         try:
             hip = host_ip(cfg, host_probe(cfg))
             self.runtime = HangingRuntime(Path(cfg.root_dir) / "process", host_ip=hip)
@@ -807,7 +806,6 @@ class InProcessAgent:
             await agent.run(self._stop)
         finally:
             await kube.aclose()
-            api.close()
 
     def call(self, fn: Callable[[], None]) -> None:
         assert self.loop is not None

@@ -29,10 +29,10 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from e2e.cluster import Cluster
-from nodeagent.api.client import new_api_client
+from e2e.util import request_json
+from nodeagent.api.client import load_credentials, new_api_client
 from nodeagent.api.clock import FakeClock, RealClock, settle
 from nodeagent.api.kube import RestKube
-from nodeagent.api.rest import request_json
 from nodeagent.events import Events
 from nodeagent.sources.api import APISource
 from nodeagent.sources.file import FileSource
@@ -74,6 +74,11 @@ def register_node(cluster: Cluster) -> tuple[str, client.ApiClient]:
 UIDS: dict[str, str] = {}
 
 
+def node_kube(cluster: Cluster, node: str) -> RestKube:
+    """The agent's way to the API, with the node's own credentials."""
+    return RestKube(load_credentials(cluster.node_kubeconfig(node)), component="e2e-node")
+
+
 def cleanup(cluster: Cluster, node: str, pods: tuple[str, ...] | list[str] = ()) -> None:
     """Remove what a test made: its pods (at once, no kubelet will confirm) and Node."""
     admin = cluster.api_client()
@@ -109,7 +114,7 @@ def test_static_manifest_to_mirror_pod_lifecycle(cluster: Cluster, tmp_path: Pat
 
     async def body() -> None:
         clock = RealClock()
-        kube = RestKube(api)
+        kube = node_kube(cluster, node)
         events = Events(kube, node, clock, node_uid=lambda: UIDS[node])
         merge = Merge([Source.API, Source.FILE], Problems(events))
         src = FileSource(folder, node, merge, clock, debounce=0.05)
@@ -266,7 +271,7 @@ def test_dropped_watch_resumes_without_relist(cluster: Cluster) -> None:
     async def body() -> None:
         clock = FakeClock()  # backoff waits only when the test says so
         merge = Merge([Source.API])
-        src = APISource(RestKube(api), [node], merge, clock)
+        src = APISource(node_kube(cluster, node), [node], merge, clock)
         task = asyncio.create_task(src.run())
         try:
             await asyncio.wait_for(merge.ready.wait(), WAIT)
@@ -316,7 +321,7 @@ def test_apiserver_restart_no_list_and_once(cluster: Cluster) -> None:
     async def body() -> None:
         clock = FakeClock()
         merge = Merge([Source.API])
-        src = APISource(RestKube(api), [node], merge, clock)
+        src = APISource(node_kube(cluster, node), [node], merge, clock)
         task = asyncio.create_task(src.run())
         try:
             await asyncio.wait_for(merge.ready.wait(), WAIT)

@@ -1,19 +1,25 @@
-"""Small helpers the e2e modules share: waiting for a condition, and finding the
-processes a test started (every container the tests run carries NP_E2E=<marker>)."""
+"""Small helpers the e2e modules share: waiting for a condition, finding the processes
+a test started (every container the tests run carries NP_E2E=<marker>), and plain
+blocking API requests over the kubernetes client."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import subprocess
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
+
+import urllib3
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
 
 from e2e.cluster.cluster import free_port
 
 __all__ = ["alive", "environ", "eventually", "first_seen", "free_port", "marked",
-           "stop_process"]
+           "request", "request_json", "stop_process"]
 
 T = TypeVar("T")
 K = TypeVar("K")
@@ -93,3 +99,34 @@ def stop_process(proc: subprocess.Popen[bytes], timeout: float = 20) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def request(api: client.ApiClient, method: str, path: str, *,
+            query: dict[str, Any] | None = None, body: Any = None,
+            timeout: float | tuple[float, float] = 30.0) -> urllib3.BaseHTTPResponse:
+    """Send the request; return the unread urllib3 response (for streaming).
+    Raises ApiException for a non-2xx status, like the generated methods."""
+    headers = {"Accept": "application/json"}
+    if body is not None:
+        headers["Content-Type"] = "application/json"
+    params = [(k, str(v).lower() if isinstance(v, bool) else str(v))
+              for k, v in (query or {}).items() if v is not None]
+    m, url, hdrs, data, post = api.param_serialize(
+        method, path, query_params=params, header_params=headers, body=body,
+        auth_settings=["BearerToken"])
+    resp = api.call_api(m, url, hdrs, data, post, _request_timeout=timeout)
+    if not 200 <= resp.status <= 299:
+        resp.read()
+        raise ApiException.from_response(http_resp=resp, body=None, data=None)
+    return resp.response
+
+
+def request_json(api: client.ApiClient, method: str, path: str, *,
+                 query: dict[str, Any] | None = None, body: Any = None,
+                 timeout: float = 30.0) -> Any:
+    """The answer's JSON (the connection goes back to the pool)."""
+    resp = request(api, method, path, query=query, body=body, timeout=timeout)
+    try:
+        return json.loads(resp.data)
+    finally:
+        resp.release_conn()

@@ -10,7 +10,7 @@ import signal
 import sys
 
 from nodeagent import __version__, config
-from nodeagent.api.client import ClientConfigError, new_api_client
+from nodeagent.api.client import ClientConfigError, load_credentials
 from nodeagent.runtime.base import ContainerRuntimeError
 
 
@@ -33,10 +33,8 @@ async def _serve(cfg: config.AgentConfig, flags: dict[str, object]) -> None:
 
     # every caller retries with its own deadline (tenacity for the Lease); requests and
     # watches (a ConfigMap or Secret that pods use has a watch of its own) run on the
-    # event loop over aiohttp connections (nodeagent/api/rest.py): the kubernetes
-    # client's own pool carries nothing
-    api = new_api_client(cfg.kubeconfig, component="agent")
-    kube = RestKube(api)
+    # event loop over aiohttp connections (nodeagent/api/rest.py)
+    kube = RestKube(load_credentials(cfg.kubeconfig), component="agent")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -46,7 +44,6 @@ async def _serve(cfg: config.AgentConfig, flags: dict[str, object]) -> None:
         await Agent(cfg, parts).run(stop)
     finally:
         await kube.aclose()
-        api.close()
 
 
 def main(argv: list[str] | None = None) -> int:

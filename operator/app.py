@@ -26,7 +26,7 @@ from nodeoperator.state import Store
 from nodeoperator.sync import InitialSync
 from nodeoperator.watch import LeaseWatch
 
-from nodeagent.api.client import load_configuration, new_api_client
+from nodeagent.api.client import load_credentials
 from nodeagent.api.clock import Clock, RealClock
 from nodeagent.api.kube import RestKube
 from nodeagent.api.policy import GROUP, PLURAL, VERSION
@@ -53,16 +53,17 @@ class Options:
 
 
 def connection_info(kubeconfig: str | None, context: str | None) -> kopf.ConnectionInfo:
-    """The same credentials nodeagent.api.client uses, in kopf's form."""
-    cfg = load_configuration(kubeconfig, context)
-    header = (cfg.get_api_key_with_prefix("BearerToken")
-              or cfg.get_api_key_with_prefix("authorization") or "")
-    scheme, _, token = header.partition(" ") if " " in header else ("", "", header)
+    """The same credentials nodeagent.api.client loads, in kopf's form."""
+    creds = load_credentials(kubeconfig, context)
+    scheme, _, token = (creds.authorization() or "").partition(" ")
+    basic = creds.username is not None
     return kopf.ConnectionInfo(
-        server=cfg.host, ca_path=cfg.ssl_ca_cert or None, insecure=not cfg.verify_ssl,
-        username=cfg.username or None, password=cfg.password or None,
-        scheme=scheme or None, token=token or None,
-        certificate_path=cfg.cert_file or None, private_key_path=cfg.key_file or None)
+        server=creds.server, ca_path=creds.ca_file, ca_data=creds.ca_data,
+        insecure=creds.insecure, username=creds.username, password=creds.password,
+        scheme=None if basic else scheme or None, token=None if basic else token or None,
+        certificate_path=creds.cert_file, certificate_data=creds.cert_data,
+        private_key_path=creds.key_file, private_key_data=creds.key_data,
+        proxy_url=creds.proxy)
 
 
 def build_registry(store: Store, opts: Options) -> kopf.OperatorRegistry:
@@ -96,8 +97,7 @@ def settings() -> kopf.OperatorSettings:
 async def run(opts: Options, clock: Clock | None = None) -> None:
     clock = clock or RealClock()
     store = Store(clock)
-    api = new_api_client(opts.kubeconfig, opts.context, component="operator")
-    kube = RestKube(api)
+    kube = RestKube(load_credentials(opts.kubeconfig, opts.context), component="operator")
     elector = LeaderElector(KubeLeaseBackend(kube, opts.election_namespace,
                                              opts.election_name),
                             clock, opts.identity, duration=opts.lease_duration,
@@ -149,5 +149,4 @@ async def run(opts: Options, clock: Clock | None = None) -> None:
         if server:
             server.stop()
         await kube.aclose()
-        api.close()
         log.info("stopped")

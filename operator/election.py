@@ -36,7 +36,7 @@ class LeaseRecord:
 
 
 class LeaseBackend(Protocol):
-    """Reads and writes the election Lease; update/create raise ApiException on 409."""
+    """Reads and writes the election Lease; update/create raise ApiError on 409."""
 
     async def get(self) -> LeaseRecord | None: ...
 

@@ -24,8 +24,7 @@ import json
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
-from kubernetes.client.exceptions import ApiException
-
+from nodeagent.api.client import ApiError
 from nodeagent.api.kube import MERGE, STRATEGIC_MERGE, Obj, Resource, WatchStream
 from nodeagent.api.reflector import INITIAL_EVENTS_END
 from nodeagent.api.rest import Timeout
@@ -36,13 +35,12 @@ _REASONS = {400: "BadRequest", 403: "Forbidden", 404: "NotFound", 409: "Conflict
 
 
 def api_error(status: int, reason: str = "", message: str = "",
-              retry_after: float | None = None) -> ApiException:
+              retry_after: float | None = None) -> ApiError:
     """What the client raises for an answer with this status."""
-    e = ApiException(status=status, reason=reason or _REASONS.get(status, "Error"))
-    e.body = json.dumps({"kind": "Status", "code": status, "message": message or e.reason})
-    if retry_after is not None:
-        e.headers = {"Retry-After": str(retry_after)}
-    return e
+    reason = reason or _REASONS.get(status, "Error")
+    return ApiError(status, reason,
+                    json.dumps({"kind": "Status", "code": status, "message": message or reason}),
+                    None if retry_after is None else {"Retry-After": str(retry_after)})
 
 
 @dataclasses.dataclass

@@ -72,8 +72,9 @@ def test_console_scripts_print_help(fresh_install: tuple[Path, dict[str, str]],
 
 # Heavy packages the agent imports only when a feature needs them, so a process of
 # virtual nodes does not carry them: grpc (CRI runtime, grpc probes; 8.5 MB),
-# cryptography (the kubelet API's TLS).
-LAZY = ("grpc", "cryptography")
+# cryptography (the kubelet API's TLS), the kubernetes client (15 MB: our own loader reads
+# kubeconfigs, see nodeagent.api.client).
+LAZY = ("grpc", "cryptography", "kubernetes")
 
 
 def test_the_agent_imports_heavy_packages_only_when_used() -> None:

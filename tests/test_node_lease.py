@@ -226,6 +226,7 @@ def test_the_kept_lease_drops_the_servers_managed_fields():
         await rig.clock.advance(21)
         assert rig.kube.count("get leases") == 1 and rig.kube.count("update leases") == 3
         assert all("managedFields" not in b["metadata"] for b in rig.kube.bodies("update leases"))
+        assert rig.renewer.lease is not None
         assert "managedFields" not in rig.renewer.lease["metadata"]
         await rig.finish(task)
     run(main())

@@ -55,9 +55,8 @@ def test_connection_info_with_client_certificate(tmp_path: Path) -> None:
         "client-key-data": base64.b64encode(b"KEY").decode()})
     info = connection_info(str(path), None)
     assert info.server == "https://127.0.0.1:6443"
-    assert info.ca_path and Path(str(info.ca_path)).read_bytes() == b"CA PEM"
-    assert info.certificate_path and Path(str(info.certificate_path)).read_bytes() == b"CERT"
-    assert info.private_key_path and Path(str(info.private_key_path)).read_bytes() == b"KEY"
+    assert (info.ca_data, info.certificate_data, info.private_key_data) == (
+        b"CA PEM", b"CERT", b"KEY")
     assert info.token is None and not info.insecure
 
 

@@ -7,9 +7,9 @@ import asyncio
 import dataclasses
 
 import pytest
-from kubernetes.client.exceptions import ApiException
 from nodeoperator.election import LeaderElector, LeaseRecord
 
+from nodeagent.api.client import ApiError
 from nodeagent.api.clock import FakeClock
 
 
@@ -30,13 +30,13 @@ class FakeLease:
     async def create(self, record: LeaseRecord) -> LeaseRecord:
         self._check()
         if self.rec is not None:
-            raise ApiException(status=409)
+            raise ApiError(status=409)
         return self._store(record)
 
     async def update(self, record: LeaseRecord) -> LeaseRecord:
         self._check()
         if self.rec is None or record.rv != self.rec.rv:
-            raise ApiException(status=409)
+            raise ApiError(status=409)
         return self._store(record)
 
     def _store(self, record: LeaseRecord) -> LeaseRecord:

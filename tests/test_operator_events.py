@@ -8,11 +8,11 @@ import asyncio
 import copy
 from typing import Any
 
-from kubernetes.client.exceptions import ApiException
 from nodeoperator.events import NodeEvent, NodeEvents
 from nodeoperator.monitor import Monitor
 from nodeoperator.state import Store
 
+from nodeagent.api.client import ApiError
 from nodeagent.api.clock import FakeClock
 from tests.test_operator_monitor import ALONE, FakeApi, spec, step
 from tests.test_operator_taints import post, register
@@ -36,7 +36,7 @@ class EventApi(FakeApi):
 
     async def create_event(self, namespace: str, body: dict[str, Any]) -> str:
         if self.fail_events:
-            raise ApiException(status=500, reason="Internal")
+            raise ApiError(status=500, reason="Internal")
         name = body["metadata"]["name"]
         assert (namespace, name) not in self.events
         self.events[(namespace, name)] = copy.deepcopy(body)
@@ -45,7 +45,7 @@ class EventApi(FakeApi):
 
     async def patch_event(self, namespace: str, name: str, patch: dict[str, Any]) -> str:
         if (namespace, name) not in self.events:
-            raise ApiException(status=404, reason="Not Found")
+            raise ApiError(status=404, reason="Not Found")
         self.events[(namespace, name)].update(patch)
         self.event_calls.append(("patch", name))
         return "2"

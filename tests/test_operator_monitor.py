@@ -11,12 +11,12 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 import pytest
-from kubernetes.client.exceptions import ApiException
 from nodeoperator.lifecycle import EXCLUSIVE, Lifecycle
 from nodeoperator.monitor import Monitor, Pacer
 from nodeoperator.state import UNREACHABLE_TAINT, Store
 from prometheus_client import REGISTRY
 
+from nodeagent.api.client import ApiError
 from nodeagent.api.clock import FakeClock
 from nodeagent.api.policy import HEARTBEAT_ANNOTATION, Heartbeat, encode_heartbeat_annotation
 
@@ -85,7 +85,7 @@ class FakeApi:
         meta = patch.get("metadata", {})
         if "resourceVersion" in meta and meta["resourceVersion"] != node["metadata"][
                 "resourceVersion"]:
-            raise ApiException(status=409, reason="Conflict")
+            raise ApiError(status=409, reason="Conflict")
         self.writes.append(("node", name, patch))
         annotations = node["metadata"].setdefault("annotations", {})
         for key, value in meta.get("annotations", {}).items():
@@ -104,7 +104,7 @@ class FakeApi:
         node = self.nodes[name]
         rv = patch.get("metadata", {}).get("resourceVersion")
         if rv is not None and rv != node["metadata"]["resourceVersion"]:
-            raise ApiException(status=409, reason="Conflict")
+            raise ApiError(status=409, reason="Conflict")
         self.writes.append(("node_status", name, patch))
         conds = {c["type"]: c for c in node["status"].get("conditions", [])}
         for c in patch["status"]["conditions"]:

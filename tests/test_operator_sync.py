@@ -9,12 +9,12 @@ import copy
 import datetime as dt
 from typing import Any
 
-from kubernetes.client.exceptions import ApiException
 from nodeoperator.lifecycle import EXCLUSIVE, Lifecycle
 from nodeoperator.monitor import Monitor
 from nodeoperator.state import UNREACHABLE_TAINT, Store
 from nodeoperator.sync import InitialSync
 
+from nodeagent.api.client import ApiError
 from nodeagent.api.clock import FakeClock, settle
 from nodeagent.api.kube import NODE_STATUS_POLICIES, NODES
 from nodeagent.api.policy import HEARTBEAT_ANNOTATION, Heartbeat, encode_heartbeat_annotation
@@ -49,7 +49,7 @@ class ListApi:
                         obj["metadata"]["resourceVersion"]:
                     self.kube.put(res, obj)
         if call.resource == "nodestatuspolicies" and self.no_crd:
-            return ApiException(status=404, reason="Not Found")
+            return ApiError(status=404, reason="Not Found")
         if call.resource == "nodes" and "fieldSelector" not in call.query and self.fail:
             return self.fail.pop(0)
         return None

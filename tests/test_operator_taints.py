@@ -9,12 +9,12 @@ import copy
 from typing import Any
 
 import pytest
-from kubernetes.client.exceptions import ApiException
 from nodeoperator import taints
 from nodeoperator.lifecycle import EXCLUSIVE, Lifecycle
 from nodeoperator.monitor import WRITES, Monitor
 from nodeoperator.state import Store
 
+from nodeagent.api.client import ApiError
 from nodeagent.api.clock import FakeClock
 from tests.test_operator_monitor import Env, FakeApi, run, spec, step
 
@@ -327,7 +327,7 @@ def test_api_error_leaves_taints_for_the_next_period() -> None:
         async def failing(name: str, patch: dict[str, Any]) -> str:
             nonlocal calls
             calls += 1
-            raise ApiException(status=500, reason="etcd timeout")
+            raise ApiError(status=500, reason="etcd timeout")
         api.patch_node = failing  # type: ignore[method-assign]
         await mon.tick()
         assert calls == 1 and keys(api, "n1") == {NOT_READY}

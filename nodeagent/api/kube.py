@@ -7,9 +7,8 @@
 
 Objects are plain dicts in the API's JSON form, in and out (nothing is dropped, and
 they are cheap to hash and compare). Every path is built here from the table below:
-adding a resource is one line there. Errors are the kubernetes client's ApiException
-(`status_of`, `is_retriable` in client.py read them); transport failures are
-ConnectionError, TimeoutError or urllib3's errors, as they come.
+adding a resource is one line there. Errors are ApiError (client.py; `status_of`,
+`is_retriable` there read them); transport failures are ConnectionError or TimeoutError.
 
 `Kube` is the interface; `RestKube` is the real one (its HTTP is in rest.py, the only
 module that speaks HTTP, on the event loop). Unit tests use the in-memory fake in tests/fakekube.py. Watches
@@ -23,9 +22,8 @@ from collections.abc import AsyncIterator
 from typing import Any, Protocol
 from urllib.parse import quote
 
-from kubernetes import client
-
 from nodeagent.api import policy
+from nodeagent.api.client import Credentials
 from nodeagent.api.rest import Timeout, Transport
 
 Obj = dict[str, Any]
@@ -172,17 +170,18 @@ class Kube(Protocol):
 
 
 class RestKube:
-    """Kube over HTTP: rest.Transport, with the credentials of an ApiClient built by
-    nodeagent.api.client. Requests run on the event loop; `separate` gives a RestKube
-    with connections of its own; `aclose` closes the connections of this one."""
+    """Kube over HTTP: rest.Transport, with the Credentials nodeagent.api.client loads
+    (`component` names the program in the User-Agent). Requests run on the event loop;
+    `separate` gives a RestKube with connections of its own; `aclose` closes the
+    connections of this one."""
 
-    def __init__(self, api: client.ApiClient, connections: int = 16,
-                 transport: Transport | None = None) -> None:
-        self.api = api
-        self.transport = transport or Transport(api, connections)
+    def __init__(self, creds: Credentials, connections: int = 16, *,
+                 component: str = "nodepulse", transport: Transport | None = None) -> None:
+        self.creds = creds
+        self.transport = transport or Transport(creds, connections, component)
 
     def separate(self, connections: int) -> RestKube:
-        return RestKube(self.api, transport=self.transport.separate(connections))
+        return RestKube(self.creds, transport=self.transport.separate(connections))
 
     async def aclose(self) -> None:
         await self.transport.aclose()

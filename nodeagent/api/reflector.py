@@ -31,11 +31,10 @@ import random
 from collections.abc import Coroutine
 from typing import Any, Protocol
 
-from kubernetes.client.exceptions import ApiException
 from prometheus_client import Counter
 
 from nodeagent.api.answered import ApiAnswered
-from nodeagent.api.client import brief, is_retriable, status_of
+from nodeagent.api.client import ApiError, brief, is_retriable, status_of
 from nodeagent.api.clock import Clock
 from nodeagent.api.kube import Kube, Obj, Resource, WatchStream
 
@@ -231,7 +230,7 @@ class Reflector:
                                             label_selector=c.label_selector,
                                             field_selector=c.field_selector,
                                             limit=c.page_size, cont=cont, timeout=60.0)
-            except ApiException as e:
+            except ApiError as e:
                 if e.status == 410 and cont:
                     # the continue token expired: start a consistent list again
                     items, cont = [], ""
@@ -260,7 +259,7 @@ class Reflector:
                 label_selector=c.label_selector, field_selector=c.field_selector,
                 timeout_seconds=int(c.watch_timeout * random.uniform(1.0, 2.0)),
                 send_initial_events=streaming)
-        except ApiException as e:
+        except ApiError as e:
             if e.status == 410:  # refused up front rather than as an ERROR event
                 raise Gone(f"resourceVersion {self.resource_version} is gone") from e
             raise
@@ -299,9 +298,8 @@ class Reflector:
                 self._deliver(changes)  # what came before it happened
                 if obj.get("code") == 410:
                     raise Gone(obj.get("message") or "410 Gone")
-                raise ApiException(status=obj.get("code") or 500,
-                                   reason=obj.get("message") or obj.get("reason")
-                                   or "watch error")
+                raise ApiError(obj.get("code") or 500,
+                               obj.get("message") or obj.get("reason") or "watch error")
             meta = obj.get("metadata") or {}
             rv = meta.get("resourceVersion")
             if etype == "BOOKMARK":
@@ -331,7 +329,7 @@ class Reflector:
 
 
 def _retry_after(e: BaseException) -> float | None:
-    if isinstance(e, ApiException) and e.status == 429 and e.headers:
+    if isinstance(e, ApiError) and e.status == 429 and e.headers:
         try:
             return float(e.headers.get("Retry-After", ""))
         except ValueError:

@@ -1,20 +1,16 @@
 """The HTTP transport under nodeagent.api.kube: the only module that speaks HTTP.
 
 `Transport` is what the agent and the operator use: requests on the event loop itself
-(aiohttp, keep-alive connections, at most `connections` at once), with the credentials
-of an ApiClient built by nodeagent.api.client (its configuration: server, CA, client
-certificate, bearer token and its refresh). No thread per request: handing each request
-to a thread and its answer back to the loop cost more CPU than the request itself, which
-counts when one process renews the Leases of thousands of nodes. A watch is read on the
-loop too, a chunk at a time.
+(aiohttp, keep-alive connections, at most `connections` at once), with the Credentials
+nodeagent.api.client loads (server, CA, client certificate, the Authorization header and
+its refresh). No thread per request: handing each request to a thread and its answer
+back to the loop cost more CPU than the request itself, which counts when one process
+renews the Leases of thousands of nodes. A watch is read on the loop too, a chunk at a
+time.
 
 Bodies are plain dicts in the API's JSON form, in and out (cheap to hash and compare,
-nothing dropped). Non-2xx answers raise the kubernetes client's ApiException (with
-status, reason, body and headers, as its generated methods do); a transport failure
-raises ConnectionError or TimeoutError.
-
-`request`, `request_json` and `request_unread` are the blocking equivalents over the
-ApiClient itself, for scripts and tests that have no event loop.
+nothing dropped). Non-2xx answers raise ApiError (with status, reason, body and
+headers); a transport failure raises ConnectionError or TimeoutError.
 """
 
 from __future__ import annotations
@@ -27,58 +23,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
-import urllib3
-from kubernetes import client
-from kubernetes.client.exceptions import ApiException
 from multidict import CIMultiDict
 
+from nodeagent.api.client import USER_AGENT, ApiError, Credentials
+
 Timeout = float | tuple[float, float] | None  # None: no timeout; (connect, read)
-
-
-def request(api: client.ApiClient, method: str, path: str, *,
-            query: dict[str, Any] | None = None, body: Any = None,
-            timeout: Timeout = 30.0, content_type: str = "application/json"
-            ) -> urllib3.BaseHTTPResponse:
-    """Send the request; return the unread urllib3 response (for streaming).
-    Raises ApiException for a non-2xx status, like the generated methods."""
-    headers = {"Accept": "application/json"}
-    if body is not None:
-        headers["Content-Type"] = content_type
-    params = [(k, _q(v)) for k, v in (query or {}).items() if v is not None]
-    m, url, hdrs, data, post = api.param_serialize(
-        method, path, query_params=params, header_params=headers, body=body,
-        auth_settings=["BearerToken"])
-    resp = api.call_api(m, url, hdrs, data, post, _request_timeout=timeout)
-    if not 200 <= resp.status <= 299:
-        resp.read()
-        raise ApiException.from_response(http_resp=resp, body=None, data=None)
-    return resp.response
-
-
-def request_json(api: client.ApiClient, method: str, path: str, *,
-                 query: dict[str, Any] | None = None, body: Any = None,
-                 timeout: Timeout = 30.0, content_type: str = "application/json") -> Any:
-    resp = request(api, method, path, query=query, body=body, timeout=timeout,
-                   content_type=content_type)
-    try:
-        return json.loads(resp.data)
-    finally:
-        resp.release_conn()
-
-
-def request_unread(api: client.ApiClient, method: str, path: str, *,
-                   query: dict[str, Any] | None = None, body: Any = None,
-                   timeout: Timeout = 30.0, content_type: str = "application/json") -> None:
-    """A request whose answer is not needed: the body is read to its end unparsed and
-    the connection goes back to the pool. Left unread, the response would hold its
-    connection until garbage collection closes it: every such write would open a new
-    TLS connection, and the API server would log an aborted request."""
-    resp = request(api, method, path, query=query, body=body, timeout=timeout,
-                   content_type=content_type)
-    try:
-        resp.drain_conn()
-    finally:
-        resp.release_conn()
 
 
 def _q(v: Any) -> str:
@@ -116,22 +65,8 @@ def json_lines(chunks: Iterator[bytes]) -> Iterator[list[Any]]:
         yield objs
 
 
-class _Answer:
-    """What ApiException.from_response reads of a response."""
-
-    def __init__(self, status: int, reason: str, data: bytes, headers: CIMultiDict[str]) -> None:
-        self.status, self.reason, self.data, self.headers = status, reason, data, headers
-
-
-def api_error(resp: aiohttp.ClientResponse, data: bytes) -> ApiException:
-    """The ApiException (or its subclass for the status) the generated methods raise."""
-    try:
-        ApiException.from_response(http_resp=_Answer(resp.status, resp.reason or "", data,
-                                                     CIMultiDict(resp.headers)),
-                                   body=None, data=None)
-    except ApiException as e:
-        return e
-    raise AssertionError("from_response always raises")  # pragma: no cover
+def api_error(resp: aiohttp.ClientResponse, data: bytes) -> ApiError:
+    return ApiError(resp.status, resp.reason or "", data, CIMultiDict(resp.headers))
 
 
 def client_timeout(timeout: Timeout) -> aiohttp.ClientTimeout:
@@ -144,19 +79,6 @@ def client_timeout(timeout: Timeout) -> aiohttp.ClientTimeout:
     return aiohttp.ClientTimeout(total=timeout)
 
 
-def ssl_context(cfg: client.Configuration) -> ssl.SSLContext:
-    """The server's CA and our client certificate, from the client's configuration."""
-    ctx = ssl.create_default_context(cafile=cfg.ssl_ca_cert or None)
-    if cfg.cert_file:
-        ctx.load_cert_chain(cfg.cert_file, cfg.key_file or None)
-    if not cfg.verify_ssl:
-        ctx.check_hostname = False
-        ctx.verify_mode = ssl.CERT_NONE
-    elif cfg.assert_hostname is False:
-        ctx.check_hostname = False
-    return ctx
-
-
 class Transport:
     """Requests to one API server on the running event loop, over keep-alive connections
     of its own: at most `connections` requests at once, more wait their turn, and a
@@ -167,12 +89,13 @@ class Transport:
     for callers that must never wait behind others (a Lease renewal behind a burst of
     status writes). The aiohttp session is made in the loop that first uses it."""
 
-    def __init__(self, api: client.ApiClient, connections: int = 16) -> None:
-        self.cfg: client.Configuration = api.configuration
-        self.base = str(self.cfg.host).rstrip("/")
+    def __init__(self, creds: Credentials, connections: int = 16,
+                 component: str = "nodepulse") -> None:
+        self.creds = creds
+        self.base = creds.server
         self.connections = connections
         self._headers = {"Accept": "application/json",
-                         "User-Agent": str(api.user_agent or "nodepulse")}
+                         "User-Agent": f"{USER_AGENT}/{component}"}
         self._ssl: ssl.SSLContext | None = None  # made with the first session
         self._session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -192,8 +115,8 @@ class Transport:
     def _open(self) -> aiohttp.ClientSession:
         loop = asyncio.get_running_loop()
         if self._session is None or self._loop is not loop or self._session.closed:
-            if self._ssl is None and self.base.startswith("https:"):
-                self._ssl = ssl_context(self.cfg)
+            if self._ssl is None:
+                self._ssl = self.creds.ssl_context()
             # no limit here: the turns bound the requests, and watches come on top
             connector = aiohttp.TCPConnector(limit=0, ssl=self._ssl or False,
                                              enable_cleanup_closed=True)
@@ -215,9 +138,9 @@ class Transport:
 
     def _request_headers(self, content_type: str | None) -> dict[str, str]:
         headers = dict(self._headers)
-        token = self.cfg.get_api_key_with_prefix("BearerToken", alias="authorization")
-        if token:
-            headers["Authorization"] = token
+        auth = self.creds.authorization()
+        if auth:
+            headers["Authorization"] = auth
         if content_type:
             headers["Content-Type"] = content_type
         return headers
@@ -230,14 +153,14 @@ class Transport:
         return self._open().request(
             method, self.base + path, params=params or None, data=data,
             headers=self._request_headers(content_type if data is not None else None),
-            timeout=client_timeout(timeout), proxy=self.cfg.proxy or None,
-            server_hostname=self.cfg.tls_server_name or None, allow_redirects=False)
+            timeout=client_timeout(timeout), proxy=self.creds.proxy,
+            server_hostname=self.creds.tls_server_name, allow_redirects=False)
 
     async def request(self, method: str, path: str, *, query: dict[str, Any] | None = None,
                       body: Any = None, timeout: Timeout = 30.0,
                       content_type: str = "application/json", parse: bool = True) -> Any:
         """The answer's JSON (None when `parse` is false: read to its end, unparsed).
-        Raises ApiException for a non-2xx status."""
+        Raises ApiError for a non-2xx status."""
         self._open()
         assert self._turns is not None
         async with self._turns:

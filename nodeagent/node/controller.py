@@ -15,10 +15,8 @@ import random
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
-from kubernetes.client.exceptions import ApiException
-
 from nodeagent.api.answered import ApiAnswered
-from nodeagent.api.client import brief
+from nodeagent.api.client import ApiError, brief
 from nodeagent.api.clock import Clock
 from nodeagent.api.kube import NODES, Kube, Obj
 from nodeagent.api.policy import (
@@ -163,7 +161,7 @@ class NodeController:
         t = self.REQUEST_TIMEOUT
         try:
             node = await self.kube.get(NODES, self.name, timeout=t)
-        except ApiException as e:
+        except ApiError as e:
             if e.status != 404:
                 raise
             try:
@@ -171,7 +169,7 @@ class NodeController:
                 node = await self.kube.create(NODES, body, timeout=t)
                 log.info("node %s: registered", self.name)
                 return node
-            except ApiException as e2:
+            except ApiError as e2:
                 if e2.status != 409:
                     raise
                 node = await self.kube.get(NODES, self.name, timeout=t)
@@ -250,7 +248,7 @@ class NodeController:
         try:
             written = await self.kube.patch(NODES, self.name, body, subresource="status",
                                             timeout=self.REQUEST_TIMEOUT)
-        except ApiException as e:
+        except ApiError as e:
             self.metrics.status_errors.inc()
             if e.status == 404:
                 log.warning("node %s: Node is gone; registering again", self.name)

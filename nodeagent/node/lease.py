@@ -16,11 +16,10 @@ from __future__ import annotations
 import logging
 import random
 
-from kubernetes.client.exceptions import ApiException
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception
 
 from nodeagent.api.answered import ApiAnswered
-from nodeagent.api.client import brief, is_retriable, status_of
+from nodeagent.api.client import ApiError, brief, is_retriable, status_of
 from nodeagent.api.clock import Clock
 from nodeagent.api.kube import LEASES, NODE_LEASE_NAMESPACE, Kube, Obj
 from nodeagent.api.policy import Heartbeat
@@ -169,7 +168,7 @@ class LeaseRenewer:
             try:
                 self.lease = _kept(await self.kube.get(
                     LEASES, self.node, namespace=NODE_LEASE_NAMESPACE, timeout=timeout))
-            except ApiException as e:
+            except ApiError as e:
                 if e.status != 404:
                     raise
                 self.lease = _kept(await self.kube.create(LEASES, self._body(None),
@@ -178,7 +177,7 @@ class LeaseRenewer:
         try:
             self.lease = _kept(await self.kube.update(LEASES, self._body(self.lease),
                                                       timeout=timeout))
-        except ApiException as e:
+        except ApiError as e:
             if e.status in (404, 409):
                 self.lease = None  # deleted or changed under us: re-read on the next try
             raise

@@ -29,10 +29,8 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from kubernetes.client.exceptions import ApiException
-
 from nodeagent.api.answered import ApiAnswered
-from nodeagent.api.client import brief, is_retriable
+from nodeagent.api.client import ApiError, brief, is_retriable
 from nodeagent.api.clock import Clock
 from nodeagent.api.kube import PODS, Kube, describe
 from nodeagent.sources import metrics
@@ -168,7 +166,7 @@ class MirrorManager:
             return False
         try:
             await self.kube.create(PODS, mirror_pod(static, uid), timeout=30.0, parse=False)
-        except ApiException as e:
+        except ApiError as e:
             metrics.MIRROR_WRITES.labels("create", "error").inc()
             if e.status == 409:
                 return True  # already there: the watch will show what it is
@@ -198,7 +196,7 @@ class MirrorManager:
             await self.kube.delete(PODS, meta["name"], namespace=meta["namespace"], options={
                 "gracePeriodSeconds": 0, "preconditions": {"uid": meta["uid"]}},
                 timeout=30.0, parse=False)
-        except ApiException as e:
+        except ApiError as e:
             if e.status in (404, 409):  # gone already, or another incarnation
                 self._deleted[name] = meta["uid"]
                 return True

@@ -33,9 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kubernetes.client.exceptions import ApiException
-
-from nodeagent.api.client import brief
+from nodeagent.api.client import ApiError, brief
 from nodeagent.api.clock import Clock
 from nodeagent.api.kube import CONFIG_MAPS, SECRETS
 from nodeagent.api.quantity import parse_quantity
@@ -530,7 +528,7 @@ class VolumeManager:
         try:
             token, due = await self.tokens.token(pod, str(source.get("audience") or ""),
                                                  source.get("expirationSeconds"))
-        except ApiException as e:
+        except ApiError as e:
             raise _Failed(f"failed to fetch token: {brief(e)}") from e
         except (OSError, TimeoutError) as e:
             raise _Failed(f"failed to fetch token: {e}") from e

@@ -45,7 +45,7 @@ class TokenManager:
     async def token(self, pod: Mapping[str, Any], audience: str,
                     expiration: int | None) -> tuple[str, float]:
         """A token for the pod's ServiceAccount bound to the pod, and the seconds until
-        it must be refreshed. Raises what the API raises (kubernetes ApiException)."""
+        it must be refreshed. Raises what the API raises (ApiError)."""
         meta = pod.get("metadata") or {}
         uid = str(meta.get("uid") or "")
         secs = int(expiration or DEFAULT_EXPIRATION)
