@@ -233,9 +233,10 @@ def housekeeping(pleg: Pleg, sources_ready: SourcesReady, loops: Sequence[SyncLo
         names.setdefault(c.pod_uid, (c.labels.get(LABEL_POD_NAME, ""),
                                      c.labels.get(LABEL_POD_NAMESPACE, "")))
     orphans = sorted(names.keys() - known)
-    first = remover() if orphans else None
+    if not orphans:
+        return []
+    first = remover()
     for uid in orphans:
-        assert first is not None
         name, ns = names[uid]
         log.info("housekeeping: pod %s/%s (uid %s) runs but no source has it; removing",
                  ns, name, uid)
