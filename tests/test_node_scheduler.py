@@ -69,3 +69,37 @@ async def test_a_plan_for_later_wakes_nothing_and_the_wait_does_not_spin() -> No
     assert clock.sleeps == waits + 5 and clock.sleepers == 1
     await sched.stop()
     task.cancel()
+
+
+@aio
+async def test_with_slack_one_wake_up_runs_every_job_due_within_it() -> None:
+    """Thousands of nodes' jobs each due at its own jittered time: with `slack`, one
+    wake-up runs all that are due within it, each at most `slack` late, never early."""
+    clock = CountingClock()
+    ran: dict[str, float] = {}
+
+    async def job(key: str) -> float | None:
+        ran[key] = clock.monotonic()
+        return None
+
+    sched: DueScheduler[str] = DueScheduler(clock, job, slack=0.05)
+    task = asyncio.create_task(sched.run())
+    due = {"a": 1.0, "b": 1.01, "c": 1.04, "d": 1.2}
+    for key, at in due.items():
+        sched.schedule(key, at)
+    await settle()
+    waits = clock.sleeps
+    await clock.advance(2)
+    assert ran == {"a": 1.05, "b": 1.05, "c": 1.05, "d": 1.25}
+    assert clock.sleeps == waits + 1  # a, b, c in one wake-up; then d's
+    # a plan within the slack of the wait under way does not end it
+    sched.schedule("e", 3.0)
+    await settle()
+    waits = clock.sleeps
+    sched.schedule("f", 3.02)
+    await settle()
+    assert clock.sleeps == waits
+    await clock.advance(2)
+    assert (ran["e"], ran["f"]) == (3.05, 3.05)
+    await sched.stop()
+    task.cancel()

@@ -51,12 +51,17 @@ async def inline(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
 
 
 class DueScheduler(Generic[K]):
+    """`slack`: a job may run this many seconds after its due time, so that one wake-up
+    runs every job due within it (thousands of nodes' renewals and ticks, each due at
+    its own jittered time, would otherwise wake the loop once each)."""
+
     def __init__(self, clock: Clock, job: Job[K], name: str = "scheduler",
-                 retry_after_error: float = 1.0) -> None:
+                 retry_after_error: float = 1.0, slack: float = 0.0) -> None:
         self.clock = clock
         self.job = job
         self.name = name
         self.retry_after_error = retry_after_error
+        self.slack = slack
         self._heap: list[tuple[float, int, K]] = []
         self._due: dict[K, float] = {}
         self._running: dict[K, asyncio.Task[None]] = {}
@@ -77,7 +82,7 @@ class DueScheduler(Generic[K]):
         """Run `key` at monotonic time `at` (replacing any earlier plan for it)."""
         self._due[key] = at
         heapq.heappush(self._heap, (at, next(self._seq), key))
-        if at < self._waiting_until:
+        if at + self.slack < self._waiting_until:
             self._wake()
 
     def cancel(self, key: K) -> None:
@@ -93,7 +98,7 @@ class DueScheduler(Generic[K]):
             at, _, key = self._heap[0]
             delay = at - self.clock.monotonic()
             if delay > 0:
-                await self._wait(delay)
+                await self._wait(delay + self.slack)
                 continue
             heapq.heappop(self._heap)
             del self._due[key]
