@@ -70,8 +70,8 @@ class AgentConfig:
     # virtual-node mode: these Nodes instead of node_name (empty: a host agent)
     virtual_node_names: tuple[str, ...] = ()
     virtual_node_taints: tuple[Mapping[str, str], ...] = (dict(VIRTUAL_TAINT),)
-    # the kubelet API (nodeagent.server); None: not served (the loader's default is
-    # 10250, so only an embedding program or a test goes without)
+    # the kubelet API (nodeagent.server); None: not served (--enable-server=false; the
+    # loader's default is 10250)
     port: int | None = None
     address: str = "0.0.0.0"
     tls_cert_file: str | None = None
@@ -491,6 +491,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("port", "port", "port", _int(0, 65535),
            "port of the kubelet API (logs, exec, attach, port-forward, stats) over TLS "
            "(10250; 0 picks a free one; the Node's daemonEndpoints say which)"),
+    Option("enable_server", "enable-server", "enableServer", _bool,
+           "serve the kubelet API (true; false: no kubectl logs, exec, attach, "
+           "port-forward or top for this agent's nodes, and no TLS certificate made)"),
     Option("address", "address", "address", _address,
            "IP address the kubelet API listens on (0.0.0.0: all)"),
     Option("tls_cert_file", "tls-cert-file", "tlsCertFile", _opt_str,
@@ -608,6 +611,8 @@ def load(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Agen
                           "(set --agent-id)")
     values["config_file"] = Path(config_path) if config_path else None
     values.setdefault("port", 10250)
+    if not values.pop("enable_server", True):
+        values["port"] = None
     _check_serving(values)
     if values.get("serialize_image_pulls", True) and values.get("max_parallel_image_pulls",
                                                                  1) > 1:

@@ -151,3 +151,13 @@ def test_unknown_keys_of_any_type_are_named(tmp_path):
     path = write(tmp_path, "1: a\nnull: b\nmaxPods: 5\n")
     with pytest.raises(ConfigError, match=r"unknown key\(s\) 1, None"):
         load(["--config", path])
+
+
+def test_the_kubelet_api_is_served_unless_enable_server_is_false(tmp_path):
+    assert load(["--node-name", "n1"]).port == 10250
+    assert load(["--node-name", "n1", "--enable-server=false"]).port is None
+    assert load(["--node-name", "n1"], {"NODEPULSE_ENABLE_SERVER": "false"}).port is None
+    conf = tmp_path / "agent.yaml"
+    conf.write_text("enableServer: false\nport: 11250\n")
+    assert load(["--node-name", "n1", "--config", str(conf)]).port is None
+    assert load(["--node-name", "n1", "--config", str(conf), "--enable-server"]).port == 11250

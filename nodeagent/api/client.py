@@ -129,6 +129,7 @@ class Credentials:
         self.username, self.password = username, password
         self.exec_plugin = exec_plugin
         self._clock = clock
+        self._ssl: ssl.SSLContext | None = None
         self._lock = threading.Lock()
         self._token = token
         self._token_until = float("inf") if token else -float("inf")
@@ -138,9 +139,15 @@ class Credentials:
     # -- TLS --
     def ssl_context(self) -> ssl.SSLContext | None:
         """For an https server: its CA (or none checked, when insecure) and our client
-        certificate."""
+        certificate. Made once: every connection shares it (each context holds its own
+        copy of the CA and key)."""
         if not self.server.startswith("https:"):
             return None
+        if self._ssl is None:
+            self._ssl = self._make_ssl_context()
+        return self._ssl
+
+    def _make_ssl_context(self) -> ssl.SSLContext:
         ctx = ssl.create_default_context(
             cafile=self.ca_file, cadata=self.ca_data.decode() if self.ca_data else None)
         if self.insecure:

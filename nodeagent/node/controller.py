@@ -241,6 +241,9 @@ class NodeController:
                                    self.heartbeat.statusReportFrequencySeconds,
                                    self.heartbeat.statusUpdateFrequencySeconds)
             if reason is None:
+                # `new` differs from what the server has only in heartbeat times and
+                # messages: keep one status per node, not two (thousands of nodes)
+                self.computed = self.reported
                 return
             body = build_patch(self.reported, new, changes, full=reason != "change")
             if reason == "change":
