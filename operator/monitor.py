@@ -138,6 +138,13 @@ class NodeAction:
         other writes (a taint off a node heard from again, annotations)."""
         return (0, -self.over) if self.over is not None else (1,)
 
+    @property
+    def second_priority(self) -> tuple[float, ...]:
+        """A marking's second write (Ready=Unknown after the taint; the taint after it in
+        coexist mode) waits for every marking's first: when hundreds of nodes fall
+        silent together, all are tainted before any is written twice."""
+        return (0.5, -self.over) if self.over is not None else (1,)
+
 
 @dataclasses.dataclass
 class GroupState:
@@ -665,16 +672,22 @@ class Monitor:
         seen = [a.base_rv]
         posts: list[NodeEvent] = []  # the Events of the writes that went through
         node_written = False
-        async with self._slots.slot(a.priority):
-            if self._outdated(a):
-                if a.granted is not None:
-                    self.pacer.refund(a.granted)
-                WRITES.labels("node", "overtaken").inc()
-                self.store.changed.set()  # decided again at once
-                return
-            try:
-                for part in ("status", "node") if a.status_first else ("node", "status"):
-                    if part == "node" and a.node_patch and self.is_leader():
+        order = ("status", "node") if a.status_first else ("node", "status")
+        parts = [p for p in order if (a.node_patch if p == "node" else a.status_patch)]
+        try:
+            # each write takes its own turn (see NodeAction.second_priority)
+            for turn, part in enumerate(parts):
+                async with self._slots.slot(a.priority if turn == 0 else a.second_priority):
+                    if turn == 0 and self._outdated(a):
+                        if a.granted is not None:
+                            self.pacer.refund(a.granted)
+                        WRITES.labels("node", "overtaken").inc()
+                        self.store.changed.set()  # decided again at once
+                        return
+                    if not self.is_leader():
+                        break
+                    if part == "node":
+                        assert a.node_patch is not None
                         patch = a.node_patch
                         if "resourceVersion" in patch["metadata"]:  # on top of our last
                             patch = {**patch, "metadata": {**patch["metadata"],
@@ -686,24 +699,25 @@ class Monitor:
                         if a.taint_delay is not None:
                             TAINT_DELAY.observe(a.taint_delay + self.clock.monotonic()
                                                 - a.planned)
-                    elif part == "status" and a.status_patch and self.is_leader():
+                    else:
                         # Only on top of the version judged stale (or our own write on
                         # it): a status the agent posted meanwhile is not overwritten.
-                        body = {**a.status_patch, "metadata": {"resourceVersion": seen[-1]}}
+                        body = {**(a.status_patch or {}),
+                                "metadata": {"resourceVersion": seen[-1]}}
                         seen.append(await self.writer.patch_node_status(a.name, body))
                         WRITES.labels("node_status", "ok").inc()
                         posts += a.status_events
-            except Exception as e:
-                if a.granted is not None and not node_written:
-                    self.pacer.refund(a.granted)
-                _count_failure("node", e, a.name)
-            # The last version we produced is what the index should settle on; the
-            # versions before it (the one we read, and our first write's) need no
-            # second look. Nothing written (or a first write refused): look again.
-            if len(seen) > 1:
-                self._written["node/" + a.name] = set(seen[:-1])
-            else:
-                self._written.pop("node/" + a.name, None)
+        except Exception as e:
+            if a.granted is not None and not node_written:
+                self.pacer.refund(a.granted)
+            _count_failure("node", e, a.name)
+        # The last version we produced is what the index should settle on; the
+        # versions before it (the one we read, and our first write's) need no
+        # second look. Nothing written (or a first write refused): look again.
+        if len(seen) > 1:
+            self._written["node/" + a.name] = set(seen[:-1])
+        else:
+            self._written.pop("node/" + a.name, None)
         for ev in posts:
             self._post(ev)
 

@@ -253,3 +253,26 @@ def test_a_marking_s_events_wait_while_other_nodes_are_being_marked() -> None:
         assert {r[1] for r in reasons if r[0] == "n2"} == {"TaintAdded", "EvictionStarted",
                                                            "NodeStatusUnknown"}
     run(4, t)
+
+
+def test_nodes_falling_silent_together_are_all_tainted_before_any_is_written_twice() -> None:
+    """Each marking is two writes (the taint, then Ready=Unknown); with one slot, the
+    taints of every node silent at once go before the first status write."""
+    async def t(rig: Rig) -> None:
+        rig.policy(grace=15)
+        names = ["a", "b", "c"]
+        for n in names:
+            rig.node(n)
+            rig.renew(n)
+        await rig.start()
+        held = rig.kube.hold(PATCH, "a")  # a slow API server: the others queue meanwhile
+        await rig.clock.advance(17)  # all three silent past their grace together
+        held.set()
+        for _ in range(3):
+            await rig.clock.advance(1)
+        calls = [f"{c.resource} {c.name}" for c in rig.kube.calls
+                 if c.key in ("patch nodes", "patch nodes/status")]
+        assert calls[:3] == ["nodes a", "nodes b", "nodes c"], calls
+        assert sorted(calls[3:]) == ["nodes/status a", "nodes/status b", "nodes/status c"]
+        assert all(rig.ready(n) == "Unknown" and "NoSchedule" in rig.taints(n) for n in names)
+    run(1, t)
