@@ -253,6 +253,8 @@ class ChurnResult:
     job_pods: int = 0
     job_succeeded: int = 0
     job_s: float = math.nan
+    node_p50_s: float = math.nan  # per pod: first seen bound to a node -> seen Running
+    node_p99_s: float = math.nan
 
 
 def _s(x: float, fmt: str = "{:.2f}") -> str:
@@ -261,10 +263,11 @@ def _s(x: float, fmt: str = "{:.2f}") -> str:
 
 def render_churn(results: Iterable[ChurnResult], markdown: bool = False) -> str:
     head = ["subject", "nodes", "pods", "running", "all Running s", "p50 s", "p99 s",
-            "subject CPU s", "apiserver CPU s", "subject RSS MB", "job pods", "succeeded",
-            "job s"]
+            "node p50 s", "node p99 s", "subject CPU s", "apiserver CPU s", "subject RSS MB",
+            "job pods", "succeeded", "job s"]
     rows = [[r.subject, str(r.nodes), str(r.pods), str(r.running),
              _s(r.all_running_s, "{:.1f}"), _s(r.p50_s), _s(r.p99_s),
+             _s(r.node_p50_s, "{:.3f}"), _s(r.node_p99_s, "{:.3f}"),
              f"{r.subject_cpu_s:.1f}", f"{r.apiserver_cpu_s:.1f}", f"{r.subject_rss_mb:.0f}",
              str(r.job_pods), str(r.job_succeeded), _s(r.job_s, "{:.1f}")]
             for r in results]

@@ -353,6 +353,7 @@ class PodWatch:
 
     def __init__(self, api: client.ApiClient, namespace: str) -> None:
         self.first: dict[str, float] = {}
+        self.bound: dict[str, float] = {}  # first seen with spec.nodeName (scheduled)
         self.running: dict[str, float] = {}
         self.unobserved: set[str] = set()  # Running before the watch saw them at all
         self.resumes = 0
@@ -369,7 +370,7 @@ class PodWatch:
                 uid, phase = pod.metadata.uid, pod.status.phase if pod.status else None
                 if uid not in self.first and phase == "Running":
                     self.unobserved.add(uid)  # created and started while unwatched
-                self._see(uid, phase, now)
+                self._see(uid, pod.spec.node_name, phase, now)
             return str(pods.metadata.resource_version)
 
         def run() -> None:
@@ -383,7 +384,7 @@ class PodWatch:
                             obj = ev["object"]
                             if ev["type"] == "ERROR":
                                 raise RuntimeError(f"watch error: {obj.get('message')}")
-                            self._see(obj["metadata"]["uid"],
+                            self._see(obj["metadata"]["uid"], obj["spec"].get("nodeName"),
                                       obj.get("status", {}).get("phase"), time.monotonic())
                             rv = obj["metadata"]["resourceVersion"]
                         self.resumes += 1
@@ -399,8 +400,10 @@ class PodWatch:
         self._thread = threading.Thread(target=run, daemon=True)
         self._thread.start()
 
-    def _see(self, uid: str, phase: str | None, now: float) -> None:
+    def _see(self, uid: str, node: str | None, phase: str | None, now: float) -> None:
         self.first.setdefault(uid, now)
+        if node:
+            self.bound.setdefault(uid, now)
         if phase == "Running":
             self.running.setdefault(uid, now)
 
@@ -499,8 +502,10 @@ def run_churn(subject: Subject, args: argparse.Namespace) -> measure.ChurnResult
                 seen = len(pods.running)
                 log(f"  {len(pods.first)} pods seen, {seen} Running")
         s1 = snapshot(cluster, pids)
+        # the Deployment's pods only: the Job's, in the same namespace, come later
+        running, unobserved = dict(pods.running), set(pods.unobserved)
         log(f"  pod watch resumed {pods.resumes}x, relisted {pods.relists}x; "
-            f"{len(pods.unobserved)} pods first seen Running (not in the latencies)")
+            f"{len(unobserved)} pods first seen Running (not in the latencies)")
         # the before build may predate scripted pods: its Job would never complete
         with_job = args.job_pods and subject.name != "before"
         job_done, job_s = run_job(api, subject, args) if with_job else (0, math.nan)
@@ -510,14 +515,17 @@ def run_churn(subject: Subject, args: argparse.Namespace) -> measure.ChurnResult
             pods.stop()
         subject.stop()
         cluster.remove()
-    latencies = [t - pods.first[uid] for uid, t in pods.running.items()
-                 if uid not in pods.unobserved]
-    done = len(pods.running) >= args.churn_pods
+    latencies = [t - pods.first[uid] for uid, t in running.items() if uid not in unobserved]
+    # the node's own part: scheduled (seen bound) -> seen Running
+    on_node = [t - pods.bound[uid] for uid, t in running.items()
+               if uid not in unobserved and uid in pods.bound]
+    done = len(running) >= args.churn_pods
     return measure.ChurnResult(
         subject=subject.name, nodes=subject.n, pods=args.churn_pods,
-        running=len(pods.running),
-        all_running_s=max(pods.running.values()) - s0.t if done else math.nan,
+        running=len(running),
+        all_running_s=max(running.values()) - s0.t if done else math.nan,
         p50_s=measure.percentile(latencies, 50), p99_s=measure.percentile(latencies, 99),
+        node_p50_s=measure.percentile(on_node, 50), node_p99_s=measure.percentile(on_node, 99),
         subject_cpu_s=s1.cpu["subject"] - s0.cpu["subject"],
         apiserver_cpu_s=s1.cpu["kube-apiserver"] - s0.cpu["kube-apiserver"],
         subject_rss_mb=rss, job_pods=args.job_pods if with_job else 0,
@@ -636,7 +644,8 @@ Written by `bench/scale.py --churn`; do not edit by hand.
 One Deployment of {args.churn_pods} pods (node selector on the subject's nodes, all
 taints tolerated) on a fresh local control plane once all nodes are Ready. "all Running
 s": Deployment created until the last pod was seen Running; p50/p99: per pod, first
-seen by a watch until seen Running. Pod creation is paced by kube-controller-manager's
+seen by a watch until seen Running; "node p50/p99": from first seen bound to a node
+(scheduled) until seen Running, the node's own part. Pod creation is paced by kube-controller-manager's
 client rate limit (its defaults) and binding by kube-scheduler's, for every subject
 alike. CPU seconds over the Deployment's churn.{job_text}
 

@@ -30,6 +30,7 @@ async def _serve(cfg: config.AgentConfig, flags: dict[str, object]) -> None:
     from nodeagent.agent import Agent, Parts  # the heavy imports only when running
     from nodeagent.api.clock import RealClock
     from nodeagent.api.kube import RestKube
+    from nodeagent.collector import Collector
 
     # every caller retries with its own deadline (tenacity for the Lease); requests and
     # watches (a ConfigMap or Secret that pods use has a watch of its own) run on the
@@ -39,10 +40,14 @@ async def _serve(cfg: config.AgentConfig, flags: dict[str, object]) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    # the process's garbage collection (a policy of the process, not of the Agent, which
+    # tests run many of in one process)
+    collector = asyncio.create_task(Collector(RealClock()).run(), name="collector")
     try:
         parts = Parts(kube, RealClock(), flags=flags, env=os.environ)
         await Agent(cfg, parts).run(stop)
     finally:
+        collector.cancel()
         await kube.aclose()
 
 

@@ -140,7 +140,10 @@ def test_churn_table_marks_an_unfinished_run() -> None:
                             subject_cpu_s=12.0, apiserver_cpu_s=30.0, subject_rss_mb=200.0)
     text = measure.render_churn([r])
     assert text.splitlines()[2].split() == ["nodepulse", "100", "3000", "2990", "n/a", "1.23",
-                                            "9.00", "12.0", "30.0", "200", "0", "0", "n/a"]
+                                            "9.00", "n/a", "n/a", "12.0", "30.0", "200", "0",
+                                            "0", "n/a"]
+    on_node = dataclasses.replace(r, node_p50_s=0.0123, node_p99_s=0.5)
+    assert measure.render_churn([on_node]).splitlines()[2].split()[7:9] == ["0.012", "0.500"]
     assert "| nodepulse | 100 | 3000 | 2990 | n/a |" in measure.render_churn([r], markdown=True)
     job = dataclasses.replace(r, job_pods=500, job_succeeded=500, job_s=61.04)
     assert measure.render_churn([job]).splitlines()[2].split()[-3:] == ["500", "500", "61.0"]
