@@ -64,6 +64,9 @@ log = logging.getLogger(__name__)
 
 
 TIMER_SLACK = 0.05  # seconds a renewal or status tick may run after its due time
+# Events go over connections of their own (the kubelet has a client of its own for
+# them): a pod's three start Events never hold the turn its status write needs
+EVENT_CONNECTIONS = 4
 
 
 def status_settings(cfg: AgentConfig) -> StatusSettings:
@@ -235,7 +238,8 @@ class Agent:
         configured = {s for s, on in ((Source.API, True),
                                       (Source.FILE, bool(cfg.pod_manifest_path)),
                                       (Source.HTTP, bool(cfg.manifest_url))) if on}
-        events = Events(kube, cfg.node_name, clock, node_uid=node_uid)
+        events = Events(kube.separate(EVENT_CONNECTIONS), cfg.node_name, clock,
+                        node_uid=node_uid)
         merge = Merge(configured, Problems(events))
         sources: list[Part] = [APISource(kube, cfg.node_names, merge, clock,
                                          answered=self.answered)]

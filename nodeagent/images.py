@@ -48,7 +48,13 @@ from nodeagent.api.kube import SECRETS, SERVICE_ACCOUNTS, Kube, describe
 from nodeagent.events import NORMAL, WARNING, Events
 from nodeagent.metrics import per_registry
 from nodeagent.podstatus import Waiting
-from nodeagent.runtime.base import ContainerRuntimeError, ImageInfo, RegistryAuth, Runtime
+from nodeagent.runtime.base import (
+    ContainerRuntimeError,
+    ImageInfo,
+    RegistryAuth,
+    Runtime,
+    start_call,
+)
 from nodeagent.sources.types import Pod
 
 log = logging.getLogger(__name__)
@@ -433,8 +439,11 @@ class ImageManager:
             self._leave(key)  # the spec names another image now; that pull goes on
         policy = pull_policy(container)
         if policy != "Always":
-            if await clock_timeout(self.clock, self.runtime.image_present(ref),
-                                   self.call_timeout, f"runtime image_present {ref}"):
+            present = start_call(self.runtime, self.runtime.image_present(ref))
+            if not present.done():
+                await clock_timeout(self.clock, present, self.call_timeout,
+                                    f"runtime image_present {ref}")
+            if present.result():
                 self._event(pod, cname, NORMAL, "Pulled",
                             f'Container image "{image}" already present on machine')
                 return READY

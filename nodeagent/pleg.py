@@ -142,7 +142,8 @@ class PodCache:
     def get(self, uid: str) -> CacheEntry:
         return self._entries.get(uid) or CacheEntry(PodRuntimeStatus(uid), None, -math.inf)
 
-    def _fresh(self, uid: str, t: float) -> bool:
+    def fresh(self, uid: str, t: float) -> bool:
+        """Whether the cache holds state of `uid` read after `t` (see the class)."""
         # strictly newer: a relist that started at the same instant as a sync's end may
         # predate what that sync did (FakeClock makes such ties common)
         e = self._entries.get(uid)
@@ -151,7 +152,7 @@ class PodCache:
         return self.timestamp > t and uid not in self._pending
 
     async def get_newer_than(self, uid: str, t: float) -> CacheEntry:
-        if not self._fresh(uid, t):
+        if not self.fresh(uid, t):
             fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             self._waiters.setdefault(uid, []).append((t, fut))
             if self.on_stale is not None:
@@ -171,7 +172,7 @@ class PodCache:
         for t, fut in waiters:
             if fut.done():
                 continue
-            if self._fresh(uid, t):
+            if self.fresh(uid, t):
                 fut.set_result(None)
             else:
                 keep.append((t, fut))

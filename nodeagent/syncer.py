@@ -16,7 +16,7 @@ import logging
 import math
 import os
 import shutil
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -62,6 +62,7 @@ from nodeagent.runtime.base import (
     SandboxConfig,
     SandboxState,
     container_spec_hash,
+    start_call,
 )
 from nodeagent.sources.types import Pod
 from nodeagent.volumes import MountFailed, PodVolumes, VolumeManager, VolumeRefused
@@ -238,12 +239,14 @@ class PodSyncer:
         # of an exited container no longer changes)
         self._messages: dict[str, dict[str, str]] = {}
 
-    async def _rt(self, aw: Awaitable[T], what: str, extra: float = 0.0) -> T:
+    async def _rt(self, aw: Coroutine[Any, Any, T], what: str, extra: float = 0.0) -> T:
         """One runtime call, bounded by the call timeout. Cancelling the caller (the
         agent stopping) does not cancel the call itself: a CRI StartContainer whose
         client goes away is aborted by containerd half-way, as a StartError, and the
         next agent has to restart that container. `drain` lets calls in flight end."""
-        call = asyncio.ensure_future(aw)
+        call = start_call(self.runtime, aw)
+        if call.done():  # an inline runtime answered in this turn
+            return call.result()
         self._inflight.add(call)
         call.add_done_callback(_forget_call(self._inflight))
         secs = self.call_timeout + extra

@@ -197,8 +197,11 @@ class PodWorkers:
                 entry = await self._entry(w)
                 w.syncs += 1
                 await self._step(w, entry)
-                # after the step: the next sync needs a relist that saw what it did
-                w.last_sync = self.clock.monotonic()
+                # after the step: the next sync needs a relist that saw what it did, so
+                # state newer than the step's end and than the state it acted on (a
+                # read made after an earlier step counts as newer than the clock there,
+                # which a FakeClock may still show after this one)
+                w.last_sync = max(self.clock.monotonic(), entry.modified)
                 if self._w.get(w.uid) is not w:
                     return
         except asyncio.CancelledError:
@@ -215,6 +218,8 @@ class PodWorkers:
             return self.cache.get(w.uid)
         if w.kill:
             return await self.cache.get_newer_than(w.uid, w.last_sync)
+        if self.cache.fresh(w.uid, w.last_sync):  # nothing to wait for: no tasks to make
+            return self.cache.get(w.uid)
         newer = asyncio.ensure_future(self.cache.get_newer_than(w.uid, w.last_sync))
         killed = asyncio.ensure_future(w.killed.wait())
         try:

@@ -220,6 +220,7 @@ async def test_one_pull_is_shared_by_the_pods_that_want_it() -> None:
     a, b = pods(2, image=APP)
     first, second = await r.ensure(a), await r.ensure(b)
     assert first.pulling is second.pulling
+    await settle()  # the pull's task starts
     await r.clock.advance(5)
     await settle()
     assert len(r.rt.pulls) == 1

@@ -18,7 +18,7 @@ from nodeagent.runtime import (
     SandboxState,
     make_runtime,
 )
-from nodeagent.runtime.base import LABEL_CONTAINER_NAME, LABEL_POD_UID, Mount
+from nodeagent.runtime.base import LABEL_CONTAINER_NAME, LABEL_POD_UID, Mount, start_call
 from nodeagent.runtime.fake import FakeRuntime
 from tests.conftest import aio, mkpod
 
@@ -133,3 +133,45 @@ async def test_fake_stop_honours_timeout_for_sigterm_ignorers() -> None:
     await clock.advance(1)
     assert task.done()
     assert rt.containers[cid].exit_code == 137
+
+
+@aio
+async def test_an_inline_runtime_call_runs_at_once_and_becomes_a_task_only_when_it_waits(
+        ) -> None:
+    clock = FakeClock()
+    rt = FakeRuntime(clock)
+    tasks = len(asyncio.all_tasks())
+    version = start_call(rt, rt.version())
+    assert version.done() and version.result().runtime_name  # answered in this turn
+    assert len(asyncio.all_tasks()) == tasks  # no task was made for it
+
+    missing = start_call(rt, rt.start_container("nope"))
+    assert missing.done() and isinstance(missing.exception(), NotFound)
+
+    rt.pull_delay = 5  # a call that waits goes on in a task, where it left off
+    pull = start_call(rt, rt.pull_image("localhost/busybox:1"))
+    assert not pull.done() and isinstance(pull, asyncio.Task)
+    await clock.advance(5)
+    assert "localhost/busybox:1" in (await pull).names
+
+    stopped: list[str] = []
+
+    async def cleans_up() -> None:
+        try:
+            await clock.sleep(60)
+        finally:
+            stopped.append("ran its finally")
+    waiting = start_call(rt, cleans_up())
+    waiting.cancel()  # a cancel reaches the call inside, as it would its own task
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert stopped == ["ran its finally"]
+
+
+@aio
+async def test_a_runtime_that_is_not_inline_gets_a_task_for_every_call() -> None:
+    rt = FakeRuntime(FakeClock())
+    rt.inline = False
+    call = start_call(rt, rt.version())
+    assert isinstance(call, asyncio.Task) and not call.done()
+    assert (await call).runtime_name

@@ -4,6 +4,7 @@ arithmetic, pull policy defaults, latest-wins, kill during a sync, init containe
 from __future__ import annotations
 
 import asyncio
+import math
 
 from prometheus_client import CollectorRegistry
 
@@ -11,6 +12,7 @@ from nodeagent.api.clock import FakeClock, settle
 from nodeagent.images import pull_policy
 from nodeagent.pleg import CacheEntry, PodCache
 from nodeagent.runtime import PodRuntimeStatus
+from nodeagent.runtime.base import Sandbox, SandboxState
 from nodeagent.sources.types import Op
 from nodeagent.syncer import CrashBackoff, SyncResult, grace_of
 from nodeagent.workers import Phase, PodWorkers, UpdateKind
@@ -159,6 +161,36 @@ async def test_kill_starts_without_waiting_for_a_relist() -> None:
     await cache.update_time(2.0)
     await settle()
     assert "u1" not in w
+
+
+def running_sandbox(uid: str) -> PodRuntimeStatus:
+    return PodRuntimeStatus(uid, sandboxes=[Sandbox("s1", uid, "web", "ns", 0,
+                                                    SandboxState.READY)])
+
+
+@aio
+async def test_a_sync_never_takes_what_the_last_one_acted_on_as_newer() -> None:
+    """The PLEG stamps a read it makes for a waiting worker just after that worker's
+    last sync. On a clock that has not moved since (a FakeClock; a burst of inline
+    calls), the clock at the end of the next step is below that stamp: the step after
+    must still wait for a read made after it, not act on what the step before read
+    (a Job's sidecar, seen running once more after its kill, made the pod Failed)."""
+    syncer = SlowSyncer()
+    syncer.gate.set()
+    w, cache, clock = await workers_with(syncer)
+    clock._t = 1.0
+    read = math.nextafter(1.0, math.inf)
+    await cache.store("u1", running_sandbox("u1"), None, read)
+    pod = mkpod("web", "u1")
+    w.update(pod)
+    await settle()
+    assert len(syncer.synced) == 1
+    w.update(pod)  # the clock still reads 1.0, below the read the last sync acted on
+    await settle()
+    assert len(syncer.synced) == 1
+    await cache.store("u1", running_sandbox("u1"), None, math.nextafter(read, math.inf))
+    await settle()
+    assert len(syncer.synced) == 2
 
 
 @aio

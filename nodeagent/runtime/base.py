@@ -21,15 +21,16 @@ Contracts shared by all implementations:
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import enum
 import hashlib
 import json
 import math
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Coroutine, Generator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from nodeagent.api.quantity import parse_quantity
 from nodeagent.runtime.security import (
@@ -427,6 +428,9 @@ class Runtime(ABC):
     (`containerd://...`, `process://...`, `fake://...`)."""
 
     scheme: str = "unknown"
+    # calls answered in the caller's turn unless they wait on purpose (an in-process
+    # simulation): start_call runs them to their first wait before making a task
+    inline: bool = False
 
     @abstractmethod
     async def version(self) -> RuntimeVersion:
@@ -631,3 +635,54 @@ def int_or(value: object, default: int = 0) -> int:
         return int(str(value))
     except (TypeError, ValueError):
         return default
+
+
+T = TypeVar("T")
+
+
+def start_call(runtime: Runtime, call: Coroutine[Any, Any, T]) -> asyncio.Future[T]:
+    """A call of `runtime` under way. An inline runtime's call runs at once, up to its
+    first wait: a call that never waits is a done Future (no task, no trip round the
+    event loop: a simulated pod's start is a handful of calls), one that waits goes on
+    in a task from there. Other runtimes' calls are tasks from the start. (Python 3.12's
+    eager tasks do this for any coroutine; the first step here runs as the caller's
+    task, which an inline runtime's code never asks for.)"""
+    if not runtime.inline:
+        return asyncio.ensure_future(call)
+    done: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+    try:
+        waiting_on = call.send(None)
+    except StopIteration as answer:
+        done.set_result(answer.value)
+        return done
+    except Exception as e:  # noqa: BLE001 - the call's own failure, handed on
+        done.set_exception(e)
+        return done
+    return asyncio.ensure_future(_Resumed(call, waiting_on))
+
+
+class _Resumed(Coroutine[Any, Any, T]):
+    """A started call, for a task to run on: the task's first step gets the wait the
+    call is in; every later step, and a cancel (also one that comes before the task's
+    first step), goes to the call itself."""
+
+    def __init__(self, call: Coroutine[Any, Any, T], waiting_on: Any) -> None:
+        self._call = call
+        self._waiting_on: list[Any] = [waiting_on]  # until the task's first step
+
+    def send(self, value: Any) -> Any:
+        if self._waiting_on:
+            return self._waiting_on.pop()
+        return self._call.send(value)
+
+    def throw(self, typ: Any, val: Any = None, tb: Any = None) -> Any:
+        self._waiting_on.clear()
+        if val is None and tb is None:
+            return self._call.throw(typ)
+        return self._call.throw(typ, val, tb)
+
+    def close(self) -> None:
+        self._call.close()
+
+    def __await__(self) -> Generator[Any, Any, T]:
+        raise TypeError("a started runtime call is run by its task, not awaited")

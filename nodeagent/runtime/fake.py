@@ -64,6 +64,7 @@ def _clone(rec: R) -> R:
 
 class FakeRuntime(Runtime):
     scheme = "fake"
+    inline = True  # in-process: only simulated delays and hangs wait
     runs_workloads = False  # what the agent builds with it; its tests may say otherwise
 
     def __init__(self, clock: Clock | None = None, *, images: Iterable[str] | None = None,
