@@ -64,9 +64,10 @@ log = logging.getLogger(__name__)
 
 
 TIMER_SLACK = 0.05  # seconds a renewal or status tick may run after its due time
-# Events go over connections of their own (the kubelet has a client of its own for
-# them): a pod's three start Events never hold the turn its status write needs
-EVENT_CONNECTIONS = 4
+# Events go over connections of their own, few (the kubelet has a client of its own
+# for them, paced apart): a burst of pods' start Events, three a pod, neither takes
+# the turns their status writes need nor reaches the API server ahead of them
+EVENT_CONNECTIONS = 2
 
 
 def status_settings(cfg: AgentConfig) -> StatusSettings:
