@@ -261,7 +261,10 @@ def test_missing_configmap_blocks_then_starts(node: Node) -> None:
           automountServiceAccountToken=False)
     eventually(lambda: any(e.reason == "FailedMount" and 'configmap "late-cfg" not found'
                            in e.message for e in n.events("late")), "a FailedMount Event", 60)
-    assert n.waiting("late") == ("ContainerCreating", "")
+    # the Event and the status are separate writes (the Event over connections of its
+    # own), so the status may land a moment after the Event
+    assert eventually(lambda: n.waiting("late"), "a waiting reason", 30) == \
+        ("ContainerCreating", "")
     assert not n.running("late")
     configmap(n, "late-cfg", {"k": "arrived"})
     eventually(lambda: "arrived" in n.log("late"), "the pod started with its ConfigMap", 60)
