@@ -645,9 +645,9 @@ One Deployment of {args.churn_pods} pods (node selector on the subject's nodes, 
 taints tolerated) on a fresh local control plane once all nodes are Ready. "all Running
 s": Deployment created until the last pod was seen Running; p50/p99: per pod, first
 seen by a watch until seen Running; "node p50/p99": from first seen bound to a node
-(scheduled) until seen Running, the node's own part. Pod creation is paced by kube-controller-manager's
-client rate limit (its defaults) and binding by kube-scheduler's, for every subject
-alike. CPU seconds over the Deployment's churn.{job_text}
+(scheduled) until seen Running, the node's own part. Pod creation is paced by
+kube-controller-manager's client rate limit (its defaults) and binding by
+kube-scheduler's, for every subject alike. CPU seconds over the Deployment's churn.{job_text}
 
 {measure.render_churn(results, markdown=True)}
 """)

@@ -42,9 +42,10 @@ async def _serve(cfg: config.AgentConfig, flags: dict[str, object]) -> None:
         loop.add_signal_handler(sig, stop.set)
     # the process's garbage collection (a policy of the process, not of the Agent, which
     # tests run many of in one process)
-    collector = asyncio.create_task(Collector(RealClock()).run(), name="collector")
+    clock = RealClock()
+    collector = asyncio.create_task(Collector(clock).run(), name="collector")
     try:
-        parts = Parts(kube, RealClock(), flags=flags, env=os.environ)
+        parts = Parts(kube, clock, flags=flags, env=os.environ)
         await Agent(cfg, parts).run(stop)
     finally:
         collector.cancel()
