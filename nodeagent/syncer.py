@@ -163,6 +163,9 @@ class SyncResult:
     requeue_after: float | None = None  # sync again this soon (backoff, image wait)
     # sync again once any of these is done (image pulls under way)
     wake: tuple[asyncio.Future[None], ...] = ()
+    # the sandbox and container ids running in the state this sync ended on, when it
+    # left nothing to do (every container up): their start events bring nothing new
+    running: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -468,7 +471,9 @@ class PodSyncer:
         self._publish(pod, rs, plan.waiting)
         return SyncResult(terminal=terminal,
                           requeue_after=None if math.isinf(plan.requeue) else plan.requeue,
-                          wake=tuple(plan.wake))
+                          wake=tuple(plan.wake),
+                          running=frozenset() if init_blocked or terminal or plan.waiting
+                          else _all_running(spec, rs, sandbox.id))
 
     async def _volumes(self, pod: Pod, rs: PodRuntimeStatus) -> PodVolumes | SyncResult:
         """The pod's volumes, set up; or, when they cannot be, the result of this sync:
@@ -978,6 +983,23 @@ class PodSyncer:
 
 class _NoRuntimeClass(Exception):
     """The pod's RuntimeClass cannot be read."""
+
+
+def _all_running(spec: Mapping[str, Any], rs: PodRuntimeStatus, sandbox_id: str
+                 ) -> frozenset[str]:
+    """The sandbox's and its running containers' ids when every regular container of
+    `spec` runs in it (its latest attempt); else none."""
+    latest: dict[str, Container] = {}
+    for c in rs.containers:
+        if c.sandbox_id == sandbox_id and (c.name not in latest
+                                           or c.attempt > latest[c.name].attempt):
+            latest[c.name] = c
+    for c in spec.get("containers") or []:
+        cur = latest.get(c["name"])
+        if cur is None or cur.state != ContainerState.RUNNING:
+            return frozenset()
+    return frozenset([sandbox_id, *(c.id for c in latest.values()
+                                    if c.state == ContainerState.RUNNING)])
 
 
 def podspec_containers(pod: Pod) -> list[Mapping[str, Any]]:

@@ -196,6 +196,9 @@ class SyncLoop:
     def handle_event(self, ev: PodLifecycleEvent) -> None:
         if ev.type == EventType.CONTAINER_REMOVED:
             return  # removals are our own doing (pruning, cleanup); nothing to sync
+        if (ev.type == EventType.CONTAINER_STARTED
+                and self.workers.saw_running(ev.pod_uid, ev.container_id)):
+            return  # its last sync acted on it running (usually: that sync started it)
         pod = self.pods.get(ev.pod_uid)
         if pod is not None:
             self.workers.update(pod, UpdateKind.SYNC)

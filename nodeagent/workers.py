@@ -58,6 +58,7 @@ class _Worker:
     due: float = math.inf         # when a periodic or retry sync is due
     errors: int = 0
     syncs: int = 0
+    running: frozenset[str] = frozenset()  # see SyncResult.running, from the last step
     # set once its containers are stopped for good: a successor with the same
     # namespace/name (an edited static pod gets a new uid) waits for it
     stopped: asyncio.Event = field(default_factory=asyncio.Event)
@@ -130,6 +131,13 @@ class PodWorkers:
     def syncs(self, uid: str) -> int:
         w = self._w.get(uid)
         return w.syncs if w else 0
+
+    def saw_running(self, uid: str, container_id: str) -> bool:
+        """Whether the pod's last sync ended on this sandbox or container running,
+        with nothing left to do: an event saying it started needs no sync (ids are
+        never reused, so a restart is a new id)."""
+        w = self._w.get(uid)
+        return w is not None and container_id in w.running
 
     def due(self) -> list[str]:
         """Pods whose periodic resync or retry time has come and that are idle."""
@@ -245,6 +253,7 @@ class PodWorkers:
     async def _step(self, w: _Worker, entry: CacheEntry) -> None:
         started = self.clock.monotonic()
         phase = w.phase
+        w.running = frozenset()
         log.debug("pod %s: %s step (kill=%s removed=%s)", describe(w.pod), phase.value, w.kill,
                   w.removed)
         try:
@@ -253,6 +262,7 @@ class PodWorkers:
                 w.phase = Phase.TERMINATING
             if w.phase == Phase.SYNCING:
                 res = await self.syncer.sync_pod(w.pod, entry)
+                w.running = res.running
                 if res.terminal:
                     w.phase = Phase.TERMINATING
                     w.pending = True  # go on terminating at once
