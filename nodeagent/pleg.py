@@ -2,7 +2,8 @@
 lifecycle events.
 
 Evented: while the runtime's event stream (`Runtime.container_events`) is up, each event
-has its pod inspected at once and its worker woken, and the relist runs only every
+has its pod inspected at once and its worker woken (a start the cache already shows, as
+the sync that made it read it back, needs no inspection), and the relist runs only every
 `evented_relist_period`, as the check that catches what the stream lost. When the stream
 breaks, or the runtime has none, the relist takes over at `relist_period`; when it is
 back, one relist covers the gap and the long period resumes. A worker waiting for state
@@ -150,6 +151,16 @@ class PodCache:
         if e is not None and e.modified > t:
             return True
         return self.timestamp > t and uid not in self._pending
+
+    def shows_running(self, uid: str, cid: str) -> bool:
+        """Whether the pod's entry has this container running, or this sandbox ready."""
+        e = self._entries.get(uid)
+        if e is None or e.error is not None:
+            return False
+        return (any(c.id == cid and c.state == ContainerState.RUNNING
+                    for c in e.status.containers)
+                or any(s.id == cid and s.state == SandboxState.READY
+                       for s in e.status.sandboxes))
 
     async def get_newer_than(self, uid: str, t: float) -> CacheEntry:
         if not self.fresh(uid, t):
@@ -483,8 +494,14 @@ class Pleg:
             pod[cid] = new
         if not pod:
             del self._records[uid]
-        if evs:  # else a relist or an earlier event has it already
-            self._inspect(uid, self.clock.monotonic(), evs)
+        if not evs:  # a relist or an earlier event has it already
+            return
+        if new == ContainerState.RUNNING and self.cache.shows_running(uid, cid):
+            # a read made after the start is in the cache already (the sync that started
+            # it stored what it read): nothing for an inspection to add
+            self._emit(evs)
+            return
+        self._inspect(uid, self.clock.monotonic(), evs)
 
     def _refresh(self, uid: str, t: float) -> None:
         """A worker waits for the pod's state newer than `t` (the end of its last

@@ -61,19 +61,25 @@ async def test_an_exit_restarts_the_container_at_once_without_a_relist() -> None
 @aio
 async def test_the_start_events_of_what_a_sync_started_cost_no_second_sync() -> None:
     """A sync that ends with every container running has acted on their start: the
-    sandbox's and the container's start events wake nobody. A sync that had to stop at
-    a sidecar's start goes on when its event comes, with no time passing."""
+    sandbox's and the container's start events wake nobody, and the PLEG does not read
+    the pod again for them (the sync stored what it read after the start). A sync that
+    had to stop at a sidecar's start goes on when its event comes, with no time passing."""
     clock = FakeClock()
     a = await started(clock)
-    sidecar = {"name": "side", "image": "localhost/busybox:1", "command": ["sleep", "3600"],
-               "restartPolicy": "Always"}
-    a.send(Op.ADD, mkpod("plain", "u1"), mkpod("with-sidecar", "u2", initContainers=[sidecar]))
+    a.send(Op.ADD, mkpod("plain", "u1"))
     await settle(100)
     started_events = a.registry.get_sample_value(
         "nodepulse_pleg_events_total", {"node": "n1", "type": "ContainerStarted"})
-    assert started_events == 5  # two sandboxes and three containers
+    assert started_events == 2  # the sandbox and the container
     assert a.loop.workers.syncs("u1") == 1
     assert a.status("u1")["phase"] == "Running"
+    # the sync's reads: the new sandbox's ip, and the pod once its container started
+    assert a.rt.calls["pod_status"] == 2
+
+    sidecar = {"name": "side", "image": "localhost/busybox:1", "command": ["sleep", "3600"],
+               "restartPolicy": "Always"}
+    a.send(Op.ADD, mkpod("with-sidecar", "u2", initContainers=[sidecar]))
+    await settle(100)
     assert {c.name for c in a.rt.running("u2")} == {"side", "c"}  # no time has passed
     assert a.status("u2")["phase"] == "Running"
     await a.loops.stop()
