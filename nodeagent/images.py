@@ -394,8 +394,13 @@ class ImageManager:
                  events: Events | None = None, serialize: bool = True,
                  max_parallel: int = 0, backoff_initial: float = 10.0,
                  backoff_max: float = 300.0, call_timeout: float = 60.0,
+                 present_events: bool = True,
                  registry: CollectorRegistry = REGISTRY) -> None:
+        """`present_events`: a Normal `Pulled` Event for an image already there, at every
+        container start (False where containers run nothing: see
+        NodePodSettings.runs_workloads)."""
         self.runtime = runtime
+        self.present_events = present_events
         self._m = _pull_metrics(registry)
         self.clock = clock
         self.kube = kube
@@ -444,8 +449,9 @@ class ImageManager:
                 await clock_timeout(self.clock, present, self.call_timeout,
                                     f"runtime image_present {ref}")
             if present.result():
-                self._event(pod, cname, NORMAL, "Pulled",
-                            f'Container image "{image}" already present on machine')
+                if self.present_events:
+                    self._event(pod, cname, NORMAL, "Pulled",
+                                f'Container image "{image}" already present on machine')
                 return READY
             if policy == "Never":
                 msg = f'Container image "{image}" is not present with pull policy of Never'

@@ -178,8 +178,8 @@ class NodePodSettings:
     seccomp_root: str = ""  # <root-dir>/seccomp: where Localhost seccomp profiles are
     # False (virtual nodes and the fake runtime, whose containers run nothing): no
     # resolver configuration, volumes planned but not made (nothing could read them; no
-    # ConfigMap, Secret or token read), no container lifecycle Events (they would only
-    # load the API server)
+    # ConfigMap, Secret or token read), no container lifecycle Events (`Pulled` for an
+    # image already there, `Created`, `Started`: they would only load the API server)
     runs_workloads: bool = True
 
 

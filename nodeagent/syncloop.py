@@ -76,7 +76,7 @@ def image_manager(c: SyncLoopConfig) -> ImageManager:
     return ImageManager(c.runtime, c.clock, kube=c.kube, events=c.events,
                         serialize=c.serialize_image_pulls,
                         max_parallel=c.max_parallel_image_pulls, call_timeout=c.call_timeout,
-                        registry=c.registry)
+                        present_events=c.pod_settings.runs_workloads, registry=c.registry)
 
 
 @dataclass(frozen=True)

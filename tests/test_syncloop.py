@@ -13,6 +13,7 @@ from nodeagent.pleg import Pleg
 from nodeagent.runtime import ContainerState, RuntimeTimeout, SandboxConfig, SandboxState
 from nodeagent.runtime.fake import FakeRuntime
 from nodeagent.sources.types import Op, PodUpdate, Source, SourcesReady
+from nodeagent.syncer import NodePodSettings
 from nodeagent.syncloop import NodeLoops, NodeLoopsConfig, SyncLoopConfig
 from tests.conftest import LoopRig, aio, mkpod, pod_deletes, started
 from tests.fakekube import FakeKube
@@ -407,3 +408,30 @@ async def test_an_orphan_is_removed_before_any_node_has_a_loop() -> None:
     assert loops.loops.keys() == {"n1"}
     assert "old" not in {s.pod_uid for s in (await rt.relist()).sandboxes}
     await loops.stop()
+
+
+@aio
+async def test_a_node_that_runs_workloads_tells_each_start_a_virtual_one_does_not() -> None:
+    """The kubelet's Normal Events of a container start (`Pulled` for an image already
+    there, `Created`, `Started`) come from a node whose containers run; a node on the
+    fake runtime (virtual nodes) writes none of them, and still says what goes wrong."""
+    said: dict[bool, list[str]] = {}
+    for runs in (True, False):
+        clock = FakeClock()
+        rt = FakeRuntime(clock, images=["localhost/busybox:1"])
+        a = LoopRig(rt, clock, pod_settings=NodePodSettings(runs_workloads=runs))
+        a.loops.start()
+        await settle()
+        a.send(Op.ADD, mkpod("web", "u1"),
+               mkpod("never", "u2", containers=[{"name": "c", "image": "localhost/none:1",
+                                                 "imagePullPolicy": "Never"}]))
+        await a.run_for(2)
+        await a.events.drain()
+        assert a.status("u1")["phase"] == "Running"
+        said[runs] = sorted({c.body["reason"] for c in a.kube.calls_of("create events")
+                             if c.body})
+        await a.loops.stop()
+    # (the resolver's MissingClusterDNS: a node that runs workloads has no --cluster-dns)
+    assert said[True] == ["Created", "ErrImageNeverPull", "Failed", "MissingClusterDNS",
+                          "Pulled", "Started"]
+    assert said[False] == ["ErrImageNeverPull", "Failed"]
