@@ -110,7 +110,7 @@ async def test_verbs_send_the_paths_queries_and_bodies() -> None:
         assert (await kube.get(NODES, "n1", timeout=10))["metadata"]["resourceVersion"] == "7"
         await kube.list(PODS, field_selector="spec.nodeName=n1", limit=500, cont="abc")
         await kube.patch(NODES, "n1", {"status": {}}, subresource="status")
-        lease = kube.separate(1)  # connections of its own, the same server and credentials
+        lease = kube.separate(1)  # turns of its own, the same server, credentials, pool
         await lease.update(LEASES, {"metadata": {"name": "n1",
                                                  "namespace": NODE_LEASE_NAMESPACE}})
         assert await kube.patch(NODE_STATUS_POLICIES, "p", {"status": {}},
@@ -119,9 +119,8 @@ async def test_verbs_send_the_paths_queries_and_bodies() -> None:
         with pytest.raises(ApiError) as e:
             await kube.create(EVENTS, {"metadata": {"name": "e", "namespace": "default"}})
         assert e.value.status == 404 and brief(e.value) == "HTTP 404 Not Found: nope"
-        # keep-alive: one connection for the first kube's requests, one for the other's
-        assert (kube.transport.opened, lease.transport.opened) == (1, 1)
-        assert kube.transport.opened_in_all() == 2
+        # keep-alive: one connection, the separate kube's request taking it while idle
+        assert kube.transport.opened == lease.transport.opened == 1
     got = [(s["method"], s["url"]) for s in r.sent]
     assert got == [
         ("GET", "/api/v1/nodes/n1"),
@@ -155,6 +154,27 @@ async def test_at_most_connections_requests_at_once_the_rest_wait_their_turn() -
         gate.set()
         assert len(await asyncio.gather(*burst)) == 10
         assert kube.transport.opened == 3  # two for the requests, one for the watch
+
+
+@aio
+async def test_a_separate_transport_waits_for_no_turn_and_reuses_the_idle_connections() -> None:
+    gate = asyncio.Event()
+    node = json.dumps({"metadata": {"name": "n1"}}).encode()
+    r = Recorder([(200, [gate, node])] * 2 + [(200, [node])] * 4)
+    async with r as kube:  # connections=2
+        burst = [asyncio.ensure_future(kube.get(NODES, "n1", timeout=30)) for _ in range(2)]
+        await until_sent(r, 2)
+        lease = kube.separate(1)
+        # both turns of kube are held by the server: the lease's request is not behind them
+        assert (await lease.get(NODES, "n1", timeout=30))["metadata"]["name"] == "n1"
+        assert kube.transport.opened == 3
+        gate.set()
+        await asyncio.gather(*burst)
+        # three idle connections now, whoever opened them: no new one for either
+        await asyncio.gather(lease.get(NODES, "n1", timeout=30),
+                             kube.get(NODES, "n1", timeout=30),
+                             kube.get(NODES, "n1", timeout=30))
+        assert kube.transport.opened == lease.transport.opened == 3
 
 
 async def until_sent(r: Recorder, n: int) -> None:

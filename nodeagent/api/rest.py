@@ -79,15 +79,62 @@ def client_timeout(timeout: Timeout) -> aiohttp.ClientTimeout:
     return aiohttp.ClientTimeout(total=timeout)
 
 
+class Connections:
+    """The keep-alive connections to one API server that a Transport and those it
+    `separate`s share (one aiohttp session, made in the loop that first uses it, and
+    no limit of its own: the Transports' turns bound the requests). Shared, because a
+    TLS handshake costs both ends milliseconds of CPU: a burst of pod status writes
+    takes the connections the Lease renewals left idle instead of opening its own
+    (at the first burst of a Deployment, sixteen handshakes where every write then
+    waited 0.1 s for its answer)."""
+
+    # idle connections are kept this long: under the API server's 90 s idle timeout,
+    # so it is never the server that closes one as it is being reused
+    KEEPALIVE_S = 60.0
+
+    def __init__(self, creds: Credentials) -> None:
+        self.creds = creds
+        self._ssl: ssl.SSLContext | None = None  # made with the first session
+        self._session: aiohttp.ClientSession | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.opened = 0  # connections opened (keep-alive works when this stays small)
+
+    def session(self) -> aiohttp.ClientSession:
+        loop = asyncio.get_running_loop()
+        if self._session is None or self._loop is not loop or self._session.closed:
+            if self._ssl is None:
+                self._ssl = self.creds.ssl_context()
+            connector = aiohttp.TCPConnector(limit=0, ssl=self._ssl or False,
+                                             keepalive_timeout=self.KEEPALIVE_S,
+                                             enable_cleanup_closed=True)
+            counted = aiohttp.TraceConfig()
+            counted.on_connection_create_end.append(self._count_connection)
+            self._session = aiohttp.ClientSession(connector=connector,
+                                                  skip_auto_headers=("User-Agent",),
+                                                  trace_configs=[counted])
+            self._loop = loop
+        return self._session
+
+    async def _count_connection(self, *_: Any) -> None:
+        self.opened += 1
+
+    async def aclose(self) -> None:
+        if self._session is not None and not self._session.closed \
+                and self._loop is asyncio.get_running_loop():
+            await self._session.close()
+        self._session = None
+
+
 class Transport:
-    """Requests to one API server on the running event loop, over keep-alive connections
-    of its own: at most `connections` requests at once, more wait their turn, and a
-    request's timeout runs from its turn (as when each request had a thread of a pool),
-    so a burst (a thousand nodes registering) is slow, never failed by its queue.
-    Watches take no turn: each holds a connection of its own for as long as it runs.
-    `separate` gives another Transport to the same server with connections of its own,
-    for callers that must never wait behind others (a Lease renewal behind a burst of
-    status writes). The aiohttp session is made in the loop that first uses it."""
+    """Requests to one API server on the running event loop, over keep-alive connections:
+    at most `connections` requests at once, more wait their turn, and a request's
+    timeout runs from its turn (as when each request had a thread of a pool), so a
+    burst (a thousand nodes registering) is slow, never failed by its queue. Watches
+    take no turn: each holds a connection for as long as it runs. `separate` gives
+    another Transport to the same server with turns of its own, for callers that must
+    never wait behind others (a Lease renewal behind a burst of status writes); the
+    connections themselves are one pool (Connections), which opens another whenever
+    none is idle."""
 
     def __init__(self, creds: Credentials, connections: int = 16,
                  component: str = "nodepulse") -> None:
@@ -96,45 +143,27 @@ class Transport:
         self.connections = connections
         self._headers = {"Accept": "application/json",
                          "User-Agent": f"{USER_AGENT}/{component}"}
-        self._ssl: ssl.SSLContext | None = None  # made with the first session
-        self._session: aiohttp.ClientSession | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self.pool = Connections(creds)
         self._turns: asyncio.Semaphore | None = None  # `connections` requests at once
-        self._family: list[Transport] = [self]  # this one and those `separate` made
-        self.opened = 0  # connections opened (keep-alive works when this stays small)
+        self._turns_loop: asyncio.AbstractEventLoop | None = None
 
     def separate(self, connections: int) -> Transport:
         other = Transport.__new__(Transport)
         other.__dict__.update(self.__dict__)
-        other.connections, other._session, other._loop = connections, None, None
-        other._turns = None
-        other.opened = 0
-        self._family.append(other)
+        other.connections, other._turns, other._turns_loop = connections, None, None
         return other
 
-    def _open(self) -> aiohttp.ClientSession:
+    @property
+    def opened(self) -> int:
+        """Connections opened by the pool this Transport shares."""
+        return self.pool.opened
+
+    def _turns_here(self) -> asyncio.Semaphore:
+        """The turns of the running loop (a Semaphore is bound to the loop it waits in)."""
         loop = asyncio.get_running_loop()
-        if self._session is None or self._loop is not loop or self._session.closed:
-            if self._ssl is None:
-                self._ssl = self.creds.ssl_context()
-            # no limit here: the turns bound the requests, and watches come on top
-            connector = aiohttp.TCPConnector(limit=0, ssl=self._ssl or False,
-                                             enable_cleanup_closed=True)
-            counted = aiohttp.TraceConfig()
-            counted.on_connection_create_end.append(self._count_connection)
-            self._session = aiohttp.ClientSession(connector=connector,
-                                                  skip_auto_headers=("User-Agent",),
-                                                  trace_configs=[counted])
-            self._loop = loop
-            self._turns = asyncio.Semaphore(self.connections)
-        return self._session
-
-    async def _count_connection(self, *_: Any) -> None:
-        self.opened += 1
-
-    def opened_in_all(self) -> int:
-        """Connections opened by this Transport and those `separate` made."""
-        return sum(t.opened for t in self._family)
+        if self._turns is None or self._turns_loop is not loop:
+            self._turns, self._turns_loop = asyncio.Semaphore(self.connections), loop
+        return self._turns
 
     def _request_headers(self, content_type: str | None) -> dict[str, str]:
         headers = dict(self._headers)
@@ -150,7 +179,7 @@ class Transport:
         """The request context manager; the caller enters it."""
         params = [(k, _q(v)) for k, v in (query or {}).items() if v is not None]
         data = None if body is None else json.dumps(body, separators=(",", ":")).encode()
-        return self._open().request(
+        return self.pool.session().request(
             method, self.base + path, params=params or None, data=data,
             headers=self._request_headers(content_type if data is not None else None),
             timeout=client_timeout(timeout), proxy=self.creds.proxy,
@@ -161,9 +190,7 @@ class Transport:
                       content_type: str = "application/json", parse: bool = True) -> Any:
         """The answer's JSON (None when `parse` is false: read to its end, unparsed).
         Raises ApiError for a non-2xx status."""
-        self._open()
-        assert self._turns is not None
-        async with self._turns:
+        async with self._turns_here():
             try:
                 async with self._send(method, path, query, body, timeout, content_type) as resp:
                     data = await resp.read()
@@ -189,12 +216,8 @@ class Transport:
         return Watch(resp, asyncio.get_running_loop(), path)
 
     async def aclose(self) -> None:
-        """Close the connections of this Transport and of those `separate` made."""
-        loop = asyncio.get_running_loop()
-        for t in self._family:
-            if t._session is not None and not t._session.closed and t._loop is loop:
-                await t._session.close()
-            t._session = None
+        """Close the connections this Transport shares with those `separate` made."""
+        await self.pool.aclose()
 
 
 def transport_error(method: str, path: str, e: aiohttp.ClientError) -> Exception:
