@@ -382,6 +382,7 @@ def owned(status: Mapping[str, Any] | None) -> Status:
 class _Entry:
     pod: Pod
     status: Status            # latest computed
+    want: Status              # its owned part (what a write would make the API hold)
     sent: Status | None       # what the API holds as far as we know (owned part)
     task: asyncio.Task[None] | None = None
     delete: bool = False      # finish the graceful deletion once status is written
@@ -429,9 +430,10 @@ class StatusManager:
     def set_status(self, pod: Pod, status: Status) -> None:
         uid = pod["metadata"]["uid"]
         e = self._pods.get(uid)
+        want = owned(status)
         if e is None:
-            e = self._pods[uid] = _Entry(pod, status, owned(pod.get("status")))
-        e.pod, e.status = pod, status
+            e = self._pods[uid] = _Entry(pod, status, want, owned(pod.get("status")))
+        e.pod, e.status, e.want = pod, status, want
         self._kick(uid, e)
 
     def reconcile(self, pod: Pod) -> None:
@@ -449,7 +451,8 @@ class StatusManager:
         uid = pod["metadata"]["uid"]
         e = self._pods.get(uid)
         if e is None:
-            e = self._pods[uid] = _Entry(pod, owned(pod.get("status")), None)
+            held = owned(pod.get("status"))
+            e = self._pods[uid] = _Entry(pod, held, held, None)
         if is_static(pod) or e.deleted:
             return
         e.delete = True
@@ -462,7 +465,7 @@ class StatusManager:
 
     def dirty(self, uid: str) -> bool:
         e = self._pods.get(uid)
-        return e is not None and (e.sent != owned(e.status) or (e.delete and not e.deleted))
+        return e is not None and (e.sent != e.want or (e.delete and not e.deleted))
 
     def _kick(self, uid: str, e: _Entry) -> None:
         if self.dirty(uid) and (e.task is None or e.task.done()):
@@ -486,7 +489,7 @@ class StatusManager:
         delay = self.retry_initial
         cap = self.retry_max
         while self._pods.get(uid) is e and self.dirty(uid):
-            want = owned(e.status)
+            want = e.want
             kind = "delete" if want == e.sent and e.delete else "patch"
             try:
                 if kind == "patch":
