@@ -922,7 +922,7 @@ def test_hung_pod_status_does_not_stall_pleg_or_other_pods(
         # pod status writes reuse the API client's connections (an unread response
         # would hold its connection until garbage collection: one TLS connection each)
         assert agent.kube is not None
-        opened = agent.kube.transport.opened_in_all()
+        opened = agent.kube.transport.opened  # one pool for all its Transports
         writes = agent.sample("nodepulse_pod_status_writes_total", kind="patch", result="ok")
         print(f"[fault 7] the agent's API client opened {opened} connections in all; "
               f"{writes:.0f} pod status patches")

@@ -160,7 +160,8 @@ async def test_at_most_connections_requests_at_once_the_rest_wait_their_turn() -
 async def test_a_separate_transport_waits_for_no_turn_and_reuses_the_idle_connections() -> None:
     gate = asyncio.Event()
     node = json.dumps({"metadata": {"name": "n1"}}).encode()
-    r = Recorder([(200, [gate, node])] * 2 + [(200, [node])] * 4)
+    held: list[Chunk] = [gate, node]
+    r = Recorder([(200, held)] * 2 + [(200, [node])] * 4)
     async with r as kube:  # connections=2
         burst = [asyncio.ensure_future(kube.get(NODES, "n1", timeout=30)) for _ in range(2)]
         await until_sent(r, 2)

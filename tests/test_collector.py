@@ -23,7 +23,7 @@ async def test_survivors_are_frozen_and_collected_in_full_on_the_long_period() -
         # the start-up's objects frozen soon: at 0.5 s, then 1.5, 3.5, 7.5, 15.5, 25.5...
         froze_at = []
         for _ in range(52):
-            kept = [[] for _ in range(10)]  # objects made since the last freeze
+            kept: list[list[int]] = [[] for _ in range(10)]  # made since the last freeze
             frozen = gc.get_freeze_count()
             await clock.advance(0.5)
             if gc.get_freeze_count() > frozen:
