@@ -227,17 +227,22 @@ class ServiceCache:
             else:
                 self._services[key] = info
 
-    async def services(self, namespace: str, links: bool) -> list[ServiceInfo]:
-        """The Services whose variables a pod of `namespace` gets: those of its namespace
-        when `links` (enableServiceLinks), and `kubernetes` of `default` always (a
-        Service of that name in the pod's own namespace wins). Raises
-        ObjectUnavailable while the Services cannot be read."""
+    def start(self) -> None:
+        """Start the watch (once), as the sync loops start: the first pod's containers
+        then find the Services read, instead of waiting for their list."""
         if self._reflector is None:
             config = ReflectorConfig(SERVICES, name="services")
             self._reflector = Reflector(self.kube, config, self, self.clock,
                                         answered=self.answered)
             self._task = asyncio.get_running_loop().create_task(self._reflector.run(),
                                                                 name="watch services")
+
+    async def services(self, namespace: str, links: bool) -> list[ServiceInfo]:
+        """The Services whose variables a pod of `namespace` gets: those of its namespace
+        when `links` (enableServiceLinks), and `kubernetes` of `default` always (a
+        Service of that name in the pod's own namespace wins). Raises
+        ObjectUnavailable while the Services cannot be read."""
+        self.start()
         await _synced(self.synced, self._reflector, self.clock, self.wait,
                       "services have not yet been read at least once, cannot construct "
                       "envvars")

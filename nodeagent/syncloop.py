@@ -323,6 +323,9 @@ class NodeLoops:
 
     async def run(self) -> None:
         self.pleg.start()
+        env = self.config.loop.env
+        if env is not None and env.services is not None:
+            env.services.start()  # every container's environment has the `kubernetes` one
         ended = self._loop_ended = asyncio.get_running_loop().create_future()
         for name, loop in self.loops.items():
             self._start_loop(name, loop)

@@ -4,6 +4,7 @@ restart with back-off, finish, get deleted; orphans are removed; a new agent ado
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
@@ -435,3 +436,19 @@ async def test_a_node_that_runs_workloads_tells_each_start_a_virtual_one_does_no
     assert said[True] == ["Created", "ErrImageNeverPull", "Failed", "MissingClusterDNS",
                           "Pulled", "Started"]
     assert said[False] == ["ErrImageNeverPull", "Failed"]
+
+
+@aio
+async def test_the_services_are_read_as_the_loops_start_not_at_the_first_pod(
+        tmp_path: Path) -> None:
+    clock = FakeClock()
+    a = LoopRig(FakeRuntime(clock), clock, volumes=tmp_path)
+    a.loops.start()
+    await settle()
+    # every container's environment has the `kubernetes` Service's variables: read
+    # before the first pod comes, which then does not wait for the list
+    assert a.kube.count("list services") == 1
+    a.send(Op.ADD, mkpod("web", "u1"))
+    await a.run_for(2)
+    assert len(a.rt.running("u1")) == 1 and a.kube.count("list services") == 1
+    await a.loops.stop()
