@@ -3,7 +3,7 @@
     Agent(cfg, Parts(RestKube(api), RealClock(), flags=..., env=...)).run(stop)
 
 Shared, whatever the number of nodes: one API client (Kube), one ApiAnswered signal,
-one renewal scheduler with connections of its own, one status ticker with others, one
+one renewal scheduler with request turns of its own, one status ticker with others, one
 Node watch, one pod watch and pod source merge, one runtime and one PLEG (NodeLoops),
 one health server. A host agent speaks for one node; virtual nodes add more
 NodeControllers and SyncLoops to the same. No other module builds parts of the agent:
@@ -64,7 +64,7 @@ log = logging.getLogger(__name__)
 
 
 TIMER_SLACK = 0.05  # seconds a renewal or status tick may run after its due time
-# Events go over connections of their own, few (the kubelet has a client of its own
+# Events take request turns of their own, few (the kubelet has a client of its own
 # for them, paced apart): a burst of pods' start Events, three a pod, neither takes
 # the turns their status writes need nor reaches the API server ahead of them
 EVENT_CONNECTIONS = 2
@@ -209,7 +209,7 @@ class Agent:
         self.ticker: DueScheduler[str] = DueScheduler(clock, self._tick, "status",
                                                       slack=TIMER_SLACK)
         self.node_config = NodeControllerConfig(
-            # Lease writes over connections of their own: never behind status work
+            # Lease writes with request turns of their own: never behind status work
             kube=kube.separate(cfg.status_concurrency),
             lease_kube=kube.separate(cfg.lease_concurrency),
             clock=clock, metrics=self.metrics, heartbeat=cfg.heartbeat, status=self.settings,
@@ -220,7 +220,8 @@ class Agent:
             status_call=inline if cfg.virtual else Blocking(self.pools.status),
             renewals=self.renewals,
             ticker=self.ticker, answered=self.answered, uids=self.uids,
-            images=self.pods.images, readiness=self.pods.readiness, legacy=cfg.legacy)
+            images=self.pods.images, readiness=self.pods.readiness, legacy=cfg.legacy,
+            started_together=cfg.virtual)
         self.watch: NodeWatch | None = None
         self.health: HealthServer | None = None
         self._config_mtime = self._mtime()

@@ -230,3 +230,27 @@ def test_the_kept_lease_drops_the_servers_managed_fields():
         assert "managedFields" not in rig.renewer.lease["metadata"]
         await rig.finish(task)
     run(main())
+
+
+def test_nodes_started_together_spread_their_first_renewal_over_the_interval():
+    async def main():
+        clock = FakeClock()
+        kube = FakeKube(now=clock.monotonic)
+        metrics = NodeMetrics(CollectorRegistry())
+        rng = random.Random(7)
+
+        def renewers(spread: bool) -> list[LeaseRenewer]:
+            return [LeaseRenewer(f"n{i}-{spread}", kube, clock, metrics, HB, rng=rng,
+                                 spread_first=spread) for i in range(50)]
+        # each creates its Lease now; the next renewal is due at most one interval on
+        together = [await r.renew() for r in renewers(True)]
+        apart = [await r.renew() for r in renewers(False)]
+        assert all(0 < due <= 10.4 for due in together)
+        assert max(together) - min(together) > 8  # over the interval, not bunched
+        assert all(9.6 <= due <= 10.4 for due in apart)  # the jitter alone
+        # after the first, each renews on the interval as before
+        first = renewers(True)[0]
+        due = await first.renew()
+        await clock.advance(due)
+        assert 9.6 <= await first.renew() - due <= 10.4
+    run(main())

@@ -76,6 +76,7 @@ class NodeControllerConfig:
     images: ImageLister | None = None
     readiness: Readiness | None = None
     legacy: bool = False  # --heartbeat-mode=legacy: full status every period, no Lease
+    started_together: bool = False  # virtual nodes: their first Lease renewals spread
 
 
 class NodeController:
@@ -102,7 +103,7 @@ class NodeController:
         self.renewals = c.renewals
         self.ticker = c.ticker
         self.lease = LeaseRenewer(self.name, c.lease_kube, c.clock, c.metrics, c.heartbeat,
-                                  answered=c.answered, rng=rng)
+                                  answered=c.answered, rng=rng, spread_first=c.started_together)
         self.registered = False
         self.uid: str | None = None
         self.reported: Status | None = None  # what the server has, as we last wrote it

@@ -41,7 +41,8 @@ class LeaseRenewer:
 
     def __init__(self, node: str, kube: Kube, clock: Clock, metrics: NodeMetrics,
                  heartbeat: Heartbeat, *, answered: ApiAnswered | None = None,
-                 jitter: float = 0.04, rng: random.Random | None = None) -> None:
+                 jitter: float = 0.04, rng: random.Random | None = None,
+                 spread_first: bool = False) -> None:
         self.node = node
         self.kube = kube
         self.clock = clock
@@ -50,6 +51,11 @@ class LeaseRenewer:
         self.heartbeat = heartbeat
         self.jitter = jitter
         self.rng = rng or random.Random()
+        # the first renewal after the first write at a random point of the interval:
+        # nodes that start together (a process's virtual nodes) then renew spread over
+        # it, where the jitter alone would keep them within a second of each other for
+        # many intervals (100 Lease writes at once every 10 s: the churn's slowest pods)
+        self._spread = spread_first
         self.owner_uid: str | None = None
         self.lease: Obj | None = None  # our last view of the object (for its resourceVersion)
         self.last_renewed: float | None = None
@@ -124,6 +130,9 @@ class LeaseRenewer:
         self.last_renewed = now
         self._u = self.rng.uniform(-1, 1)
         self._due = self.next_due()
+        if self._spread:  # earlier than due, never later
+            self._spread = False
+            self._due = now + (self._due - now) * self.rng.random()
         return self._due
 
     def _timeout(self, deadline: float) -> float:
