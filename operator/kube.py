@@ -16,7 +16,7 @@ from nodeagent.api.kube import (
 )
 
 TIMEOUT = 5  # seconds per write; see election.py for why it must stay short
-EVENT_WRITERS = 4  # Events are posted on connections of their own, this many at once
+EVENT_WRITERS = 4  # Events are posted with request turns of their own, this many at once
 
 
 def _version(written: Obj) -> str:

@@ -125,9 +125,10 @@ class Kube(Protocol):
     and {} is returned (a pod's status PATCH answers with the whole pod)."""
 
     def separate(self, connections: int) -> Kube:
-        """The same API server over connections of its own (at most `connections`
-        requests at once): callers that must not wait behind each other (Lease writes,
-        status work, the operator's Events) each use their own."""
+        """The same API server with request turns of its own (at most `connections`
+        requests at once; the keep-alive connections are one pool): callers that must
+        not wait behind each other (Lease writes, status work, the operator's Events)
+        each use their own."""
 
     async def get(self, res: Resource, name: str, *, namespace: str | None = None,
                   subresource: str | None = None, timeout: Timeout = 30.0) -> Obj: ...
@@ -172,8 +173,8 @@ class Kube(Protocol):
 class RestKube:
     """Kube over HTTP: rest.Transport, with the Credentials nodeagent.api.client loads
     (`component` names the program in the User-Agent). Requests run on the event loop;
-    `separate` gives a RestKube with connections of its own; `aclose` closes the
-    connections of this one."""
+    `separate` gives a RestKube with request turns of its own (the connections are one
+    pool); `aclose` closes the connections of the pool."""
 
     def __init__(self, creds: Credentials, connections: int = 16, *,
                  component: str = "nodepulse", transport: Transport | None = None) -> None:
