@@ -408,3 +408,32 @@ def test_node_watch_backoff_ends_when_the_api_answers() -> None:
         assert kube.count("watch nodes") == calls + 1
         await rig.stop()
     asyncio.run(main())
+
+
+def test_nodes_started_together_spread_their_status_ticks_over_the_period():
+    async def main():
+        rig = Rig()
+        config = dataclasses.replace(rig.config, started_together=True)
+        rng = random.Random(5)
+        for i in range(30):
+            name = f"v{i}"
+            rig.nodes[name] = NodeController(NodeSpec(name, agent_id="agent-a"), config,
+                                             rng=rng)
+        await rig.start(watch=False)
+        for name, node in rig.nodes.items():
+            if name != "n1":
+                node.start()
+        await settle()
+        # every node registered and reported now; the next ticks fall over the period
+        ticks = [rig.ticker.due(name) or 0.0 for name in rig.nodes if name != "n1"]
+        assert all(0 < t <= 10 for t in ticks)
+        assert max(ticks) - min(ticks) > 7
+        assert rig.ticker.due("n1") == 10  # one not started with others: the period
+        # from then on, each ticks once a period
+        first = rig.nodes["v0"]
+        t0 = rig.ticker.due("v0")
+        assert t0 is not None
+        await rig.clock.advance(t0 + 0.01)
+        assert rig.ticker.due("v0") == t0 + 10 and first.registered
+        await rig.stop()
+    run(main())

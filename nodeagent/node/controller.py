@@ -76,7 +76,7 @@ class NodeControllerConfig:
     images: ImageLister | None = None
     readiness: Readiness | None = None
     legacy: bool = False  # --heartbeat-mode=legacy: full status every period, no Lease
-    started_together: bool = False  # virtual nodes: their first Lease renewals spread
+    started_together: bool = False  # virtual nodes: first renewals and ticks spread
 
 
 class NodeController:
@@ -96,6 +96,12 @@ class NodeController:
         self.policy_name: str | None = None
         self.settings = c.status  # the agent replaces it when the config file changes
         self.probe = c.probe
+        self.rng = rng or random.Random()
+        # virtual nodes registered together: the tick after the first report comes at a
+        # random point of the period (earlier, never later), so their ticks spread over
+        # it: a change all of them see at once (an image the shared runtime now holds)
+        # is then 100 status writes over 10 s, not 100 within a few milliseconds
+        self._spread_tick = c.started_together
         self.images = c.images
         self.readiness = c.readiness
         self.legacy = c.legacy
@@ -205,6 +211,10 @@ class NodeController:
         self._next_tick = base + self.heartbeat.statusUpdateFrequencySeconds
         if self._next_tick <= self.clock.monotonic():
             self._next_tick = self.clock.monotonic() + self.heartbeat.statusUpdateFrequencySeconds
+        if self._spread_tick:
+            self._spread_tick = False
+            now = self.clock.monotonic()
+            self._next_tick = now + (self._next_tick - now) * self.rng.random()
         return self._next_tick
 
     def _compute(self) -> Status:
