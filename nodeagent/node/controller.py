@@ -109,7 +109,8 @@ class NodeController:
         self.renewals = c.renewals
         self.ticker = c.ticker
         self.lease = LeaseRenewer(self.name, c.lease_kube, c.clock, c.metrics, c.heartbeat,
-                                  answered=c.answered, rng=rng, spread_first=c.started_together)
+                                  answered=c.answered, rng=self.rng,
+                                  spread_first=c.started_together)
         self.registered = False
         self.uid: str | None = None
         self.reported: Status | None = None  # what the server has, as we last wrote it
@@ -213,8 +214,8 @@ class NodeController:
             self._next_tick = self.clock.monotonic() + self.heartbeat.statusUpdateFrequencySeconds
         if self._spread_tick:
             self._spread_tick = False
-            now = self.clock.monotonic()
-            self._next_tick = now + (self._next_tick - now) * self.rng.random()
+            at = self.clock.monotonic()
+            self._next_tick = at + (self._next_tick - at) * self.rng.random()
         return self._next_tick
 
     def _compute(self) -> Status:
