@@ -605,10 +605,11 @@ def test_host_network_static_pod_when_allowed(cluster: Cluster, tmp_path: Path) 
         clock = RealClock()
         problems = Problems()
         merge = Merge([Source.API, Source.FILE], problems)
+        kube = RestKube(creds)
         tasks = [asyncio.create_task(x.run()) for x in (
             FileSource(folder, node, merge, clock, allow_privileged=True),
-            APISource(RestKube(creds), [node], merge, clock),
-            MirrorManager(RestKube(creds), node, merge, clock, node_uid=lambda: uid))]
+            APISource(kube, [node], merge, clock),
+            MirrorManager(kube, node, merge, clock, node_uid=lambda: uid))]
         try:
             deadline = time.monotonic() + WAIT
             while (m := await asyncio.to_thread(mirror)) is None:
@@ -620,6 +621,7 @@ def test_host_network_static_pod_when_allowed(cluster: Cluster, tmp_path: Path) 
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            await kube.aclose()
     try:
         asyncio.run(body())
     finally:

@@ -197,6 +197,7 @@ def test_static_manifest_to_mirror_pod_lifecycle(cluster: Cluster, tmp_path: Pat
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await events.drain()
+            await kube.aclose()
     try:
         asyncio.run(body())
     finally:
@@ -271,7 +272,8 @@ def test_dropped_watch_resumes_without_relist(cluster: Cluster) -> None:
     async def body() -> None:
         clock = FakeClock()  # backoff waits only when the test says so
         merge = Merge([Source.API])
-        src = APISource(node_kube(cluster, node), [node], merge, clock)
+        kube = node_kube(cluster, node)
+        src = APISource(kube, [node], merge, clock)
         task = asyncio.create_task(src.run())
         try:
             await asyncio.wait_for(merge.ready.wait(), WAIT)
@@ -303,6 +305,7 @@ def test_dropped_watch_resumes_without_relist(cluster: Cluster) -> None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
             await settle()
+            await kube.aclose()
     try:
         asyncio.run(body())
     finally:
@@ -321,7 +324,8 @@ def test_apiserver_restart_no_list_and_once(cluster: Cluster) -> None:
     async def body() -> None:
         clock = FakeClock()
         merge = Merge([Source.API])
-        src = APISource(node_kube(cluster, node), [node], merge, clock)
+        kube = node_kube(cluster, node)
+        src = APISource(kube, [node], merge, clock)
         task = asyncio.create_task(src.run())
         try:
             await asyncio.wait_for(merge.ready.wait(), WAIT)
@@ -355,6 +359,7 @@ def test_apiserver_restart_no_list_and_once(cluster: Cluster) -> None:
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+            await kube.aclose()
     try:
         asyncio.run(body())
     finally:
