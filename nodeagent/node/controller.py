@@ -27,7 +27,7 @@ from nodeagent.api.policy import (
     decode_heartbeat_annotation,
 )
 from nodeagent.node.host import HostReadError, HostReadings
-from nodeagent.node.lease import LeaseRenewer
+from nodeagent.node.lease import LeaseRenewer, spread_before
 from nodeagent.node.metrics import NodeMetrics
 from nodeagent.node.scheduler import DueScheduler
 from nodeagent.node.status import (
@@ -214,8 +214,7 @@ class NodeController:
             self._next_tick = self.clock.monotonic() + self.heartbeat.statusUpdateFrequencySeconds
         if self._spread_tick:
             self._spread_tick = False
-            at = self.clock.monotonic()
-            self._next_tick = at + (self._next_tick - at) * self.rng.random()
+            self._next_tick = spread_before(self.clock.monotonic(), self._next_tick, self.rng)
         return self._next_tick
 
     def _compute(self) -> Status:

@@ -36,6 +36,12 @@ def renew_delay(interval: float, duration: float, jitter: float, u: float) -> fl
     return max(0.1, min(delay, duration * 0.9))
 
 
+def spread_before(now: float, due: float, rng: random.Random) -> float:
+    """A random point between `now` and `due`: earlier than due, never later (the first
+    renewal or tick of nodes started together, so that they do not stay in phase)."""
+    return now + (due - now) * rng.random()
+
+
 class LeaseRenewer:
     REQUEST_TIMEOUT = 10.0  # one attempt never waits longer than this
 
@@ -130,9 +136,9 @@ class LeaseRenewer:
         self.last_renewed = now
         self._u = self.rng.uniform(-1, 1)
         self._due = self.next_due()
-        if self._spread:  # earlier than due, never later
+        if self._spread:
             self._spread = False
-            self._due = now + (self._due - now) * self.rng.random()
+            self._due = spread_before(now, self._due, self.rng)
         return self._due
 
     def _timeout(self, deadline: float) -> float:
