@@ -260,6 +260,31 @@ def wait_ready(subject: Subject, cluster: LocalCluster, timeout: float) -> None:
         time.sleep(2)
 
 
+# the controller manager's TTL controller writes it on every new Node, once
+TTL_ANNOTATION = "node.alpha.kubernetes.io/ttl"
+
+
+def without_ttl(nodes: list[client.V1Node]) -> list[str]:
+    """Names of the nodes the TTL controller has not annotated yet."""
+    return [n.metadata.name for n in nodes if TTL_ANNOTATION not in (n.metadata.annotations or {})]
+
+
+def wait_ttl_annotated(subject: Subject, cluster: LocalCluster, timeout: float) -> float:
+    """Wait until the controller manager has annotated every node of the subject; the
+    seconds waited. Its TTL controller patches each new Node once, at its client's 20
+    requests/s (5 s for 100 nodes). Nodes that register themselves are Ready before it
+    is done, and nodes the bench makes before starting KWOK are done by then: without
+    this wait its writes met the churn's first burst for one subject and not the other."""
+    core = client.CoreV1Api(cluster.api_client())
+    started = time.monotonic()
+    while left := without_ttl(core.list_node(label_selector=subject.selector).items):
+        if time.monotonic() - started > timeout:
+            raise RuntimeError(f"{subject.name}: {len(left)} nodes have no {TTL_ANNOTATION} "
+                               f"annotation after {timeout:.0f} s, e.g. {left[0]}")
+        time.sleep(0.5)
+    return time.monotonic() - started
+
+
 def stale_nodes(subject: Subject, cluster: LocalCluster) -> int:
     """Nodes whose liveness signal (Lease renewTime, or the Ready condition's heartbeat
     for a subject without leases) is older than the lease duration now."""
@@ -481,6 +506,8 @@ def run_churn(subject: Subject, args: argparse.Namespace) -> measure.ChurnResult
         log(f"  starting {subject.name} with {subject.n} nodes")
         subject.start(cluster)
         wait_ready(subject, cluster, args.ready_timeout + subject.n * 0.5)
+        waited = wait_ttl_annotated(subject, cluster, args.ready_timeout + subject.n * 0.2)
+        log(f"  the controller manager's TTL annotations on all nodes after {waited:.1f} s more")
         client.CoreV1Api(api).create_namespace(
             client.V1Namespace(metadata=client.V1ObjectMeta(name=CHURN_NS)))
         pods = PodWatch(api, CHURN_NS)
@@ -642,7 +669,9 @@ Written by `bench/scale.py --churn`; do not edit by hand.
 - nodepulse ran as: {how}, fake runtime
 
 One Deployment of {args.churn_pods} pods (node selector on the subject's nodes, all
-taints tolerated) on a fresh local control plane once all nodes are Ready. "all Running
+taints tolerated) on a fresh local control plane once all nodes are Ready and the
+controller manager has annotated them (its TTL controller writes each new Node once; for
+nodes that register themselves that takes seconds after they are Ready). "all Running
 s": Deployment created until the last pod was seen Running; p50/p99: per pod, first
 seen by a watch until seen Running; "node p50/p99": from first seen bound to a node
 (scheduled) until seen Running, the node's own part. Pod creation is paced by

@@ -8,8 +8,10 @@ import math
 from pathlib import Path
 
 import pytest
+from kubernetes import client
 
 from bench import measure
+from bench.scale import TTL_ANNOTATION, without_ttl
 
 API_BEFORE = """\
 # HELP apiserver_request_total [STABLE] Counter of apiserver requests.
@@ -182,3 +184,12 @@ def test_kwok_stages_missing_from_the_module_cache_are_named(
     monkeypatch.setattr("e2e.cluster.build.pinned_version", lambda gomod, module: "v0.7.0")
     assert [p.name for p in kwok_node_stages()] == ["node-initialize.yaml",
                                                     "node-heartbeat-with-lease.yaml"]
+
+
+def test_nodes_without_the_ttl_annotation_are_named() -> None:
+    def node(name: str, annotations: dict[str, str] | None) -> client.V1Node:
+        return client.V1Node(metadata=client.V1ObjectMeta(name=name, annotations=annotations))
+
+    nodes = [node("a", {TTL_ANNOTATION: "0"}), node("b", None), node("c", {"other": "x"})]
+    assert without_ttl(nodes) == ["b", "c"]
+    assert without_ttl(nodes[:1]) == []
