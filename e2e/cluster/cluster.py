@@ -363,10 +363,11 @@ class LocalCluster(Cluster):
             self._wait(f"{self.server}/readyz", "kube-apiserver")
 
     def ensure_running(self) -> None:
-        """Whatever a fault test stopped is started again (tests call it in `finally`:
-        later test modules share this control plane)."""
+        """Whatever a fault test stopped is started again, and the controller manager acts
+        again (tests call it in `finally`: later test modules share this control plane)."""
         self.start_etcd()
         self.start_apiserver()
+        self._wait_for_controller_manager()
 
     def etcd_revision(self) -> int:
         """etcd's current revision (the header of a range request, through etcd's
@@ -577,21 +578,38 @@ class LocalCluster(Cluster):
         raise TimeoutError(f"{name} not ready at {url} within {timeout:.0f} s ({last}):\n"
                            f"{self._tail(name)}")
 
-    def _wait_for_service_account(self, timeout: float = 60) -> None:
-        """The controller manager works once it has made the default ServiceAccount,
-        which pods need before they can be created."""
+    def _wait_for_service_account(self, namespace: str = "default", timeout: float = 60
+                                  ) -> None:
+        """The controller manager works once it has made the namespace's default
+        ServiceAccount, which pods need before they can be created."""
         core = client.CoreV1Api(self.api_client())
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
-                core.read_namespaced_service_account("default", "default")
+                core.read_namespaced_service_account("default", namespace)
                 return
             except client.ApiException as e:
                 if e.status != 404:
                     raise
             time.sleep(0.2)
-        raise TimeoutError("kube-controller-manager made no default ServiceAccount in "
-                           f"{timeout:.0f} s:\n{self._tail('kube-controller-manager')}")
+        raise TimeoutError(f"kube-controller-manager made no default ServiceAccount in "
+                           f"namespace {namespace} in {timeout:.0f} s:\n"
+                           f"{self._tail('kube-controller-manager')}")
+
+    def _wait_for_controller_manager(self, timeout: float = 180) -> None:
+        """A new namespace gets its default ServiceAccount. After an outage of the API
+        server the controller manager's informers wait out their back-off (up to twice
+        30 s after each failed watch; a watch refused while the new API server's
+        authorizer warms up counts too), and the next test's namespace would wait with
+        them."""
+        core = client.CoreV1Api(self.api_client())
+        probe = f"nodepulse-e2e-probe-{os.urandom(3).hex()}"
+        core.create_namespace({"metadata": {"name": probe}})
+        try:
+            self._wait_for_service_account(probe, timeout)
+        finally:
+            with contextlib.suppress(client.ApiException):
+                core.delete_namespace(probe)
 
     def _tail(self, name: str, lines: int = 30) -> str:
         path = self.log_dir / f"{name}.log"
