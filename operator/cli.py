@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 import sys
 
+import uvloop
 from nodeoperator import __version__
 from nodeoperator.lifecycle import CLUSTER_GRACE_DEFAULT, COEXIST, MODES, parse_duration
 
@@ -102,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
               "--leader-lease-duration", file=sys.stderr)
         return 2
     try:
-        asyncio.run(run(opts))
+        # the agent's event loop, uvloop (README "Dependencies")
+        uvloop.run(run(opts))
     except ClientConfigError as e:
         print(f"nodepulse-operator: {e}", file=sys.stderr)
         return 2
