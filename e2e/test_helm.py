@@ -81,9 +81,13 @@ class Tools:
                      "crd/nodestatuspolicies.nodepulse.dev")
 
 
+# The values files of this module's tests; removed with the directory at exit.
+VALUES_DIR = tempfile.TemporaryDirectory(prefix="np-values-")
+
+
 def sets(values: dict[str, Any]) -> list[str]:
     """Arguments giving helm these values: a values file (keys may hold dots)."""
-    fd, path = tempfile.mkstemp(prefix="np-values-", suffix=".yaml")
+    fd, path = tempfile.mkstemp(suffix=".yaml", dir=VALUES_DIR.name)
     with os.fdopen(fd, "w") as f:
         yaml.safe_dump(values, f)
     return ["-f", path]
