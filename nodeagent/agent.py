@@ -68,6 +68,9 @@ TIMER_SLACK = 0.05  # seconds a renewal or status tick may run after its due tim
 # for them, paced apart): a burst of pods' start Events, three a pod, neither takes
 # the turns their status writes need nor reaches the API server ahead of them
 EVENT_CONNECTIONS = 2
+# status ticks running at once, per request turn of the status writes: a tick waiting
+# for its turn holds the status it computed (DueScheduler's max_running)
+TICKS_PER_STATUS_TURN = 16
 
 
 def status_settings(cfg: AgentConfig) -> StatusSettings:
@@ -206,8 +209,9 @@ class Agent:
         # that are due within it: at most 20 a second for a thousand nodes, not 200
         self.renewals: DueScheduler[str] = DueScheduler(clock, self._renew, "renewals",
                                                         slack=TIMER_SLACK)
-        self.ticker: DueScheduler[str] = DueScheduler(clock, self._tick, "status",
-                                                      slack=TIMER_SLACK)
+        self.ticker: DueScheduler[str] = DueScheduler(
+            clock, self._tick, "status", slack=TIMER_SLACK,
+            max_running=TICKS_PER_STATUS_TURN * cfg.status_concurrency)
         self.node_config = NodeControllerConfig(
             # Lease writes with request turns of their own: never behind status work
             kube=kube.separate(cfg.status_concurrency),

@@ -103,3 +103,37 @@ async def test_with_slack_one_wake_up_runs_every_job_due_within_it() -> None:
     assert (ran["e"], ran["f"]) == (3.05, 3.05)
     await sched.stop()
     task.cancel()
+
+
+@aio
+async def test_at_most_max_running_jobs_at_once_the_others_wait_their_turn_in_order() -> None:
+    """Jobs that wait (for request turns) hold what they made: a thousand due at once
+    run `max_running` at a time, each starting as soon as one ends."""
+    clock = CountingClock()
+    gates = {k: asyncio.Event() for k in "abcde"}
+    started: list[str] = []
+
+    async def job(key: str) -> float | None:
+        started.append(key)
+        await gates[key].wait()
+        return None
+
+    sched: DueScheduler[str] = DueScheduler(clock, job, max_running=2)
+    task = asyncio.create_task(sched.run())
+    for i, key in enumerate("abcde"):
+        sched.schedule(key, 1.0 + i / 100)
+    await clock.advance(2)
+    assert started == ["a", "b"]
+    gates["b"].set()
+    await settle()
+    assert started == ["a", "b", "c"]  # b's end let the next due one start
+    # a's next plan, made while it runs, waits behind the jobs due before it
+    sched.schedule("a", 2.5)
+    await clock.advance(1)
+    assert started == ["a", "b", "c"]
+    for key in "acde":
+        gates[key].set()
+        await settle()
+    assert started == ["a", "b", "c", "d", "e", "a"]
+    await sched.stop()
+    task.cancel()
