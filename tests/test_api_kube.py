@@ -29,7 +29,7 @@ from nodeagent.api.kube import (
     RestKube,
     describe,
 )
-from nodeagent.api.rest import client_timeout, json_lines, transport_error
+from nodeagent.api.rest import METADATA_ONLY, client_timeout, json_lines, transport_error
 from tests.conftest import aio
 from tests.fakekube import FakeKube, api_error
 
@@ -137,6 +137,9 @@ async def test_verbs_send_the_paths_queries_and_bodies() -> None:
     assert r.sent[4]["headers"]["Content-Type"] == "application/merge-patch+json"
     assert r.sent[5]["body"] == {"apiVersion": "v1", "kind": "DeleteOptions",
                                  "gracePeriodSeconds": 0}
+    # an answer that is parsed is asked for whole; one that is not, as metadata only
+    assert r.sent[2]["headers"]["Accept"] == "application/json"
+    assert r.sent[4]["headers"]["Accept"] == METADATA_ONLY
 
 
 @aio

@@ -121,8 +121,9 @@ class WatchStream(Protocol):
 
 class Kube(Protocol):
     """The verbs, on any resource of the table. `timeout`: seconds for the request
-    (or (connect, read)). `parse=False`: the answer is not needed, so it is not parsed
-    and {} is returned (a pod's status PATCH answers with the whole pod)."""
+    (or (connect, read)). `parse=False`: the answer is not needed, so it is asked for
+    as the object's metadata only, not parsed, and {} is returned (a pod's status PATCH
+    would answer with the whole pod)."""
 
     def separate(self, connections: int) -> Kube:
         """The same API server with request turns of its own (at most `connections`

@@ -28,6 +28,10 @@ from multidict import CIMultiDict
 from nodeagent.api.client import USER_AGENT, ApiError, Credentials
 
 Timeout = float | tuple[float, float] | None  # None: no timeout; (connect, read)
+# The Accept of a request whose answer is not parsed: the object's metadata only (the
+# API server then encodes, and we read, a few hundred bytes where a status PATCH of a
+# pod would answer with the whole pod); plain JSON from a server that cannot.
+METADATA_ONLY = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1,application/json"
 
 
 def _q(v: Any) -> str:
@@ -165,8 +169,10 @@ class Transport:
             self._turns, self._turns_loop = asyncio.Semaphore(self.connections), loop
         return self._turns
 
-    def _request_headers(self, content_type: str | None) -> dict[str, str]:
+    def _request_headers(self, content_type: str | None, parse: bool) -> dict[str, str]:
         headers = dict(self._headers)
+        if not parse:
+            headers["Accept"] = METADATA_ONLY
         auth = self.creds.authorization()
         if auth:
             headers["Authorization"] = auth
@@ -175,13 +181,13 @@ class Transport:
         return headers
 
     def _send(self, method: str, path: str, query: dict[str, Any] | None, body: Any,
-              timeout: Timeout, content_type: str) -> Any:
+              timeout: Timeout, content_type: str, parse: bool = True) -> Any:
         """The request context manager; the caller enters it."""
         params = [(k, _q(v)) for k, v in (query or {}).items() if v is not None]
         data = None if body is None else json.dumps(body, separators=(",", ":")).encode()
         return self.pool.session().request(
             method, self.base + path, params=params or None, data=data,
-            headers=self._request_headers(content_type if data is not None else None),
+            headers=self._request_headers(content_type if data is not None else None, parse),
             timeout=client_timeout(timeout), proxy=self.creds.proxy,
             server_hostname=self.creds.tls_server_name, allow_redirects=False)
 
@@ -192,7 +198,8 @@ class Transport:
         Raises ApiError for a non-2xx status."""
         async with self._turns_here():
             try:
-                async with self._send(method, path, query, body, timeout, content_type) as resp:
+                async with self._send(method, path, query, body, timeout, content_type,
+                                      parse) as resp:
                     data = await resp.read()
                     if not 200 <= resp.status <= 299:
                         raise api_error(resp, data)
