@@ -125,6 +125,25 @@ def test_watch_events_become_ops() -> None:
     run(body)
 
 
+def test_pods_are_kept_without_their_managed_fields() -> None:
+    """Nothing reads them, and they are a large part of every pod the agent keeps."""
+    def with_fields(name: str) -> Obj:
+        pod = mkpod(name)
+        pod["metadata"]["managedFields"] = [{"manager": "kube-controller-manager",
+                                             "operation": "Update", "fieldsV1": {}}]
+        return pod
+
+    async def body(h: Harness) -> None:
+        assert await h.next() == (Op.ADD, ["listed"])
+        await h.watching(1)
+        h.create(with_fields("watched"))
+        assert await h.next() == (Op.ADD, ["watched"])
+        kept = {p["metadata"]["name"]: p["metadata"] for p in h.merge.pods()}
+        assert set(kept) == {"listed", "watched"}
+        assert not any("managedFields" in meta for meta in kept.values())
+    run(body, before=lambda h: h.create(with_fields("listed")))
+
+
 def test_dropped_connection_resumes_from_last_version() -> None:
     async def body(h: Harness) -> None:
         assert await h.next() == (Op.ADD, ["a"])
