@@ -28,9 +28,9 @@ from multidict import CIMultiDict
 from nodeagent.api.client import USER_AGENT, ApiError, Credentials
 
 Timeout = float | tuple[float, float] | None  # None: no timeout; (connect, read)
-# The Accept of a request whose answer is not parsed: the object's metadata only (the
-# API server then encodes, and we read, a few hundred bytes where a status PATCH of a
-# pod would answer with the whole pod); plain JSON from a server that cannot.
+# The Accept of a request whose answer is not parsed: the object's metadata only, so the
+# API server encodes and we read less (a one-container pod's status PATCH answered with
+# 1398 bytes instead of 2307); plain JSON from a server that cannot.
 METADATA_ONLY = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1,application/json"
 
 
