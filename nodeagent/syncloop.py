@@ -21,7 +21,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Sequence
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter
@@ -38,7 +39,7 @@ from nodeagent.objects import ObjectCache
 from nodeagent.pleg import EventType, Pleg, PodCache, PodLifecycleEvent
 from nodeagent.podstatus import StatusManager
 from nodeagent.probes import ProbeManager
-from nodeagent.runtime.base import LABEL_POD_NAME, LABEL_POD_NAMESPACE, Runtime
+from nodeagent.runtime.base import LABEL_POD_NAME, LABEL_POD_NAMESPACE, RelistResult, Runtime
 from nodeagent.sources.types import Op, Pod, PodUpdate, SourcesReady, pod_node_name
 from nodeagent.syncer import CrashBackoff, NodePodSettings, PodSyncer
 from nodeagent.volumes import VolumeManager
@@ -59,6 +60,7 @@ class SyncLoopConfig:
     host_ip: str = ""
     registry: CollectorRegistry = REGISTRY
     sync_frequency: float = 60.0       # periodic resync of each pod
+    resync_jitter: float = 0.5         # ... up to this fraction later (PodWorkers)
     call_timeout: float = 60.0         # any runtime call but the PLEG's
     log_root: str = ""                 # container logs (runtimes that write files)
     crash_backoff_initial: float = 10.0
@@ -122,7 +124,8 @@ class SyncLoop:
                                                      c.crash_backoff_max,
                                                      c.crash_backoff_reset))
         self.workers = PodWorkers(self.syncer, cache, c.clock, node=node_name,
-                                  sync_frequency=c.sync_frequency, registry=c.registry)
+                                  sync_frequency=c.sync_frequency,
+                                  resync_jitter=c.resync_jitter, registry=c.registry)
         self.pods: dict[str, Pod] = {}   # uid -> latest pod from the sources
         self._orphans = _housekeeping_counter(c.registry).labels(node=node_name)
 
@@ -215,31 +218,24 @@ class SyncLoop:
 
 
 
-def housekeeping(pleg: Pleg, sources_ready: SourcesReady, loops: Sequence[SyncLoop],
-                 orphan_grace: float, remover: Callable[[], SyncLoop]) -> list[str]:
-    """REMOVE for runtime pods that none of `loops` knows (all loops on one runtime:
-    a pod of another node is not an orphan), only once every source has delivered its
-    first full set (before that, absence proves nothing). The workers of the loop
-    `remover` gives remove them."""
-    if not sources_ready.all_ready():
-        return []
-    result = pleg.last_result
-    if result is None:
-        return []
-    known: set[str] = set()
-    for loop in loops:
-        known |= loop.known_uids(pleg.last_result_at)
-    names: dict[str, tuple[str, str]] = {}
-    for s in result.sandboxes:
-        names.setdefault(s.pod_uid, (s.name, s.namespace))
-    for c in result.containers:
-        names.setdefault(c.pod_uid, (c.labels.get(LABEL_POD_NAME, ""),
-                                     c.labels.get(LABEL_POD_NAMESPACE, "")))
-    orphans = sorted(names.keys() - known)
+def remove_orphans(result: RelistResult, orphans: set[str], orphan_grace: float,
+                   remover: Callable[[], SyncLoop]) -> list[str]:
+    """REMOVE for the pods of `orphans` that the relist `result` found (all loops on one
+    runtime: a pod of another node is not an orphan); the workers of the loop `remover`
+    gives remove them."""
     if not orphans:
         return []
+    names: dict[str, tuple[str, str]] = {}
+    for s in result.sandboxes:
+        if s.pod_uid in orphans:
+            names.setdefault(s.pod_uid, (s.name, s.namespace))
+    for c in result.containers:
+        if c.pod_uid in orphans:
+            names.setdefault(c.pod_uid, (c.labels.get(LABEL_POD_NAME, ""),
+                                         c.labels.get(LABEL_POD_NAMESPACE, "")))
     first = remover()
-    for uid in orphans:
+    ordered = sorted(orphans)
+    for uid in ordered:
         name, ns = names[uid]
         log.info("housekeeping: pod %s/%s (uid %s) runs but no source has it; removing",
                  ns, name, uid)
@@ -248,7 +244,7 @@ def housekeeping(pleg: Pleg, sources_ready: SourcesReady, loops: Sequence[SyncLo
                                            "namespace": ns or "default"},
                               "spec": {"terminationGracePeriodSeconds": orphan_grace}},
                              UpdateKind.REMOVE)
-    return orphans
+    return ordered
 
 
 class NodeLoops:
@@ -257,6 +253,8 @@ class NodeLoops:
     The merge's updates are split per node by spec.nodeName; the PLEG's events go to
     the loop of the node that owns the pod (learnt from those updates).
     """
+
+    TICK_MIN, TICK_MAX = 0.1, 1.0  # the resync tick's wait (_tick)
 
     def __init__(self, config: NodeLoopsConfig, pleg: Pleg, updates: asyncio.Queue[PodUpdate],
                  sources_ready: SourcesReady) -> None:
@@ -355,19 +353,22 @@ class NodeLoops:
                 await c.env.services.close()
 
     def housekeeping(self) -> list[str]:
-        orphans = housekeeping(self.pleg, self.sources_ready, list(self.loops.values()),
-                               self.config.orphan_grace,
-                               lambda: self.loop(self.config.node_names[0]))
-        volumes = self.config.loop.volumes
+        """Removes the runtime's pods that no loop knows, and the folders of pods that
+        neither a loop nor the runtime has; returns the removed pods' uids. Only once
+        every source has delivered its first full set: before that, absence proves
+        nothing."""
         result = self.pleg.last_result
-        if volumes is not None and result is not None and self.sources_ready.all_ready():
-            # pod folders of pods that no source knows and the runtime no longer holds
-            keep: set[str] = set()
-            for loop in self.loops.values():
-                keep |= loop.known_uids(self.pleg.last_result_at)
-            keep |= {s.pod_uid for s in result.sandboxes}
-            keep |= {c.pod_uid for c in result.containers}
-            volumes.cleanup_orphans(keep)
+        if result is None or not self.sources_ready.all_ready():
+            return []
+        at = self.pleg.last_result_at
+        known: set[str] = set().union(*(loop.known_uids(at) for loop in self.loops.values()))
+        in_runtime = ({s.pod_uid for s in result.sandboxes}
+                      | {c.pod_uid for c in result.containers})
+        orphans = remove_orphans(result, in_runtime - known, self.config.orphan_grace,
+                                 lambda: self.loop(self.config.node_names[0]))
+        volumes = self.config.loop.volumes
+        if volumes is not None:
+            volumes.cleanup_orphans(known | in_runtime)
         return orphans
 
     async def _route_updates(self) -> None:
@@ -408,8 +409,14 @@ class NodeLoops:
             self.housekeeping()
 
     async def _tick(self) -> None:
-        """Every loop's 1 s resync tick, from one timer."""
+        """Every loop's resync tick, from one timer. It wakes when the next pod is due,
+        a tenth of a second at the soonest and a second at the latest: ticking each
+        second, it took a second's due pods at once (bench.scale --churn, 3000 pods on
+        100 nodes: 10-18 ms in which the event loop stood still and new pods waited)."""
         while True:
-            await self.clock.sleep(1.0)
+            soonest = min((loop.workers.next_due() for loop in self.loops.values()),
+                          default=math.inf)
+            wait = soonest - self.clock.monotonic()
+            await self.clock.sleep(min(self.TICK_MAX, max(self.TICK_MIN, wait)))
             for loop in self.loops.values():
                 loop.workers.sync_due()

@@ -13,8 +13,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import heapq
 import logging
 import math
+import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -91,15 +93,23 @@ def _worker_metrics(registry: CollectorRegistry) -> _WorkerMetrics:
 
 class PodWorkers:
     def __init__(self, syncer: PodSyncer, cache: PodCache, clock: Clock, *,
-                 node: str = "", sync_frequency: float = 60.0, error_initial: float = 1.0,
-                 error_max: float = 60.0, drain_timeout: float = 15.0,
-                 registry: CollectorRegistry = REGISTRY) -> None:
-        """`drain_timeout`: on stop, how long runtime calls in flight may still run."""
+                 node: str = "", sync_frequency: float = 60.0, resync_jitter: float = 0.5,
+                 error_initial: float = 1.0, error_max: float = 60.0,
+                 drain_timeout: float = 15.0, registry: CollectorRegistry = REGISTRY) -> None:
+        """`resync_jitter`: a pod's periodic resync comes up to this fraction of
+        `sync_frequency` later, at random (the kubelet's: half), so pods started together
+        are not all resynced together. `drain_timeout`: on stop, how long runtime calls
+        in flight may still run."""
         self.syncer = syncer
         self.cache = cache
         self.clock = clock
         self.node = node
         self.sync_frequency = sync_frequency
+        self.resync_jitter = resync_jitter
+        self._random = random.Random(node)  # seeded: the same spread on every run
+        # (due, uid) of each time a worker was made due; an entry whose worker has since
+        # been made due again, or is gone, is dropped when its time comes
+        self._due: list[tuple[float, str]] = []
         self.error_initial = error_initial
         self.error_max = error_max
         self.drain_timeout = drain_timeout
@@ -140,10 +150,25 @@ class PodWorkers:
         return w is not None and container_id in w.running
 
     def due(self) -> list[str]:
-        """Pods whose periodic resync or retry time has come and that are idle."""
+        """Pods whose periodic resync or retry time has come and that are idle (a busy
+        worker is made due again when its step ends)."""
         now = self.clock.monotonic()
-        return [w.uid for w in self._w.values()
-                if w.due <= now and not w.pending and (w.task is None or w.task.done())]
+        uids: list[str] = []
+        while self._due and self._due[0][0] <= now:
+            t, uid = heapq.heappop(self._due)
+            w = self._w.get(uid)
+            if (w is not None and w.due == t and not w.pending
+                    and (w.task is None or w.task.done())):
+                uids.append(uid)
+        return uids
+
+    def next_due(self) -> float:
+        """When the next pod may be due (inf: none is)."""
+        return self._due[0][0] if self._due else math.inf
+
+    def _make_due(self, w: _Worker, delay: float) -> None:
+        w.due = self.clock.monotonic() + delay
+        heapq.heappush(self._due, (w.due, w.uid))
 
     # --- updates --------------------------------------------------------------------
 
@@ -216,7 +241,7 @@ class PodWorkers:
             raise
         except Exception:  # _step handles sync errors; this is a bug: keep the pod due
             log.exception("pod %s: worker failed", describe(w.pod))
-            w.due = self.clock.monotonic() + self.error_max
+            self._make_due(w, self.error_max)
 
     async def _entry(self, w: _Worker) -> CacheEntry:
         """The pod's runtime state from a relist newer than the last sync. A stop reads
@@ -257,7 +282,7 @@ class PodWorkers:
         log.debug("pod %s: %s step (kill=%s removed=%s)", describe(w.pod), phase.value, w.kill,
                   w.removed)
         try:
-            requeue = self.sync_frequency
+            requeue = self.sync_frequency * (1 + self.resync_jitter * self._random.random())
             if w.phase == Phase.SYNCING and w.kill:
                 w.phase = Phase.TERMINATING
             if w.phase == Phase.SYNCING:
@@ -285,14 +310,14 @@ class PodWorkers:
                     self.forgotten[w.uid] = self.clock.monotonic()
                     log.debug("pod %s: removed, worker forgotten", describe(w.pod))
             w.errors = 0
-            w.due = self.clock.monotonic() + requeue
+            self._make_due(w, requeue)
             self._m.syncs.labels(node=self.node, phase=phase.value, result="ok").inc()
         except asyncio.CancelledError:
             raise
         except Exception as e:
             w.errors += 1
             delay = min(self.error_initial * 2 ** (w.errors - 1), self.error_max)
-            w.due = self.clock.monotonic() + delay
+            self._make_due(w, delay)
             self._m.syncs.labels(node=self.node, phase=phase.value, result="error").inc()
             log.warning("pod %s: %s sync failed (%s); retry in %.0fs", describe(w.pod),
                         phase.value,

@@ -224,18 +224,45 @@ async def test_burst_of_updates_causes_at_most_two_syncs() -> None:
 
 @aio
 async def test_periodic_resync_only_when_due() -> None:
+    """A pod is resynced 60-90 s after its last sync (the kubelet's jitter of half the
+    period), not before."""
     clock = FakeClock()
     a = await started(clock)
     a.send(Op.ADD, mkpod("a", "ua"))
-    await a.run_for(30)
+    await a.run_for(45)
     a.send(Op.ADD, mkpod("b", "ub"))
     await a.run_for(3)
     sa, sb = a.loop.workers.syncs("ua"), a.loop.workers.syncs("ub")
-    await a.run_for(40)   # t=73: a is due (last synced ~t=2), b is not (~t=32)
+    await a.run_for(12)   # t=60: a's last sync was at ~t=1
+    assert a.loop.workers.syncs("ua") == sa
+    await a.run_for(33)   # t=93: a is due (by t=92), b is not (not before ~t=106)
     assert a.loop.workers.syncs("ua") == sa + 1
     assert a.loop.workers.syncs("ub") == sb
-    await a.run_for(30)
+    await a.run_for(45)   # t=138: b is due (by ~t=137)
     assert a.loop.workers.syncs("ub") == sb + 1
+    await a.loops.stop()
+
+
+@aio
+async def test_pods_started_together_are_resynced_apart() -> None:
+    """Each resync comes at a random point of its 60-90 s window: 60 pods started in
+    the same second are not resynced in the same tick."""
+    clock = FakeClock()
+    a = await started(clock)
+    uids = [f"u{i}" for i in range(60)]
+    a.send(Op.ADD, *(mkpod(f"p{i}", uid) for i, uid in enumerate(uids)))
+    await a.run_for(2)
+    synced = {uid: a.loop.workers.syncs(uid) for uid in uids}
+    resynced_at: dict[str, int] = {}
+    for t in range(2, 95):
+        for uid in uids:
+            if uid not in resynced_at and a.loop.workers.syncs(uid) > synced[uid]:
+                resynced_at[uid] = t
+        await a.run_for(1)
+    assert sorted(resynced_at) == sorted(uids)
+    assert min(resynced_at.values()) >= 60 and max(resynced_at.values()) <= 92
+    per_second = [list(resynced_at.values()).count(t) for t in range(60, 93)]
+    assert max(per_second) <= 8  # spread: 60 over 30 s (at once: 60 in one)
     await a.loops.stop()
 
 
