@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
 from nodeagent.api.clock import Clock
@@ -83,11 +83,14 @@ class Pods:
     def runtime_pod(self, uid: str) -> PodRuntimeStatus:
         return self.loops.pleg.cache.get(uid).status
 
-    def running_logs(self) -> list[tuple[str, str]]:
-        """(container id, log path) of every running container, for log rotation."""
+    def running_logs(self) -> Iterator[tuple[str, str]]:
+        """(container id, log path) of every running container, for log rotation: read
+        as it goes (the rotation lets the event loop run between them)."""
         cache = self.loops.pleg.cache
-        return [(c.id, c.log_path) for uid in cache.uids() for c in cache.get(uid).status.containers
-                if c.state == ContainerState.RUNNING and c.log_path]
+        for uid in cache.uids():  # a copy
+            for c in cache.get(uid).status.containers:  # a pod gone meanwhile: none
+                if c.state == ContainerState.RUNNING and c.log_path:
+                    yield c.id, c.log_path
 
     # -- running --
     async def refresh(self) -> None:

@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import datetime as dt
 import ssl
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -377,3 +377,35 @@ async def test_api_server_unreachable_is_401_then_500_and_not_cached(tmp_path: P
         env.api.review_access = real_review  # type: ignore[method-assign]
         r = await env.client.get("/containerLogs/ns/x/main", headers=bearer("alice"))
         assert r.status == 404  # allowed now: nothing failed was kept
+
+
+def test_log_rotation_lets_other_work_run_between_batches(tmp_path: Path) -> None:
+    """A round over thousands of logs does not hold the event loop: others run
+    between its batches (and the logs are read as it goes)."""
+    from nodeagent.runtime.logs import LogRotation
+
+    async def main() -> None:
+        clock = FakeClock()
+        read: list[int] = []
+        turns: list[int] = []
+
+        def running_logs() -> Iterator[tuple[str, str]]:
+            for i in range(3 * LogRotation.BATCH):
+                read.append(i)
+                yield f"c{i}", str(tmp_path / f"{i}.log")  # none there: nothing to rotate
+
+        async def other() -> None:
+            while True:
+                turns.append(len(read))
+                await asyncio.sleep(0)
+
+        rot = LogRotation(FakeRuntime(clock), running_logs, clock, max_size=2048, max_files=3)
+        task = asyncio.create_task(other())
+        await asyncio.sleep(0)
+        turns.clear()
+        assert await rot.rotate_all() == 0
+        task.cancel()
+        # the other task ran while the round was under way, between batches
+        assert [n for n in turns if 0 < n < len(read)] == [LogRotation.BATCH, 2 * LogRotation.BATCH]
+
+    asyncio.run(main())

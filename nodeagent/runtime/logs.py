@@ -17,7 +17,7 @@ import gzip
 import logging
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from nodeagent.api.clock import Clock
 from nodeagent.runtime.base import ContainerRuntimeError, Runtime, Unsupported
@@ -58,7 +58,9 @@ def tidy(path: str, max_files: int) -> list[str]:
 
 
 class LogRotation:
-    def __init__(self, runtime: Runtime, running_logs: Callable[[], list[tuple[str, str]]],
+    BATCH = 200  # logs checked between turns of the event loop
+
+    def __init__(self, runtime: Runtime, running_logs: Callable[[], Iterable[tuple[str, str]]],
                  clock: Clock, *, max_size: int, max_files: int, period: float = PERIOD) -> None:
         """`running_logs`: (container id, log path) of every running container."""
         self.runtime = runtime
@@ -76,11 +78,15 @@ class LogRotation:
             await self.rotate_all()
 
     async def rotate_all(self) -> int:
-        """One round; returns how many logs were rotated."""
+        """One round; returns how many logs were rotated. Other work runs between
+        batches: all at once, 3000 containers' logs stood the event loop still for
+        16-23 ms while new pods waited (bench.scale --churn)."""
         done = 0
-        for cid, path in self.running_logs():
+        for i, (cid, path) in enumerate(self.running_logs()):
             if self.unsupported or not path:
                 break
+            if i % self.BATCH == self.BATCH - 1:
+                await asyncio.sleep(0)
             try:
                 size = os.stat(path).st_size
             except OSError:
