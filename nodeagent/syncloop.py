@@ -3,7 +3,7 @@ turn into pod worker updates.
 
     merge's PodUpdates ─> NodeLoops ─┬─> SyncLoop (node a) ─> PodWorkers ─> runtime
     PLEG events ────────>  (routing) ├─> SyncLoop (node b)        └─> StatusManager ─> API
-    1 s tick: due resyncs ┤          └─> ...
+    resync tick ──────────┤          └─> ...
     housekeeping ─────────┘  (orphans in the runtime are removed once sources are ready)
 
 `NodeLoops` runs one PLEG over the runtime for every node of the process (a host agent
@@ -13,7 +13,9 @@ resyncs from one timer, and does the housekeeping once for all (a pod of one nod
 never an orphan of another). A `SyncLoop` is one node's: its pods, workers, syncer and
 status manager, built from the SyncLoopConfig all nodes share. It is made when its node
 first has a pod: a process of thousands of virtual nodes, most of them idle, holds no
-queues, task or metric series for a node that never ran anything.
+metric series for a node that never ran anything. It has no queue or task of its own:
+the routing hands it each update and event (a hop through a queue and a task per node
+cost every pod two more turns of the event loop).
 """
 
 from __future__ import annotations
@@ -97,8 +99,8 @@ def _housekeeping_counter(registry: CollectorRegistry) -> Counter:
 
 
 class SyncLoop:
-    """One node's loop: takes that node's updates and PLEG events from its queues (its
-    NodeLoops fills them) and turns them into pod worker updates."""
+    """One node's loop: turns that node's updates and PLEG events (its NodeLoops routes
+    them here) into pod worker updates."""
 
     def __init__(self, node_name: str, config: SyncLoopConfig, cache: PodCache,
                  images: ImageManager | None = None) -> None:
@@ -106,8 +108,6 @@ class SyncLoop:
         c = config
         self.node_name = node_name
         self.clock = c.clock
-        self.updates: asyncio.Queue[PodUpdate] = asyncio.Queue()
-        self.events: asyncio.Queue[PodLifecycleEvent] = asyncio.Queue()
         self.status = StatusManager(c.kube, c.clock, answered=c.answered, node=node_name,
                                     registry=c.registry)
         actions = Actions(c.runtime)
@@ -129,25 +129,11 @@ class SyncLoop:
         self.pods: dict[str, Pod] = {}   # uid -> latest pod from the sources
         self._orphans = _housekeeping_counter(c.registry).labels(node=node_name)
 
-    async def run(self) -> None:
-        get_update = asyncio.ensure_future(self.updates.get())
-        get_event = asyncio.ensure_future(self.events.get())
-        try:
-            while True:
-                done, _ = await asyncio.wait({get_update, get_event},
-                                             return_when=asyncio.FIRST_COMPLETED)
-                if get_update in done:
-                    self.handle_update(get_update.result())
-                    get_update = asyncio.ensure_future(self.updates.get())
-                if get_event in done:
-                    self.handle_event(get_event.result())
-                    get_event = asyncio.ensure_future(self.events.get())
-        finally:
-            for f in (get_update, get_event):
-                f.cancel()
-            await self.workers.stop()
-            await self.probes.close()
-            await self.status.close()
+    async def close(self) -> None:
+        """Stop the workers, probes and status writes (pods keep running)."""
+        await self.workers.stop()
+        await self.probes.close()
+        await self.status.close()
 
     # --- inputs ---------------------------------------------------------------------
 
@@ -268,32 +254,16 @@ class NodeLoops:
         self.loops: dict[str, SyncLoop] = {}  # made by loop(): when a node first has a pod
         self.owner: dict[str, str] = {}  # pod uid -> node, from the routed updates
         self._task: asyncio.Task[None] | None = None
-        self._loop_tasks: list[asyncio.Task[None]] = []
-        # set to the first loop task that ends while running (a failure: loops run
-        # until stopped)
-        self._loop_ended: asyncio.Future[asyncio.Task[None]] | None = None
         if config.loop.objects is not None:
             config.loop.objects.on_change = self.objects_changed
 
     def loop(self, node: str) -> SyncLoop:
-        """The node's SyncLoop, made (and started, when the loops run) on first use."""
+        """The node's SyncLoop, made on first use."""
         loop = self.loops.get(node)
         if loop is None:
             loop = self.loops[node] = SyncLoop(node, self.config.loop, self.pleg.cache,
                                                self.images)
-            if self._loop_ended is not None:
-                self._start_loop(node, loop)
         return loop
-
-    def _start_loop(self, node: str, loop: SyncLoop) -> None:
-        task = asyncio.create_task(loop.run(), name=f"syncloop-{node}")
-        self._loop_tasks.append(task)
-
-        def ended(t: asyncio.Task[None]) -> None:
-            waiter = self._loop_ended
-            if waiter is not None and not waiter.done() and not t.cancelled():
-                waiter.set_result(t)
-        task.add_done_callback(ended)
 
     def objects_changed(self, uids: set[str]) -> None:
         """A ConfigMap or Secret these pods use changed: sync them (their volumes)."""
@@ -324,26 +294,20 @@ class NodeLoops:
         env = self.config.loop.env
         if env is not None and env.services is not None:
             env.services.start()  # every container's environment has the `kubernetes` one
-        ended = self._loop_ended = asyncio.get_running_loop().create_future()
-        for name, loop in self.loops.items():
-            self._start_loop(name, loop)
         tasks = [asyncio.create_task(self._route_updates(), name="route-updates"),
                  asyncio.create_task(self._route_events(), name="route-events"),
                  asyncio.create_task(self._housekeeping(), name="housekeeping"),
                  asyncio.create_task(self._tick(), name="resync-tick")]
         try:
-            done, _ = await asyncio.wait([*tasks, ended], return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             for t in done:
-                # a loop that ends is a failure: raise it
-                (t.result() if t is ended else t).result()
+                t.result()  # they run until stopped: one that ends failed
         finally:
-            self._loop_ended = None
-            ended.cancel()
-            tasks += self._loop_tasks
-            self._loop_tasks = []
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            for loop in self.loops.values():
+                await loop.close()
             await self.images.close()
             await self.pleg.stop()
             c = self.config.loop
@@ -390,14 +354,14 @@ class NodeLoops:
                 else:
                     self.owner[uid] = node
         for node, pods in by_node.items():
-            self.loop(node).updates.put_nowait(PodUpdate(u.op, tuple(pods), u.source))
+            self.loop(node).handle_update(PodUpdate(u.op, tuple(pods), u.source))
 
     async def _route_events(self) -> None:
         while True:
             ev = await self.pleg.events.get()
             node = self.owner.get(ev.pod_uid)
             if node is not None:
-                self.loops[node].events.put_nowait(ev)
+                self.loops[node].handle_event(ev)
             elif ev.type == EventType.CONTAINER_STARTED:
                 # a pod no node knows: housekeeping removes it, from a relist that
                 # shows it (while events flow the next one is far off)

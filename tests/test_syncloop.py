@@ -354,7 +354,8 @@ async def test_unrunnable_spec_is_reported_not_crashed_on() -> None:
     await a.loops.stop()
 
 
-def test_updates_are_split_by_node_in_order() -> None:
+@aio
+async def test_updates_are_split_by_node_in_order() -> None:
     clock = FakeClock()
     rt = FakeRuntime(clock)
     config = SyncLoopConfig(runtime=rt, clock=clock, kube=FakeKube(), answered=ApiAnswered(clock),
@@ -367,12 +368,14 @@ def test_updates_are_split_by_node_in_order() -> None:
     p3["spec"]["nodeName"] = "elsewhere"
     loops.route(PodUpdate(Op.ADD, (p1, p2, p3), Source.API))
     loops.route(PodUpdate(Op.REMOVE, (p1,), Source.API))
-    q1, q2 = loops.loops["n1"].updates, loops.loops["n2"].updates
-    assert [(u.op, [p["metadata"]["uid"] for p in u.pods]) for u in
-            (q1.get_nowait(), q1.get_nowait())] == [(Op.ADD, ["ua"]), (Op.REMOVE, ["ua"])]
-    assert q2.get_nowait().pods == (p2,) and q2.empty()
+    n1, n2 = loops.loops["n1"], loops.loops["n2"]
+    # each node's loop took its own pods, in order: a was added, then removed
+    assert n1.pods == {} and "ua" in n1.workers and "ub" not in n1.workers
+    assert n2.pods == {"ub": p2} and "ub" in n2.workers and "ua" not in n2.workers
     assert loops.owner == {"ub": "n2"}  # where the PLEG's events for a pod go
     assert set(loops.loops) == {"n1", "n2"}  # nothing made for a node not served here
+    for loop in loops.loops.values():
+        await loop.close()
 
 
 @aio
