@@ -306,8 +306,9 @@ class NodeLoops:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            for loop in self.loops.values():
-                await loop.close()
+            # together: each may wait for its runtime calls under way (PodWorkers.stop)
+            await asyncio.gather(*(loop.close() for loop in self.loops.values()),
+                                 return_exceptions=True)
             await self.images.close()
             await self.pleg.stop()
             c = self.config.loop
