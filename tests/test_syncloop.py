@@ -245,8 +245,8 @@ async def test_periodic_resync_only_when_due() -> None:
 
 @aio
 async def test_pods_started_together_are_resynced_apart() -> None:
-    """Each resync comes at a random point of its 60-90 s window: 60 pods started in
-    the same second are not resynced in the same tick."""
+    """Each resync comes at a point of its 60-90 s window that differs from pod to pod:
+    60 pods started in the same second are not resynced in the same tick."""
     clock = FakeClock()
     a = await started(clock)
     uids = [f"u{i}" for i in range(60)]
