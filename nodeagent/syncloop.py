@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -45,7 +44,7 @@ from nodeagent.runtime.base import LABEL_POD_NAME, LABEL_POD_NAMESPACE, RelistRe
 from nodeagent.sources.types import Op, Pod, PodUpdate, SourcesReady, pod_node_name
 from nodeagent.syncer import CrashBackoff, NodePodSettings, PodSyncer
 from nodeagent.volumes import VolumeManager
-from nodeagent.workers import PodWorkers, UpdateKind
+from nodeagent.workers import DueTimes, PodWorkers, UpdateKind
 
 log = logging.getLogger(__name__)
 
@@ -103,8 +102,10 @@ class SyncLoop:
     them here) into pod worker updates."""
 
     def __init__(self, node_name: str, config: SyncLoopConfig, cache: PodCache,
-                 images: ImageManager | None = None) -> None:
-        """`images`: the runtime's image manager, shared by every node's loop."""
+                 images: ImageManager | None = None,
+                 due_times: DueTimes | None = None) -> None:
+        """`images`, `due_times`: the runtime's image manager and the pods' resync
+        times, shared by every node's loop."""
         c = config
         self.node_name = node_name
         self.clock = c.clock
@@ -125,7 +126,8 @@ class SyncLoop:
                                                      c.crash_backoff_reset))
         self.workers = PodWorkers(self.syncer, cache, c.clock, node=node_name,
                                   sync_frequency=c.sync_frequency,
-                                  resync_jitter=c.resync_jitter, registry=c.registry)
+                                  resync_jitter=c.resync_jitter, due_times=due_times,
+                                  registry=c.registry)
         self.pods: dict[str, Pod] = {}   # uid -> latest pod from the sources
         self._orphans = _housekeeping_counter(c.registry).labels(node=node_name)
 
@@ -250,6 +252,7 @@ class NodeLoops:
         self.updates = updates
         self.sources_ready = sources_ready
         self.images = image_manager(config.loop)  # one runtime: one set of pulls
+        self.due_times = DueTimes()  # every loop's pods' resyncs, for one timer
         self.node_names = frozenset(config.node_names)
         self.loops: dict[str, SyncLoop] = {}  # made by loop(): when a node first has a pod
         self.owner: dict[str, str] = {}  # pod uid -> node, from the routed updates
@@ -262,7 +265,7 @@ class NodeLoops:
         loop = self.loops.get(node)
         if loop is None:
             loop = self.loops[node] = SyncLoop(node, self.config.loop, self.pleg.cache,
-                                               self.images)
+                                               self.images, self.due_times)
         return loop
 
     def objects_changed(self, uids: set[str]) -> None:
@@ -379,9 +382,6 @@ class NodeLoops:
         second, it took a second's due pods at once (bench.scale --churn, 3000 pods on
         100 nodes: 10-18 ms in which the event loop stood still and new pods waited)."""
         while True:
-            soonest = min((loop.workers.next_due() for loop in self.loops.values()),
-                          default=math.inf)
-            wait = soonest - self.clock.monotonic()
+            wait = self.due_times.next() - self.clock.monotonic()
             await self.clock.sleep(min(self.TICK_MAX, max(self.TICK_MIN, wait)))
-            for loop in self.loops.values():
-                loop.workers.sync_due()
+            self.due_times.sync_due(self.clock.monotonic())

@@ -15,6 +15,7 @@ import contextlib
 import enum
 import hashlib
 import heapq
+import itertools
 import logging
 import math
 from collections.abc import Callable
@@ -39,6 +40,33 @@ def _spread(uid: str, n: int) -> float:
     every run (no generator per node: a Random is 2.5 KB)."""
     digest = hashlib.blake2b(f"{uid}/{n}".encode(), digest_size=4).digest()
     return int.from_bytes(digest) / 2**32
+
+
+class DueTimes:
+    """When pod workers are next due (a periodic resync or a retry), for every node's
+    PodWorkers at once: one heap, so a tick costs the pods due, not the nodes. An entry
+    whose worker was made due again since, or is gone, is dropped when its time comes."""
+
+    def __init__(self) -> None:
+        # (due, push order, uid, workers): the order keeps ties off the PodWorkers
+        self._heap: list[tuple[float, int, str, PodWorkers]] = []
+        self._order = itertools.count()
+
+    def push(self, due: float, workers: PodWorkers, uid: str) -> None:
+        heapq.heappush(self._heap, (due, next(self._order), uid, workers))
+
+    def next(self) -> float:
+        """When the next pod may be due (inf: none is)."""
+        return self._heap[0][0] if self._heap else math.inf
+
+    def sync_due(self, now: float) -> list[str]:
+        """Queue a sync for every idle pod whose time has come; returns their uids."""
+        uids: list[str] = []
+        while self._heap and self._heap[0][0] <= now:
+            due, _, uid, workers = heapq.heappop(self._heap)
+            if workers.sync_if_due(uid, due):
+                uids.append(uid)
+        return uids
 
 
 class UpdateKind(enum.StrEnum):
@@ -102,20 +130,21 @@ class PodWorkers:
     def __init__(self, syncer: PodSyncer, cache: PodCache, clock: Clock, *,
                  node: str = "", sync_frequency: float = 60.0, resync_jitter: float = 0.5,
                  error_initial: float = 1.0, error_max: float = 60.0,
-                 drain_timeout: float = 15.0, registry: CollectorRegistry = REGISTRY) -> None:
-        """`resync_jitter`: a pod's periodic resync comes up to this fraction of
-        `sync_frequency` later (the kubelet's: half, at random), so pods started together
-        are not all resynced together. `drain_timeout`: on stop, how long runtime calls
-        in flight may still run."""
+                 drain_timeout: float = 15.0, due_times: DueTimes | None = None,
+                 registry: CollectorRegistry = REGISTRY) -> None:
+        """`due_times`: where its pods' resync and retry times go (one for every
+        PodWorkers of a process: NodeLoops ticks them). `resync_jitter`: a pod's
+        periodic resync comes up to this fraction of `sync_frequency` later (the
+        kubelet's: half, at random), so pods started together are not all resynced
+        together. `drain_timeout`: on stop, how long runtime calls in flight may still
+        run."""
         self.syncer = syncer
         self.cache = cache
         self.clock = clock
         self.node = node
         self.sync_frequency = sync_frequency
         self.resync_jitter = resync_jitter
-        # (due, uid) of each time a worker was made due; an entry whose worker has since
-        # been made due again, or is gone, is dropped when its time comes
-        self._due: list[tuple[float, str]] = []
+        self.due_times = due_times or DueTimes()
         self.error_initial = error_initial
         self.error_max = error_max
         self.drain_timeout = drain_timeout
@@ -155,26 +184,20 @@ class PodWorkers:
         w = self._w.get(uid)
         return w is not None and container_id in w.running
 
-    def due(self) -> list[str]:
-        """Pods whose periodic resync or retry time has come and that are idle (a busy
-        worker is made due again when its step ends)."""
-        now = self.clock.monotonic()
-        uids: list[str] = []
-        while self._due and self._due[0][0] <= now:
-            t, uid = heapq.heappop(self._due)
-            w = self._w.get(uid)
-            if (w is not None and w.due == t and not w.pending
-                    and (w.task is None or w.task.done())):
-                uids.append(uid)
-        return uids
-
-    def next_due(self) -> float:
-        """When the next pod may be due (inf: none is)."""
-        return self._due[0][0] if self._due else math.inf
+    def sync_if_due(self, uid: str, due: float) -> bool:
+        """Queue a sync of the pod if it is still due at `due` (not made due again
+        since, nor gone) and idle (a busy worker is made due again when its step
+        ends); returns whether it was."""
+        w = self._w.get(uid)
+        if (w is None or w.due != due or w.pending
+                or (w.task is not None and not w.task.done())):
+            return False
+        self.update(w.pod)
+        return True
 
     def _make_due(self, w: _Worker, delay: float) -> None:
         w.due = self.clock.monotonic() + delay
-        heapq.heappush(self._due, (w.due, w.uid))
+        self.due_times.push(w.due, self, w.uid)
 
     # --- updates --------------------------------------------------------------------
 
@@ -207,12 +230,6 @@ class PodWorkers:
                 self.update(w.pod)
         return wake
 
-    def sync_due(self) -> list[str]:
-        """Queue a sync for every pod that is due; returns their uids."""
-        uids = self.due()
-        for uid in uids:
-            self.update(self._w[uid].pod)
-        return uids
 
     async def stop(self) -> None:
         """Stop the workers; runtime calls they had under way may end (see drain), so
