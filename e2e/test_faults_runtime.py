@@ -542,14 +542,18 @@ def stuck_in_runtime(env: Env, view: RtView, uid: str) -> bool:
     CRI reports them EXITED ('failed to create containerd task: ... context canceled')
     while containerd refuses RemoveContainer ('cannot delete running task') for as long
     as the task exists; CRI has no call that ends it, and a kubelet would be stuck the
-    same way (CI at f127eb8). Only when no sandbox is left, no process runs for the pod
-    (the workloads check), and the agent asked for each removal."""
+    same way (CI at f127eb8). Their sandbox stays too, stopped: containerd's
+    RemovePodSandbox removes the sandbox's containers first. Only when no process runs
+    for the pod (the workloads check), no sandbox of it is ready, and the agent asked
+    for each removal."""
     mine = view.of(uid)
-    if env.kind != "containerd" or uid in view.sandboxes or not mine:
+    if env.kind != "containerd" or not mine:
         return False
     log = (env.root / "agent.log").read_text(errors="replace")
-    return all(c.state == "EXITED" and "context canceled" in c.info
-               and f"cannot delete running task {c.id}" in log for c in mine)
+    return (all(not ready and f"remove_sandbox {sid}" in log
+                for sid, ready in view.sandboxes.get(uid, []))
+            and all(c.state == "EXITED" and "context canceled" in c.info
+                    and f"cannot delete running task {c.id}" in log for c in mine))
 
 
 def converged(env: Env, live: set[str], gone: set[str], kills: int) -> str | None:

@@ -960,13 +960,26 @@ class PodSyncer:
             self.status.finish_deletion(pod)
 
     async def cleanup_pod(self, uid: str) -> None:
-        """The pod is gone from every source: remove all its runtime objects."""
+        """The pod is gone from every source: remove all its runtime objects. Each
+        removal is tried even after one failed, so one container the runtime will not
+        remove (containerd 1.6 refuses one whose start was cut short while its task
+        exists) leaves no other object behind, and its sandbox is stopped all the same;
+        the failures are raised together, for the worker to retry."""
         rs = await self._rt(self.runtime.pod_status(uid), "pod_status")
+        failures: list[str] = []
+
+        async def attempt(call: Coroutine[Any, Any, None], what: str) -> None:
+            try:
+                await self._rt(call, what)
+            except Exception as e:  # noqa: BLE001 - reported below, retried by the worker
+                failures.append(f"{what}: {e}")
         for c in rs.containers:
-            await self._rt(self.runtime.remove_container(c.id), "remove_container")
+            await attempt(self.runtime.remove_container(c.id), f"remove_container {c.id}")
         for s in rs.sandboxes:
-            await self._rt(self.runtime.stop_sandbox(s.id), "stop_sandbox")
-            await self._rt(self.runtime.remove_sandbox(s.id), "remove_sandbox")
+            await attempt(self.runtime.stop_sandbox(s.id), f"stop_sandbox {s.id}")
+            await attempt(self.runtime.remove_sandbox(s.id), f"remove_sandbox {s.id}")
+        if failures:
+            raise ContainerRuntimeError("; ".join(failures))
         if self.objects is not None:
             self.objects.release(uid)
         if self.volumes is not None:

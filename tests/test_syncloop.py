@@ -11,7 +11,13 @@ from prometheus_client import CollectorRegistry
 from nodeagent.api.answered import ApiAnswered
 from nodeagent.api.clock import FakeClock, settle
 from nodeagent.pleg import Pleg
-from nodeagent.runtime import ContainerState, RuntimeTimeout, SandboxConfig, SandboxState
+from nodeagent.runtime import (
+    ContainerRuntimeError,
+    ContainerState,
+    RuntimeTimeout,
+    SandboxConfig,
+    SandboxState,
+)
 from nodeagent.runtime.fake import FakeRuntime
 from nodeagent.sources.types import Op, PodUpdate, Source, SourcesReady
 from nodeagent.syncer import NodePodSettings
@@ -150,6 +156,53 @@ async def test_graceful_delete_within_grace_then_remove() -> None:
     await a.run_for(2)
     assert [s for s in a.rt.sandboxes.values() if s.pod_uid == "u1"] == []
     assert a.rt.find("u1", "c") == []
+    assert "u1" not in a.loop.workers
+    await a.loops.stop()
+
+
+class StuckRuntime(FakeRuntime):
+    """Refuses to remove the `stuck` containers and their sandboxes, as containerd 1.6
+    does with a container whose start was cut short while its task exists."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        super().__init__(clock)
+        self.stuck: set[str] = set()
+        self.refused = 0
+
+    async def remove_container(self, container_id: str) -> None:
+        if container_id in self.stuck:
+            self.refused += 1
+            raise ContainerRuntimeError(f"cannot delete running task {container_id}")
+        await super().remove_container(container_id)
+
+    async def remove_sandbox(self, sandbox_id: str) -> None:
+        for cid in self.stuck:
+            if self.containers[cid].sandbox_id == sandbox_id:
+                raise ContainerRuntimeError(f"failed to remove container {cid}")
+        await super().remove_sandbox(sandbox_id)
+
+
+@aio
+async def test_a_container_the_runtime_will_not_remove_holds_back_nothing_else() -> None:
+    clock = FakeClock()
+    rt = StuckRuntime(clock)
+    a = await started(clock, rt)
+    pod = mkpod("web", "u1", containers=("a", "b"))
+    a.send(Op.ADD, pod)
+    await a.run_for(3)
+    rt.stuck.add(rt.find("u1", "a")[0].id)  # the first one cleanup comes to
+    a.send(Op.REMOVE, pod)
+    await a.run_for(2)
+    assert [c.name for c in rt.containers.values() if c.pod_uid == "u1"] == ["a"]
+    [sb] = [s for s in rt.sandboxes.values() if s.pod_uid == "u1"]
+    assert sb.state == SandboxState.NOTREADY and "u1" in a.loop.workers  # retried
+    refused = rt.refused
+    await a.run_for(10)
+    assert rt.refused > refused
+    rt.stuck.clear()  # e.g. the runtime restarted and cleared the task
+    await a.run_for(40)
+    assert not [c for c in rt.containers.values() if c.pod_uid == "u1"]
+    assert not [s for s in rt.sandboxes.values() if s.pod_uid == "u1"]
     assert "u1" not in a.loop.workers
     await a.loops.stop()
 
