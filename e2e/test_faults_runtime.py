@@ -55,7 +55,7 @@ from prometheus_client import CollectorRegistry
 from e2e.cluster import Cluster
 from e2e.cluster.images import BUSYBOX_IMAGE
 from e2e.promtext import samples
-from e2e.util import alive, environ, eventually, free_port, marked
+from e2e.util import alive, create_namespace, environ, eventually, free_port, marked, node_registered
 from nodeagent.api.kube import RestKube
 from nodeagent.runtime import PodRuntimeStatus
 from nodeagent.runtime.cri.gen import api_pb2 as pb
@@ -327,9 +327,7 @@ def node_env(cluster: Cluster, kind: str, tag: str, base: Path, build: str = "de
             from e2e.cluster.containerd import start_containerd  # names a missing package
             # hostNetwork pods only: no CNI conf, no bridge
             env.ctd = start_containerd(build=build, cni=False)
-        core.create_namespace({"metadata": {"name": env.ns}})
-        eventually(lambda: core.list_namespaced_service_account(
-            env.ns, field_selector="metadata.name=default").items, "default ServiceAccount")
+        create_namespace(core, env.ns)
         yield env
     finally:
         try:
@@ -368,8 +366,7 @@ def start_agent(cluster: Cluster, env: Env, *extra: str) -> AgentProc:
     args += extra
     env.agent = AgentProc(env.name, env.root, cluster.node_kubeconfig(env.name), args)
     env.agent.start()
-    eventually(lambda: env.agent is not None and env.agent.running() and env.core.list_node(
-        field_selector=f"metadata.name={env.name}").items, f"node {env.name} registered")
+    node_registered(env.core, env.name, lambda: env.agent is not None and env.agent.running())
     return env.agent
 
 
@@ -846,8 +843,7 @@ def test_hung_pod_status_does_not_stall_pleg_or_other_pods(
         agent = InProcessAgent(env.name, env.root, cluster.node_kubeconfig(env.name))
         env.stoppers.append(agent.stop)
         agent.start()
-        eventually(lambda: env.core.list_node(field_selector=f"metadata.name={env.name}")
-                   .items, f"node {env.name} registered")
+        node_registered(env.core, env.name)
         rt = agent.runtime
         assert rt is not None
         for n in ("h", "a", "b"):

@@ -25,7 +25,7 @@ from kubernetes.client.exceptions import ApiException
 from e2e.cluster import Cluster, images
 from e2e.cluster.containerd import Containerd, start_containerd
 from e2e.cluster.registry import Registry, docker_config
-from e2e.util import eventually, free_port, stop_process
+from e2e.util import create_namespace, eventually, free_port, node_registered, stop_process
 
 AGENT = Path(sys.executable).parent / "nodepulse-agent"
 NS = "image-pulls"
@@ -103,11 +103,8 @@ def node(cluster: Cluster, registry: Registry, tmp_path_factory: pytest.TempPath
              "--runtime=cri", f"--container-runtime-endpoint={ctd.endpoint}"],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True)
-        core.create_namespace({"metadata": {"name": NS}})
-        eventually(lambda: core.list_namespaced_service_account(
-            NS, field_selector="metadata.name=default").items, "default ServiceAccount")
-        eventually(lambda: proc is not None and proc.poll() is None and core.list_node(
-            field_selector=f"metadata.name={name}").items, f"node {name} registered")
+        create_namespace(core, NS)
+        node_registered(core, name, lambda: proc is not None and proc.poll() is None)
         user, password = registry.auth
         core.create_namespaced_secret(NS, pull_secret("regcred", registry.host, user,
                                                       password))

@@ -35,7 +35,7 @@ from kubernetes.client.exceptions import ApiException
 
 from e2e.cluster import Cluster
 from e2e.cluster.images import BUSYBOX_IMAGE
-from e2e.util import eventually, free_port, stop_process
+from e2e.util import create_namespace, eventually, free_port, stop_process
 
 AGENT = Path(sys.executable).parent / "nodepulse-agent"
 TAINT_KEY = "nodepulse.dev/e2e-kubelet-api"
@@ -144,9 +144,7 @@ def node(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator
                             stdin=subprocess.DEVNULL, start_new_session=True)
     n = Node(name, root, proc, core, name, cluster, str(cluster.binary("kubectl")), ctd)
     try:
-        core.create_namespace({"metadata": {"name": name}})
-        eventually(lambda: core.list_namespaced_service_account(
-            name, field_selector="metadata.name=default").items, "default ServiceAccount")
+        create_namespace(core, name)
 
         def advertised() -> bool:
             nodes = core.list_node(field_selector=f"metadata.name={name}").items
@@ -589,9 +587,7 @@ def test_rotated_serving_certificate_and_process_runtime_logs(
                     raise
                 return False
         eventually(verified, "the signed certificate served", 60)
-        core.create_namespace({"metadata": {"name": name}})
-        eventually(lambda: core.list_namespaced_service_account(
-            name, field_selector="metadata.name=default").items, "default ServiceAccount")
+        create_namespace(core, name)
         n.pod("talker", ["sh", "-c", "echo from-a-process; sleep 3600"])
         n.wait_running("talker")
         eventually(lambda: n.run_kubectl("logs", "talker").stdout == b"from-a-process\n",
@@ -653,9 +649,7 @@ def test_virtual_nodes_share_one_server(cluster: Cluster, tmp_path: Path) -> Non
         from e2e.test_node_identity import listening
         assert (("0.0.0.0", port) in listening(proc.pid)
                 and len([p for h, p in listening(proc.pid) if p == port]) == 1)
-        core.create_namespace({"metadata": {"name": ns}})
-        eventually(lambda: core.list_namespaced_service_account(
-            ns, field_selector="metadata.name=default").items, "default ServiceAccount")
+        create_namespace(core, ns)
         core.create_namespaced_pod(ns, {"metadata": {"name": "ghost"}, "spec": {
             "nodeName": names[1], "tolerations": [{"operator": "Exists"}],
             "containers": [{"name": "main", "image": "anything:1"}]}})

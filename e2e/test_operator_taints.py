@@ -41,7 +41,7 @@ from e2e.test_operator import (  # noqa: F401 (admin_operator_credentials: a fix
     OperatorCredentials,
     admin_operator_credentials,
 )
-from e2e.util import eventually
+from e2e.util import create_namespace, eventually
 from nodeagent.api.policy import GROUP, PLURAL
 
 RUN = uuid.uuid4().hex[:5]
@@ -163,10 +163,7 @@ def node_env(cluster: Cluster, kube: client.ApiClient, tmp_path: Path
 def namespace(kube: client.ApiClient) -> Iterator[str]:
     core = client.CoreV1Api(kube)
     ns = f"taints-{RUN}"
-    core.create_namespace({"metadata": {"name": ns}})
-    # Pods are refused until the namespace's default ServiceAccount exists.
-    eventually(lambda: core.list_namespaced_service_account(
-        ns, field_selector="metadata.name=default").items, "default ServiceAccount")
+    create_namespace(core, ns)
     yield ns
     for pod in core.list_namespaced_pod(ns).items:
         core.delete_namespaced_pod(pod.metadata.name, ns, grace_period_seconds=0)

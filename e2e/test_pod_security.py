@@ -36,7 +36,7 @@ from kubernetes.client.exceptions import ApiException
 
 from e2e.cluster import Cluster
 from e2e.cluster.images import BUSYBOX_IMAGE
-from e2e.util import eventually, free_port, marked, stop_process
+from e2e.util import create_namespace, eventually, free_port, marked, node_registered, stop_process
 
 AGENT = Path(sys.executable).parent / "nodepulse-agent"
 TAINT_KEY = "nodepulse.dev/e2e-security"
@@ -119,11 +119,8 @@ def agent(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         raise
     a = Agent(name, root, proc, core, name, ctd)
     try:
-        core.create_namespace({"metadata": {"name": name}})
-        eventually(lambda: core.list_namespaced_service_account(
-            name, field_selector="metadata.name=default").items, "default ServiceAccount")
-        eventually(lambda: proc.poll() is None and core.list_node(
-            field_selector=f"metadata.name={name}").items, f"node {name} registered")
+        create_namespace(core, name)
+        node_registered(core, name, lambda: proc.poll() is None)
         yield a
     finally:
         try:

@@ -45,7 +45,7 @@ from kubernetes.client.exceptions import ApiException
 from e2e.cluster import Cluster
 from e2e.cluster.images import BUSYBOX_IMAGE
 from e2e.promtext import samples
-from e2e.util import alive, eventually, free_port, marked, stop_process
+from e2e.util import alive, create_namespace, eventually, free_port, marked, node_registered, stop_process
 from nodeagent.runtime.cri.gen import api_pb2 as pb
 from nodeagent.runtime.cri.gen import api_pb2_grpc as pb_grpc
 
@@ -185,12 +185,8 @@ def node(request: pytest.FixtureRequest, cluster: Cluster,
     n = Node(name, kind, root, proc, f"http://127.0.0.1:{port}/metrics", manifests, core,
              apps, ns, ctd)
     try:
-        core.create_namespace({"metadata": {"name": ns}})
-        # pods are refused until the namespace's default ServiceAccount exists
-        eventually(lambda: core.list_namespaced_service_account(
-            ns, field_selector="metadata.name=default").items, "default ServiceAccount")
-        eventually(lambda: proc.poll() is None and core.list_node(
-            field_selector=f"metadata.name={name}").items, f"node {name} registered")
+        create_namespace(core, ns)
+        node_registered(core, name, lambda: proc.poll() is None)
         yield n
     finally:
         try:

@@ -39,7 +39,7 @@ from kubernetes.client.exceptions import ApiException
 
 from e2e.cluster import Cluster
 from e2e.cluster.images import BUSYBOX_IMAGE
-from e2e.util import eventually, free_port, marked, stop_process
+from e2e.util import create_namespace, eventually, free_port, marked, node_registered, stop_process
 from nodeagent.api.client import new_api_client
 
 AGENT = Path(sys.executable).parent / "nodepulse-agent"
@@ -123,13 +123,10 @@ def node(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator
                             stdin=subprocess.DEVNULL, start_new_session=True)
     n = Node(name, root, core, client.CoreV1Api(own_api), name, proc)
     try:
-        core.create_namespace({"metadata": {"name": name}})
-        eventually(lambda: core.list_namespaced_service_account(
-            name, field_selector="metadata.name=default").items, "default ServiceAccount")
+        create_namespace(core, name)
         eventually(lambda: core.list_namespaced_config_map(
             name, field_selector="metadata.name=kube-root-ca.crt").items, "kube-root-ca.crt")
-        eventually(lambda: proc.poll() is None and core.list_node(
-            field_selector=f"metadata.name={name}").items, f"node {name} registered")
+        node_registered(core, name, lambda: proc.poll() is None)
         yield n
     finally:
         with contextlib.suppress(ApiException):

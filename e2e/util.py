@@ -18,8 +18,8 @@ from kubernetes.client.exceptions import ApiException
 
 from e2e.cluster.cluster import free_port
 
-__all__ = ["alive", "environ", "eventually", "first_seen", "free_port", "marked",
-           "request", "request_json", "stop_process"]
+__all__ = ["alive", "create_namespace", "environ", "eventually", "first_seen", "free_port",
+           "marked", "node_registered", "request", "request_json", "stop_process"]
 
 T = TypeVar("T")
 K = TypeVar("K")
@@ -43,6 +43,23 @@ def eventually(pred: Callable[[], T | None], what: str, timeout: float = 60.0,
             raise AssertionError(f"timed out after {timeout:g}s waiting for {what}"
                                  + (f" (last error: {last})" if last else ""))
         time.sleep(every)
+
+
+def create_namespace(core: client.CoreV1Api, name: str) -> None:
+    """Create the namespace and wait for its default ServiceAccount: pods are refused
+    until it exists."""
+    core.create_namespace({"metadata": {"name": name}})
+    eventually(lambda: core.list_namespaced_service_account(
+        name, field_selector="metadata.name=default").items,
+        f"the default ServiceAccount of namespace {name}")
+
+
+def node_registered(core: client.CoreV1Api, name: str,
+                    running: Callable[[], bool] = lambda: True) -> None:
+    """Wait for the Node `name` to be registered; `running`: whether its agent still
+    runs (else the wait ends in its timeout, the message naming the node)."""
+    eventually(lambda: running() and core.list_node(
+        field_selector=f"metadata.name={name}").items, f"node {name} registered")
 
 
 def first_seen(keys: Iterable[K], holds: Callable[[K], bool], what: str,
