@@ -961,10 +961,10 @@ class PodSyncer:
 
     async def cleanup_pod(self, uid: str) -> None:
         """The pod is gone from every source: remove all its runtime objects. Each
-        removal is tried even after one failed, so one container the runtime will not
-        remove (containerd 1.6 refuses one whose start was cut short while its task
-        exists) leaves no other object behind, and its sandbox is stopped all the same;
-        the failures are raised together, for the worker to retry."""
+        removal is tried even after one failed: a container the runtime will not remove
+        (containerd 1.6 refuses one whose start was cut short while its task exists, and
+        then its sandbox too) holds back no other container, and every sandbox is still
+        stopped. The failures are raised together, for the worker to retry."""
         rs = await self._rt(self.runtime.pod_status(uid), "pod_status")
         failures: list[str] = []
 
