@@ -59,14 +59,11 @@ class DueTimes:
         """When the next pod may be due (inf: none is)."""
         return self._heap[0][0] if self._heap else math.inf
 
-    def sync_due(self, now: float) -> list[str]:
-        """Queue a sync for every idle pod whose time has come; returns their uids."""
-        uids: list[str] = []
+    def sync_due(self, now: float) -> None:
+        """Queue a sync for every idle pod whose time has come."""
         while self._heap and self._heap[0][0] <= now:
             due, _, uid, workers = heapq.heappop(self._heap)
-            if workers.sync_if_due(uid, due):
-                uids.append(uid)
-        return uids
+            workers.sync_if_due(uid, due)
 
 
 class UpdateKind(enum.StrEnum):
@@ -184,16 +181,14 @@ class PodWorkers:
         w = self._w.get(uid)
         return w is not None and container_id in w.running
 
-    def sync_if_due(self, uid: str, due: float) -> bool:
+    def sync_if_due(self, uid: str, due: float) -> None:
         """Queue a sync of the pod if it is still due at `due` (not made due again
         since, nor gone) and idle (a busy worker is made due again when its step
-        ends); returns whether it was."""
+        ends)."""
         w = self._w.get(uid)
-        if (w is None or w.due != due or w.pending
-                or (w.task is not None and not w.task.done())):
-            return False
-        self.update(w.pod)
-        return True
+        if (w is not None and w.due == due and not w.pending
+                and (w.task is None or w.task.done())):
+            self.update(w.pod)
 
     def _make_due(self, w: _Worker, delay: float) -> None:
         w.due = self.clock.monotonic() + delay
@@ -229,7 +224,6 @@ class PodWorkers:
             if w is not None and w.phase == Phase.SYNCING and not w.kill:
                 self.update(w.pod)
         return wake
-
 
     async def stop(self) -> None:
         """Stop the workers; runtime calls they had under way may end (see drain), so
