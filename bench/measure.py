@@ -10,6 +10,7 @@ its writes and body bytes through write_counts/body_bytes."""
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -259,6 +260,35 @@ class ChurnResult:
 
 def _s(x: float, fmt: str = "{:.2f}") -> str:
     return "n/a" if math.isnan(x) else fmt.format(x)
+
+
+def render_rounds(results: Iterable[ChurnResult]) -> list[str]:
+    """For a subject run more than once: its p99s, and each round's nodepulse/KWOK ratio.
+
+    One round's p99 of a few thousand pods is about its 30 slowest, and for any subject
+    those are the first burst's, whose length moves from run to run with the control
+    plane; rounds show that spread next to the difference between the subjects."""
+    by: dict[tuple[str, int], list[float]] = {}
+    for r in results:
+        by.setdefault((r.subject, r.nodes), []).append(r.p99_s)
+    lines = []
+    for (subject, nodes), p99s in by.items():
+        if len(p99s) > 1:
+            known = [x for x in p99s if not math.isnan(x)]
+            median = statistics.median(known) if known else math.nan
+            lines.append(f"{subject} N={nodes}: p99 s by round "
+                         + " ".join(_s(x, "{:.3f}") for x in p99s)
+                         + f"; median {_s(median, '{:.3f}')}")
+    for (subject, nodes), p99s in by.items():
+        kwok = by.get(("kwok", nodes), [])
+        if subject != "nodepulse" or len(p99s) < 2 or len(kwok) < 2:
+            continue
+        pairs = [ratio(a, b) for a, b in zip(p99s, kwok, strict=False)]
+        under = sum(1 for x in pairs if x <= 1.0)
+        lines.append(f"nodepulse/kwok N={nodes}: p99 ratio by round "
+                     + " ".join(_fmt_ratio(x) for x in pairs)
+                     + f"; at or under KWOK's in {under} of {len(pairs)}")
+    return lines
 
 
 def render_churn(results: Iterable[ChurnResult], markdown: bool = False) -> str:

@@ -659,6 +659,7 @@ Its pods are scripted on nodepulse's fake runtime to run {args.job_run_for} and 
 (`fake.nodepulse.dev/run-for`, `exit-code`: README "Scripted pods"), each through a pod
 worker, the runtime and its status writes; KWOK completes a Job's Running pods by its
 default `pod-complete` stage, at once. ("before", an older build, has no Job phase.)"""
+    rounds = "".join(f"\n- {line}" for line in measure.render_rounds(results))
     (out / "churn.md").write_text(f"""# Pod churn: a Deployment across the nodes
 
 Written by `bench/scale.py --churn`; do not edit by hand.
@@ -679,7 +680,7 @@ kube-controller-manager's client rate limit (its defaults) and binding by
 kube-scheduler's, for every subject alike. CPU seconds over the Deployment's churn.{job_text}
 
 {measure.render_churn(results, markdown=True)}
-""")
+{rounds}""")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -687,7 +688,8 @@ def main(argv: list[str] | None = None) -> int:
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--nodes", default="100,500,1000", help="comma-separated node counts")
     parser.add_argument("--minutes", type=float, default=5.0, help="measured window per phase")
-    parser.add_argument("--subjects", default="nodepulse,legacy,kwok")
+    parser.add_argument("--subjects", default="nodepulse,legacy,kwok",
+                        help="in this order; with --churn a subject may repeat")
     parser.add_argument("--warmup-seconds", type=float, default=60.0)
     parser.add_argument("--baseline-seconds", type=float, default=30.0,
                         help="idle window measuring the cluster's own background")
@@ -704,6 +706,9 @@ def main(argv: list[str] | None = None) -> int:
                         "pods across the nodes; time until all Running, startup latency "
                         "p50/p99, CPU (issue 8 item 3)")
     parser.add_argument("--churn-pods", type=int, default=3000)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="--churn: run the subjects' phases this many times, in turn, "
+                        "each on a fresh control plane (the p99's spread from round to round)")
     parser.add_argument("--churn-timeout", type=float, default=900.0,
                         help="seconds for all pods to be Running (and for the Job)")
     parser.add_argument("--job-pods", type=int, default=0,
@@ -733,6 +738,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--before-agent: {args.before_agent} is not a file")
     if args.churn_pods <= 0:
         parser.error("--churn-pods must be > 0")
+    if args.rounds <= 0:
+        parser.error("--rounds must be > 0")
+    if not args.churn and (args.rounds > 1 or len(set(subjects)) < len(subjects)):
+        parser.error("--rounds and a repeated subject go with --churn (the heartbeat "
+                     "tables pair one phase per subject and node count)")
+    subjects *= args.rounds
     help_text = agent_help()
     if "--runtime" not in help_text:
         if args.churn:
@@ -755,8 +766,10 @@ def main(argv: list[str] | None = None) -> int:
     churns: list[measure.ChurnResult] = []
     failures: list[str] = []
     for n in sizes:
+        seen: dict[str, int] = {}
         for name in subjects:
-            tag = f"{name[:3]}-{n}"
+            seen[name] = seen.get(name, 0) + 1  # a repeated subject's phases: -1, -2, ...
+            tag = f"{name[:3]}-{n}" + (f"-{seen[name]}" if subjects.count(name) > 1 else "")
             phase_dir = workdir / tag
             phase_dir.mkdir()
             subject: Subject
@@ -785,6 +798,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.churn:
         print("pod churn: a Deployment's pods from first seen to seen Running (by one watch)")
         print(measure.render_churn(churns))
+        for line in measure.render_rounds(churns):
+            print(line)
         write_churn_docs(churns, args, command, how)
         print(f"wrote {args.out}/churn.md, churn.json; logs in {workdir}")
         return 0

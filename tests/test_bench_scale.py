@@ -151,6 +151,37 @@ def test_churn_table_marks_an_unfinished_run() -> None:
     assert measure.render_churn([job]).splitlines()[2].split()[-3:] == ["500", "500", "61.0"]
 
 
+def test_rounds_show_each_p99_and_each_rounds_ratio() -> None:
+    def churn(subject: str, p99: float) -> measure.ChurnResult:
+        return measure.ChurnResult(subject=subject, nodes=100, pods=3000, running=3000,
+                                   all_running_s=150.0, p50_s=0.01, p99_s=p99,
+                                   subject_cpu_s=12.0, apiserver_cpu_s=30.0,
+                                   subject_rss_mb=200.0)
+
+    rs = [churn("nodepulse", 0.04), churn("kwok", 0.05), churn("nodepulse", 0.06),
+          churn("kwok", 0.03), churn("nodepulse", math.nan), churn("kwok", 0.05)]
+    assert measure.render_rounds(rs) == [
+        "nodepulse N=100: p99 s by round 0.040 0.060 n/a; median 0.050",
+        "kwok N=100: p99 s by round 0.050 0.030 0.050; median 0.050",
+        "nodepulse/kwok N=100: p99 ratio by round 0.8 2 n/a; at or under KWOK's in 1 of 3"]
+    assert measure.render_rounds(rs[:2]) == []  # one round each: the table says it all
+    assert measure.render_rounds([churn("kwok", 0.05), churn("kwok", 0.03)]) == [
+        "kwok N=100: p99 s by round 0.050 0.030; median 0.040"]
+
+
+@pytest.mark.parametrize("argv", [["--rounds", "2"], ["--subjects", "kwok,kwok"]])
+def test_rounds_and_a_repeated_subject_are_for_the_churn(
+        argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    from bench import scale
+
+    with pytest.raises(SystemExit):
+        scale.main(argv)
+    assert "--rounds and a repeated subject go with --churn" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        scale.main(["--churn", "--rounds", "0"])
+    assert "--rounds must be > 0" in capsys.readouterr().err
+
+
 def test_window_takes_out_the_identity_lease_writes_and_their_bytes() -> None:
     from bench.scale import Snapshot, Window
 
