@@ -4,6 +4,7 @@ are held to their own objects by the Node authorizer and NodeRestriction."""
 from __future__ import annotations
 
 import datetime as dt
+import types
 import uuid
 from pathlib import Path
 
@@ -99,6 +100,31 @@ def test_node_identity_through_a_certificate_signing_request(
     admin = client.CoreV1Api(cluster.api_client())
     assert admin.read_node(name).metadata.name == name
     admin.delete_node(name)
+
+
+def test_free_port_never_hands_out_a_port_twice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel may offer a port again once it is closed; free_port skips it."""
+    from e2e.cluster import cluster as cluster_mod
+
+    offered = iter([40001, 40001, 40002])
+
+    class Offering:
+        def __enter__(self) -> Offering:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+        def bind(self, address: tuple[str, int]) -> None:
+            pass
+
+        def getsockname(self) -> tuple[str, int]:
+            return "127.0.0.1", next(offered)
+
+    monkeypatch.setattr(cluster_mod, "_handed_out", set())
+    # only this module's name for socket: other threads keep the real one
+    monkeypatch.setattr(cluster_mod, "socket", types.SimpleNamespace(socket=Offering))
+    assert [cluster_mod.free_port(), cluster_mod.free_port()] == [40001, 40002]
 
 
 def test_a_port_taken_before_it_is_bound_starts_again_elsewhere(

@@ -25,7 +25,6 @@ import contextlib
 import datetime as dt
 import os
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -40,17 +39,11 @@ from kubernetes import client, watch
 
 from e2e.cluster import Cluster
 from e2e.promtext import samples
-from e2e.util import eventually
+from e2e.util import eventually, free_port
 from nodeagent.api.policy import HEARTBEAT_ANNOTATION, Heartbeat, encode_heartbeat_annotation
 
 AGENT = Path(__file__).resolve().parent.parent / ".venv" / "bin" / "nodepulse-agent"
 WINDOW = 60.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

@@ -22,7 +22,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -39,6 +38,7 @@ from kubernetes import client
 
 from e2e.cluster import Cluster
 from e2e.test_helm import CHART, Tools, values
+from e2e.util import free_port
 from nodeagent.api.client import new_api_client
 from nodeagent.api.policy import AGENT_LABEL, HEARTBEAT_ANNOTATION, decode_heartbeat_annotation
 
@@ -486,12 +486,6 @@ def test_operator_identity_cannot_read_secrets_or_make_nodes(
 
 # ---- the programs themselves, under those identities
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextlib.contextmanager
 def _process(args: list[str], log: Path, cwd: Path) -> Iterator[subprocess.Popen[bytes]]:
     with open(log, "wb") as out:
@@ -557,7 +551,7 @@ def test_operator_and_agent_work_under_the_chart_identities(
     custom = client.CustomObjectsApi(admin)
     node = release.agent_node(0, 0)
     identity = f"e2e-operator-{uuid.uuid4().hex[:4]}"
-    op_port, agent_port = _free_port(), _free_port()
+    op_port, agent_port = free_port(), free_port()
     op_log = tmp_path / "operator.log"
     agent_logs: list[Path] = []
 

@@ -59,10 +59,21 @@ class PortTaken(RuntimeError):
     """A process of the control plane could not bind its port."""
 
 
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port nothing listens on now and that this process has not handed out before:
+    the kernel offers a closed port again, so two processes started one after the other
+    could be given the same one while the first is still starting (CI: a restarted
+    agent found its port taken by another agent restarted with it)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 def write_kubeconfig(path: Path, server: str, ca: Path, cert: Path | bytes,
