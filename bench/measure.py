@@ -279,11 +279,11 @@ def render_rounds(results: Iterable[ChurnResult]) -> list[str]:
             lines.append(f"{subject} N={nodes}: p99 s by round "
                          + " ".join(_s(x, "{:.3f}") for x in p99s)
                          + f"; median {_s(median, '{:.3f}')}")
-    for (subject, nodes), p99s in by.items():
-        kwok = by.get(("kwok", nodes), [])
-        if subject != "nodepulse" or len(p99s) < 2 or len(kwok) < 2:
+    for nodes in sorted({n for _, n in by}):
+        ours, kwok = by.get(("nodepulse", nodes), []), by.get(("kwok", nodes), [])
+        if len(ours) < 2 or len(kwok) < 2:
             continue
-        pairs = [ratio(a, b) for a, b in zip(p99s, kwok, strict=False)]
+        pairs = [ratio(a, b) for a, b in zip(ours, kwok, strict=False)]
         under = sum(1 for x in pairs if x <= 1.0)
         lines.append(f"nodepulse/kwok N={nodes}: p99 ratio by round "
                      + " ".join(_fmt_ratio(x) for x in pairs)
