@@ -24,7 +24,7 @@ from prometheus_client import CollectorRegistry
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from nodeagent.api.clock import FakeClock, RealClock  # noqa: E402
-from nodeagent.pleg import Pleg  # noqa: E402
+from nodeagent.pods.pleg import Pleg  # noqa: E402
 from nodeagent.runtime import (  # noqa: E402
     ContainerConfig,
     PodRuntimeStatus,

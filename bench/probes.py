@@ -26,10 +26,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from nodeagent.actions import Actions  # noqa: E402
 from nodeagent.api.clock import RealClock  # noqa: E402
-from nodeagent.pleg import PodCache  # noqa: E402
-from nodeagent.probes import ProbeManager  # noqa: E402
+from nodeagent.pods.handlers import Actions  # noqa: E402
+from nodeagent.pods.pleg import PodCache  # noqa: E402
+from nodeagent.pods.probes import ProbeManager  # noqa: E402
 from nodeagent.runtime import ContainerConfig, SandboxConfig  # noqa: E402
 from nodeagent.runtime.fake import FakeRuntime  # noqa: E402
 

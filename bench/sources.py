@@ -36,10 +36,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from nodeagent.api.clock import FakeClock, RealClock  # noqa: E402
 from nodeagent.api.kube import RestKube  # noqa: E402
-from nodeagent.sources.api import APISource  # noqa: E402
-from nodeagent.sources.file import FileSource  # noqa: E402
-from nodeagent.sources.merge import Merge  # noqa: E402
-from nodeagent.sources.types import Op, Source  # noqa: E402
+from nodeagent.pods.podupdate import Op, Source  # noqa: E402
+from nodeagent.pods.sources.api import APISource  # noqa: E402
+from nodeagent.pods.sources.file import FileSource  # noqa: E402
+from nodeagent.pods.sources.merge import Merge  # noqa: E402
 
 
 def manifest(i: int, image: str = "busybox:1") -> str:

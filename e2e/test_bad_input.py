@@ -42,8 +42,8 @@ from e2e.util import eventually, free_port, stop_process
 AGENT = Path(sys.executable).parent / "nodepulse-agent"
 TAINT_KEY = "nodepulse.dev/e2e-bad-input"
 WAIT = 60.0
-BODY_LIMIT = 16 << 20   # nodeagent.sources.http.MAX_BODY_BYTES
-FILE_LIMIT = 1 << 20    # nodeagent.sources.static.MAX_MANIFEST_BYTES
+BODY_LIMIT = 16 << 20   # nodeagent.pods.sources.http.MAX_BODY_BYTES
+FILE_LIMIT = 1 << 20    # nodeagent.pods.sources.static.MAX_MANIFEST_BYTES
 HUGE = 50 << 20
 T = TypeVar("T")
 
@@ -575,12 +575,12 @@ def test_host_network_static_pod_when_allowed(cluster: Cluster, tmp_path: Path) 
     from nodeagent.api.client import load_credentials, new_api_client
     from nodeagent.api.clock import RealClock
     from nodeagent.api.kube import RestKube
-    from nodeagent.sources.api import APISource
-    from nodeagent.sources.file import FileSource
-    from nodeagent.sources.merge import Merge
-    from nodeagent.sources.mirror import MirrorManager
-    from nodeagent.sources.problems import Problems
-    from nodeagent.sources.types import Source
+    from nodeagent.pods.podupdate import Source
+    from nodeagent.pods.sources.api import APISource
+    from nodeagent.pods.sources.file import FileSource
+    from nodeagent.pods.sources.merge import Merge
+    from nodeagent.pods.sources.mirror import MirrorManager
+    from nodeagent.pods.sources.problems import Problems
 
     node = f"allow-{uuid.uuid4().hex[:6]}"
     api = new_api_client(cluster.node_kubeconfig(node), component="e2e-node")

@@ -40,7 +40,7 @@ from nodeagent.runtime.base import (
     LABEL_POD_UID,
 )
 from nodeagent.runtime.cri import CriRuntime
-from nodeagent.runtime.cri.client import LABEL_ATTEMPT
+from nodeagent.runtime.cri.criruntime import LABEL_ATTEMPT
 from nodeagent.runtime.cri.gen import api_pb2 as pb
 from nodeagent.runtime.cri.gen import api_pb2_grpc as pb_grpc
 

@@ -34,13 +34,13 @@ from nodeagent.api.client import load_credentials, new_api_client
 from nodeagent.api.clock import FakeClock, RealClock, settle
 from nodeagent.api.kube import RestKube
 from nodeagent.events import Events
-from nodeagent.sources.api import APISource
-from nodeagent.sources.file import FileSource
-from nodeagent.sources.merge import Merge
-from nodeagent.sources.mirror import MirrorManager
-from nodeagent.sources.problems import Problems
-from nodeagent.sources.static import check_pod, make_static_pod, mirror_pod, mirror_problem
-from nodeagent.sources.types import ANN_CONFIG_HASH, ANN_CONFIG_MIRROR, Op, PodUpdate, Source
+from nodeagent.pods.podupdate import ANN_CONFIG_HASH, ANN_CONFIG_MIRROR, Op, PodUpdate, Source
+from nodeagent.pods.sources.api import APISource
+from nodeagent.pods.sources.file import FileSource
+from nodeagent.pods.sources.merge import Merge
+from nodeagent.pods.sources.mirror import MirrorManager
+from nodeagent.pods.sources.problems import Problems
+from nodeagent.pods.sources.static import check_pod, make_static_pod, mirror_pod, mirror_problem
 
 WAIT = 30.0
 

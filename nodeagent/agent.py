@@ -27,35 +27,35 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import REGISTRY, CollectorRegistry
 
 from nodeagent import __version__
-from nodeagent.admission import AdmissionSettings
 from nodeagent.api.answered import ApiAnswered
 from nodeagent.api.clock import Clock
 from nodeagent.api.kube import Kube
 from nodeagent.api.serve import HealthServer
 from nodeagent.config import VIRTUAL_LABEL, AgentConfig, ConfigError, load
-from nodeagent.dns import DnsSettings
-from nodeagent.env import EnvResolver
 from nodeagent.events import Events
 from nodeagent.node.controller import NodeController, NodeControllerConfig, NodeSpec
+from nodeagent.node.heartbeatmetrics import NodeMetrics
 from nodeagent.node.host import HostProbe, HostReadError, HostReadings
-from nodeagent.node.metrics import NodeMetrics
+from nodeagent.node.nodewatch import NodeWatch
 from nodeagent.node.scheduler import Blocking, DueScheduler, inline
 from nodeagent.node.status import StatusSettings
-from nodeagent.node.watch import NodeWatch
-from nodeagent.objects import ObjectCache, ServiceCache
-from nodeagent.pleg import Pleg, PlegConfig
-from nodeagent.pods import Part, Pods, PodsConfig
+from nodeagent.pods.admission import AdmissionSettings
+from nodeagent.pods.dns import DnsSettings
+from nodeagent.pods.env import EnvResolver
+from nodeagent.pods.loops import NodeLoops, NodeLoopsConfig, SyncLoopConfig
+from nodeagent.pods.objects import ObjectCache, ServiceCache
+from nodeagent.pods.pleg import Pleg, PlegConfig
+from nodeagent.pods.podhalf import Part, Pods, PodsConfig
+from nodeagent.pods.podupdate import Source
+from nodeagent.pods.sources.api import APISource
+from nodeagent.pods.sources.file import FileSource
+from nodeagent.pods.sources.http import HTTPSource
+from nodeagent.pods.sources.merge import Merge
+from nodeagent.pods.sources.mirror import MirrorManager
+from nodeagent.pods.sources.problems import Problems
+from nodeagent.pods.syncer import NodePodSettings
+from nodeagent.pods.volumes import HostMounter, TokenManager, VolumeManager
 from nodeagent.runtime import ContainerRuntimeError, Runtime, make_runtime, socket_path
-from nodeagent.sources.api import APISource
-from nodeagent.sources.file import FileSource
-from nodeagent.sources.http import HTTPSource
-from nodeagent.sources.merge import Merge
-from nodeagent.sources.mirror import MirrorManager
-from nodeagent.sources.problems import Problems
-from nodeagent.sources.types import Source
-from nodeagent.syncer import NodePodSettings
-from nodeagent.syncloop import NodeLoops, NodeLoopsConfig, SyncLoopConfig
-from nodeagent.volumes import HostMounter, TokenManager, VolumeManager
 
 if TYPE_CHECKING:
     from nodeagent.server.setup import ServerBundle

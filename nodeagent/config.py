@@ -20,11 +20,11 @@ from typing import Any
 
 import yaml
 
-from nodeagent.admission import check_unsafe_sysctls
 from nodeagent.api.policy import Heartbeat, PolicyError, parse_heartbeat
 from nodeagent.api.quantity import QuantityError, parse_quantity
 from nodeagent.node.host import parse_overrides
-from nodeagent.node.quantity import Threshold, parse_thresholds
+from nodeagent.node.thresholds import Threshold, parse_thresholds
+from nodeagent.pods.admission import check_unsafe_sysctls
 
 ENV_PREFIX = "NODEPULSE_"
 DEFAULT_EVICTION_HARD = "memory.available<100Mi,nodefs.available<10%,pid.available<5%"

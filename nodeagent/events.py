@@ -20,7 +20,7 @@ from typing import Any
 from nodeagent.api.client import brief
 from nodeagent.api.clock import Clock
 from nodeagent.api.kube import EVENTS, Kube
-from nodeagent.sources.static import rfc3339
+from nodeagent.pods.sources.static import rfc3339
 
 log = logging.getLogger(__name__)
 

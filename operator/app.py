@@ -18,13 +18,13 @@ from typing import Any
 
 import kopf
 from nodeoperator.election import KubeLeaseBackend, LeaderElector
-from nodeoperator.events import NodeEvents
-from nodeoperator.kube import EVENT_WRITERS, KubeWriter
-from nodeoperator.lifecycle import Lifecycle
+from nodeoperator.leasewatch import LeaseWatch
+from nodeoperator.modes import Lifecycle
 from nodeoperator.monitor import Monitor
+from nodeoperator.nodeevents import NodeEvents
 from nodeoperator.state import Store
 from nodeoperator.sync import InitialSync
-from nodeoperator.watch import LeaseWatch
+from nodeoperator.writes import EVENT_WRITERS, KubeWriter
 
 from nodeagent.api.client import load_credentials
 from nodeagent.api.clock import Clock, RealClock

@@ -9,7 +9,7 @@ import sys
 
 import uvloop
 from nodeoperator import __version__
-from nodeoperator.lifecycle import CLUSTER_GRACE_DEFAULT, COEXIST, MODES, parse_duration
+from nodeoperator.modes import CLUSTER_GRACE_DEFAULT, COEXIST, MODES, parse_duration
 
 from nodeagent.api.client import ClientConfigError
 
@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from nodeoperator.app import Options, run
-    from nodeoperator.lifecycle import Lifecycle
+    from nodeoperator.modes import Lifecycle
 
     try:
         lifecycle = Lifecycle(args.node_lifecycle, parse_duration(args.node_monitor_grace_period))

@@ -29,9 +29,9 @@ from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any, Protocol
 
 from nodeoperator import selector, taints
-from nodeoperator.events import NodeEvent, NodeEvents
-from nodeoperator.lifecycle import OVERRIDDEN, OWNED_ANNOTATION, Lifecycle, encode_owned
 from nodeoperator.limiter import Limiter
+from nodeoperator.modes import OVERRIDDEN, OWNED_ANNOTATION, Lifecycle, encode_owned
+from nodeoperator.nodeevents import NodeEvent, NodeEvents
 from nodeoperator.resolve import Resolution, resolve
 from nodeoperator.state import AGENT_CONDITIONS, UNREACHABLE_TAINT, NodeInfo, PolicyInfo, Store
 from prometheus_client import Counter, Gauge, Histogram

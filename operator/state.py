@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from nodeoperator import selector, taints
-from nodeoperator.lifecycle import OWNED_ANNOTATION, parse_owned
+from nodeoperator.modes import OWNED_ANNOTATION, parse_owned
 
 from nodeagent.api.clock import Clock
 from nodeagent.api.kube import NODE_LEASE_NAMESPACE

@@ -26,19 +26,19 @@ from nodeagent.agent import Agent, Parts, Pools
 from nodeagent.api.answered import ApiAnswered
 from nodeagent.api.clock import FakeClock, settle
 from nodeagent.api.kube import NODES, PODS
-from nodeagent.env import EnvResolver
 from nodeagent.events import Events
 from nodeagent.node.host import HostReadings
-from nodeagent.node.quantity import parse_thresholds
 from nodeagent.node.status import StatusSettings
-from nodeagent.objects import ObjectCache, ServiceCache
-from nodeagent.pleg import Pleg
-from nodeagent.pods import Pods
+from nodeagent.node.thresholds import parse_thresholds
+from nodeagent.pods.env import EnvResolver
+from nodeagent.pods.loops import NodeLoops, NodeLoopsConfig, SyncLoopConfig
+from nodeagent.pods.objects import ObjectCache, ServiceCache
+from nodeagent.pods.pleg import Pleg
+from nodeagent.pods.podhalf import Pods
+from nodeagent.pods.podupdate import Op, Pod, PodUpdate, Source, SourcesReady
+from nodeagent.pods.syncer import NodePodSettings
+from nodeagent.pods.volumes import TokenManager, VolumeManager
 from nodeagent.runtime.fake import FakeRuntime
-from nodeagent.sources.types import Op, Pod, PodUpdate, Source, SourcesReady
-from nodeagent.syncer import NodePodSettings
-from nodeagent.syncloop import NodeLoops, NodeLoopsConfig, SyncLoopConfig
-from nodeagent.volumes import TokenManager, VolumeManager
 from tests.fakekube import FakeKube
 
 # -- running and waiting ----------------------------------------------------------------

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from nodeagent.admission import AdmissionSettings, admit, check_unsafe_sysctls
 from nodeagent.config import ConfigError
-from nodeagent.dns import DnsSettings, PodDnsError, hosts_file, parse_resolv_conf, pod_dns
+from nodeagent.pods.admission import AdmissionSettings, admit, check_unsafe_sysctls
+from nodeagent.pods.dns import DnsSettings, PodDnsError, hosts_file, parse_resolv_conf, pod_dns
 from nodeagent.runtime.base import ContainerConfig, SandboxConfig, truncate_hostname
 from nodeagent.runtime.security import LOCALHOST, RUNTIME_DEFAULT, UNCONFINED, Profile
 from tests.conftest import agent_config, mkpod

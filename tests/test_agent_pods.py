@@ -1,4 +1,4 @@
-"""The agent with its pod half (nodeagent.pods) on the fake runtime, the in-memory API
+"""The agent with its pod half (nodeagent.pods.podhalf) on the fake runtime, the in-memory API
 and FakeClock: pods run and report status, the runtime feeds NodeStatus (images,
 containerRuntimeVersion, readiness) and /healthz shows PLEG's health."""
 
@@ -17,10 +17,10 @@ from nodeagent import config
 from nodeagent.agent import Agent, Parts, build_runtime, host_ip
 from nodeagent.api.clock import FakeClock, settle
 from nodeagent.api.kube import PODS
+from nodeagent.pods.sources.file import FileSource
+from nodeagent.pods.sources.http import HTTPSource
 from nodeagent.runtime import RelistResult, RuntimeVersion, Unavailable
 from nodeagent.runtime.fake import FakeRuntime
-from nodeagent.sources.file import FileSource
-from nodeagent.sources.http import HTTPSource
 from tests.conftest import AgentRig, agent_config, aio, mkpod, until
 from tests.fakekube import FakeKube
 

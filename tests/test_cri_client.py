@@ -17,7 +17,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from nodeagent.api.clock import FakeClock
-from nodeagent.pleg import Pleg
+from nodeagent.pods.pleg import Pleg
 from nodeagent.runtime import (
     ContainerConfig,
     ContainerRuntimeError,
@@ -41,7 +41,7 @@ from nodeagent.runtime.base import (
     LABEL_POD_UID,
 )
 from nodeagent.runtime.cri import CriRuntime
-from nodeagent.runtime.cri.client import ANNOTATION_HOST_NETWORK, LABEL_ATTEMPT
+from nodeagent.runtime.cri.criruntime import ANNOTATION_HOST_NETWORK, LABEL_ATTEMPT
 from nodeagent.runtime.cri.gen import api_pb2 as pb
 from nodeagent.runtime.cri.gen import api_pb2_grpc as pb_grpc
 from tests.conftest import aio, mkpod, until
@@ -464,7 +464,7 @@ def test_constructor_refuses_bad_settings() -> None:
 
 def test_mounts_reach_the_container_config() -> None:
     from nodeagent.runtime.base import ContainerConfig, Mount, SandboxConfig
-    from nodeagent.runtime.cri.client import container_config_pb
+    from nodeagent.runtime.cri.criruntime import container_config_pb
     pod = mkpod("p")
     config = ContainerConfig.from_pod(pod, pod["spec"]["containers"][0])
     config.mounts = [Mount("/data", "/var/lib/x/data", read_only=True)]
@@ -475,7 +475,7 @@ def test_mounts_reach_the_container_config() -> None:
 
 def test_security_namespaces_sysctls_and_dns_reach_cri() -> None:
     from nodeagent.runtime.base import ContainerConfig, DnsConfig, SandboxConfig
-    from nodeagent.runtime.cri.client import container_config_pb, sandbox_config_pb
+    from nodeagent.runtime.cri.criruntime import container_config_pb, sandbox_config_pb
     pod = mkpod("p", hostPID=True, shareProcessNamespace=True, containers=[{
         "name": "c", "image": "i", "securityContext": {
             "runAsUser": 65534, "privileged": True, "allowPrivilegeEscalation": False,

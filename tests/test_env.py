@@ -1,4 +1,4 @@
-"""nodeagent.env: a container's environment, command and args as the kubelet builds them,
+"""nodeagent.pods.env: a container's environment, command and args as the kubelet builds them,
 with ConfigMaps, Secrets and Services from the in-memory API."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 from nodeagent.api.clock import FakeClock, settle
 from nodeagent.api.kube import CONFIG_MAPS, SECRETS, SERVICES
-from nodeagent.env import (
+from nodeagent.pods.env import (
     EnvError,
     EnvResolver,
     env_refs,
@@ -22,7 +22,7 @@ from nodeagent.env import (
     resource_value,
     service_env,
 )
-from nodeagent.objects import ObjectCache, ServiceCache, ServiceInfo, ServicePort
+from nodeagent.pods.objects import ObjectCache, ServiceCache, ServiceInfo, ServicePort
 from tests.conftest import aio, mkpod
 from tests.fakekube import FakeKube, api_error
 

@@ -9,15 +9,15 @@ import copy
 from pathlib import Path
 from typing import Any
 
-from nodeagent import podspec
 from nodeagent.api.clock import FakeClock
 from nodeagent.api.kube import PODS
+from nodeagent.pods import podspec
+from nodeagent.pods.podupdate import Op, Pod
 from nodeagent.runtime.base import ContainerConfig, PodRuntimeStatus, SandboxConfig
-from nodeagent.runtime.cri.client import container_config_pb
+from nodeagent.runtime.cri.criruntime import container_config_pb
 from nodeagent.runtime.cri.gen import api_pb2 as pb
 from nodeagent.runtime.fake import FakeRuntime
-from nodeagent.server.app import RequestError, pick_container
-from nodeagent.sources.types import Op, Pod
+from nodeagent.server.kubeletserver import RequestError, pick_container
 from tests.conftest import AgentRig, LoopRig, aio, mkpod, started
 
 IMAGE = "localhost/busybox:1"

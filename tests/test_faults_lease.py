@@ -11,8 +11,8 @@ from prometheus_client import CollectorRegistry
 
 from nodeagent.api.clock import FakeClock, settle
 from nodeagent.api.policy import Heartbeat
+from nodeagent.node.heartbeatmetrics import NodeMetrics
 from nodeagent.node.lease import LeaseRenewer
-from nodeagent.node.metrics import NodeMetrics
 from nodeagent.node.scheduler import DueScheduler
 from tests.fakekube import Call, FakeKube, api_error
 

@@ -13,7 +13,8 @@ from prometheus_client import CollectorRegistry
 
 from nodeagent.agent import TIMER_SLACK
 from nodeagent.api.clock import FakeClock, settle
-from nodeagent.pleg import Pleg
+from nodeagent.pods.pleg import Pleg
+from nodeagent.pods.podupdate import Op
 from nodeagent.runtime import (
     ContainerEvent,
     ContainerState,
@@ -21,7 +22,6 @@ from nodeagent.runtime import (
     Unavailable,
 )
 from nodeagent.runtime.fake import FakeRuntime
-from nodeagent.sources.types import Op
 from tests.conftest import AgentRig, aio, mkpod, started
 
 

@@ -23,7 +23,8 @@ from hypothesis import strategies as st
 from nodeagent import config
 from nodeagent.api.clock import FakeClock
 from nodeagent.config import ConfigError
-from nodeagent.sources.static import (
+from nodeagent.pods.podupdate import Source
+from nodeagent.pods.sources.static import (
     ManifestError,
     canonical,
     check_host_access,
@@ -34,7 +35,6 @@ from nodeagent.sources.static import (
     parse_pod_list,
     static_uid,
 )
-from nodeagent.sources.types import Source
 
 # NP_FUZZ_EXAMPLES=5000 for a longer hunt; 200 keeps the unit suite fast
 FUZZ = settings(max_examples=int(os.environ.get("NP_FUZZ_EXAMPLES", "200")), deadline=None,

@@ -1,4 +1,4 @@
-"""Image pulls (nodeagent/images.py): names and policies, the credential keyring, the
+"""Image pulls (nodeagent/pods/images.py): names and policies, the credential keyring, the
 back-off, and the manager with the fake runtime's registry, the in-memory API and a
 FakeClock; then the same through the sync loops, as pods see it."""
 
@@ -16,7 +16,7 @@ from nodeagent.api.clock import FakeClock, settle
 from nodeagent.api.kube import PODS, SECRETS, SERVICE_ACCOUNTS
 from nodeagent.config import ConfigError
 from nodeagent.events import Events
-from nodeagent.images import (
+from nodeagent.pods.images import (
     ImageManager,
     Keyring,
     PullBackoff,
@@ -26,9 +26,9 @@ from nodeagent.images import (
     pull_policy,
     registry_matches,
 )
+from nodeagent.pods.podupdate import Op, Pod
 from nodeagent.runtime.base import RegistryAuth
 from nodeagent.runtime.fake import FakeRuntime
-from nodeagent.sources.types import Op, Pod
 from tests.conftest import LoopRig, agent_config, aio, mkpod, started
 from tests.fakekube import FakeKube, api_error
 

@@ -10,8 +10,8 @@ from typing import Any
 
 from nodeagent.api.clock import FakeClock
 from nodeagent.api.kube import PODS
+from nodeagent.pods.podupdate import Op
 from nodeagent.runtime import ExecResult
-from nodeagent.sources.types import Op
 from tests.conftest import aio, free_port, mkpod, started
 
 
@@ -220,8 +220,8 @@ async def test_sidecar_restarts_under_never_and_stops_after_the_app() -> None:
 async def test_https_hook_to_a_plain_http_server_falls_back_to_http() -> None:
     from aiohttp import web
 
-    from nodeagent.actions import Actions, Target
-    from nodeagent.lifecycle import Hooks
+    from nodeagent.pods.handlers import Actions, Target
+    from nodeagent.pods.hooks import Hooks
     from nodeagent.runtime.fake import FakeRuntime
     hits: list[str] = []
 

@@ -8,15 +8,15 @@ from typing import Any
 
 import pytest
 
-from nodeagent.sources.merge import Merge, classify
-from nodeagent.sources.problems import Problems
-from nodeagent.sources.types import (
+from nodeagent.pods.podupdate import (
     ANN_CONFIG_MIRROR,
     ANN_CONFIG_SEEN,
     Op,
     PodUpdate,
     Source,
 )
+from nodeagent.pods.sources.merge import Merge, classify
+from nodeagent.pods.sources.problems import Problems
 from tests.conftest import Sink, mkpod
 
 

@@ -18,10 +18,10 @@ from nodeagent.api.clock import FakeClock, settle
 from nodeagent.api.kube import LEASES, NODE_LEASE_NAMESPACE, NODES
 from nodeagent.api.policy import AGENT_LABEL, HEARTBEAT_ANNOTATION, Heartbeat
 from nodeagent.node.controller import NodeController, NodeControllerConfig, NodeSpec
-from nodeagent.node.metrics import NodeMetrics
+from nodeagent.node.heartbeatmetrics import NodeMetrics
+from nodeagent.node.nodewatch import NodeWatch
 from nodeagent.node.scheduler import Blocking, DueScheduler
 from nodeagent.node.status import StatusSettings
-from nodeagent.node.watch import NodeWatch
 from tests.conftest import READINGS, SETTINGS, InlineExecutor
 from tests.fakekube import FakeKube, api_error
 

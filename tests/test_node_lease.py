@@ -12,8 +12,8 @@ from nodeagent.api.answered import ApiAnswered
 from nodeagent.api.clock import FakeClock, settle
 from nodeagent.api.kube import LEASES, NODE_LEASE_NAMESPACE
 from nodeagent.api.policy import Heartbeat
+from nodeagent.node.heartbeatmetrics import NodeMetrics
 from nodeagent.node.lease import LeaseRenewer, renew_delay
-from nodeagent.node.metrics import NodeMetrics
 from nodeagent.node.scheduler import DueScheduler
 from tests.fakekube import FakeKube, api_error
 

@@ -9,13 +9,13 @@ import pytest
 
 from nodeagent.api.quantity import QuantityError, parse_quantity
 from nodeagent.node.host import HostReadError, HostReadings
-from nodeagent.node.quantity import parse_thresholds
 from nodeagent.node.status import (
     build_patch,
     compute_status,
     meaningful_changes,
     report_reason,
 )
+from nodeagent.node.thresholds import parse_thresholds
 from tests.conftest import GI, READINGS, SETTINGS
 from tests.fakekube import strategic_merge as merge_patch
 

@@ -11,8 +11,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 import pytest
-from nodeoperator.events import NodeEvents
-from nodeoperator.lifecycle import (
+from nodeoperator.modes import (
     COEXIST,
     EXCLUSIVE,
     OWNED_ANNOTATION,
@@ -22,6 +21,7 @@ from nodeoperator.lifecycle import (
     parse_owned,
 )
 from nodeoperator.monitor import Monitor
+from nodeoperator.nodeevents import NodeEvents
 from nodeoperator.state import UNREACHABLE_TAINT, Store
 from prometheus_client import REGISTRY
 

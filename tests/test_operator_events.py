@@ -8,8 +8,8 @@ import asyncio
 import copy
 from typing import Any
 
-from nodeoperator.events import NodeEvent, NodeEvents
 from nodeoperator.monitor import Monitor
+from nodeoperator.nodeevents import NodeEvent, NodeEvents
 from nodeoperator.state import Store
 
 from nodeagent.api.client import ApiError

@@ -11,7 +11,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 import pytest
-from nodeoperator.lifecycle import EXCLUSIVE, Lifecycle
+from nodeoperator.modes import EXCLUSIVE, Lifecycle
 from nodeoperator.monitor import Monitor, Pacer
 from nodeoperator.state import UNREACHABLE_TAINT, Store
 from prometheus_client import REGISTRY

@@ -9,7 +9,7 @@ import copy
 import datetime as dt
 from typing import Any
 
-from nodeoperator.lifecycle import EXCLUSIVE, Lifecycle
+from nodeoperator.modes import EXCLUSIVE, Lifecycle
 from nodeoperator.monitor import Monitor
 from nodeoperator.state import UNREACHABLE_TAINT, Store
 from nodeoperator.sync import InitialSync

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 from nodeoperator import taints
-from nodeoperator.lifecycle import EXCLUSIVE, Lifecycle
+from nodeoperator.modes import EXCLUSIVE, Lifecycle
 from nodeoperator.monitor import WRITES, Monitor
 from nodeoperator.state import Store
 

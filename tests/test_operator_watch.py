@@ -8,8 +8,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from nodeoperator.leasewatch import LeaseWatch
 from nodeoperator.state import Store
-from nodeoperator.watch import LeaseWatch
 
 from nodeagent.api.clock import FakeClock, settle
 from nodeagent.api.kube import LEASES, NODE_LEASE_NAMESPACE

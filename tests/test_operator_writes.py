@@ -11,12 +11,12 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 import pytest
-from nodeoperator.events import NodeEvents
-from nodeoperator.kube import KubeWriter
-from nodeoperator.lifecycle import EXCLUSIVE, Lifecycle
 from nodeoperator.limiter import Limiter
+from nodeoperator.modes import EXCLUSIVE, Lifecycle
 from nodeoperator.monitor import Monitor
+from nodeoperator.nodeevents import NodeEvents
 from nodeoperator.state import UNREACHABLE_TAINT, Store
+from nodeoperator.writes import KubeWriter
 from prometheus_client import REGISTRY
 
 from nodeagent.api.clock import FakeClock, settle

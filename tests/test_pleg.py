@@ -7,7 +7,7 @@ import asyncio
 from prometheus_client import CollectorRegistry
 
 from nodeagent.api.clock import FakeClock, settle
-from nodeagent.pleg import (
+from nodeagent.pods.pleg import (
     EventType,
     Pleg,
     PlegConfig,

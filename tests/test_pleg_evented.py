@@ -13,7 +13,8 @@ from prometheus_client import CollectorRegistry
 
 from nodeagent.api.clock import FakeClock, settle
 from nodeagent.config import ConfigError
-from nodeagent.pleg import EventType, Pleg, PlegConfig, PodLifecycleEvent
+from nodeagent.pods.pleg import EventType, Pleg, PlegConfig, PodLifecycleEvent
+from nodeagent.pods.podupdate import Op
 from nodeagent.runtime import (
     ContainerConfig,
     ContainerEvent,
@@ -22,7 +23,6 @@ from nodeagent.runtime import (
     Unsupported,
 )
 from nodeagent.runtime.fake import FakeRuntime
-from nodeagent.sources.types import Op
 from tests.conftest import AgentRig, agent_config, aio, mkpod, started
 from tests.test_pleg import drain, start_pod
 

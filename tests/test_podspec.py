@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from nodeagent import podspec
-from nodeagent.podspec import unhandled
+from nodeagent.pods import podspec
+from nodeagent.pods.podspec import unhandled
 from tests.conftest import mkpod
 
 

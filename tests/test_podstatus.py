@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry
 from nodeagent.api.answered import ApiAnswered
 from nodeagent.api.clock import FakeClock, settle
 from nodeagent.api.kube import PODS
-from nodeagent.podstatus import StatusManager, Waiting, compute_pod_status
+from nodeagent.pods.podstatus import StatusManager, Waiting, compute_pod_status
 from nodeagent.runtime import (
     Container,
     ContainerState,

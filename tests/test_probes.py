@@ -14,12 +14,12 @@ import grpc.aio
 import pytest
 from aiohttp import web
 
-from nodeagent.actions import FAILURE, SUCCESS, WARNING, ActionError, Actions, Target
 from nodeagent.api.clock import FakeClock
 from nodeagent.api.kube import PODS
+from nodeagent.pods.handlers import FAILURE, SUCCESS, WARNING, ActionError, Actions, Target
+from nodeagent.pods.podupdate import Op
 from nodeagent.runtime import ExecResult, RuntimeTimeout
 from nodeagent.runtime.fake import FakeRuntime
-from nodeagent.sources.types import Op
 from tests.conftest import LoopRig, aio, free_port, mkpod, started
 
 

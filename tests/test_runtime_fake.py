@@ -42,7 +42,7 @@ def test_configs_from_pod() -> None:
     assert sc.termination_grace_seconds == 5
     cc = ContainerConfig.from_pod(p, p["spec"]["containers"][0], attempt=2, restart_count=2)
     assert cc.command == ["sleep"] and cc.args == ["3600"]
-    assert cc.env == [("A", "1")]  # literal values; the rest is nodeagent.env's (test_env)
+    assert cc.env == [("A", "1")]  # literal values; the rest is nodeagent.pods.env's (test_env)
     resolved = ContainerConfig.from_pod(p, p["spec"]["containers"][0], env=[("N", "n1")],
                                         mounts=[Mount("/data", "/host/data", True)])
     assert resolved.env == [("N", "n1")]
@@ -65,7 +65,7 @@ def test_bad_pod_fields_are_named() -> None:
     assert parse_quantity("1.5Gi") == 1.5 * 2**30
     secret = {"name": "c", "image": "i", "env": [
         {"name": "PW", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]}
-    with pytest.raises(ValueError, match=r"valueFrom are resolved by nodeagent.env"):
+    with pytest.raises(ValueError, match=r"valueFrom are resolved by nodeagent.pods.env"):
         ContainerConfig.from_pod(p, secret)
     with pytest.raises(ValueError, match="envFrom and valueFrom are resolved"):
         ContainerConfig.from_pod(p, {"name": "c", "image": "i", "envFrom": [{}]})

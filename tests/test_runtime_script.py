@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 
 from nodeagent.api.clock import FakeClock
+from nodeagent.pods.podupdate import Op
 from nodeagent.runtime import ContainerRuntimeError, ContainerState
 from nodeagent.runtime.base import ContainerConfig, SandboxConfig
 from nodeagent.runtime.fake import FakeRuntime
 from nodeagent.runtime.script import Script, ScriptError, script_for
-from nodeagent.sources.types import Op
 from tests.conftest import aio, mkpod, started
 
 P = "fake.nodepulse.dev/"

@@ -20,8 +20,8 @@ from nodeagent.api.clock import FakeClock
 from nodeagent.node.status import StatusSettings, build_patch, compute_status, meaningful_changes
 from nodeagent.runtime.base import ContainerConfig, ContainerStats, PodRuntimeStatus, SandboxConfig
 from nodeagent.runtime.fake import FakeRuntime
-from nodeagent.server.app import KubeletServer, pick_container
 from nodeagent.server.auth import KubeletAuth, User, request_attributes, user_of_certificate
+from nodeagent.server.kubeletserver import KubeletServer, pick_container
 from nodeagent.server.tls import ServingCert, csr_request, renew_at, self_signed, validity
 from tests.conftest import aio
 
@@ -316,7 +316,7 @@ def test_certificates(tmp_path: Path) -> None:
 
 
 def test_fake_runtime_log_rotation(tmp_path: Path) -> None:
-    from nodeagent.runtime.logs import LogRotation, tidy
+    from nodeagent.runtime.logrotation import LogRotation, tidy
 
     async def main() -> None:
         clock = FakeClock(dt.datetime(2026, 1, 2, 3, 4, 5, tzinfo=dt.UTC))
@@ -382,7 +382,7 @@ async def test_api_server_unreachable_is_401_then_500_and_not_cached(tmp_path: P
 def test_log_rotation_lets_other_work_run_between_batches(tmp_path: Path) -> None:
     """A round over thousands of logs does not hold the event loop: others run
     between its batches (and the logs are read as it goes)."""
-    from nodeagent.runtime.logs import LogRotation
+    from nodeagent.runtime.logrotation import LogRotation
 
     async def main() -> None:
         clock = FakeClock()

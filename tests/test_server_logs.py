@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from nodeagent.server import logs
-from nodeagent.server.logs import LogOptions, LogRequestError, parse_options
+from nodeagent.runtime import logfile
+from nodeagent.server import containerlogs
+from nodeagent.server.containerlogs import LogOptions, LogRequestError, parse_options
 
 NOW = dt.datetime(2026, 1, 2, 3, 4, 5, tzinfo=dt.UTC)
 
@@ -31,7 +32,7 @@ async def read(path: Path, opts: LogOptions, fmt: str = "cri") -> bytes:
 
     async def write(b: bytes) -> None:
         out.extend(b)
-    await logs.stream_log(str(path), fmt, opts, write)
+    await containerlogs.stream_log(str(path), fmt, opts, write)
     return bytes(out)
 
 
@@ -65,7 +66,7 @@ def test_tail_reads_backwards_in_blocks(tmp_path: Path) -> None:
     out = asyncio.run(read(f, LogOptions(tail_lines=3))).splitlines()
     assert [x.split()[0] for x in out] == [b"4997", b"4998", b"4999"]
     with f.open("rb") as fh:
-        assert logs.tail_offset(fh, 1, f.stat().st_size) == f.stat().st_size - len(
+        assert logfile.tail_offset(fh, 1, f.stat().st_size) == f.stat().st_size - len(
             f.read_bytes().splitlines()[-1]) - 1
 
 
@@ -80,9 +81,9 @@ def test_raw_logs_and_their_refusals(tmp_path: Path) -> None:
     f.write_bytes(b"a\nb\nc")
     assert asyncio.run(read(f, LogOptions(tail_lines=2), "raw")) == b"b\nc"
     with pytest.raises(LogRequestError, match="timestamps: the process runtime"):
-        logs.check_format("raw", LogOptions(timestamps=True), "process")
+        containerlogs.check_format("raw", LogOptions(timestamps=True), "process")
     with pytest.raises(LogRequestError, match="sinceSeconds"):
-        logs.check_format("raw", LogOptions(since=NOW), "process")
+        containerlogs.check_format("raw", LogOptions(since=NOW), "process")
 
 
 @pytest.mark.parametrize(("query", "status", "word"), [
@@ -125,8 +126,8 @@ def test_follow_sees_growth_and_rotation_and_ends_with_the_container(tmp_path: P
 
     async def main() -> None:
         nonlocal running
-        watch = logs.FileWatch()
-        task = asyncio.create_task(logs.stream_log(
+        watch = containerlogs.FileWatch()
+        task = asyncio.create_task(containerlogs.stream_log(
             str(f), "cri", LogOptions(follow=True), write, running=lambda: running,
             watch=watch))
 

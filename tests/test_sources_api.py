@@ -16,9 +16,9 @@ import pytest
 
 from nodeagent.api.clock import FakeClock, settle
 from nodeagent.api.kube import PODS, Obj
-from nodeagent.sources.api import APISource
-from nodeagent.sources.merge import Merge
-from nodeagent.sources.types import Op, PodUpdate, Source
+from nodeagent.pods.podupdate import Op, PodUpdate, Source
+from nodeagent.pods.sources.api import APISource
+from nodeagent.pods.sources.merge import Merge
 from tests.conftest import mkpod, until
 from tests.fakekube import FakeKube
 

@@ -18,10 +18,10 @@ import pytest
 from prometheus_client import REGISTRY
 
 from nodeagent.api.clock import FakeClock, settle
-from nodeagent.sources.file import FileSource, _oserror, ignored
-from nodeagent.sources.merge import Merge
-from nodeagent.sources.problems import Problems
-from nodeagent.sources.types import Op, PodUpdate, Source
+from nodeagent.pods.podupdate import Op, PodUpdate, Source
+from nodeagent.pods.sources.file import FileSource, _oserror, ignored
+from nodeagent.pods.sources.merge import Merge
+from nodeagent.pods.sources.problems import Problems
 from tests.conftest import Sink, until
 
 WAIT = 5.0  # bound on waiting for the kernel to deliver inotify events

@@ -12,10 +12,10 @@ import pytest
 from prometheus_client import REGISTRY
 
 from nodeagent.api.clock import FakeClock
-from nodeagent.sources.http import HTTPSource
-from nodeagent.sources.merge import Merge
-from nodeagent.sources.problems import Problems
-from nodeagent.sources.types import Op, Source
+from nodeagent.pods.podupdate import Op, Source
+from nodeagent.pods.sources.http import HTTPSource
+from nodeagent.pods.sources.merge import Merge
+from nodeagent.pods.sources.problems import Problems
 from tests.conftest import Sink, until
 
 

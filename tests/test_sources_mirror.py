@@ -11,12 +11,12 @@ from collections.abc import Awaitable, Callable
 from nodeagent.api.answered import ApiAnswered
 from nodeagent.api.clock import FakeClock, settle
 from nodeagent.api.kube import PODS
-from nodeagent.sources.api import APISource
-from nodeagent.sources.merge import Merge
-from nodeagent.sources.mirror import MirrorManager
-from nodeagent.sources.problems import Problems
-from nodeagent.sources.static import check_pod, make_static_pod
-from nodeagent.sources.types import ANN_CONFIG_MIRROR, Pod, Source
+from nodeagent.pods.podupdate import ANN_CONFIG_MIRROR, Pod, Source
+from nodeagent.pods.sources.api import APISource
+from nodeagent.pods.sources.merge import Merge
+from nodeagent.pods.sources.mirror import MirrorManager
+from nodeagent.pods.sources.problems import Problems
+from nodeagent.pods.sources.static import check_pod, make_static_pod
 from tests.conftest import Sink, aio, until
 from tests.fakekube import Call, FakeKube, api_error
 

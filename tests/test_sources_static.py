@@ -7,7 +7,14 @@ import json
 
 import pytest
 
-from nodeagent.sources.static import (
+from nodeagent.pods.podupdate import (
+    ANN_CONFIG_HASH,
+    ANN_CONFIG_MIRROR,
+    ANN_CONFIG_SEEN,
+    ANN_CONFIG_SOURCE,
+    Source,
+)
+from nodeagent.pods.sources.static import (
     MAX_MANIFEST_BYTES,
     ManifestError,
     make_static_pod,
@@ -16,13 +23,6 @@ from nodeagent.sources.static import (
     parse_manifest,
     parse_pod_list,
     static_uid,
-)
-from nodeagent.sources.types import (
-    ANN_CONFIG_HASH,
-    ANN_CONFIG_MIRROR,
-    ANN_CONFIG_SEEN,
-    ANN_CONFIG_SOURCE,
-    Source,
 )
 
 YAML = b"""

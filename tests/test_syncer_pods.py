@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from nodeagent.admission import AdmissionSettings
 from nodeagent.api.clock import FakeClock
 from nodeagent.api.kube import RUNTIME_CLASSES
-from nodeagent.dns import DnsSettings
+from nodeagent.pods.admission import AdmissionSettings
+from nodeagent.pods.dns import DnsSettings
+from nodeagent.pods.podupdate import Op
+from nodeagent.pods.syncer import NodePodSettings
 from nodeagent.runtime.fake import FakeRuntime
-from nodeagent.sources.types import Op
-from nodeagent.syncer import NodePodSettings
 from tests.conftest import LoopRig, aio, mkpod, settle
 
 

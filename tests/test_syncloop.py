@@ -10,7 +10,10 @@ from prometheus_client import CollectorRegistry
 
 from nodeagent.api.answered import ApiAnswered
 from nodeagent.api.clock import FakeClock, settle
-from nodeagent.pleg import Pleg
+from nodeagent.pods.loops import NodeLoops, NodeLoopsConfig, SyncLoopConfig
+from nodeagent.pods.pleg import Pleg
+from nodeagent.pods.podupdate import Op, PodUpdate, Source, SourcesReady
+from nodeagent.pods.syncer import NodePodSettings
 from nodeagent.runtime import (
     ContainerRuntimeError,
     ContainerState,
@@ -19,9 +22,6 @@ from nodeagent.runtime import (
     SandboxState,
 )
 from nodeagent.runtime.fake import FakeRuntime
-from nodeagent.sources.types import Op, PodUpdate, Source, SourcesReady
-from nodeagent.syncer import NodePodSettings
-from nodeagent.syncloop import NodeLoops, NodeLoopsConfig, SyncLoopConfig
 from tests.conftest import LoopRig, aio, mkpod, pod_deletes, started
 from tests.fakekube import FakeKube
 

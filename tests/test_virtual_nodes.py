@@ -22,10 +22,10 @@ from nodeagent.api.policy import (
     Heartbeat,
     encode_heartbeat_annotation,
 )
+from nodeagent.pods.podupdate import Op
+from nodeagent.pods.sources.api import APISource
 from nodeagent.runtime.base import SandboxConfig
 from nodeagent.runtime.fake import FakeRuntime
-from nodeagent.sources.api import APISource
-from nodeagent.sources.types import Op
 from tests.conftest import InlineExecutor, LoopRig, agent_config, agent_flags, aio, mkpod
 from tests.fakekube import FakeKube
 

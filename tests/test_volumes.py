@@ -1,4 +1,4 @@
-"""Pod volumes (nodeagent/volumes): the atomic `..data` writer, each volume type as the
+"""Pod volumes (nodeagent/pods/volumes): the atomic `..data` writer, each volume type as the
 volume manager sets it up, and the sync loop running pods with volumes on the fake
 runtime and the in-memory API (FakeClock, no sleeps)."""
 
@@ -16,13 +16,13 @@ import pytest
 
 from nodeagent.api.clock import FakeClock, settle
 from nodeagent.api.kube import CONFIG_MAPS, SECRETS, SERVICE_ACCOUNTS
-from nodeagent.objects import ObjectCache
+from nodeagent.pods.objects import ObjectCache
+from nodeagent.pods.podupdate import Op
+from nodeagent.pods.syncer import NodePodSettings
+from nodeagent.pods.volumes import MountFailed, TokenManager, VolumeManager, VolumeRefused, atomic
+from nodeagent.pods.volumes.atomic import DATA, File
 from nodeagent.runtime.base import Mount
 from nodeagent.runtime.fake import FakeRuntime
-from nodeagent.sources.types import Op
-from nodeagent.syncer import NodePodSettings
-from nodeagent.volumes import MountFailed, TokenManager, VolumeManager, VolumeRefused, atomic
-from nodeagent.volumes.atomic import DATA, File
 from tests.conftest import FakeMounter, LoopRig, aio, mkpod, token_answers
 from tests.fakekube import FakeKube
 

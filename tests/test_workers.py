@@ -9,13 +9,13 @@ import math
 from prometheus_client import CollectorRegistry
 
 from nodeagent.api.clock import FakeClock, settle
-from nodeagent.images import pull_policy
-from nodeagent.pleg import CacheEntry, PodCache
+from nodeagent.pods.images import pull_policy
+from nodeagent.pods.pleg import CacheEntry, PodCache
+from nodeagent.pods.podupdate import Op
+from nodeagent.pods.syncer import CrashBackoff, SyncResult, grace_of
+from nodeagent.pods.workers import Phase, PodWorkers, UpdateKind
 from nodeagent.runtime import PodRuntimeStatus
 from nodeagent.runtime.base import Sandbox, SandboxState
-from nodeagent.sources.types import Op
-from nodeagent.syncer import CrashBackoff, SyncResult, grace_of
-from nodeagent.workers import Phase, PodWorkers, UpdateKind
 from tests.conftest import aio, mkpod, started
 
 

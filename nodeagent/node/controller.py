@@ -26,9 +26,9 @@ from nodeagent.api.policy import (
     PolicyError,
     decode_heartbeat_annotation,
 )
+from nodeagent.node.heartbeatmetrics import NodeMetrics
 from nodeagent.node.host import HostReadError, HostReadings
 from nodeagent.node.lease import LeaseRenewer, spread_before
-from nodeagent.node.metrics import NodeMetrics
 from nodeagent.node.scheduler import DueScheduler
 from nodeagent.node.status import (
     Status,

@@ -23,7 +23,7 @@ from nodeagent.api.client import ApiError, brief, is_retriable, status_of
 from nodeagent.api.clock import Clock
 from nodeagent.api.kube import LEASES, NODE_LEASE_NAMESPACE, Kube, Obj
 from nodeagent.api.policy import Heartbeat
-from nodeagent.node.metrics import NodeMetrics
+from nodeagent.node.heartbeatmetrics import NodeMetrics
 from nodeagent.node.status import api_microtime
 
 log = logging.getLogger(__name__)

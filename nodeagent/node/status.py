@@ -13,7 +13,7 @@ from typing import Any
 
 from nodeagent.api.quantity import format_bytes, format_cpu
 from nodeagent.node.host import HostReadError, HostReadings
-from nodeagent.node.quantity import Threshold
+from nodeagent.node.thresholds import Threshold
 
 CONDITION_TYPES = ("MemoryPressure", "DiskPressure", "PIDPressure", "Ready")
 

@@ -69,7 +69,7 @@ class NotFound(ContainerRuntimeError):
 
 class ImageNotPresent(ContainerRuntimeError):
     """The image is not in the runtime's image store (create_container does not pull:
-    the image manager, nodeagent/images.py, pulls first)."""
+    the image manager, nodeagent/pods/images.py, pulls first)."""
 
 
 class PullFailed(ContainerRuntimeError):
@@ -242,7 +242,7 @@ class ContainerConfig:
                  env: list[tuple[str, str]] | None = None,
                  mounts: list[Mount] | None = None,
                  seccomp_root: str = "") -> ContainerConfig:
-        """`env` is the environment nodeagent.env resolved (None: the literal `value`s
+        """`env` is the environment nodeagent.pods.env resolved (None: the literal `value`s
         of the spec, which then must hold nothing else); command and args are the
         spec's, unexpanded. `seccomp_root`: the folder Localhost seccomp profiles are
         named relative to."""
@@ -257,7 +257,7 @@ class ContainerConfig:
             if container.get("envFrom") or any("valueFrom" in e
                                                for e in container.get("env") or []):
                 raise ValueError(f"pod {namespace}/{name} container {cname}: envFrom and "
-                                 "valueFrom are resolved by nodeagent.env, not here")
+                                 "valueFrom are resolved by nodeagent.pods.env, not here")
             env = [(str(e["name"]), str(e.get("value") or ""))
                    for e in container.get("env") or []]
         labels = {LABEL_POD_UID: uid, LABEL_POD_NAME: name, LABEL_POD_NAMESPACE: namespace,

@@ -13,9 +13,10 @@ from prometheus_client import CollectorRegistry
 from nodeagent.api.clock import Clock
 from nodeagent.api.kube import Kube
 from nodeagent.config import AgentConfig, ConfigError
-from nodeagent.server.app import HealthCheck, KubeletServer, PodHost
 from nodeagent.server.auth import KubeletAuth
 from nodeagent.server.kubeapi import RealServerApi, ServerApi
+from nodeagent.server.kubeletserver import HealthCheck, KubeletServer
+from nodeagent.server.podhost import PodHost
 from nodeagent.server.tls import CertError, ServingCert
 
 

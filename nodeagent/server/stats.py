@@ -15,13 +15,11 @@ import datetime as dt
 import logging
 import os
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from nodeagent.api.clock import Clock
 from nodeagent.runtime.base import ContainerRuntimeError, ContainerStats, Runtime
-
-if TYPE_CHECKING:
-    from nodeagent.server.app import PodHost
+from nodeagent.server.podhost import PodHost
 
 log = logging.getLogger(__name__)
 # a pod and its running containers, each with what the runtime measured (or None)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import logging
 from typing import Protocol
 
-from nodeagent.sources import metrics
-from nodeagent.sources.types import Source
+from nodeagent.pods.podupdate import Source
+from nodeagent.pods.sources import sourcemetrics
 
-log = logging.getLogger("nodeagent.sources")
+log = logging.getLogger("nodeagent.pods.sources")
 
 
 class EventSink(Protocol):
@@ -24,6 +24,6 @@ class Problems:
 
     def report(self, source: Source, reason: str, message: str) -> None:
         log.warning("%s source: %s", source.value, message)
-        metrics.MANIFEST_ERRORS.labels(source.value, reason).inc()
+        sourcemetrics.MANIFEST_ERRORS.labels(source.value, reason).inc()
         if self.sink is not None:
             self.sink.warning(f"StaticPod{reason}", f"{source.value} source: {message}")

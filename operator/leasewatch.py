@@ -21,7 +21,7 @@ from nodeagent.api.clock import Clock
 from nodeagent.api.kube import LEASES, NODE_LEASE_NAMESPACE, Kube, Obj
 from nodeagent.api.reflector import Reflector, ReflectorConfig
 
-log = logging.getLogger("nodeoperator.watch")
+log = logging.getLogger("nodeoperator.leasewatch")
 
 EVENTS = Counter("nodepulse_operator_lease_events_total", "Lease watch events handled")
 RELISTS = Counter("nodepulse_operator_lease_relists_total", "Lease lists (start, 410 Gone)")

@@ -4,9 +4,9 @@ into the containers' mounts, and removed with the pod.
 Each volume lives where the kubelet keeps it, `<root>/pods/<uid>/volumes/<plugin>/<name>`
 (hostPath volumes are the host's own path). Every sync of a pod sets its volumes up
 again, which costs nothing when nothing changed: configMap, secret, downwardAPI and
-projected volumes are written by nodeagent.volumes.atomic, which compares content
+projected volumes are written by nodeagent.pods.volumes.atomic, which compares content
 hashes and swaps `..data` only on a real change. A ConfigMap or Secret change reaches
-running containers that way (nodeagent.objects makes the pods sync), and so does a
+running containers that way (nodeagent.pods.objects makes the pods sync), and so does a
 label or annotation change for downwardAPI files (the pod update makes it sync).
 Service account tokens are refreshed at 80 % of their life: `PodVolumes.refresh_in`
 tells the syncer when to sync again.
@@ -37,7 +37,7 @@ from nodeagent.api.client import ApiError, brief
 from nodeagent.api.clock import Clock
 from nodeagent.api.kube import CONFIG_MAPS, SECRETS
 from nodeagent.api.quantity import parse_quantity
-from nodeagent.env import (
+from nodeagent.pods.env import (
     EnvError,
     expand,
     field_value,
@@ -45,12 +45,12 @@ from nodeagent.env import (
     object_data,
     resource_value,
 )
-from nodeagent.objects import ObjectCache, ObjectUnavailable, Ref, ref_text
+from nodeagent.pods.objects import ObjectCache, ObjectUnavailable, Ref, ref_text
+from nodeagent.pods.volumes import atomic
+from nodeagent.pods.volumes.atomic import File
+from nodeagent.pods.volumes.mount import Mounter
+from nodeagent.pods.volumes.tokens import TokenManager
 from nodeagent.runtime.base import Mount
-from nodeagent.volumes import atomic
-from nodeagent.volumes.atomic import File
-from nodeagent.volumes.mount import Mounter
-from nodeagent.volumes.tokens import TokenManager
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ the container defines itself is left out. Command and args are expanded from the
 environment. `$$` is a literal `$`; a reference to an undefined variable stays as
 written.
 
-ConfigMaps, Secrets and Services come from nodeagent.objects (watched, not fetched per
+ConfigMaps, Secrets and Services come from nodeagent.pods.objects (watched, not fetched per
 container). A missing object or key gives the kubelet's error (`configmap "x" not
 found`, `couldn't find key k in ConfigMap ns/x`) unless the reference is optional.
 """
@@ -24,7 +24,7 @@ from typing import Any
 
 from nodeagent.api.kube import CONFIG_MAPS, SECRETS
 from nodeagent.api.quantity import parse_quantity
-from nodeagent.objects import ObjectCache, ObjectUnavailable, Ref, ServiceCache, ServiceInfo
+from nodeagent.pods.objects import ObjectCache, ObjectUnavailable, Ref, ServiceCache, ServiceInfo
 
 Pod = Mapping[str, Any]
 

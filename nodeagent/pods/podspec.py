@@ -30,7 +30,7 @@ def refused(why: str) -> Callable[[Any], str]:
 
 
 POD_FIELDS: dict[str, Rule] = {
-    "volumes": None,                 # nodeagent/volumes (each volume type it mounts)
+    "volumes": None,                 # nodeagent/pods/volumes (each volume type it mounts)
     "initContainers": None,          # syncer.py; each checked against CONTAINER_FIELDS
     "containers": None,              # syncer.py; each checked against CONTAINER_FIELDS
     "ephemeralContainers": None,     # syncer.py; each checked against EPHEMERAL_FIELDS
@@ -94,7 +94,7 @@ CONTAINER_FIELDS: dict[str, Rule] = {
                                      # code; refused on the others (REGULAR_CONTAINER_FIELDS)
     "restartPolicyRules": refused("container restart rules are not supported by this "
                                   "agent"),
-    "volumeMounts": None,            # nodeagent/volumes
+    "volumeMounts": None,            # nodeagent/pods/volumes
     "volumeDevices": refused("raw block devices (volumeDevices) are not supported by "
                              "this agent"),
     "livenessProbe": None,           # probes.py
@@ -158,9 +158,9 @@ POD_SECURITY_FIELDS: dict[str, Rule] = {
     "supplementalGroups": None,      # runtime/security.py
     "supplementalGroupsPolicy": None,  # admission.py (Strict is refused there)
     "fsGroup": None,                 # runtime/security.py (groups); volume ownership:
-                                     # nodeagent/volumes
-    "fsGroupChangePolicy": None,     # nodeagent/volumes
-    "seLinuxChangePolicy": None,     # nodeagent/volumes (how volumes are relabelled)
+                                     # nodeagent/pods/volumes
+    "fsGroupChangePolicy": None,     # nodeagent/pods/volumes
+    "seLinuxChangePolicy": None,     # nodeagent/pods/volumes (how volumes are relabelled)
     "sysctls": None,                 # admission.py (allowed?) and the sandbox (CRI)
     "seccompProfile": None,          # runtime/security.py
     "appArmorProfile": None,         # runtime/security.py; admission.py checks the host

@@ -25,9 +25,9 @@ from nodeagent.api.answered import ApiAnswered
 from nodeagent.api.clock import Clock
 from nodeagent.api.kube import PODS, Kube, Obj
 from nodeagent.api.reflector import Reflector, ReflectorConfig
-from nodeagent.sources import metrics
-from nodeagent.sources.merge import Merge
-from nodeagent.sources.types import Pod, Source
+from nodeagent.pods.podupdate import Pod, Source
+from nodeagent.pods.sources import sourcemetrics
+from nodeagent.pods.sources.merge import Merge
 
 
 class APISource:
@@ -44,7 +44,7 @@ class APISource:
                             else "spec.nodeName!="),
             page_size=page_size, watch_timeout=watch_timeout, backoff_initial=0.5,
             backoff_max=30.0, streaming_relist=streaming_relist),
-            self, clock, answered=answered, metrics=metrics.API_WATCH)
+            self, clock, answered=answered, metrics=sourcemetrics.API_WATCH)
 
     async def run(self) -> None:
         await self.reflector.run()

@@ -1,5 +1,5 @@
 """The pod half of the agent, for every node of the process: the pod sources, the sync
-loops (nodeagent.syncloop) and the runtime they drive. Built by the agent's composition
+loops (nodeagent.pods.loops) and the runtime they drive. Built by the agent's composition
 root (nodeagent.agent), which also hands the node status what is read here: the
 runtime's version, its image list, and readiness.
 
@@ -18,9 +18,9 @@ from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
 from nodeagent.api.clock import Clock
+from nodeagent.pods.loops import NodeLoops
 from nodeagent.runtime import ContainerRuntimeError, ContainerState, PodRuntimeStatus, Runtime
-from nodeagent.runtime.logs import LogRotation
-from nodeagent.syncloop import NodeLoops
+from nodeagent.runtime.logrotation import LogRotation
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ class Pods:
     def health(self) -> str | None:
         return self.loops.health()
 
-    # -- what the kubelet API reads (nodeagent.server.app.PodHost) --
+    # -- what the kubelet API reads (nodeagent.server.podhost.PodHost) --
     def find_pod(self, namespace: str, name: str) -> tuple[str, dict[str, Any]] | None:
         for loop in self.loops.loops.values():
             for pod in loop.pods.values():

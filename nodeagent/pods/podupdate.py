@@ -9,7 +9,7 @@ Identity:
 - A pod is identified by `metadata.uid` (the merge keys every source by UID).
 - API pods carry the API server's UID.
 - Static pods (from the manifest folder or URL) get a deterministic UID derived from
-  source + normalized content + node name (see nodeagent.sources.static). Editing a
+  source + normalized content + node name (see nodeagent.pods.sources.static). Editing a
   static manifest therefore changes its UID: the sync loop sees REMOVE(old) then
   ADD(new), in that order, like the kubelet (the static pod restarts).
 - Mirror pods (the API server's copy of a static pod, annotated
@@ -143,7 +143,7 @@ class SourcesReady:
         await self._event.wait()
 
 
-# The merge (nodeagent.sources.merge.Merge) is what the sync loop consumes:
+# The merge (nodeagent.pods.sources.merge.Merge) is what the sync loop consumes:
 #   merge.updates: asyncio.Queue[PodUpdate]  -- every change, in order
 #   merge.ready: SourcesReady                -- see above
 #   merge.pods() -> list[Pod]                -- the current merged set (non-mirror)

@@ -21,12 +21,12 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from nodeagent.actions import FAILURE, ActionError, Actions, Target, handler_kind
 from nodeagent.api.clock import Clock, clock_timeout
 from nodeagent.events import NORMAL, WARNING, Events
+from nodeagent.pods.handlers import FAILURE, ActionError, Actions, Target, handler_kind
+from nodeagent.pods.podupdate import Pod
 from nodeagent.runtime.base import Container, ContainerRuntimeError, Mount
-from nodeagent.server.logs import BLOCK, Formatter, LogOptions, tail_offset
-from nodeagent.sources.types import Pod
+from nodeagent.runtime.logfile import BLOCK, Formatter, LogOptions, tail_offset
 
 log = logging.getLogger(__name__)
 

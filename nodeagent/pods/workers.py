@@ -26,9 +26,9 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 from nodeagent.api.clock import Clock
 from nodeagent.api.kube import describe
 from nodeagent.metrics import per_registry
-from nodeagent.pleg import CacheEntry, PodCache
-from nodeagent.sources.types import Pod, pod_full_name
-from nodeagent.syncer import PodSyncer, grace_of
+from nodeagent.pods.pleg import CacheEntry, PodCache
+from nodeagent.pods.podupdate import Pod, pod_full_name
+from nodeagent.pods.syncer import PodSyncer, grace_of
 
 log = logging.getLogger(__name__)
 

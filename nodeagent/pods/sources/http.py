@@ -31,19 +31,19 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from nodeagent.api.clock import Clock
-from nodeagent.sources import metrics
-from nodeagent.sources.merge import Merge
-from nodeagent.sources.problems import Problems
-from nodeagent.sources.static import (
+from nodeagent.pods.podupdate import Pod, Source, pod_uid
+from nodeagent.pods.sources import sourcemetrics
+from nodeagent.pods.sources.merge import Merge
+from nodeagent.pods.sources.problems import Problems
+from nodeagent.pods.sources.static import (
     ManifestError,
     check_host_access,
     make_static_pod,
     parse_pod_list,
     static_uid,
 )
-from nodeagent.sources.types import Pod, Source, pod_uid
 
-log = logging.getLogger("nodeagent.sources")
+log = logging.getLogger("nodeagent.pods.sources")
 
 MAX_BODY_BYTES = 16 << 20
 
@@ -93,7 +93,7 @@ class HTTPSource:
         """One poll; returns the result (not_modified, unchanged, changed, error)."""
         self.polls += 1
         result = await self._poll()
-        metrics.HTTP_POLLS.labels(result).inc()
+        sourcemetrics.HTTP_POLLS.labels(result).inc()
         return result
 
     async def _poll(self) -> str:

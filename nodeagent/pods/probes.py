@@ -30,15 +30,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from nodeagent.actions import FAILURE, SUCCESS, WARNING, ActionError, Actions, Target
 from nodeagent.api.clock import Clock
 from nodeagent.api.kube import describe
 from nodeagent.events import WARNING as EVENT_WARNING
 from nodeagent.events import Events
-from nodeagent.pleg import PodCache
-from nodeagent.podstatus import Probed, is_sidecar
+from nodeagent.pods.handlers import FAILURE, SUCCESS, WARNING, ActionError, Actions, Target
+from nodeagent.pods.pleg import PodCache
+from nodeagent.pods.podstatus import Probed, is_sidecar
+from nodeagent.pods.podupdate import Pod
 from nodeagent.runtime.base import Container, ContainerState, PodRuntimeStatus
-from nodeagent.sources.types import Pod
 
 log = logging.getLogger(__name__)
 

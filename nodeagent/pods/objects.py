@@ -9,7 +9,7 @@ of the process that references it: started when the first pod needs it (`track`)
 stopped when the last one goes (`release`). A change that alters an object's content
 makes the pods that reference it sync again (`on_change`): their volumes are rewritten.
 
-Services. The service environment variables (nodeagent.env) need every Service of a
+Services. The service environment variables (nodeagent.pods.env) need every Service of a
 pod's namespace and `kubernetes` of `default`; nodes may list and watch all Services,
 so one cluster-wide watch serves every pod. It starts when a container first needs it,
 and keeps only what the variables are made of.

@@ -35,7 +35,7 @@ from prometheus_client import Counter
 from nodeagent.api.client import status_of
 from nodeagent.api.clock import Clock
 
-log = logging.getLogger("nodeoperator.events")
+log = logging.getLogger("nodeoperator.nodeevents")
 
 COMPONENT = "nodepulse-operator"
 NAMESPACE = "default"  # where Events about cluster-scoped objects go

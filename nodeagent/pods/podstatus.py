@@ -26,8 +26,8 @@ from nodeagent.api.client import brief, is_retriable, status_of
 from nodeagent.api.clock import Clock
 from nodeagent.api.kube import PODS, Kube, describe
 from nodeagent.metrics import per_registry
+from nodeagent.pods.podupdate import Pod, is_static
 from nodeagent.runtime.base import Container, ContainerState, PodRuntimeStatus, SandboxState
-from nodeagent.sources.types import Pod, is_static
 
 log = logging.getLogger(__name__)
 

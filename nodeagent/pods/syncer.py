@@ -20,13 +20,13 @@ from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from nodeagent import podspec
-from nodeagent.actions import Actions, Target
-from nodeagent.admission import AdmissionSettings, Rejection, admit
 from nodeagent.api.client import brief
 from nodeagent.api.clock import Clock, clock_timeout
 from nodeagent.api.kube import RUNTIME_CLASSES, describe
-from nodeagent.dns import (
+from nodeagent.events import NORMAL, WARNING, Events
+from nodeagent.pods import podspec
+from nodeagent.pods.admission import AdmissionSettings, Rejection, admit
+from nodeagent.pods.dns import (
     DnsSettings,
     PodDnsError,
     hostname_and_domain,
@@ -34,10 +34,9 @@ from nodeagent.dns import (
     kernel_hostname,
     pod_dns,
 )
-from nodeagent.env import EnvResolver, env_refs, expand_command
-from nodeagent.events import NORMAL, WARNING, Events
-from nodeagent.images import ImageManager
-from nodeagent.lifecycle import (
+from nodeagent.pods.env import EnvResolver, env_refs, expand_command
+from nodeagent.pods.handlers import Actions, Target
+from nodeagent.pods.hooks import (
     DEADLINE_MESSAGE,
     DEADLINE_REASON,
     Hooks,
@@ -45,10 +44,13 @@ from nodeagent.lifecycle import (
     termination_message,
     termination_mount,
 )
-from nodeagent.objects import ObjectCache
-from nodeagent.pleg import CacheEntry, PodCache
-from nodeagent.podstatus import StatusManager, Waiting, compute_pod_status, is_sidecar
-from nodeagent.probes import Kind, ProbeManager
+from nodeagent.pods.images import ImageManager
+from nodeagent.pods.objects import ObjectCache
+from nodeagent.pods.pleg import CacheEntry, PodCache
+from nodeagent.pods.podstatus import StatusManager, Waiting, compute_pod_status, is_sidecar
+from nodeagent.pods.podupdate import Pod
+from nodeagent.pods.probes import Kind, ProbeManager
+from nodeagent.pods.volumes import MountFailed, PodVolumes, VolumeManager, VolumeRefused
 from nodeagent.runtime.base import (
     Container,
     ContainerConfig,
@@ -64,8 +66,6 @@ from nodeagent.runtime.base import (
     container_spec_hash,
     start_call,
 )
-from nodeagent.sources.types import Pod
-from nodeagent.volumes import MountFailed, PodVolumes, VolumeManager, VolumeRefused
 
 log = logging.getLogger(__name__)
 

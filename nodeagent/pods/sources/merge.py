@@ -18,9 +18,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable
 
-from nodeagent.sources import metrics
-from nodeagent.sources.problems import Problems
-from nodeagent.sources.types import (
+from nodeagent.pods.podupdate import (
     ANN_CONFIG_MIRROR,
     ANN_CONFIG_SEEN,
     SOURCE_PRECEDENCE,
@@ -33,6 +31,8 @@ from nodeagent.sources.types import (
     pod_full_name,
     pod_uid,
 )
+from nodeagent.pods.sources import sourcemetrics
+from nodeagent.pods.sources.problems import Problems
 
 # Order in which one change's updates are emitted: a replaced pod is removed before
 # its successor (same name, new UID) is added.
@@ -169,7 +169,7 @@ class Merge:
         ann = mirror.get("metadata", {}).get("annotations") or {}
         if ann.get(ANN_CONFIG_MIRROR) != pod_uid(static):  # a static pod's uid is its hash
             return
-        metrics.UPDATES.labels(Op.RECONCILE.value, source.value).inc()
+        sourcemetrics.UPDATES.labels(Op.RECONCILE.value, source.value).inc()
         self.updates.put_nowait(PodUpdate(Op.RECONCILE,
                                           ({**static, "status": mirror.get("status") or {}},),
                                           source))
@@ -187,7 +187,7 @@ class Merge:
                 state.pop(name, None)
             else:
                 state[name] = pod
-        metrics.PODS.labels(source.value).set(len(state))
+        sourcemetrics.PODS.labels(source.value).set(len(state))
         out: dict[Op, dict[Source, list[Pod]]] = {op: {} for op in _EMIT_ORDER}
         static_changed = False
         for name in changes:
@@ -214,7 +214,7 @@ class Merge:
                     out[op].setdefault(after[0], []).append(after[1])
         for op in _EMIT_ORDER:
             for src, pods in out[op].items():
-                metrics.UPDATES.labels(op.value, src.value).inc(len(pods))
+                sourcemetrics.UPDATES.labels(op.value, src.value).inc(len(pods))
                 self.updates.put_nowait(PodUpdate(op, tuple(pods), src))
         if static_changed:
             self._notify()
@@ -228,7 +228,7 @@ class Merge:
             key = (name, loser, pod_uid(pod))
             if key not in self._conflicts:
                 self._conflicts.add(key)
-                metrics.NAME_CONFLICTS.labels(winner[0].value, loser.value).inc()
+                sourcemetrics.NAME_CONFLICTS.labels(winner[0].value, loser.value).inc()
                 self.problems.report(
                     loser, "NameConflict",
                     f"pod {name} from the {loser.value} source is not run: the "

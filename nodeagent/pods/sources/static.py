@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from nodeagent.sources.types import (
+from nodeagent.pods.podupdate import (
     ANN_CONFIG_HASH,
     ANN_CONFIG_MIRROR,
     ANN_CONFIG_SEEN,

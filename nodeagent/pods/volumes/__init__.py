@@ -2,14 +2,14 @@
 the kubelet's atomic `..data` layout for API data (atomic.py), service account tokens
 from the TokenRequest API (tokens.py) and tmpfs for memory-backed emptyDirs (mount.py)."""
 
-from nodeagent.volumes.manager import (
+from nodeagent.pods.volumes.manager import (
     MountFailed,
     PodVolumes,
     VolumeManager,
     VolumeRefused,
 )
-from nodeagent.volumes.mount import HostMounter, Mounter
-from nodeagent.volumes.tokens import TokenManager
+from nodeagent.pods.volumes.mount import HostMounter, Mounter
+from nodeagent.pods.volumes.tokens import TokenManager
 
 __all__ = ["HostMounter", "MountFailed", "Mounter", "PodVolumes", "TokenManager",
            "VolumeManager", "VolumeRefused"]

@@ -2,7 +2,7 @@
 
 What decides a change is the content: each file's raw bytes are digested, and only when
 they differ is the file parsed; the parsed pod's UID is the hash of its normalized
-content (nodeagent.sources.static), so a touch, an identical rewrite, reformatting, or a
+content (nodeagent.pods.sources.static), so a touch, an identical rewrite, reformatting, or a
 rename that ends with the same content gives the same pod object and the merge emits
 nothing.
 
@@ -16,7 +16,7 @@ Ignored names: hidden files (leading "."), editor leftovers (`~`, `.swp`, `.swx`
 starting with ".." (a ConfigMap mount's `..data` swap) trigger a full rescan, since the
 visible names are symlinks through them.
 
-Bad files are reported (nodeagent.sources.problems) once per distinct content or error,
+Bad files are reported (nodeagent.pods.sources.problems) once per distinct content or error,
 and never take a running pod away: the last good version of that file's pod stays
 until the file is fixed or deleted. Bad includes: malformed, not a Pod, over
 `max_bytes` (1 MiB; refused from its size before it is read), not a regular file (a
@@ -56,10 +56,11 @@ import inotify_simple as ino
 from prometheus_client import Counter
 
 from nodeagent.api.clock import Clock
-from nodeagent.sources import metrics
-from nodeagent.sources.merge import Merge
-from nodeagent.sources.problems import Problems
-from nodeagent.sources.static import (
+from nodeagent.pods.podupdate import Pod, Source, pod_full_name, pod_uid
+from nodeagent.pods.sources import sourcemetrics
+from nodeagent.pods.sources.merge import Merge
+from nodeagent.pods.sources.problems import Problems
+from nodeagent.pods.sources.static import (
     MAX_MANIFEST_BYTES,
     ManifestError,
     check_host_access,
@@ -67,9 +68,8 @@ from nodeagent.sources.static import (
     parse_manifest,
     static_uid,
 )
-from nodeagent.sources.types import Pod, Source, pod_full_name, pod_uid
 
-log = logging.getLogger("nodeagent.sources")
+log = logging.getLogger("nodeagent.pods.sources")
 
 _IGNORED_SUFFIXES = ("~", ".swp", ".swo", ".swx", ".swpx", ".tmp", ".bak", ".part",
                      ".orig", ".rej", ".dpkg-new", ".dpkg-old", ".dpkg-dist")
@@ -158,7 +158,7 @@ class FileSource:
                 elif full:
                     self._scan_all("inotify")
                 else:
-                    metrics.FILE_SCANS.labels("inotify" if names else "hold").inc()
+                    sourcemetrics.FILE_SCANS.labels("inotify" if names else "hold").inc()
                     if self._folder_secure():
                         for name in sorted(names | set(due)):
                             self._load(name)
@@ -214,7 +214,7 @@ class FileSource:
             events = self._inotify.read(timeout=0)
         except BlockingIOError:
             return
-        metrics.FILE_INOTIFY.inc(len(events))
+        sourcemetrics.FILE_INOTIFY.inc(len(events))
         for ev in events:
             if ev.mask & (ino.flags.Q_OVERFLOW | ino.flags.DELETE_SELF | ino.flags.MOVE_SELF
                           | ino.flags.IGNORED):
@@ -241,7 +241,7 @@ class FileSource:
     # -- scanning -----------------------------------------------------------------------
 
     def _scan_all(self, trigger: str) -> None:
-        metrics.FILE_SCANS.labels(trigger).inc()
+        sourcemetrics.FILE_SCANS.labels(trigger).inc()
         try:
             names = {e.name for e in os.scandir(self.path) if not ignored(e.name)}
         except OSError as e:

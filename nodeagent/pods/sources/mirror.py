@@ -33,11 +33,7 @@ from nodeagent.api.answered import ApiAnswered
 from nodeagent.api.client import ApiError, brief, is_retriable
 from nodeagent.api.clock import Clock
 from nodeagent.api.kube import PODS, Kube, describe
-from nodeagent.sources import metrics
-from nodeagent.sources.merge import Merge
-from nodeagent.sources.problems import Problems
-from nodeagent.sources.static import mirror_pod, mirror_problem
-from nodeagent.sources.types import (
+from nodeagent.pods.podupdate import (
     ANN_CONFIG_HASH,
     ANN_CONFIG_MIRROR,
     ANN_CONFIG_SOURCE,
@@ -46,8 +42,12 @@ from nodeagent.sources.types import (
     pod_node_name,
     pod_uid,
 )
+from nodeagent.pods.sources import sourcemetrics
+from nodeagent.pods.sources.merge import Merge
+from nodeagent.pods.sources.problems import Problems
+from nodeagent.pods.sources.static import mirror_pod, mirror_problem
 
-log = logging.getLogger("nodeagent.sources")
+log = logging.getLogger("nodeagent.pods.sources")
 
 
 def _ann(pod: Pod, key: str) -> str | None:
@@ -167,7 +167,7 @@ class MirrorManager:
         try:
             await self.kube.create(PODS, mirror_pod(static, uid), timeout=30.0, parse=False)
         except ApiError as e:
-            metrics.MIRROR_WRITES.labels("create", "error").inc()
+            sourcemetrics.MIRROR_WRITES.labels("create", "error").inc()
             if e.status == 409:
                 return True  # already there: the watch will show what it is
             # 404: the Node or the namespace is missing; 403 "UID mismatch": the Node was
@@ -179,10 +179,10 @@ class MirrorManager:
             log.info("mirror pods: %s", message)
             return False
         except Exception as e:
-            metrics.MIRROR_WRITES.labels("create", "error").inc()
+            sourcemetrics.MIRROR_WRITES.labels("create", "error").inc()
             log.info("mirror pods: creating %s: %s", name, e)
             return False
-        metrics.MIRROR_WRITES.labels("create", "ok").inc()
+        sourcemetrics.MIRROR_WRITES.labels("create", "ok").inc()
         self.creates += 1
         self._created[name] = _ann(static, ANN_CONFIG_HASH) or ""
         self._refused.pop(name, None)
@@ -200,14 +200,14 @@ class MirrorManager:
             if e.status in (404, 409):  # gone already, or another incarnation
                 self._deleted[name] = meta["uid"]
                 return True
-            metrics.MIRROR_WRITES.labels("delete", "error").inc()
+            sourcemetrics.MIRROR_WRITES.labels("delete", "error").inc()
             log.info("mirror pods: deleting %s (%s): %s", name, why, brief(e))
             return False
         except Exception as e:
-            metrics.MIRROR_WRITES.labels("delete", "error").inc()
+            sourcemetrics.MIRROR_WRITES.labels("delete", "error").inc()
             log.info("mirror pods: deleting %s (%s): %s", name, why, e)
             return False
-        metrics.MIRROR_WRITES.labels("delete", "ok").inc()
+        sourcemetrics.MIRROR_WRITES.labels("delete", "ok").inc()
         log.info("mirror pods: deleted %s (%s)", name, why)
         self.deletes += 1
         self._deleted[name] = meta["uid"]

@@ -47,7 +47,8 @@ from nodeagent.api.clock import Clock, clock_timeout
 from nodeagent.api.kube import SECRETS, SERVICE_ACCOUNTS, Kube, describe
 from nodeagent.events import NORMAL, WARNING, Events
 from nodeagent.metrics import per_registry
-from nodeagent.podstatus import Waiting
+from nodeagent.pods.podstatus import Waiting
+from nodeagent.pods.podupdate import Pod
 from nodeagent.runtime.base import (
     ContainerRuntimeError,
     ImageInfo,
@@ -55,7 +56,6 @@ from nodeagent.runtime.base import (
     Runtime,
     start_call,
 )
-from nodeagent.sources.types import Pod
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The kubelet API on --address:--port over TLS (aiohttp): what the API server calls
 for `kubectl logs`, `exec`, `attach`, `port-forward` and what metrics-server scrapes.
 
-    /containerLogs/{ns}/{pod}/{container}   logs (logs.py)
+    /containerLogs/{ns}/{pod}/{container}   logs (containerlogs.py)
     /exec|/attach/{ns}/{pod}[/{uid}]/{container}, /portForward/{ns}/{pod}[/{uid}]
                                             proxied to the runtime (streaming.py)
     /pods                                   the pods bound here (a PodList)
@@ -20,7 +20,6 @@ import contextlib
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
@@ -33,34 +32,18 @@ from nodeagent.runtime.base import (
     ContainerState,
     NotFound,
     PodRuntimeStatus,
-    Runtime,
     SandboxState,
     StreamRequest,
     Unsupported,
 )
-from nodeagent.server import logs, stats, streaming
+from nodeagent.server import containerlogs, stats, streaming
 from nodeagent.server.auth import AuthorizationError, Forbidden, KubeletAuth, Unauthorized
+from nodeagent.server.podhost import Pod, PodHost
 from nodeagent.server.tls import ServingCert
 
 log = logging.getLogger(__name__)
 
-Pod = dict[str, Any]
 HealthCheck = Callable[[], str | None]
-
-
-class PodHost(Protocol):
-    """What the server reads of the pods bound here (nodeagent.pods.Pods)."""
-
-    @property
-    def runtime(self) -> Runtime: ...
-
-    def find_pod(self, namespace: str, name: str) -> tuple[str, Pod] | None:
-        """(node, pod) of a pod bound to one of this process's nodes."""
-
-    def all_pods(self) -> list[Pod]: ...
-
-    def runtime_pod(self, uid: str) -> PodRuntimeStatus:
-        """The pod's containers and sandboxes as the last relist saw them."""
 
 
 @dataclass
@@ -142,7 +125,7 @@ class KubeletServer:
         self.address = address
         self.port = port
         self.health_checks = dict(health_checks or {})
-        self.watch = logs.FileWatch()
+        self.watch = containerlogs.FileWatch()
         self.metrics = server_metrics(registry)
         self.stats = stats.StatsProvider(host, self.runtime, clock, node_reader)
         self._runner: web.AppRunner | None = None
@@ -210,7 +193,7 @@ class KubeletServer:
         except AuthorizationError as e:
             code = 500
             return web.Response(status=500, text=f"{e}\n")
-        except (RequestError, logs.LogRequestError) as e:
+        except (RequestError, containerlogs.LogRequestError) as e:
             code = e.status
             return web.Response(status=e.status, text=f"{e}\n")
         except Unsupported as e:
@@ -279,14 +262,14 @@ class KubeletServer:
     # -- logs --
     async def _logs(self, request: web.Request, parts: list[str],
                     found: tuple[str, Pod] | None) -> web.StreamResponse:
-        opts = logs.parse_options(request.query, self.clock.now())
+        opts = containerlogs.parse_options(request.query, self.clock.now())
         pod = self._pod(parts, found)
         uid = pod["metadata"]["uid"]
         c = pick_container(pod, self.host.runtime_pod(uid), parts[3], opts.previous)
         if not c.log_path:
             raise RequestError(400, f"container {parts[3]!r} in pod {parts[2]!r}: the "
                                     f"{self.runtime.scheme} runtime keeps no log file for it")
-        logs.check_format(self.runtime.log_format, opts, self.runtime.scheme)
+        containerlogs.check_format(self.runtime.log_format, opts, self.runtime.scheme)
 
         def running() -> bool:
             now = self.host.runtime_pod(uid)
@@ -306,7 +289,7 @@ class KubeletServer:
         gauge = self.metrics.streams.labels(endpoint="containerLogs")
         gauge.inc()
         try:
-            await logs.stream_log(c.log_path, self.runtime.log_format, opts, write,
+            await containerlogs.stream_log(c.log_path, self.runtime.log_format, opts, write,
                                   running=running if opts.follow else None,
                                   watch=self.watch)
         finally:

@@ -28,23 +28,23 @@ from dataclasses import dataclass, field
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter
 
-from nodeagent.actions import Actions
 from nodeagent.api.answered import ApiAnswered
 from nodeagent.api.clock import Clock
 from nodeagent.api.kube import Kube, describe
-from nodeagent.env import EnvResolver
 from nodeagent.events import Events
-from nodeagent.images import ImageManager
 from nodeagent.metrics import per_registry
-from nodeagent.objects import ObjectCache
-from nodeagent.pleg import EventType, Pleg, PodCache, PodLifecycleEvent
-from nodeagent.podstatus import StatusManager
-from nodeagent.probes import ProbeManager
+from nodeagent.pods.env import EnvResolver
+from nodeagent.pods.handlers import Actions
+from nodeagent.pods.images import ImageManager
+from nodeagent.pods.objects import ObjectCache
+from nodeagent.pods.pleg import EventType, Pleg, PodCache, PodLifecycleEvent
+from nodeagent.pods.podstatus import StatusManager
+from nodeagent.pods.podupdate import Op, Pod, PodUpdate, SourcesReady, pod_node_name
+from nodeagent.pods.probes import ProbeManager
+from nodeagent.pods.syncer import CrashBackoff, NodePodSettings, PodSyncer
+from nodeagent.pods.volumes import VolumeManager
+from nodeagent.pods.workers import DueTimes, PodWorkers, UpdateKind
 from nodeagent.runtime.base import LABEL_POD_NAME, LABEL_POD_NAMESPACE, RelistResult, Runtime
-from nodeagent.sources.types import Op, Pod, PodUpdate, SourcesReady, pod_node_name
-from nodeagent.syncer import CrashBackoff, NodePodSettings, PodSyncer
-from nodeagent.volumes import VolumeManager
-from nodeagent.workers import DueTimes, PodWorkers, UpdateKind
 
 log = logging.getLogger(__name__)
 
