@@ -788,7 +788,7 @@ class InProcessAgent:
             self._ready.set()
 
     async def _serve(self) -> None:
-        from nodeagent.agent import Agent, Parts, host_ip, host_probe
+        from nodeagent.agent import Agent, Externals, host_ip, host_probe
         from nodeagent.api.client import load_credentials
         from nodeagent.api.clock import RealClock
         from nodeagent.api.kube import RestKube
@@ -800,7 +800,7 @@ class InProcessAgent:
             self.runtime = HangingRuntime(Path(cfg.root_dir) / "process", host_ip=hip)
             self.loop = asyncio.get_running_loop()
             self._stop = asyncio.Event()
-            agent = Agent(cfg, Parts(kube, RealClock(), runtime=self.runtime,
+            agent = Agent(cfg, Externals(kube, RealClock(), runtime=self.runtime,
                                      host_ip=hip, registry=self.registry, flags=self.flags,
                                      env={}))
             self._ready.set()

@@ -1,6 +1,6 @@
 """The agent's composition root: every part, built from the agent's settings, once.
 
-    Agent(cfg, Parts(RestKube(api), RealClock(), flags=..., env=...)).run(stop)
+    Agent(cfg, Externals(RestKube(api), RealClock(), flags=..., env=...)).run(stop)
 
 Shared, whatever the number of nodes: one API client (Kube), one ApiAnswered signal,
 one renewal scheduler with request turns of its own, one status ticker with others, one
@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import math
 import random
@@ -40,22 +41,34 @@ from nodeagent.node.nodewatch import NodeWatch
 from nodeagent.node.scheduler import Blocking, DueScheduler, inline
 from nodeagent.node.status import StatusSettings
 from nodeagent.pods.admission import AdmissionSettings
+from nodeagent.pods.backoff import CrashBackoff
+from nodeagent.pods.containers import Containers
 from nodeagent.pods.dns import DnsSettings
 from nodeagent.pods.env import EnvResolver
-from nodeagent.pods.loops import NodeLoops, NodeLoopsConfig, SyncLoopConfig
+from nodeagent.pods.handlers import Actions
+from nodeagent.pods.hooks import Hooks
+from nodeagent.pods.images import ImageManager
+from nodeagent.pods.loops import NodeLoops, NodeLoopsConfig, SyncLoop
 from nodeagent.pods.objects import ObjectCache, ServiceCache
-from nodeagent.pods.pleg import Pleg, PlegConfig
-from nodeagent.pods.podhalf import Part, Pods, PodsConfig
+from nodeagent.pods.pleg import Pleg, PlegConfig, PodCache
+from nodeagent.pods.podhalf import Pods, Runnable, running_logs
+from nodeagent.pods.podstatus import StatusManager
 from nodeagent.pods.podupdate import Source
+from nodeagent.pods.probes import ProbeManager
+from nodeagent.pods.runtimecalls import RuntimeCalls
+from nodeagent.pods.sandboxes import Sandboxes
+from nodeagent.pods.settings import NodePodSettings, PodTiming
 from nodeagent.pods.sources.api import APISource
 from nodeagent.pods.sources.file import FileSource
 from nodeagent.pods.sources.http import HTTPSource
 from nodeagent.pods.sources.merge import Merge
 from nodeagent.pods.sources.mirror import MirrorManager
 from nodeagent.pods.sources.problems import Problems
-from nodeagent.pods.syncer import NodePodSettings
+from nodeagent.pods.syncer import PodSyncer
 from nodeagent.pods.volumes import HostMounter, TokenManager, VolumeManager
+from nodeagent.pods.workers import DueTimes, PodWorkers
 from nodeagent.runtime import ContainerRuntimeError, Runtime, make_runtime, socket_path
+from nodeagent.runtime.logrotation import LogRotation
 
 if TYPE_CHECKING:
     from nodeagent.server.setup import ServerBundle
@@ -171,7 +184,7 @@ class Pools:
 
 
 @dataclasses.dataclass(frozen=True)
-class Parts:
+class Externals:
     """What the agent is built from besides its settings (tests hand in fakes)."""
 
     kube: Kube  # the API server: RestKube over a client from nodeagent.api.client
@@ -185,16 +198,59 @@ class Parts:
     host_ip: str | None = None  # None: read from the host
 
 
+@dataclasses.dataclass(frozen=True)
+class PodParts:
+    """What every node's pod loop shares: built once, handed to build_node_loop."""
+
+    runtime: Runtime
+    clock: Clock
+    kube: Kube                 # pod status writes, RuntimeClasses
+    answered: ApiAnswered      # the status writes' backoffs end when the API answers again
+    events: Events | None      # Events about pods (None: none written)
+    registry: CollectorRegistry
+    settings: NodePodSettings  # the node's name is each loop's own
+    cache: PodCache            # the PLEG's
+    images: ImageManager       # one runtime: one set of pulls
+    due_times: DueTimes        # every loop's pods' resyncs, ticked from one timer
+    env: EnvResolver
+    volumes: VolumeManager | None = None  # None: pods with volumes are refused
+    objects: ObjectCache | None = None    # the ConfigMaps and Secrets pods use
+    timing: PodTiming = PodTiming()
+
+
+def build_node_loop(node: str, shared: PodParts) -> SyncLoop:
+    """One node's pod loop: its status writes, probes, syncer (with the parts it drives)
+    and pod workers."""
+    p, t = shared, shared.timing
+    settings = dataclasses.replace(p.settings, node_name=node)
+    calls = RuntimeCalls(p.runtime, p.clock, t.call_timeout)
+    status = StatusManager(p.kube, p.clock, answered=p.answered, node=node,
+                           registry=p.registry)
+    handlers = Actions(p.runtime)
+    probes = ProbeManager(handlers, p.cache, p.clock, events=p.events, host_ip=p.settings.host_ip)
+    hooks = Hooks(handlers, p.clock, p.events)
+    backoff = CrashBackoff(p.clock, t.crash_backoff_initial, t.crash_backoff_max,
+                           t.crash_backoff_reset)
+    containers = Containers(calls, p.images, p.env, p.volumes, hooks, backoff, p.events,
+                            settings)
+    syncer = PodSyncer(calls, status, Sandboxes(calls, p.kube, p.events, settings),
+                       containers, p.volumes, p.objects, probes, p.events, settings)
+    workers = PodWorkers(syncer, p.cache, p.clock, node=node,
+                         sync_frequency=t.sync_frequency, resync_jitter=t.resync_jitter,
+                         due_times=p.due_times, registry=p.registry)
+    return SyncLoop(node, status, probes, workers, p.registry)
+
+
 class Agent:
-    def __init__(self, cfg: AgentConfig, parts: Parts) -> None:
+    def __init__(self, cfg: AgentConfig, ext: Externals) -> None:
         self.cfg = cfg
-        self.kube = kube = parts.kube
-        self.clock = clock = parts.clock
-        self.registry = parts.registry
-        self._flags = dict(parts.flags)
-        self._env = parts.env
+        self.kube = kube = ext.kube
+        self.clock = clock = ext.clock
+        self.registry = ext.registry
+        self._flags = dict(ext.flags)
+        self._env = ext.env
         self.answered = ApiAnswered(clock)
-        self.pools = parts.pools or Pools.of(cfg)
+        self.pools = ext.pools or Pools.of(cfg)
         self.probe = host_probe(cfg)
         self.shared_readings = SharedReadings(self.probe.read, clock)
         self.settings = status_settings(cfg)
@@ -203,8 +259,8 @@ class Agent:
         # a Random is 2.5 KB, which a thousand virtual nodes would each hold
         self.rng = random.Random()
         self.uids: dict[str, str] = {}  # node name -> its Node's UID, once registered
-        self.pods = self._pods(cfg, parts)
-        self.metrics = NodeMetrics(parts.registry)
+        self.pods = self._pods(cfg, ext)
+        self.metrics = NodeMetrics(ext.registry)
         # a renewal or tick may run up to TIMER_SLACK late, so one wake-up serves all
         # that are due within it: at most 20 a second for a thousand nodes, not 200
         self.renewals: DueScheduler[str] = DueScheduler(clock, self._renew, "renewals",
@@ -231,13 +287,13 @@ class Agent:
         self._config_mtime = self._mtime()
         self.kubelet_api: ServerBundle | None = None  # nodeagent.server, when cfg.port is set
 
-    def _pods(self, cfg: AgentConfig, parts: Parts) -> Pods:
+    def _pods(self, cfg: AgentConfig, ext: Externals) -> Pods:
         """The pod half: sources -> one merge -> NodeLoops (one PLEG, a SyncLoop per
-        node) -> the runtime. Virtual nodes: one API pod watch for all names (static
-        pods are refused by the config)."""
-        kube, clock, registry = parts.kube, parts.clock, parts.registry
-        hip = parts.host_ip if parts.host_ip is not None else host_ip(cfg, self.probe)
-        runtime = parts.runtime or build_runtime(cfg, hip)
+        node, each built by build_node_loop) -> the runtime. Virtual nodes: one API pod
+        watch for all names (static pods are refused by the config)."""
+        kube, clock, registry = ext.kube, ext.clock, ext.registry
+        hip = ext.host_ip if ext.host_ip is not None else host_ip(cfg, self.probe)
+        runtime = ext.runtime or build_runtime(cfg, hip)
 
         def node_uid() -> str | None:
             return self.uids.get(cfg.node_name)
@@ -247,56 +303,66 @@ class Agent:
         events = Events(kube.separate(EVENT_CONNECTIONS), cfg.node_name, clock,
                         node_uid=node_uid)
         merge = Merge(configured, Problems(events))
-        sources: list[Part] = [APISource(kube, cfg.node_names, merge, clock,
-                                         answered=self.answered)]
+        sources: list[Runnable] = [APISource(kube, cfg.node_names, merge, clock,
+                                           answered=self.answered)]
         if cfg.pod_manifest_path:
             sources.append(FileSource(cfg.pod_manifest_path, cfg.node_name, merge, clock,
-                                      check_frequency=cfg.file_check_frequency,
-                                      allow_privileged=cfg.allow_privileged))
+                                    check_frequency=cfg.file_check_frequency,
+                                    allow_privileged=cfg.allow_privileged))
         if cfg.manifest_url:
             sources.append(HTTPSource(cfg.manifest_url, cfg.node_name, merge, clock,
-                                      headers=dict(cfg.manifest_url_headers),
-                                      check_frequency=cfg.http_check_frequency,
-                                      allow_privileged=cfg.allow_privileged))
+                                    headers=dict(cfg.manifest_url_headers),
+                                    check_frequency=cfg.http_check_frequency,
+                                    allow_privileged=cfg.allow_privileged))
         if cfg.pod_manifest_path or cfg.manifest_url:
             sources.append(MirrorManager(kube, cfg.node_name, merge, clock, node_uid=node_uid,
-                                         answered=self.answered))
+                                       answered=self.answered))
+        cache = PodCache()
         pleg = Pleg(runtime, clock,
                     PlegConfig(evented_relist_period=cfg.evented_pleg_relist_period),
-                    registry=registry,
+                    registry=registry, cache=cache,
                     node=cfg.agent_id if cfg.virtual else cfg.node_name)
         root = Path(cfg.root_dir).resolve()
         workloads = not cfg.virtual and runtime.runs_workloads
-        node_pods = NodePodSettings(
+        settings = NodePodSettings(
+            host_ip=hip,
             dns=DnsSettings(cluster_dns=cfg.cluster_dns, cluster_domain=cfg.cluster_domain,
                             resolv_conf=cfg.resolv_conf),
             admission=AdmissionSettings(allowed_unsafe_sysctls=cfg.allowed_unsafe_sysctls),
+            log_root=str(root / "logs" / "pods"),
             # virtual nodes' and the fake runtime's containers run nothing that could
             # read a hosts file, a volume or resolve a name
             pods_dir=str(root / "pods") if workloads else "",
             runs_workloads=workloads,
             seccomp_root=str(root / "seccomp"))
+
         def allocatable(node: str) -> Mapping[str, Any] | None:
             controller = self.nodes.get(node)
             status = controller and (controller.computed or controller.reported)
             return status.get("allocatable") if status else None
         # ConfigMaps, Secrets and Services: watched once for every node of the process
         objects = ObjectCache(kube, clock, answered=self.answered)
-        env = EnvResolver(objects, ServiceCache(kube, clock, answered=self.answered),
-                          allocatable)
-        volumes = VolumeManager(Path(cfg.root_dir).resolve(), clock, objects=objects,
-                                tokens=TokenManager(kube, clock), mounter=HostMounter(),
-                                allocatable=allocatable)
-        loop = SyncLoopConfig(runtime=runtime, clock=clock, kube=kube, answered=self.answered,
-                              events=events, host_ip=hip, registry=registry,
-                              log_root=str(root / "logs" / "pods"), pod_settings=node_pods,
-                              volumes=volumes, env=env, objects=objects,
-                              serialize_image_pulls=cfg.serialize_image_pulls,
-                              max_parallel_image_pulls=cfg.max_parallel_image_pulls)
-        loops = NodeLoops(NodeLoopsConfig(cfg.node_names, loop), pleg, merge.updates,
-                          merge.ready)
-        return Pods(runtime, clock, loops, sources, PodsConfig(
-            log_rotation=(cfg.container_log_max_size, cfg.container_log_max_files)))
+        services = ServiceCache(kube, clock, answered=self.answered)
+        volumes = VolumeManager(root, clock, objects=objects, tokens=TokenManager(kube, clock),
+                                mounter=HostMounter(), allocatable=allocatable)
+        images = ImageManager(runtime, clock, kube=kube, events=events,
+                              serialize=cfg.serialize_image_pulls,
+                              max_parallel=cfg.max_parallel_image_pulls,
+                              present_events=workloads, registry=registry)
+        shared = PodParts(runtime=runtime, clock=clock, kube=kube, answered=self.answered,
+                          events=events, registry=registry, settings=settings, cache=cache,
+                          images=images, due_times=DueTimes(), volumes=volumes,
+                          objects=objects, env=EnvResolver(objects, services, allocatable))
+        loops = NodeLoops(NodeLoopsConfig(cfg.node_names),
+                          functools.partial(build_node_loop, shared=shared), pleg,
+                          merge.updates, merge.ready, clock, shared.due_times, volumes)
+        objects.on_change = loops.objects_changed
+        rotation = LogRotation(runtime, functools.partial(running_logs, cache), clock,
+                               max_size=cfg.container_log_max_size,
+                               max_files=cfg.container_log_max_files)
+        # every container's environment has the `kubernetes` Service: watched from the start
+        return Pods(runtime, clock, loops, sources, background=(services, rotation),
+                    shared=(images, objects, services))
 
     # -- nodes --
     def add_node(self, spec: NodeSpec,
@@ -315,11 +381,7 @@ class Agent:
 
     async def _tick(self, name: str) -> float | None:
         node = self.nodes.get(name)
-        if node is None:
-            return None
-        if node is next(iter(self.nodes.values())):
-            await self._maybe_reload()  # once per update period, not once per node
-        return await node.tick()
+        return await node.tick() if node else None
 
     # -- health --
     def healthz(self) -> str | None:
@@ -340,6 +402,13 @@ class Agent:
             return path.stat().st_mtime if path else None
         except OSError:
             return None
+
+    async def _follow_config(self) -> None:
+        """Look at the config file once per status update period; reload it when it
+        changed."""
+        while True:
+            await self.clock.sleep(self.cfg.heartbeat.statusUpdateFrequencySeconds)
+            await self._maybe_reload()
 
     async def _maybe_reload(self) -> None:
         mtime = self._mtime()
@@ -388,6 +457,8 @@ class Agent:
         tasks = [asyncio.create_task(self.renewals.run(), name="renewals"),
                  asyncio.create_task(self.ticker.run(), name="status"),
                  asyncio.create_task(self.watch.run(), name="watch")]
+        if self.cfg.config_file is not None:
+            tasks.append(asyncio.create_task(self._follow_config(), name="config-file"))
         await self.pods.start()  # the runtime's version is in the first NodeStatus
         self.settings = dataclasses.replace(self.settings,
                                             runtime_version=self.pods.runtime_version)

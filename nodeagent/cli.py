@@ -29,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def _serve(cfg: config.AgentConfig, flags: dict[str, object]) -> None:
-    from nodeagent.agent import Agent, Parts  # the heavy imports only when running
+    from nodeagent.agent import Agent, Externals  # the heavy imports only when running
     from nodeagent.api.clock import RealClock
     from nodeagent.api.kube import RestKube
     from nodeagent.collector import Collector
@@ -47,8 +47,8 @@ async def _serve(cfg: config.AgentConfig, flags: dict[str, object]) -> None:
     clock = RealClock()
     collector = asyncio.create_task(Collector(clock).run(), name="collector")
     try:
-        parts = Parts(kube, clock, flags=flags, env=os.environ)
-        await Agent(cfg, parts).run(stop)
+        ext = Externals(kube, clock, flags=flags, env=os.environ)
+        await Agent(cfg, ext).run(stop)
     finally:
         collector.cancel()
         await kube.aclose()

@@ -22,7 +22,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from nodeagent import config
-from nodeagent.agent import Agent, Parts, Pools
+from nodeagent.agent import Agent, Externals, PodParts, Pools, build_node_loop
 from nodeagent.api.answered import ApiAnswered
 from nodeagent.api.clock import FakeClock, settle
 from nodeagent.api.kube import NODES, PODS
@@ -31,13 +31,15 @@ from nodeagent.node.host import HostReadings
 from nodeagent.node.status import StatusSettings
 from nodeagent.node.thresholds import parse_thresholds
 from nodeagent.pods.env import EnvResolver
-from nodeagent.pods.loops import NodeLoops, NodeLoopsConfig, SyncLoopConfig
+from nodeagent.pods.images import ImageManager
+from nodeagent.pods.loops import NodeLoops, NodeLoopsConfig
 from nodeagent.pods.objects import ObjectCache, ServiceCache
 from nodeagent.pods.pleg import Pleg
-from nodeagent.pods.podhalf import Pods
+from nodeagent.pods.podhalf import Closable, Pods, Runnable
 from nodeagent.pods.podupdate import Op, Pod, PodUpdate, Source, SourcesReady
-from nodeagent.pods.syncer import NodePodSettings
+from nodeagent.pods.settings import NodePodSettings
 from nodeagent.pods.volumes import TokenManager, VolumeManager
+from nodeagent.pods.workers import DueTimes
 from nodeagent.runtime.fake import FakeRuntime
 from tests.fakekube import FakeKube
 
@@ -225,15 +227,17 @@ def token_answers(kube: FakeKube, clock: FakeClock) -> list[dict[str, Any]]:
 
 
 class LoopRig:
-    """The sync loops of the given nodes on a fake runtime and FakeClock, fed as the
-    merge feeds them; the in-memory API holds the pods sent (status is written there)."""
+    """The sync loops of the given nodes on a fake runtime and FakeClock, built as the
+    composition root builds them (nodeagent.agent.build_node_loop) and fed as the merge
+    feeds them; the in-memory API holds the pods sent (status is written there)."""
 
     def __init__(self, rt: FakeRuntime, clock: FakeClock, ready: bool = True,
                  nodes: Sequence[str] = ("n1",),
                  pod_settings: NodePodSettings | None = None,
-                 volumes: Path | None = None) -> None:
+                 volumes: Path | None = None, first_loop: bool = True) -> None:
         """`volumes`: the agent's root dir, to run with volumes, ConfigMaps, Secrets,
-        Services and tokens from the in-memory API (a FakeMounter for tmpfs)."""
+        Services and tokens from the in-memory API (a FakeMounter for tmpfs);
+        `first_loop`: make the first node's loop now (else: when it first has a pod)."""
         self.rt = rt
         self.clock = clock
         self.updates: asyncio.Queue[PodUpdate] = asyncio.Queue()
@@ -243,15 +247,13 @@ class LoopRig:
         self.kube = FakeKube(now=clock.monotonic)
         self.registry = CollectorRegistry()
         self.events = Events(self.kube, nodes[0], clock, node_uid=lambda: "node-uid")
-        config = SyncLoopConfig(runtime=rt, clock=clock, kube=self.kube,
-                                answered=ApiAnswered(clock), host_ip="192.0.2.10",
-                                registry=self.registry, events=self.events,
-                                pod_settings=pod_settings or NodePodSettings())
+        settings = dataclasses.replace(pod_settings or NodePodSettings(), host_ip="192.0.2.10")
         self.mounter = FakeMounter()
         self.allocatable = {"cpu": "4", "memory": "8Gi", "ephemeral-storage": "100Gi",
                             "pods": "110"}
         self.objects: ObjectCache | None = None
         self.volumes: VolumeManager | None = None
+        env = EnvResolver()
         if volumes is not None:
             self.objects = ObjectCache(self.kube, clock)
             self.tokens = TokenManager(self.kube, clock)
@@ -260,14 +262,33 @@ class LoopRig:
                                          allocatable=lambda node: self.allocatable)
             env = EnvResolver(self.objects, ServiceCache(self.kube, clock),
                               lambda node: self.allocatable)
-            config = dataclasses.replace(config, volumes=self.volumes, env=env,
-                                         objects=self.objects)
         label = nodes[0] if len(nodes) == 1 else "vn"
-        self.loops = NodeLoops(NodeLoopsConfig(tuple(nodes), config),
-                               Pleg(rt, clock, node=label, registry=self.registry),
-                               self.updates, self.ready)
-        self.loop = self.loops.loop(nodes[0])  # the first node's own
-        self.pods = Pods(rt, clock, self.loops)  # with the runtime's readings, no sources
+        pleg = Pleg(rt, clock, node=label, registry=self.registry)
+        self.images = ImageManager(rt, clock, kube=self.kube, events=self.events,
+                                   present_events=settings.runs_workloads,
+                                   registry=self.registry)
+        self.parts = PodParts(runtime=rt, clock=clock, kube=self.kube,
+                              answered=ApiAnswered(clock), events=self.events,
+                              registry=self.registry, settings=settings, cache=pleg.cache,
+                              images=self.images, due_times=DueTimes(), env=env,
+                              volumes=self.volumes, objects=self.objects)
+        self.loops = NodeLoops(NodeLoopsConfig(tuple(nodes)),
+                               functools.partial(build_node_loop, shared=self.parts), pleg,
+                               self.updates, self.ready, clock, self.parts.due_times,
+                               self.volumes)
+        if self.objects is not None:
+            self.objects.on_change = self.loops.objects_changed
+        if first_loop:
+            self.loop = self.loops.loop(nodes[0])  # the first node's own
+        shared: list[Closable] = [self.images]
+        if self.objects is not None:
+            shared.append(self.objects)
+        background: list[Runnable] = []
+        if env.services is not None:
+            shared.append(env.services)
+            background.append(env.services)
+        # with the runtime's readings, no sources
+        self.pods = Pods(rt, clock, self.loops, background=background, shared=shared)
 
     def warnings(self) -> list[dict[str, Any]]:
         """The Warning Events written so far."""
@@ -307,9 +328,9 @@ class LoopRig:
 
 
 async def started(clock: FakeClock, rt: FakeRuntime | None = None,
-                  pods_dir: str = "") -> LoopRig:
+                  pods_dir: str = "", log_root: str = "") -> LoopRig:
     a = LoopRig(rt or FakeRuntime(clock), clock,
-                pod_settings=NodePodSettings(pods_dir=pods_dir))
+                pod_settings=NodePodSettings(pods_dir=pods_dir, log_root=log_root))
     a.loops.start()
     await settle()
     return a
@@ -331,7 +352,7 @@ class AgentRig:
         self.kube = FakeKube(now=self.clock.monotonic)
         self.rt = FakeRuntime(self.clock, images=images, image_size=image_size)
         inline = InlineExecutor()
-        self.agent = Agent(self.cfg, Parts(self.kube, self.clock, runtime=self.rt,
+        self.agent = Agent(self.cfg, Externals(self.kube, self.clock, runtime=self.rt,
                                            pools=Pools(inline), host_ip="192.0.2.10",
                                            registry=CollectorRegistry(), flags=self.flags,
                                            env={}))

@@ -14,7 +14,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from nodeagent import config
-from nodeagent.agent import Agent, Parts, build_runtime, host_ip
+from nodeagent.agent import Agent, Externals, build_runtime, host_ip
 from nodeagent.api.clock import FakeClock, settle
 from nodeagent.api.kube import PODS
 from nodeagent.pods.sources.file import FileSource
@@ -139,7 +139,7 @@ def test_allow_privileged_reaches_the_static_sources(tmp_path: Path, allow: bool
                        "--manifest-url", "http://127.0.0.1:1/p.yaml",
                        *(["--allow-privileged"] if allow else []))
     clock = FakeClock()
-    agent = Agent(cfg, Parts(FakeKube(), clock, runtime=FakeRuntime(clock),
+    agent = Agent(cfg, Externals(FakeKube(), clock, runtime=FakeRuntime(clock),
                              registry=CollectorRegistry()))
     static = [p for p in agent.pods.sources if isinstance(p, FileSource | HTTPSource)]
     assert len(static) == 2 and all(p.allow_privileged is allow for p in static)

@@ -120,8 +120,7 @@ async def test_termination_message_from_the_file(tmp_path: Path) -> None:
 async def test_termination_message_falls_back_to_the_log_on_error(tmp_path: Path) -> None:
     clock = FakeClock()
     logs = tmp_path / "logs"
-    a = await started(clock, pods_dir=str(tmp_path / "pods"))
-    a.loop.syncer.log_root = str(logs)
+    a = await started(clock, pods_dir=str(tmp_path / "pods"), log_root=str(logs))
     spec = {"terminationMessagePath": "/dev/termination-log",
             "terminationMessagePolicy": "FallbackToLogsOnError"}
     a.send(Op.ADD, mkpod("bad", "u1", policy="Never", containers=[box(**spec)]),

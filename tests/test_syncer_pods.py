@@ -11,7 +11,7 @@ from nodeagent.api.kube import RUNTIME_CLASSES
 from nodeagent.pods.admission import AdmissionSettings
 from nodeagent.pods.dns import DnsSettings
 from nodeagent.pods.podupdate import Op
-from nodeagent.pods.syncer import NodePodSettings
+from nodeagent.pods.settings import NodePodSettings
 from nodeagent.runtime.fake import FakeRuntime
 from tests.conftest import LoopRig, aio, mkpod, settle
 

@@ -3,17 +3,11 @@ restart with back-off, finish, get deleted; orphans are removed; a new agent ado
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
-from prometheus_client import CollectorRegistry
-
-from nodeagent.api.answered import ApiAnswered
 from nodeagent.api.clock import FakeClock, settle
-from nodeagent.pods.loops import NodeLoops, NodeLoopsConfig, SyncLoopConfig
-from nodeagent.pods.pleg import Pleg
-from nodeagent.pods.podupdate import Op, PodUpdate, Source, SourcesReady
-from nodeagent.pods.syncer import NodePodSettings
+from nodeagent.pods.podupdate import Op, PodUpdate, Source
+from nodeagent.pods.settings import NodePodSettings
 from nodeagent.runtime import (
     ContainerRuntimeError,
     ContainerState,
@@ -23,7 +17,6 @@ from nodeagent.runtime import (
 )
 from nodeagent.runtime.fake import FakeRuntime
 from tests.conftest import LoopRig, aio, mkpod, pod_deletes, started
-from tests.fakekube import FakeKube
 
 
 @aio
@@ -411,11 +404,7 @@ async def test_unrunnable_spec_is_reported_not_crashed_on() -> None:
 async def test_updates_are_split_by_node_in_order() -> None:
     clock = FakeClock()
     rt = FakeRuntime(clock)
-    config = SyncLoopConfig(runtime=rt, clock=clock, kube=FakeKube(), answered=ApiAnswered(clock),
-                            registry=CollectorRegistry())
-    loops = NodeLoops(NodeLoopsConfig(("n1", "n2"), config),
-                      Pleg(rt, clock, registry=CollectorRegistry()), asyncio.Queue(),
-                      SourcesReady({Source.API}))
+    loops = LoopRig(rt, clock, ready=False, nodes=("n1", "n2"), first_loop=False).loops
     p1, p2, p3 = mkpod("a", "ua"), mkpod("b", "ub"), mkpod("c", "uc")
     p2["spec"]["nodeName"] = "n2"
     p3["spec"]["nodeName"] = "elsewhere"
@@ -480,13 +469,10 @@ async def test_an_orphan_is_removed_before_any_node_has_a_loop() -> None:
     clock = FakeClock()
     rt = FakeRuntime(clock)
     await rt.run_sandbox(SandboxConfig.from_pod(mkpod("left", "old")))
-    config = SyncLoopConfig(runtime=rt, clock=clock, kube=FakeKube(), answered=ApiAnswered(clock),
-                            registry=CollectorRegistry())
-    ready = SourcesReady({Source.API})
-    loops = NodeLoops(NodeLoopsConfig(("n1", "n2"), config),
-                      Pleg(rt, clock, registry=CollectorRegistry()), asyncio.Queue(), ready)
+    rig = LoopRig(rt, clock, ready=False, nodes=("n1", "n2"), first_loop=False)
+    loops = rig.loops
     loops.start()
-    ready.mark(Source.API)  # the API's first full list: no pod for n1 or n2
+    rig.ready.mark(Source.API)  # the API's first full list: no pod for n1 or n2
     for _ in range(4):
         await clock.advance(1)
     assert loops.loops.keys() == {"n1"}
@@ -526,7 +512,7 @@ async def test_the_services_are_read_as_the_loops_start_not_at_the_first_pod(
         tmp_path: Path) -> None:
     clock = FakeClock()
     a = LoopRig(FakeRuntime(clock), clock, volumes=tmp_path)
-    a.loops.start()
+    await a.pods.start()
     await settle()
     # every container's environment has the `kubernetes` Service's variables: read
     # before the first pod comes, which then does not wait for the list
@@ -534,4 +520,4 @@ async def test_the_services_are_read_as_the_loops_start_not_at_the_first_pod(
     a.send(Op.ADD, mkpod("web", "u1"))
     await a.run_for(2)
     assert len(a.rt.running("u1")) == 1 and a.kube.count("list services") == 1
-    await a.loops.stop()
+    await a.pods.stop()

@@ -13,7 +13,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from nodeagent import config
-from nodeagent.agent import Agent, Parts, Pools, build_runtime
+from nodeagent.agent import Agent, Externals, Pools, build_runtime
 from nodeagent.api.clock import FakeClock, settle
 from nodeagent.api.kube import NODES
 from nodeagent.api.policy import (
@@ -107,7 +107,7 @@ def make_agent(tmp_path: Path, *argv: str) -> tuple[Agent, FakeClock, FakeKube]:
     inline = InlineExecutor()
     cfg = dataclasses.replace(config.load(flags, {}), port=None)  # no kubelet API here
     agent = Agent(cfg,
-                  Parts(kube, clock, runtime=FakeRuntime(clock, images=[]),
+                  Externals(kube, clock, runtime=FakeRuntime(clock, images=[]),
                         pools=Pools(inline), registry=CollectorRegistry(),
                         flags=flags, env={}))
     return agent, clock, kube
@@ -262,7 +262,7 @@ async def test_orphans_unknown_to_every_node_are_removed() -> None:
 def test_one_pod_watch_for_all_nodes_and_the_runtime(tmp_path: Path) -> None:
     cfg = agent_config(tmp_path, "--virtual-nodes", "4", "--node-name-prefix", "vn")
     assert isinstance(build_runtime(cfg), FakeRuntime)  # auto: fake for virtual nodes
-    agent = Agent(cfg, Parts(FakeKube(), FakeClock(), registry=CollectorRegistry()))
+    agent = Agent(cfg, Externals(FakeKube(), FakeClock(), registry=CollectorRegistry()))
     watches = [p for p in agent.pods.sources if isinstance(p, APISource)]
     assert len(agent.pods.sources) == 1 and len(watches) == 1
     assert watches[0].nodes == {"vn-0", "vn-1", "vn-2", "vn-3"}

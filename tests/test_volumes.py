@@ -18,7 +18,7 @@ from nodeagent.api.clock import FakeClock, settle
 from nodeagent.api.kube import CONFIG_MAPS, SECRETS, SERVICE_ACCOUNTS
 from nodeagent.pods.objects import ObjectCache
 from nodeagent.pods.podupdate import Op
-from nodeagent.pods.syncer import NodePodSettings
+from nodeagent.pods.settings import NodePodSettings
 from nodeagent.pods.volumes import MountFailed, TokenManager, VolumeManager, VolumeRefused, atomic
 from nodeagent.pods.volumes.atomic import DATA, File
 from nodeagent.runtime.base import Mount

@@ -9,10 +9,12 @@ import math
 from prometheus_client import CollectorRegistry
 
 from nodeagent.api.clock import FakeClock, settle
+from nodeagent.pods.backoff import CrashBackoff
+from nodeagent.pods.decide import grace_of
 from nodeagent.pods.images import pull_policy
 from nodeagent.pods.pleg import CacheEntry, PodCache
 from nodeagent.pods.podupdate import Op
-from nodeagent.pods.syncer import CrashBackoff, SyncResult, grace_of
+from nodeagent.pods.syncer import SyncResult
 from nodeagent.pods.workers import Phase, PodWorkers, UpdateKind
 from nodeagent.runtime import PodRuntimeStatus
 from nodeagent.runtime.base import Sandbox, SandboxState

@@ -11,8 +11,8 @@ is the case N=1): it routes each update to the SyncLoop of the pod's `spec.nodeN
 and each PLEG event to the loop of the node that owns the pod, ticks every loop's
 resyncs from one timer, and does the housekeeping once for all (a pod of one node is
 never an orphan of another). A `SyncLoop` is one node's: its pods, workers, syncer and
-status manager, built from the SyncLoopConfig all nodes share. It is made when its node
-first has a pod: a process of thousands of virtual nodes, most of them idle, holds no
+status manager, which the composition root builds (nodeagent.agent.build_node_loop)
+when its node first has a pod: a process of thousands of virtual nodes, most of them idle, holds no
 metric series for a node that never ran anything. It has no queue or task of its own:
 the routing hands it each update and event (a hop through a queue and a task per node
 cost every pod two more turns of the event loop).
@@ -24,68 +24,27 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter
 
-from nodeagent.api.answered import ApiAnswered
 from nodeagent.api.clock import Clock
-from nodeagent.api.kube import Kube, describe
-from nodeagent.events import Events
+from nodeagent.api.kube import describe
 from nodeagent.metrics import per_registry
-from nodeagent.pods.env import EnvResolver
-from nodeagent.pods.handlers import Actions
-from nodeagent.pods.images import ImageManager
-from nodeagent.pods.objects import ObjectCache
-from nodeagent.pods.pleg import EventType, Pleg, PodCache, PodLifecycleEvent
+from nodeagent.pods.pleg import EventType, Pleg, PodLifecycleEvent
 from nodeagent.pods.podstatus import StatusManager
 from nodeagent.pods.podupdate import Op, Pod, PodUpdate, SourcesReady, pod_node_name
 from nodeagent.pods.probes import ProbeManager
-from nodeagent.pods.syncer import CrashBackoff, NodePodSettings, PodSyncer
 from nodeagent.pods.volumes import VolumeManager
 from nodeagent.pods.workers import DueTimes, PodWorkers, UpdateKind
-from nodeagent.runtime.base import LABEL_POD_NAME, LABEL_POD_NAMESPACE, RelistResult, Runtime
+from nodeagent.runtime.base import LABEL_POD_NAME, LABEL_POD_NAMESPACE, RelistResult
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class SyncLoopConfig:
-    """What every node's SyncLoop of a process shares."""
-
-    runtime: Runtime
-    clock: Clock
-    kube: Kube                         # pod status writes
-    answered: ApiAnswered              # their backoffs end when the API answers again
-    events: Events | None = None       # Warning Events about pods (None: none written)
-    host_ip: str = ""
-    registry: CollectorRegistry = REGISTRY
-    sync_frequency: float = 60.0       # periodic resync of each pod
-    resync_jitter: float = 0.5         # ... up to this fraction later (PodWorkers)
-    call_timeout: float = 60.0         # any runtime call but the PLEG's
-    log_root: str = ""                 # container logs (runtimes that write files)
-    crash_backoff_initial: float = 10.0
-    crash_backoff_max: float = 300.0
-    crash_backoff_reset: float = 600.0
-    pod_settings: NodePodSettings = field(default_factory=NodePodSettings)
-    volumes: VolumeManager | None = None  # None: pods with volumes are refused
-    env: EnvResolver | None = None     # None: literal values and pod fields only
-    objects: ObjectCache | None = None  # the ConfigMaps and Secrets pods use
-    serialize_image_pulls: bool = True  # the kubelet's --serialize-image-pulls
-    max_parallel_image_pulls: int = 0   # when not serialized; 0: no limit
-
-
-def image_manager(c: SyncLoopConfig) -> ImageManager:
-    return ImageManager(c.runtime, c.clock, kube=c.kube, events=c.events,
-                        serialize=c.serialize_image_pulls,
-                        max_parallel=c.max_parallel_image_pulls, call_timeout=c.call_timeout,
-                        present_events=c.pod_settings.runs_workloads, registry=c.registry)
-
-
-@dataclass(frozen=True)
 class NodeLoopsConfig:
     node_names: tuple[str, ...]
-    loop: SyncLoopConfig
     housekeeping_period: float = 2.0
     orphan_grace: float = 10.0         # stop timeout for containers of unknown pods
 
@@ -101,35 +60,18 @@ class SyncLoop:
     """One node's loop: turns that node's updates and PLEG events (its NodeLoops routes
     them here) into pod worker updates."""
 
-    def __init__(self, node_name: str, config: SyncLoopConfig, cache: PodCache,
-                 images: ImageManager | None = None,
-                 due_times: DueTimes | None = None) -> None:
-        """`images`, `due_times`: the runtime's image manager and the pods' resync
-        times, shared by every node's loop."""
-        c = config
+    def __init__(self, node_name: str, status: StatusManager, probes: ProbeManager,
+                 workers: PodWorkers, registry: CollectorRegistry = REGISTRY) -> None:
+        """`status`, `probes`, `workers`: the node's own, built by the composition root
+        (nodeagent.agent.build_node_loop). A probe result that changes syncs the pod."""
         self.node_name = node_name
-        self.clock = c.clock
-        self.status = StatusManager(c.kube, c.clock, answered=c.answered, node=node_name,
-                                    registry=c.registry)
-        actions = Actions(c.runtime)
-        self.probes = ProbeManager(actions, cache, c.clock, events=c.events,
-                                   host_ip=c.host_ip, on_change=self._probed)
-        self.syncer = PodSyncer(c.runtime, self.status, c.clock, node_name=node_name,
-                                host_ip=c.host_ip, call_timeout=c.call_timeout,
-                                log_root=c.log_root, events=c.events,
-                                volumes=c.volumes, env=c.env, objects=c.objects,
-                                probes=self.probes, actions=actions, settings=c.pod_settings,
-                                cache=cache,
-                                images=images or image_manager(c),
-                                backoff=CrashBackoff(c.clock, c.crash_backoff_initial,
-                                                     c.crash_backoff_max,
-                                                     c.crash_backoff_reset))
-        self.workers = PodWorkers(self.syncer, cache, c.clock, node=node_name,
-                                  sync_frequency=c.sync_frequency,
-                                  resync_jitter=c.resync_jitter, due_times=due_times,
-                                  registry=c.registry)
+        self.status = status
+        self.probes = probes
+        self.workers = workers
+        self.syncer = workers.syncer
+        probes.on_change = self._probed
         self.pods: dict[str, Pod] = {}   # uid -> latest pod from the sources
-        self._orphans = _housekeeping_counter(c.registry).labels(node=node_name)
+        self._orphans = _housekeeping_counter(registry).labels(node=node_name)
 
     async def close(self) -> None:
         """Stop the workers, probes and status writes (pods keep running)."""
@@ -244,28 +186,31 @@ class NodeLoops:
 
     TICK_MIN, TICK_MAX = 0.1, 1.0  # the resync tick's wait (_tick)
 
-    def __init__(self, config: NodeLoopsConfig, pleg: Pleg, updates: asyncio.Queue[PodUpdate],
-                 sources_ready: SourcesReady) -> None:
+    def __init__(self, config: NodeLoopsConfig, make_loop: Callable[[str], SyncLoop],
+                 pleg: Pleg, updates: asyncio.Queue[PodUpdate], sources_ready: SourcesReady,
+                 clock: Clock, due_times: DueTimes,
+                 volumes: VolumeManager | None = None) -> None:
+        """`make_loop(node)`: a node's SyncLoop (the composition root's); `due_times`:
+        every loop's pods' resyncs, ticked here from one timer; `volumes`: their host
+        folders, cleaned of pods nobody has."""
         self.config = config
-        self.clock = config.loop.clock
+        self.make_loop = make_loop
+        self.clock = clock
         self.pleg = pleg
         self.updates = updates
         self.sources_ready = sources_ready
-        self.images = image_manager(config.loop)  # one runtime: one set of pulls
-        self.due_times = DueTimes()  # every loop's pods' resyncs, for one timer
+        self.due_times = due_times
+        self.volumes = volumes
         self.node_names = frozenset(config.node_names)
         self.loops: dict[str, SyncLoop] = {}  # made by loop(): when a node first has a pod
         self.owner: dict[str, str] = {}  # pod uid -> node, from the routed updates
         self._task: asyncio.Task[None] | None = None
-        if config.loop.objects is not None:
-            config.loop.objects.on_change = self.objects_changed
 
     def loop(self, node: str) -> SyncLoop:
         """The node's SyncLoop, made on first use."""
         loop = self.loops.get(node)
         if loop is None:
-            loop = self.loops[node] = SyncLoop(node, self.config.loop, self.pleg.cache,
-                                               self.images, self.due_times)
+            loop = self.loops[node] = self.make_loop(node)
         return loop
 
     def objects_changed(self, uids: set[str]) -> None:
@@ -294,9 +239,6 @@ class NodeLoops:
 
     async def run(self) -> None:
         self.pleg.start()
-        env = self.config.loop.env
-        if env is not None and env.services is not None:
-            env.services.start()  # every container's environment has the `kubernetes` one
         tasks = [asyncio.create_task(self._route_updates(), name="route-updates"),
                  asyncio.create_task(self._route_events(), name="route-events"),
                  asyncio.create_task(self._housekeeping(), name="housekeeping"),
@@ -312,13 +254,7 @@ class NodeLoops:
             # together: each may wait for its runtime calls under way (PodWorkers.stop)
             await asyncio.gather(*(loop.close() for loop in self.loops.values()),
                                  return_exceptions=True)
-            await self.images.close()
             await self.pleg.stop()
-            c = self.config.loop
-            if c.objects is not None:
-                await c.objects.close()
-            if c.env is not None and c.env.services is not None:
-                await c.env.services.close()
 
     def housekeeping(self) -> list[str]:
         """Removes the runtime's pods that no loop knows, and the folders of pods that
@@ -334,9 +270,8 @@ class NodeLoops:
                       | {c.pod_uid for c in result.containers})
         orphans = remove_orphans(result, in_runtime - known, self.config.orphan_grace,
                                  lambda: self.loop(self.config.node_names[0]))
-        volumes = self.config.loop.volumes
-        if volumes is not None:
-            volumes.cleanup_orphans(known | in_runtime)
+        if self.volumes is not None:
+            self.volumes.cleanup_orphans(known | in_runtime)
         return orphans
 
     async def _route_updates(self) -> None:

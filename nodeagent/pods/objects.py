@@ -237,6 +237,12 @@ class ServiceCache:
             self._task = asyncio.get_running_loop().create_task(self._reflector.run(),
                                                                 name="watch services")
 
+    async def run(self) -> None:
+        """The watch, until cancelled: run beside the sync loops."""
+        self.start()
+        assert self._task is not None
+        await self._task
+
     async def services(self, namespace: str, links: bool) -> list[ServiceInfo]:
         """The Services whose variables a pod of `namespace` gets: those of its namespace
         when `links` (enableServiceLinks), and `kubernetes` of `default` always (a

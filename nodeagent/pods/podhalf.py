@@ -19,41 +19,59 @@ from typing import Any, Protocol
 
 from nodeagent.api.clock import Clock
 from nodeagent.pods.loops import NodeLoops
+from nodeagent.pods.pleg import PodCache
 from nodeagent.runtime import ContainerRuntimeError, ContainerState, PodRuntimeStatus, Runtime
-from nodeagent.runtime.logrotation import LogRotation
 
 log = logging.getLogger(__name__)
 
 
-class Part(Protocol):
-    """A pod source (or the mirror pod manager): runs until cancelled."""
+class Runnable(Protocol):
+    """A part that works until cancelled: a pod source, the mirror pod manager, log
+    rotation."""
 
     async def run(self) -> None: ...
+
+
+class Closable(Protocol):
+    """A part every node's loop shares, closed once they have all stopped: the image
+    pulls, the ConfigMap/Secret and Service watches."""
+
+    async def close(self) -> None: ...
+
+
+def running_logs(cache: PodCache) -> Iterator[tuple[str, str]]:
+    """(container id, log path) of every running container the PLEG's cache holds, for
+    log rotation: read as it goes (the rotation lets the event loop run between them)."""
+    for uid in cache.uids():  # a copy
+        for c in cache.get(uid).status.containers:  # a pod gone meanwhile: none
+            if c.state == ContainerState.RUNNING and c.log_path:
+                yield c.id, c.log_path
 
 
 @dataclasses.dataclass(frozen=True)
 class PodsConfig:
     image_refresh: float = 10.0  # seconds; the default NodeStatus update period
     down_retry: float = 1.0      # seconds between runtime readings while it is down
-    log_rotation: tuple[int, int] | None = None  # (max size, max files) of container
-    # logs; None: not rotated
 
 
 class Pods:
     def __init__(self, runtime: Runtime, clock: Clock, loops: NodeLoops,
-                 sources: Sequence[Part] = (), config: PodsConfig = PodsConfig()) -> None:
+                 sources: Sequence[Runnable] = (), background: Sequence[Runnable] = (),
+                 shared: Sequence[Closable] = (), config: PodsConfig = PodsConfig()) -> None:
+        """`sources`: the pod sources and the mirror pod manager; `background`: other
+        parts that run beside the loops (log rotation, the Service watch); `shared`: what
+        the loops share, closed after them."""
         self.runtime = runtime
         self.clock = clock
         self.loops = loops
         self.sources = tuple(sources)
+        self.background = tuple(background)
+        self.shared = tuple(shared)
         self.config = config
         self.runtime_version = ""   # "<name>://<version>", as nodeInfo shows it
         self.runtime_problem: str | None = None
         self._images: list[dict[str, Any]] = []
         self._tasks: list[asyncio.Task[Any]] = []
-        rotation = config.log_rotation
-        self.log_rotation = None if rotation is None else LogRotation(
-            runtime, self.running_logs, clock, max_size=rotation[0], max_files=rotation[1])
 
     # -- what the node status and health server read (any thread) --
     def images(self) -> list[dict[str, Any]]:
@@ -83,15 +101,6 @@ class Pods:
     def runtime_pod(self, uid: str) -> PodRuntimeStatus:
         return self.loops.pleg.cache.get(uid).status
 
-    def running_logs(self) -> Iterator[tuple[str, str]]:
-        """(container id, log path) of every running container, for log rotation: read
-        as it goes (the rotation lets the event loop run between them)."""
-        cache = self.loops.pleg.cache
-        for uid in cache.uids():  # a copy
-            for c in cache.get(uid).status.containers:  # a pod gone meanwhile: none
-                if c.state == ContainerState.RUNNING and c.log_path:
-                    yield c.id, c.log_path
-
     # -- running --
     async def refresh(self) -> None:
         """Runtime version and image list; a failure is kept as the runtime's problem."""
@@ -118,9 +127,7 @@ class Pods:
         self._tasks = [self.loops.start(),
                        asyncio.create_task(self._refresh_loop(), name="runtime-refresh"),
                        *(asyncio.create_task(p.run(), name=type(p).__name__)
-                         for p in self.sources)]
-        if self.log_rotation is not None:
-            self._tasks.append(asyncio.create_task(self.log_rotation.run(), name="log-rotation"))
+                         for p in (*self.sources, *self.background))]
 
     async def _refresh_loop(self) -> None:
         while True:
@@ -141,6 +148,8 @@ class Pods:
             t.cancel()
         await asyncio.gather(*self._tasks[1:], return_exceptions=True)
         await self.loops.stop()
+        for part in self.shared:
+            await part.close()
         with contextlib.suppress(ContainerRuntimeError):
             await self.runtime.close()
         self._tasks = []

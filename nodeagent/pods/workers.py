@@ -26,9 +26,10 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 from nodeagent.api.clock import Clock
 from nodeagent.api.kube import describe
 from nodeagent.metrics import per_registry
+from nodeagent.pods.decide import grace_of
 from nodeagent.pods.pleg import CacheEntry, PodCache
 from nodeagent.pods.podupdate import Pod, pod_full_name
-from nodeagent.pods.syncer import PodSyncer, grace_of
+from nodeagent.pods.syncer import PodSyncer
 
 log = logging.getLogger(__name__)
 
@@ -304,6 +305,11 @@ class PodWorkers:
                 w.phase = Phase.TERMINATING
             if w.phase == Phase.SYNCING:
                 res = await self.syncer.sync_pod(w.pod, entry)
+                if res.fresh is not None:
+                    # into the cache too: the kubelet API and the probes read it, and a
+                    # client that sees Running may exec or read logs at once
+                    rs, read_at = res.fresh
+                    await self.cache.store(w.uid, rs, None, read_at, done=False)
                 w.running = res.running
                 if res.terminal:
                     w.phase = Phase.TERMINATING
