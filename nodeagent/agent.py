@@ -47,7 +47,7 @@ from nodeagent.pods.dns import DnsSettings
 from nodeagent.pods.env import EnvResolver
 from nodeagent.pods.handlers import Actions
 from nodeagent.pods.hooks import Hooks
-from nodeagent.pods.images import ImageManager
+from nodeagent.pods.images import ImageManager, PullSettings
 from nodeagent.pods.loops import NodeLoops, NodeLoopsConfig, SyncLoop
 from nodeagent.pods.objects import ObjectCache, ServiceCache
 from nodeagent.pods.pleg import Pleg, PlegConfig, PodCache
@@ -213,8 +213,9 @@ class PodParts:
     images: ImageManager       # one runtime: one set of pulls
     due_times: DueTimes        # every loop's pods' resyncs, ticked from one timer
     env: EnvResolver
-    volumes: VolumeManager | None = None  # None: pods with volumes are refused
-    objects: ObjectCache | None = None    # the ConfigMaps and Secrets pods use
+    # None: pods with volumes are refused; its ObjectCache follows the ConfigMaps and
+    # Secrets pods use
+    volumes: VolumeManager | None = None
     timing: PodTiming = PodTiming()
 
 
@@ -234,9 +235,8 @@ def build_node_loop(node: str, shared: PodParts) -> SyncLoop:
     containers = Containers(calls, p.images, p.env, p.volumes, hooks, backoff, p.events,
                             settings)
     syncer = PodSyncer(calls, status, Sandboxes(calls, p.kube, p.events, settings),
-                       containers, p.volumes, p.objects, probes, p.events, settings)
-    workers = PodWorkers(syncer, p.cache, p.clock, node=node,
-                         sync_frequency=t.sync_frequency, resync_jitter=t.resync_jitter,
+                       containers, p.volumes, probes, p.events, settings)
+    workers = PodWorkers(syncer, p.cache, p.clock, node=node, timing=t,
                          due_times=p.due_times, registry=p.registry)
     return SyncLoop(node, status, probes, workers, p.registry)
 
@@ -345,14 +345,14 @@ class Agent:
         services = ServiceCache(kube, clock, answered=self.answered)
         volumes = VolumeManager(root, clock, objects=objects, tokens=TokenManager(kube, clock),
                                 mounter=HostMounter(), allocatable=allocatable)
-        images = ImageManager(runtime, clock, kube=kube, events=events,
-                              serialize=cfg.serialize_image_pulls,
-                              max_parallel=cfg.max_parallel_image_pulls,
-                              present_events=workloads, registry=registry)
+        images = ImageManager(runtime, clock, kube=kube, events=events, registry=registry,
+                              settings=PullSettings(serialize=cfg.serialize_image_pulls,
+                                                    max_parallel=cfg.max_parallel_image_pulls,
+                                                    present_events=workloads))
         shared = PodParts(runtime=runtime, clock=clock, kube=kube, answered=self.answered,
                           events=events, registry=registry, settings=settings, cache=cache,
                           images=images, due_times=DueTimes(), volumes=volumes,
-                          objects=objects, env=EnvResolver(objects, services, allocatable))
+                          env=EnvResolver(objects, services, allocatable))
         loops = NodeLoops(NodeLoopsConfig(cfg.node_names),
                           functools.partial(build_node_loop, shared=shared), pleg,
                           merge.updates, merge.ready, clock, shared.due_times, volumes)

@@ -31,7 +31,7 @@ from nodeagent.node.host import HostReadings
 from nodeagent.node.status import StatusSettings
 from nodeagent.node.thresholds import parse_thresholds
 from nodeagent.pods.env import EnvResolver
-from nodeagent.pods.images import ImageManager
+from nodeagent.pods.images import ImageManager, PullSettings
 from nodeagent.pods.loops import NodeLoops, NodeLoopsConfig
 from nodeagent.pods.objects import ObjectCache, ServiceCache
 from nodeagent.pods.pleg import Pleg
@@ -264,14 +264,14 @@ class LoopRig:
                               lambda node: self.allocatable)
         label = nodes[0] if len(nodes) == 1 else "vn"
         pleg = Pleg(rt, clock, node=label, registry=self.registry)
-        self.images = ImageManager(rt, clock, kube=self.kube, events=self.events,
-                                   present_events=settings.runs_workloads,
-                                   registry=self.registry)
+        self.images = ImageManager(
+            rt, clock, kube=self.kube, events=self.events, registry=self.registry,
+            settings=PullSettings(present_events=settings.runs_workloads))
         self.parts = PodParts(runtime=rt, clock=clock, kube=self.kube,
                               answered=ApiAnswered(clock), events=self.events,
                               registry=self.registry, settings=settings, cache=pleg.cache,
                               images=self.images, due_times=DueTimes(), env=env,
-                              volumes=self.volumes, objects=self.objects)
+                              volumes=self.volumes)
         self.loops = NodeLoops(NodeLoopsConfig(tuple(nodes)),
                                functools.partial(build_node_loop, shared=self.parts), pleg,
                                self.updates, self.ready, clock, self.parts.due_times,

@@ -6,6 +6,7 @@ outage); an agent that stops lets the runtime calls in flight finish, within a b
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -185,7 +186,7 @@ async def test_stopping_gives_up_on_a_hung_runtime_call() -> None:
     clock = FakeClock()
     rt = GatedRuntime(clock)
     a = await started(clock, rt)
-    a.loop.workers.drain_timeout = 15
+    a.loop.workers.timing = dataclasses.replace(a.loop.workers.timing, drain_timeout=15)
     a.send(Op.ADD, mkpod("web", "u1"))
     await a.run_for(2)
     stop = asyncio.create_task(a.loops.stop())

@@ -20,6 +20,7 @@ from nodeagent.pods.images import (
     ImageManager,
     Keyring,
     PullBackoff,
+    PullSettings,
     add_secret,
     go_duration,
     parse_image,
@@ -173,7 +174,7 @@ class Rig:
         self.events = Events(self.kube, "n1", self.clock, node_uid=lambda: "node-uid")
         self.registry = CollectorRegistry()
         self.m = ImageManager(self.rt, self.clock, kube=self.kube, events=self.events,
-                              registry=self.registry, **kw)
+                              registry=self.registry, settings=PullSettings(**kw))
 
     async def ensure(self, pod: Pod, i: int = 0) -> Any:
         return await self.m.ensure(pod, pod["spec"]["containers"][i])

@@ -386,28 +386,35 @@ def _pull_metrics(registry: CollectorRegistry) -> _PullMetrics:
                            registry=registry))
 
 
+@dataclass(frozen=True)
+class PullSettings:
+    serialize: bool = True          # the kubelet's --serialize-image-pulls
+    max_parallel: int = 0           # --max-parallel-image-pulls, when not serialized (0: any)
+    backoff_initial: float = 10.0   # ImagePullBackOff: the first wait, doubling
+    backoff_max: float = 300.0      # ... up to this
+    call_timeout: float = 60.0      # a runtime call other than the pull itself
+    # a Normal `Pulled` Event for an image already there, at every container start
+    # (False where containers run nothing: see NodePodSettings.runs_workloads)
+    present_events: bool = True
+
+
 class ImageManager:
     NEVER_PULL_RETRY = 10.0  # look again for an image that must not be pulled
     AFTER_ERROR = 1.0        # after ErrImagePull was shown, show the back-off
 
     def __init__(self, runtime: Runtime, clock: Clock, *, kube: Kube | None = None,
-                 events: Events | None = None, serialize: bool = True,
-                 max_parallel: int = 0, backoff_initial: float = 10.0,
-                 backoff_max: float = 300.0, call_timeout: float = 60.0,
-                 present_events: bool = True,
+                 events: Events | None = None, settings: PullSettings = PullSettings(),
                  registry: CollectorRegistry = REGISTRY) -> None:
-        """`present_events`: a Normal `Pulled` Event for an image already there, at every
-        container start (False where containers run nothing: see
-        NodePodSettings.runs_workloads)."""
+        """`kube`: where the pull secrets are read."""
         self.runtime = runtime
-        self.present_events = present_events
+        self.present_events = settings.present_events
         self._m = _pull_metrics(registry)
         self.clock = clock
         self.kube = kube
         self.events = events
-        self.call_timeout = call_timeout
-        self.backoff = PullBackoff(clock, backoff_initial, backoff_max)
-        slots = 1 if serialize else max_parallel
+        self.call_timeout = settings.call_timeout
+        self.backoff = PullBackoff(clock, settings.backoff_initial, settings.backoff_max)
+        slots = 1 if settings.serialize else settings.max_parallel
         self._slots = asyncio.Semaphore(slots) if slots > 0 else None
         self._pulls: dict[tuple[str, tuple[RegistryAuth, ...]], _Pull] = {}
         self._joined: dict[tuple[str, str], _Pull] = {}        # (uid, container) -> its pull

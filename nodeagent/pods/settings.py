@@ -38,3 +38,6 @@ class PodTiming:
     crash_backoff_initial: float = 10.0
     crash_backoff_max: float = 300.0
     crash_backoff_reset: float = 600.0
+    error_initial: float = 1.0        # a failed sync is retried after this, doubling
+    error_max: float = 60.0           # ... up to this
+    drain_timeout: float = 15.0       # on stop, how long runtime calls may still run

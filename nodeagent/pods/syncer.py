@@ -42,7 +42,6 @@ from nodeagent.pods.decide import (
 from nodeagent.pods.dns import PodDnsError
 from nodeagent.pods.env import env_refs
 from nodeagent.pods.hooks import DEADLINE_MESSAGE, DEADLINE_REASON
-from nodeagent.pods.objects import ObjectCache
 from nodeagent.pods.pleg import CacheEntry
 from nodeagent.pods.podstatus import StatusManager, Waiting, compute_pod_status, is_sidecar
 from nodeagent.pods.podupdate import Pod
@@ -82,10 +81,10 @@ class PodSyncer:
 
     def __init__(self, calls: RuntimeCalls, status: StatusManager, sandboxes: Sandboxes,
                  containers: Containers, volumes: VolumeManager | None,
-                 objects: ObjectCache | None, probes: ProbeManager | None,
-                 events: Events | None, settings: NodePodSettings) -> None:
-        """`volumes` None: pods with volumes are refused; `objects`: the ConfigMaps and
-        Secrets pods use, watched; `probes` None: a pod with a probe is refused."""
+                 probes: ProbeManager | None, events: Events | None,
+                 settings: NodePodSettings) -> None:
+        """`volumes` None: pods with volumes are refused (its ObjectCache: the ConfigMaps
+        and Secrets pods use, watched); `probes` None: a pod with a probe is refused."""
         self.calls = calls
         self.runtime = calls.runtime
         self.clock = calls.clock
@@ -93,7 +92,7 @@ class PodSyncer:
         self.sandboxes = sandboxes
         self.containers = containers
         self.volumes = volumes
-        self.objects = objects
+        self.objects = volumes.objects if volumes is not None else None
         self.probes = probes
         self.events = events
         self.settings = settings

@@ -29,6 +29,7 @@ from nodeagent.metrics import per_registry
 from nodeagent.pods.decide import grace_of
 from nodeagent.pods.pleg import CacheEntry, PodCache
 from nodeagent.pods.podupdate import Pod, pod_full_name
+from nodeagent.pods.settings import PodTiming
 from nodeagent.pods.syncer import PodSyncer
 
 log = logging.getLogger(__name__)
@@ -126,26 +127,19 @@ def _worker_metrics(registry: CollectorRegistry) -> _WorkerMetrics:
 
 class PodWorkers:
     def __init__(self, syncer: PodSyncer, cache: PodCache, clock: Clock, *,
-                 node: str = "", sync_frequency: float = 60.0, resync_jitter: float = 0.5,
-                 error_initial: float = 1.0, error_max: float = 60.0,
-                 drain_timeout: float = 15.0, due_times: DueTimes | None = None,
+                 node: str = "", timing: PodTiming | None = None,
+                 due_times: DueTimes | None = None,
                  registry: CollectorRegistry = REGISTRY) -> None:
         """`due_times`: where its pods' resync and retry times go (one for every
-        PodWorkers of a process: NodeLoops ticks them). `resync_jitter`: a pod's
-        periodic resync comes up to this fraction of `sync_frequency` later (the
-        kubelet's: half, at random), so pods started together are not all resynced
-        together. `drain_timeout`: on stop, how long runtime calls in flight may still
-        run."""
+        PodWorkers of a process: NodeLoops ticks them). A pod's periodic resync comes up
+        to `timing.resync_jitter` of `timing.sync_frequency` later (the kubelet's: half,
+        at random), so pods started together are not all resynced together."""
         self.syncer = syncer
         self.cache = cache
         self.clock = clock
         self.node = node
-        self.sync_frequency = sync_frequency
-        self.resync_jitter = resync_jitter
+        self.timing = timing or PodTiming()
         self.due_times = due_times or DueTimes()
-        self.error_initial = error_initial
-        self.error_max = error_max
-        self.drain_timeout = drain_timeout
         self._w: dict[str, _Worker] = {}
         # uid -> when its worker finished cleaning up; a relist older than that still
         # shows the pod, which housekeeping must not take for an orphan
@@ -235,7 +229,7 @@ class PodWorkers:
         for t in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
-        await self.syncer.drain(self.drain_timeout)
+        await self.syncer.drain(self.timing.drain_timeout)
 
     # --- the worker loop ------------------------------------------------------------
 
@@ -259,7 +253,7 @@ class PodWorkers:
             raise
         except Exception:  # _step handles sync errors; this is a bug: keep the pod due
             log.exception("pod %s: worker failed", describe(w.pod))
-            self._make_due(w, self.error_max)
+            self._make_due(w, self.timing.error_max)
 
     async def _entry(self, w: _Worker) -> CacheEntry:
         """The pod's runtime state from a relist newer than the last sync. A stop reads
@@ -300,7 +294,8 @@ class PodWorkers:
         log.debug("pod %s: %s step (kill=%s removed=%s)", describe(w.pod), phase.value, w.kill,
                   w.removed)
         try:
-            requeue = self.sync_frequency * (1 + self.resync_jitter * _spread(w.uid, w.syncs))
+            t = self.timing
+            requeue = t.sync_frequency * (1 + t.resync_jitter * _spread(w.uid, w.syncs))
             if w.phase == Phase.SYNCING and w.kill:
                 w.phase = Phase.TERMINATING
             if w.phase == Phase.SYNCING:
@@ -339,7 +334,8 @@ class PodWorkers:
             raise
         except Exception as e:
             w.errors += 1
-            delay = min(self.error_initial * 2 ** (w.errors - 1), self.error_max)
+            t = self.timing
+            delay = min(t.error_initial * 2 ** (w.errors - 1), t.error_max)
             self._make_due(w, delay)
             self._m.syncs.labels(node=self.node, phase=phase.value, result="error").inc()
             log.warning("pod %s: %s sync failed (%s); retry in %.0fs", describe(w.pod),
