@@ -137,8 +137,11 @@ class PodSyncer:
         """Make the runtime match the spec. Raises on a runtime failure (retried)."""
         if entry.error is not None:
             raise ContainerRuntimeError(f"runtime state of the pod is unknown: {entry.error}")
-        rs = entry.status
-        act = self.decide(pod, rs)
+        return await self.act(pod, entry.status, self.decide(pod, entry.status))
+
+    async def act(self, pod: Pod, rs: PodRuntimeStatus, act: PodActions) -> SyncResult:
+        """Carry out what was decided for `pod` with the runtime in the state `rs`, in
+        the order the module docstring gives."""
         if act.verdict == Verdict.FINISHED:
             return SyncResult(terminal=True)
         if act.verdict == Verdict.REJECTED:
