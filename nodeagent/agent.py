@@ -20,6 +20,7 @@ import functools
 import logging
 import math
 import random
+import socket
 import threading
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
@@ -37,6 +38,7 @@ from nodeagent.events import Events
 from nodeagent.node.controller import NodeController, NodeControllerConfig, NodeSpec
 from nodeagent.node.heartbeatmetrics import NodeMetrics
 from nodeagent.node.host import HostProbe, HostReadError, HostReadings
+from nodeagent.node.lease import LeaseRenewer
 from nodeagent.node.nodewatch import NodeWatch
 from nodeagent.node.scheduler import Blocking, DueScheduler, inline
 from nodeagent.node.status import StatusSettings
@@ -71,7 +73,9 @@ from nodeagent.runtime import ContainerRuntimeError, Runtime, make_runtime, sock
 from nodeagent.runtime.logrotation import LogRotation
 
 if TYPE_CHECKING:
-    from nodeagent.server.setup import ServerBundle
+    from nodeagent.server.bundle import ServerBundle
+    from nodeagent.server.kubeletserver import HealthCheck
+    from nodeagent.server.podhost import PodHost
 
 log = logging.getLogger(__name__)
 
@@ -241,6 +245,49 @@ def build_node_loop(node: str, shared: PodParts) -> SyncLoop:
     return SyncLoop(node, status, probes, workers, p.registry)
 
 
+def build_node_controller(spec: NodeSpec, config: NodeControllerConfig,
+                          rng: random.Random) -> NodeController:
+    """One node's heartbeat: its controller and its Lease renewer."""
+    c = config
+    lease = LeaseRenewer(spec.name, c.lease_kube, c.clock, c.metrics, c.heartbeat,
+                         answered=c.answered, rng=rng, spread_first=c.started_together)
+    return NodeController(spec, config, lease, rng)
+
+
+def build_kubelet_api(cfg: AgentConfig, host: PodHost, kube: Kube, *, clock: Clock,
+                      registry: CollectorRegistry, addresses: Sequence[str],
+                      health_checks: Mapping[str, HealthCheck]) -> ServerBundle:
+    """The kubelet API's server, its serving certificate and the API calls it makes."""
+    # aiohttp and TLS: imported only when the API is served
+    from nodeagent.server.auth import KubeletAuth
+    from nodeagent.server.bundle import ServerBundle
+    from nodeagent.server.kubeapi import RealServerApi
+    from nodeagent.server.kubeletserver import KubeletServer
+    from nodeagent.server.tls import CertError, ServingCert
+    assert cfg.port is not None
+    names = [*addresses, *cfg.node_names, socket.gethostname().lower()]
+    try:
+        cert = ServingCert(node=cfg.node_name, names=names,
+                           pki_dir=Path(cfg.root_dir) / "pki", cert_file=cfg.tls_cert_file,
+                           key_file=cfg.tls_private_key_file,
+                           client_ca_file=cfg.client_ca_file, clock=clock)
+        if cfg.tls_cert_file:
+            cert.load_files()
+        elif not cfg.rotate_server_certificates:
+            cert.load_self_signed()
+        elif cert.load_current() is None:
+            cert.load_self_signed()  # until the first CSR is signed
+    except CertError as e:
+        raise ConfigError(str(e)) from None
+    # connections of our own: the API's TokenReviews must not wait behind pod status writes
+    api = RealServerApi(kube.separate(4))
+    auth = KubeletAuth(api, clock, anonymous=cfg.anonymous_auth)
+    server = KubeletServer(host, auth, cert, node_names=cfg.node_names, clock=clock,
+                           registry=registry, address=cfg.address, port=cfg.port,
+                           health_checks=health_checks)
+    return ServerBundle(server, cert, api, cfg.rotate_server_certificates)
+
+
 class Agent:
     def __init__(self, cfg: AgentConfig, ext: Externals) -> None:
         self.cfg = cfg
@@ -370,7 +417,7 @@ class Agent:
         config = dataclasses.replace(self.node_config, status=self.settings)
         if probe is not None:
             config = dataclasses.replace(config, probe=probe)
-        node = NodeController(spec, config, rng=self.rng)
+        node = build_node_controller(spec, config, self.rng)
         self.nodes[spec.name] = node
         self.metrics.nodes.set(len(self.nodes))
         return node
@@ -483,15 +530,14 @@ class Agent:
         """Start the kubelet API; its port, or None when it is not served."""
         if self.cfg.port is None:
             return None
-        from nodeagent.server import setup  # aiohttp and TLS: only when serving
         try:
             addresses = [a for _, a in self.probe.read().addresses]
         except HostReadError:
             addresses = list(self.cfg.node_ips)
         checks = {"heartbeat": self.healthz, "pleg": self.pods.health}
-        self.kubelet_api = setup.build(self.cfg, self.pods, self.kube, clock=self.clock,
-                                       registry=self.registry, addresses=addresses,
-                                       health_checks=checks)
+        self.kubelet_api = build_kubelet_api(self.cfg, self.pods, self.kube, clock=self.clock,
+                                             registry=self.registry, addresses=addresses,
+                                             health_checks=checks)
         return await self.kubelet_api.start()
 
     # seconds a stop may take in all: a step still waiting then (a request or stream

@@ -13,6 +13,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from nodeagent.agent import build_node_controller
 from nodeagent.api.answered import ApiAnswered
 from nodeagent.api.clock import FakeClock, settle
 from nodeagent.api.kube import LEASES, NODE_LEASE_NAMESPACE, NODES
@@ -57,8 +58,9 @@ class Rig:
             status_call=status_call or Blocking(InlineExecutor()), renewals=self.renewals,
             ticker=self.ticker, answered=answered, uids={}, images=lambda: self.images,
             legacy=legacy)
-        self.node = NodeController(NodeSpec("n1", agent_id="agent-a", labels={"pool": "x"}),
-                                   self.config, rng=random.Random(3))
+        self.node = build_node_controller(
+            NodeSpec("n1", agent_id="agent-a", labels={"pool": "x"}), self.config,
+            random.Random(3))
         self.nodes["n1"] = self.node
         self.watch = NodeWatch(self.kube, self.nodes, self.clock, agent_id="agent-a",
                                answered=answered)
@@ -417,8 +419,8 @@ def test_nodes_started_together_spread_their_status_ticks_over_the_period():
         rng = random.Random(5)
         for i in range(30):
             name = f"v{i}"
-            rig.nodes[name] = NodeController(NodeSpec(name, agent_id="agent-a"), config,
-                                             rng=rng)
+            rig.nodes[name] = build_node_controller(NodeSpec(name, agent_id="agent-a"),
+                                                    config, rng)
         await rig.start(watch=False)
         for name, node in rig.nodes.items():
             if name != "n1":

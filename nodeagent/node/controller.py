@@ -82,8 +82,9 @@ class NodeControllerConfig:
 class NodeController:
     REQUEST_TIMEOUT = 10.0
 
-    def __init__(self, spec: NodeSpec, config: NodeControllerConfig,
+    def __init__(self, spec: NodeSpec, config: NodeControllerConfig, lease: LeaseRenewer,
                  rng: random.Random | None = None) -> None:
+        """`lease`: the node's Lease renewer (nodeagent.agent.build_node_controller)."""
         c = config
         self.spec = spec
         self.name = spec.name
@@ -108,9 +109,7 @@ class NodeController:
         self.status_call = c.status_call
         self.renewals = c.renewals
         self.ticker = c.ticker
-        self.lease = LeaseRenewer(self.name, c.lease_kube, c.clock, c.metrics, c.heartbeat,
-                                  answered=c.answered, rng=self.rng,
-                                  spread_first=c.started_together)
+        self.lease = lease
         self.registered = False
         self.uid: str | None = None
         self.reported: Status | None = None  # what the server has, as we last wrote it
