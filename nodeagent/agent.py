@@ -7,8 +7,10 @@ one renewal scheduler with request turns of its own, one status ticker with othe
 Node watch, one pod watch and pod source merge, one runtime and one PLEG (NodeLoops),
 one health server. A host agent speaks for one node; virtual nodes add more
 NodeControllers and SyncLoops to the same. No other module builds parts of the agent:
-each component is handed what it uses, most of it in one config object
-(NodeControllerConfig, SyncLoopConfig, NodeLoopsConfig, PlegConfig, PodsConfig).
+each component is handed what it uses. What is made per node, when a node is added or
+first has a pod, is made here too: build_node_controller (the heartbeat half),
+build_node_loop (the pod half, from the PodParts every node shares); the kubelet API by
+build_kubelet_api. Tests build their rigs with the same functions.
 """
 
 from __future__ import annotations
