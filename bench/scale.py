@@ -4,8 +4,8 @@ local control plane (etcd and kube-apiserver included in the measurement):
 - nodepulse: nodepulse-agent, efficient heartbeats (Lease + NodeStatus on change);
 - legacy:    nodepulse-agent --heartbeat-mode=legacy (full NodeStatus every 10 s, no Lease);
 - kwok:      KWOK (pinned, built from its Go module) managing N Nodes we create, with
-             the default node stages kwokctl pairs with leases (node-initialize,
-             node-heartbeat-with-lease, read from the pinned module) and a 40 s Lease.
+             the default stages kwokctl applies when nodes hold leases (KWOK_STAGES,
+             read from the pinned module) and a 40 s Lease.
 
     python -m bench.scale --nodes 100,500,1000 --minutes 5
 
@@ -154,7 +154,7 @@ class KwokSubject(Subject):
                      "--manage-all-nodes=false",
                      f"--manage-nodes-with-annotation-selector={'='.join(KWOK_ANNOTATION)}",
                      f"--node-lease-duration-seconds={LEASE_SECONDS}",
-                     *(f"--config={p}" for p in kwok_node_stages())], self.tag)
+                     *(f"--config={p}" for p in kwok_stages())], self.tag)
 
     def _create_nodes(self, core: client.CoreV1Api) -> None:
         """N Node objects as KWOK's documentation has users write them."""
@@ -173,15 +173,23 @@ class KwokSubject(Subject):
             list(pool.map(create, range(self.n)))
 
 
-def kwok_node_stages() -> list[Path]:
-    """kwok's own default node stages for a leased node, from the pinned module source
-    (the kwok binary alone picks its stages the other way round in v0.7.0: with a
-    lease duration set it takes node-heartbeat, a status PATCH every 20-25 s; kwokctl
-    writes node-initialize + node-heartbeat-with-lease, which is what we use)."""
+# The stages kwokctl applies for a cluster whose nodes hold leases, as files of the
+# pinned module's kustomize/stage/: each node initialised once, its conditions re-written
+# every 600-610 s (the Lease does the heartbeat); a bound pod made Running at once, a
+# Job's Running pod Succeeded, a pod with a deletion timestamp removed. The kwok binary
+# alone took the pod stages by default until v0.7.0; from v0.8.0 it runs exactly the
+# stages it is given, so without the pod stages no pod ever leaves Pending.
+KWOK_STAGES = ("node/fast/node-initialize.yaml",
+               "node/heartbeat-with-lease/node-heartbeat-with-lease.yaml",
+               "pod/fast/pod-ready.yaml", "pod/fast/pod-complete.yaml",
+               "pod/fast/pod-delete.yaml")
+
+
+def kwok_stages() -> list[Path]:
+    """The paths of KWOK_STAGES in the pinned module's source (fetched when kwok is built)."""
     tool = build.TOOLS["kwok"]
-    src = build.cache_root() / "gomod" / f"{tool.module}@{tool.version}" / "kustomize" / "stage" / "node"
-    paths = [src / "fast" / "node-initialize.yaml",
-             src / "heartbeat-with-lease" / "node-heartbeat-with-lease.yaml"]
+    src = build.cache_root() / "gomod" / f"{tool.module}@{tool.version}" / "kustomize" / "stage"
+    paths = [src / rel for rel in KWOK_STAGES]
     missing = [str(p) for p in paths if not p.is_file()]
     if missing:
         raise RuntimeError(f"kwok's stage files are missing: {missing} (the module source "
@@ -626,9 +634,10 @@ change started from), so before and after come from one run; **legacy** = the sa
 with `--heartbeat-mode=legacy` (full NodeStatus PATCH every 10 s, no Lease); **kwok** =
 KWOK {build.TOOLS["kwok"].version} managing Nodes created by the benchmark
 (`--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake`,
-`--node-lease-duration-seconds={LEASE_SECONDS}`) with the node stages kwokctl sets up when
+`--node-lease-duration-seconds={LEASE_SECONDS}`) with the stages kwokctl sets up when
 leases are on: `node-initialize` and `node-heartbeat-with-lease` (conditions re-written
-every 600-610 s), read from the pinned module's `kustomize/stage/node/`.
+every 600-610 s), and for pods `pod-ready`, `pod-complete`, `pod-delete`, read from the
+pinned module's `kustomize/stage/`.
 
 Per node-minute over the window. Every (subject, N) phase runs on a fresh control
 plane. Writes and request bytes come from the API server's own metrics

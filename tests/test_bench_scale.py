@@ -203,18 +203,21 @@ def test_window_takes_out_the_identity_lease_writes_and_their_bytes() -> None:
 
 def test_kwok_stages_missing_from_the_module_cache_are_named(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from bench.scale import kwok_node_stages
+    from bench.scale import KWOK_STAGES, kwok_stages
 
     monkeypatch.setenv("NODEPULSE_CACHE", str(tmp_path))
-    with pytest.raises(RuntimeError, match="node-heartbeat-with-lease.yaml"):
-        kwok_node_stages()
-    stages = tmp_path / "gomod" / "sigs.k8s.io" / "kwok@v0.7.0" / "kustomize" / "stage" / "node"
-    for rel in ("fast/node-initialize.yaml", "heartbeat-with-lease/node-heartbeat-with-lease.yaml"):
+    monkeypatch.setattr("e2e.cluster.build.pinned_version", lambda gomod, module: "v0.8.0")
+    stages = tmp_path / "gomod" / "sigs.k8s.io" / "kwok@v0.8.0" / "kustomize" / "stage"
+    for rel in KWOK_STAGES[:-1]:
         (stages / rel).parent.mkdir(parents=True, exist_ok=True)
         (stages / rel).write_text("kind: Stage\n")
-    monkeypatch.setattr("e2e.cluster.build.pinned_version", lambda gomod, module: "v0.7.0")
-    assert [p.name for p in kwok_node_stages()] == ["node-initialize.yaml",
-                                                    "node-heartbeat-with-lease.yaml"]
+    with pytest.raises(RuntimeError, match="pod-delete.yaml"):
+        kwok_stages()
+    (stages / KWOK_STAGES[-1]).write_text("kind: Stage\n")
+    # node and pod stages both: the binary applies no default of its own since v0.8.0
+    assert [p.name for p in kwok_stages()] == [
+        "node-initialize.yaml", "node-heartbeat-with-lease.yaml", "pod-ready.yaml",
+        "pod-complete.yaml", "pod-delete.yaml"]
 
 
 def test_nodes_without_the_ttl_annotation_are_named() -> None:
