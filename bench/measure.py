@@ -383,8 +383,9 @@ def bootstrap_ratio(num: list[list[float]], den: list[list[float]], qs: Iterable
     burst sets the slowest pods). Resampling pods within rounds would treat a round's
     30 slowest pods as 30 chances and give an interval too narrow for that. With few
     rounds the interval is still somewhat narrow (a resample of k rounds varies about
-    (k-1)/k as much as new rounds would). A ratio a resample cannot give (a zero or
-    infinite percentile on both sides) leaves the interval nan."""
+    (k-1)/k as much as new rounds would), and a subject with one round has no spread
+    to draw from: its interval is nan. So is one that a resample cannot give a ratio
+    (a zero percentile, or an infinite one on both sides)."""
     qs = list(qs)
     if not num or not den:
         raise ValueError("bootstrap_ratio needs at least one round of each subject")
@@ -400,6 +401,8 @@ def bootstrap_ratio(num: list[list[float]], den: list[list[float]], qs: Iterable
                 zip(percentiles(pool(a), qs), percentiles(pool(b), qs), strict=True)]
 
     point = ratios_of(num_sorted, den_sorted)
+    if len(num) < 2 or len(den) < 2:
+        return {q: (x, math.nan, math.nan) for q, x in zip(qs, point, strict=True)}
     drawn: list[list[float]] = [[] for _ in qs]
     for _ in range(resamples):
         a = [num_sorted[i] for i in rng.choices(range(len(num)), k=len(num))]

@@ -272,8 +272,14 @@ def test_verdict_boundaries_and_a_ratio_without_meaning() -> None:
     assert interval(1.01, 1.2).verdict == "missed"
     assert interval(math.nan, math.nan).verdict == "n/a"
     # KWOK's percentiles zero in every resample: no ratio to bound
-    found = measure.bootstrap_ratio([[0.1]], [[0.0]], [50.0], resamples=10)
+    found = measure.bootstrap_ratio([[0.1], [0.2]], [[0.0], [0.0]], [50.0], resamples=10)
     assert math.isnan(found[50.0][0]) and math.isnan(found[50.0][1])
+
+
+def test_one_round_has_a_ratio_but_no_interval() -> None:
+    ratio, low, high = measure.bootstrap_ratio([[0.1]], [[0.2], [0.4]], [50.0])[50.0]
+    assert ratio == 0.5
+    assert math.isnan(low) and math.isnan(high)
 
 
 def test_bootstrap_refuses_what_it_cannot_resample() -> None:
@@ -308,6 +314,36 @@ def test_pooled_tables_show_percentiles_intervals_and_spreads() -> None:
     md = measure.render_pooled(pools, found, markdown=True)
     assert "| 100 | nodepulse/kwok | p99 | 0.5 |" in md
     assert "| kwok | 100 | 12.0/12.0/12.0 | 24.0/24.0/24.0 | 200/200/200 |" in md
+
+
+def test_churn_docs_hold_the_pooled_tables_every_rounds_pods_and_a_plot(
+        tmp_path: Path) -> None:
+    import argparse
+    import json
+
+    from bench.scale import write_churn_docs
+
+    rs = []
+    for k, (ours, kwok) in enumerate(zip(spread_rounds(0.5), spread_rounds(1.0),
+                                         strict=True)):
+        rs += [dataclasses.replace(churn_round("nodepulse", ours), round=k + 1),
+               dataclasses.replace(churn_round("kwok", kwok), round=k + 1)]
+    args = argparse.Namespace(out=str(tmp_path), job_pods=0, churn_pods=200, rounds=5,
+                              subjects="nodepulse,kwok")
+    pools, found = write_churn_docs(rs, args, "python -m bench.scale --churn", "one process",
+                                    ["kwok round 6 at 100 nodes: timed out"])
+    assert [i.verdict for i in found] == ["met", "met"]
+    md = (tmp_path / "churn.md").read_text()
+    assert "| 100 | nodepulse/kwok | p99 | 0.5 |" in md
+    assert "`pod-ready`, `pod-complete`, `pod-delete`" in md
+    assert "Failed round: kwok round 6 at 100 nodes: timed out" in md
+    doc = json.loads((tmp_path / "churn.json").read_text())
+    assert [i["verdict"] for i in doc["intervals"]] == ["met", "met"]
+    assert doc["pooled"][0]["startup_s"]["p99"] == pools[0].startup_s["p99"]
+    assert [(r["subject"], r["round"]) for r in doc["rounds"][:3]] == [
+        ("nodepulse", 1), ("kwok", 1), ("nodepulse", 2)]
+    assert doc["rounds"][1]["startup_s"] == pytest.approx(rs[1].startup_s)
+    assert (tmp_path / "churn.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.parametrize("argv", [["--rounds", "2"], ["--subjects", "kwok,kwok"]])
