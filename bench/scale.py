@@ -176,8 +176,8 @@ class KwokSubject(Subject):
 # The stages kwokctl applies for a cluster whose nodes hold leases, as files of the
 # pinned module's kustomize/stage/: each node initialised once, its conditions re-written
 # every 600-610 s (the Lease does the heartbeat); a bound pod made Running at once, a
-# Job's Running pod Succeeded, a pod with a deletion timestamp removed. The kwok binary
-# alone took the pod stages by default until v0.7.0; from v0.8.0 it runs exactly the
+# Job's Running pod Succeeded, a pod with a deletion timestamp removed. Up to v0.7.0 the
+# kwok binary added default pod stages when given none; from v0.8.0 it runs exactly the
 # stages it is given, so without the pod stages no pod ever leaves Pending.
 KWOK_STAGES = ("node/fast/node-initialize.yaml",
                "node/heartbeat-with-lease/node-heartbeat-with-lease.yaml",
