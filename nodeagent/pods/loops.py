@@ -113,7 +113,8 @@ class SyncLoop:
                                     registry=c.registry)
         actions = Actions(c.runtime)
         self.probes = ProbeManager(actions, cache, c.clock, events=c.events,
-                                   host_ip=c.host_ip, on_change=self._probed)
+                                   host_ip=c.host_ip, on_change=self._probed,
+                                   node=node_name, registry=c.registry)
         self.syncer = PodSyncer(c.runtime, self.status, c.clock, node_name=node_name,
                                 host_ip=c.host_ip, call_timeout=c.call_timeout,
                                 log_root=c.log_root, events=c.events,
