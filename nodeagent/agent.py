@@ -34,7 +34,7 @@ from nodeagent.api.serve import HealthServer
 from nodeagent.config import VIRTUAL_LABEL, AgentConfig, ConfigError, load
 from nodeagent.events import Events
 from nodeagent.node.controller import NodeController, NodeControllerConfig, NodeSpec
-from nodeagent.node.heartbeatmetrics import NodeMetrics
+from nodeagent.node.heartbeatmetrics import node_metrics
 from nodeagent.node.host import HostProbe, HostReadError, HostReadings
 from nodeagent.node.nodewatch import NodeWatch
 from nodeagent.node.scheduler import Blocking, DueScheduler, inline
@@ -204,7 +204,7 @@ class Agent:
         self.rng = random.Random()
         self.uids: dict[str, str] = {}  # node name -> its Node's UID, once registered
         self.pods = self._pods(cfg, parts)
-        self.metrics = NodeMetrics(parts.registry)
+        self.metrics = node_metrics(parts.registry)
         # a renewal or tick may run up to TIMER_SLACK late, so one wake-up serves all
         # that are due within it: at most 20 a second for a thousand nodes, not 200
         self.renewals: DueScheduler[str] = DueScheduler(clock, self._renew, "renewals",
