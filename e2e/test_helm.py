@@ -139,7 +139,8 @@ ALL_ON = dict(agent={"enabled": True, "replicas": 2, "nodesPerReplica": 3},
 
 def test_lint_strict_is_clean(tools: Tools) -> None:
     for extra in ([], values(**ALL_ON),
-                  values(**ALL_ON, metrics={"serviceMonitor": {"enabled": True}})):
+                  values(**ALL_ON, metrics={"serviceMonitor": {"enabled": True}},
+                         dashboards={"enabled": True})):
         out = tools.helm("lint", "--strict", str(CHART), *extra)
         print(out.stdout)
         assert "1 chart(s) linted, 0 chart(s) failed" in out.stdout
