@@ -466,8 +466,8 @@ def deployment(tag: str, replicas: int) -> client.V1Deployment:
 
 def job(tag: str, completions: int, parallelism: int, run_for: str) -> client.V1Job:
     """Pods that run `run_for` and exit 0: on nodepulse's virtual nodes by the fake
-    runtime's script annotations (README "Scripted pods"); KWOK completes a Job's pods
-    by its own default stage."""
+    runtime's script annotations (docs/virtual-nodes.md, "Scripted pods"); KWOK completes
+    a Job's pods by its own default stage."""
     return client.V1Job(
         metadata=client.V1ObjectMeta(name=f"job-{tag}"),
         spec=client.V1JobSpec(
@@ -738,7 +738,8 @@ def write_churn_docs(results: list[measure.ChurnResult], args: argparse.Namespac
 Then a Job of {args.job_pods} completions, {args.job_parallelism} at a time ("job s": the
 Job created until its status counts them all succeeded, as the Job controller sees them).
 Its pods are scripted on nodepulse's fake runtime to run {args.job_run_for} and exit 0
-(`fake.nodepulse.dev/run-for`, `exit-code`: README "Scripted pods"), each through a pod
+(`fake.nodepulse.dev/run-for`, `exit-code`:
+[Scripted pods](../virtual-nodes.md#scripted-pods-the-fake-runtime)), each through a pod
 worker, the runtime and its status writes; KWOK completes a Job's Running pods by its
 default `pod-complete` stage, at once. ("before", an older build, has no Job phase.)"""
     kwok_text = "" if "kwok" not in args.subjects.split(",") else (

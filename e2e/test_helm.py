@@ -139,7 +139,8 @@ ALL_ON = dict(agent={"enabled": True, "replicas": 2, "nodesPerReplica": 3},
 
 def test_lint_strict_is_clean(tools: Tools) -> None:
     for extra in ([], values(**ALL_ON),
-                  values(**ALL_ON, metrics={"serviceMonitor": {"enabled": True}})):
+                  values(**ALL_ON, metrics={"serviceMonitor": {"enabled": True}},
+                         dashboards={"enabled": True})):
         out = tools.helm("lint", "--strict", str(CHART), *extra)
         print(out.stdout)
         assert "1 chart(s) linted, 0 chart(s) failed" in out.stdout
@@ -248,6 +249,37 @@ def test_service_monitor_only_when_enabled(tools: Tools) -> None:
         (expr,) = match["matchExpressions"]
         assert labels[expr["key"]] in expr["values"]
         assert [p["name"] for p in svc["spec"]["ports"]] == ["metrics"]
+
+
+def test_dashboards_only_when_enabled(tools: Tools, namespace: str) -> None:
+    """Off by default; on, one ConfigMap per dashboard with the Grafana sidecar's label
+    (configurable), each holding its file's JSON as is, accepted by the API server."""
+    off = docs(tools.template("np-dash", namespace, *values()))
+    assert not [d for d in off if d["kind"] == "ConfigMap"]
+    files = {f"nodepulse-{p.stem}.json": json.loads(p.read_text())
+             for p in (CHART / "dashboards").glob("*.json")}
+    assert len(files) == 3
+    for dashboards, label in (({"enabled": True}, ("grafana_dashboard", "1")),
+                              ({"enabled": True, "label": "example.com/dashboard",
+                                "labelValue": "nodepulse", "annotations": {"folder": "np"}},
+                               ("example.com/dashboard", "nodepulse"))):
+        rendered = tools.template("np-dash", namespace, *values(dashboards=dashboards))
+        maps = [d for d in docs(rendered) if d["kind"] == "ConfigMap"]
+        assert {m["metadata"]["name"] for m in maps} == {
+            f"np-dash-nodepulse-dashboard-{n}" for n in ("heartbeats", "pods", "operator")}
+        for m in maps:
+            assert m["metadata"]["namespace"] == namespace
+            assert m["metadata"]["labels"][label[0]] == label[1]
+            assert m["metadata"].get("annotations") == dashboards.get("annotations")
+            ((key, text),) = m["data"].items()
+            assert json.loads(text) == files[key]
+        out = tools.kubectl("apply", "--dry-run=server", "-f", "-",
+                            stdin=yaml.safe_dump_all(maps))
+        assert out.stdout.count("(server dry run)") == 3, out.stdout
+    bad = tools.helm("lint", "--strict", str(CHART),
+                     *sets({"dashboards": {"enabled": True, "label": "not a label"}}),
+                     check=False)
+    assert bad.returncode != 0 and "at '/dashboards/label'" in bad.stdout + bad.stderr
 
 
 # ---- install, upgrade, uninstall

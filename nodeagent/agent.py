@@ -38,7 +38,7 @@ from nodeagent.api.serve import HealthServer
 from nodeagent.config import VIRTUAL_LABEL, AgentConfig, ConfigError, load
 from nodeagent.events import Events
 from nodeagent.node.controller import NodeController, NodeControllerConfig, NodeSpec
-from nodeagent.node.heartbeatmetrics import NodeMetrics
+from nodeagent.node.heartbeatmetrics import node_metrics
 from nodeagent.node.host import HostProbe, HostReadError, HostReadings
 from nodeagent.node.lease import LeaseRenewer
 from nodeagent.node.nodewatch import NodeWatch
@@ -234,7 +234,8 @@ def build_node_loop(node: str, shared: PodParts) -> SyncLoop:
     status = StatusManager(p.kube, p.clock, answered=p.answered, node=node,
                            registry=p.registry)
     handlers = Actions(p.runtime)
-    probes = ProbeManager(handlers, p.cache, p.clock, events=p.events, host_ip=p.settings.host_ip)
+    probes = ProbeManager(handlers, p.cache, p.clock, events=p.events,
+                          host_ip=p.settings.host_ip, node=node, registry=p.registry)
     hooks = Hooks(handlers, p.clock, p.events)
     backoff = CrashBackoff(p.clock, t.crash_backoff_initial, t.crash_backoff_max,
                            t.crash_backoff_reset)
@@ -309,7 +310,7 @@ class Agent:
         self.rng = random.Random()
         self.uids: dict[str, str] = {}  # node name -> its Node's UID, once registered
         self.pods = self._pods(cfg, ext)
-        self.metrics = NodeMetrics(ext.registry)
+        self.metrics = node_metrics(ext.registry)
         # a renewal or tick may run up to TIMER_SLACK late, so one wake-up serves all
         # that are due within it: at most 20 a second for a thousand nodes, not 200
         self.renewals: DueScheduler[str] = DueScheduler(clock, self._renew, "renewals",

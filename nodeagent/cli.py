@@ -65,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        # uvloop: the same asyncio, its loop and transports in C (README "Dependencies")
+        # uvloop: the same asyncio, its loop and transports in C (docs/architecture.md,
+        # "Dependencies")
         uvloop.run(_serve(cfg, flags))
     except (ClientConfigError, ContainerRuntimeError, config.ConfigError) as e:
         print(f"nodepulse-agent: error: {e}", file=sys.stderr)

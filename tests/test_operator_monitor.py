@@ -354,6 +354,8 @@ def test_partition_guard_stops_noexecute_and_status_says_so() -> None:
         assert "3 of 4" in guard["message"]
         status = api.policies["pool"]["status"]
         assert (status["nodes"], status["readyNodes"], status["unreachableNodes"]) == (4, 1, 3)
+        assert policy_metrics("pool") == {"governed": 4, "ready": 1, "unreachable": 3,
+                                          "guard": 1}
         # Two come back: 1 of 4 stale is within 0.5, NoExecute resumes for the last one.
         api.renew("n0")
         api.renew("n1")
@@ -361,7 +363,23 @@ def test_partition_guard_stops_noexecute_and_status_says_so() -> None:
         assert api.condition("pool", "PartitionGuard")["status"] == "False"
         assert api.taints("n2") == {"NoSchedule", "NoExecute"}
         assert api.taints("n0") == set()
+        assert policy_metrics("pool") == {"governed": 4, "ready": 3, "unreachable": 1,
+                                          "guard": 0}
+        # a deleted policy's series go with it
+        api.delete_policy("pool")
+        await step(clock, mon, 1)
+        assert policy_metrics("pool") == {}
     run(t)
+
+
+def policy_metrics(policy: str) -> dict[str, float]:
+    """The policy's series on /metrics: node counts by state, and its guard."""
+    found = {state: REGISTRY.get_sample_value("nodepulse_operator_policy_nodes",
+                                              {"policy": policy, "state": state})
+             for state in ("governed", "ready", "unreachable")}
+    found["guard"] = REGISTRY.get_sample_value("nodepulse_operator_policy_partition_guard",
+                                               {"policy": policy})
+    return {k: v for k, v in found.items() if v is not None}
 
 
 def test_guard_boundary_is_strictly_more_than_the_fraction() -> None:
