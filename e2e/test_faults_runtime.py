@@ -54,8 +54,11 @@ from prometheus_client import CollectorRegistry
 
 from e2e.cluster import Cluster
 from e2e.cluster.images import BUSYBOX_IMAGE
-from e2e.promtext import samples
-from e2e.util import alive, create_namespace, environ, eventually, free_port, marked, node_registered
+from e2e.harness.namespaces import create_namespace
+from e2e.harness.ports import free_port
+from e2e.harness.processes import alive, environ, marked
+from e2e.harness.promtext import samples
+from e2e.harness.waits import eventually, node_registered
 from nodeagent.api.kube import RestKube
 from nodeagent.runtime import PodRuntimeStatus
 from nodeagent.runtime.cri.gen import api_pb2 as pb

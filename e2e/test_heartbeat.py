@@ -38,8 +38,9 @@ import pytest
 from kubernetes import client, watch
 
 from e2e.cluster import Cluster
-from e2e.promtext import samples
-from e2e.util import eventually, free_port
+from e2e.harness.ports import free_port
+from e2e.harness.promtext import samples
+from e2e.harness.waits import eventually
 from nodeagent.api.policy import HEARTBEAT_ANNOTATION, Heartbeat, encode_heartbeat_annotation
 
 AGENT = Path(__file__).resolve().parent.parent / ".venv" / "bin" / "nodepulse-agent"

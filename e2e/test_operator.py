@@ -30,9 +30,9 @@ import yaml
 from kubernetes import client, watch
 
 from e2e.cluster import Cluster
-from e2e.cluster.cluster import free_port
-from e2e.promtext import samples
-from e2e.util import eventually, first_seen
+from e2e.harness.ports import free_port
+from e2e.harness.promtext import samples
+from e2e.harness.waits import eventually, first_seen
 from nodeagent.api.client import new_api_client
 from nodeagent.api.policy import GROUP, HEARTBEAT_ANNOTATION, PLURAL, VERSION
 

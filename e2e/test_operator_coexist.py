@@ -43,8 +43,8 @@ from kubernetes import client
 from e2e import conftest
 from e2e import test_operator as op
 from e2e.cluster import LocalCluster
-from e2e.promtext import samples
-from e2e.util import eventually
+from e2e.harness.promtext import samples
+from e2e.harness.waits import eventually
 from nodeagent.api.policy import GROUP, HEARTBEAT_ANNOTATION, PLURAL
 
 GRACE = 20  # the controller manager's --node-monitor-grace-period here

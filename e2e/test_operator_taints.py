@@ -32,8 +32,10 @@ import pytest
 from kubernetes import client, watch
 
 from e2e.cluster import Cluster
-from e2e.cluster.cluster import free_port
-from e2e.promtext import samples
+from e2e.harness.namespaces import create_namespace
+from e2e.harness.ports import free_port
+from e2e.harness.promtext import samples
+from e2e.harness.waits import eventually
 from e2e.test_operator import (  # noqa: F401 (admin_operator_credentials: a fixture)
     AGENT,
     CRDS,
@@ -41,7 +43,6 @@ from e2e.test_operator import (  # noqa: F401 (admin_operator_credentials: a fix
     OperatorCredentials,
     admin_operator_credentials,
 )
-from e2e.util import create_namespace, eventually
 from nodeagent.api.policy import GROUP, PLURAL
 
 RUN = uuid.uuid4().hex[:5]

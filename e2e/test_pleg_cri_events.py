@@ -30,6 +30,8 @@ from kubernetes import client
 
 from e2e.cluster import Cluster
 from e2e.cluster.containerd import BUILDS
+from e2e.harness.processes import alive
+from e2e.harness.waits import eventually
 from e2e.test_faults_runtime import (
     AgentProc,
     Env,
@@ -39,7 +41,6 @@ from e2e.test_faults_runtime import (
     start_agent,
     workloads,
 )
-from e2e.util import alive, eventually
 
 LONG_RELIST = "--evented-pleg-relist-period=300s"
 RELISTS = "nodepulse_pleg_relist_duration_seconds_count"

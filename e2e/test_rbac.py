@@ -37,8 +37,8 @@ import yaml
 from kubernetes import client
 
 from e2e.cluster import Cluster
+from e2e.harness.ports import free_port
 from e2e.test_helm import CHART, Tools, values
-from e2e.util import free_port
 from nodeagent.api.client import new_api_client
 from nodeagent.api.policy import AGENT_LABEL, HEARTBEAT_ANNOTATION, decode_heartbeat_annotation
 

@@ -1,0 +1,14 @@
+"""What the e2e tests share, in modules of their own; test modules import from here (or
+from e2e/conftest.py), never from each other.
+
+- ports: free loopback ports, and which sockets a process listens on
+- waits: polling until a condition holds (a Node registered, say)
+- processes: the processes a test started: alive, their environment, stopping them
+- namespaces: a namespace pods can be created in
+- apirequests: plain blocking API requests over the kubernetes client
+- promtext: reading Prometheus text exposition
+- tcpproxy: a loopback TCP proxy a test can cut
+
+The control plane itself is e2e/cluster; kind clusters are e2e/kind; the upstream
+conformance run is e2e/conformance.
+"""
