@@ -26,11 +26,12 @@ from pathlib import Path
 import pytest
 from kubernetes import client
 
-from e2e import test_heartbeat as hb
 from e2e import test_operator as op
 from e2e import test_operator_taints as taints
 from e2e import test_rbac as rbac
 from e2e.cluster import Cluster
+from e2e.harness.agents import clean_slate, kill_all, spawn
+from e2e.harness.heartbeats import Parts, efficient_heartbeats
 
 # The fixtures the scenarios ask for. Those of test_operator(_taints) are the same
 # functions, so they pick up `operator_credentials` below, the chart's.
@@ -65,15 +66,15 @@ def test_heartbeats_under_the_agent_identity(cluster: Cluster, release: rbac.Rel
     """The efficient-heartbeat checks with one agent in virtual-node mode, as the
     chart's StatefulSet pod 0 runs it, with only the agent ServiceAccount's token."""
     nodes = (release.agent_node(0, 0), release.agent_node(0, 1))
-    hb.clean_slate(cluster.api_client(), nodes)
+    clean_slate(cluster.api_client(), nodes)
     agent_id = f"{release.agent_sa}-0"  # the StatefulSet's pod 0
-    agent = hb.spawn(tmp_path, agent_id, identities["agent"], "--virtual-nodes", "2",
-                     "--node-name-prefix", f"{agent_id}-", "--agent-id", agent_id,
-                     "--runtime", "fake", nodes=nodes)
+    agent = spawn(tmp_path, agent_id, identities["agent"], "--virtual-nodes", "2",
+                  "--node-name-prefix", f"{agent_id}-", "--agent-id", agent_id,
+                  "--runtime", "fake", nodes=nodes)
     try:
-        hb.efficient_heartbeats(cluster, [agent], hb.Parts(default=nodes[0], policy=nodes[1]))
+        efficient_heartbeats(cluster, [agent], Parts(default=nodes[0], policy=nodes[1]))
     finally:
-        hb.kill_all([agent])
+        kill_all([agent])
     node = client.CoreV1Api(cluster.api_client()).read_node(nodes[0])
     assert any(t.key == "nodepulse.dev/virtual" for t in node.spec.taints or [])
     _not_refused([agent.log])

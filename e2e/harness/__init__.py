@@ -8,6 +8,8 @@ from e2e/conftest.py), never from each other.
 - apirequests: plain blocking API requests over the kubernetes client
 - promtext: reading Prometheus text exposition
 - tcpproxy: a loopback TCP proxy a test can cut
+- agents: nodepulse-agent processes (one node each, or virtual nodes)
+- heartbeats: watching Lease and Node writes; the efficient-heartbeat scenario
 
 The control plane itself is e2e/cluster; kind clusters are e2e/kind; the upstream
 conformance run is e2e/conformance.
