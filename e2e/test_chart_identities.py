@@ -26,32 +26,36 @@ from pathlib import Path
 import pytest
 from kubernetes import client
 
-from e2e import test_operator as op
 from e2e import test_operator_taints as taints
 from e2e import test_rbac as rbac
 from e2e.cluster import Cluster
 from e2e.harness.agents import clean_slate, kill_all, spawn
 from e2e.harness.heartbeats import Parts, efficient_heartbeats
+from e2e.harness.operators import (  # noqa: F401 (fixtures)
+    Operator,
+    OperatorCredentials,
+    Renewer,
+    kube_fixture,
+    operators_fixture,
+    renewer_fixture,
+)
+from e2e.harness.pools import Agents, agents_fixture, ha_failover, two_pools_grace_15_and_60  # noqa: F401
 
 # The fixtures the scenarios ask for. Those of test_operator(_taints) are the same
 # functions, so they pick up `operator_credentials` below, the chart's.
 tools = rbac.tools
 release = rbac.release
 identities = rbac.identities
-kube = op.kube
-operators = op.operators
-renewer = op.renewer
-agents = op.agents
 start_operator = taints.start_operator
 node_env = taints.node_env
 
 
 @pytest.fixture(scope="module")
 def operator_credentials(release: rbac.Release, identities: dict[str, Path]
-                         ) -> op.OperatorCredentials:
+                         ) -> OperatorCredentials:
     """The chart's operator ServiceAccount and the one election Lease its RBAC names."""
-    return op.OperatorCredentials(identities["operator"], release.namespace,
-                                  f"{release.name}-nodepulse-operator")
+    return OperatorCredentials(identities["operator"], release.namespace,
+                               f"{release.name}-nodepulse-operator")
 
 
 def _not_refused(logs: list[Path]) -> None:
@@ -81,11 +85,11 @@ def test_heartbeats_under_the_agent_identity(cluster: Cluster, release: rbac.Rel
 
 
 def test_condition_taints_under_the_operator_identity(
-        kube: client.ApiClient, start_operator: Callable[[], op.Operator],
+        kube: client.ApiClient, start_operator: Callable[[], Operator],
         node_env: Callable[[str, str], tuple[taints.Agent, Path]]) -> None:
-    started: list[op.Operator] = []
+    started: list[Operator] = []
 
-    def start() -> op.Operator:
+    def start() -> Operator:
         started.append(start_operator())
         return started[-1]
 
@@ -94,15 +98,15 @@ def test_condition_taints_under_the_operator_identity(
 
 
 def test_two_pools_under_the_operator_identity(kube: client.ApiClient,
-                                               operators: list[op.Operator],
-                                               agents: op.Agents) -> None:
-    op.test_two_pools_grace_15_and_60(kube, operators, agents)
+                                               operators: list[Operator],
+                                               agents: Agents) -> None:
+    two_pools_grace_15_and_60(kube, operators, agents)
     _not_refused([o.log for o in operators])
 
 
 def test_ha_failover_under_the_operator_identity(
-        kube: client.ApiClient, operators: list[op.Operator], renewer: op.Renewer,
-        operator_credentials: op.OperatorCredentials) -> None:
+        kube: client.ApiClient, operators: list[Operator], renewer: Renewer,
+        operator_credentials: OperatorCredentials) -> None:
     """Last: kills the leader of the pair."""
-    op.test_ha_failover(kube, operators, renewer, operator_credentials)
+    ha_failover(kube, operators, renewer, operator_credentials)
     _not_refused([o.log for o in operators])

@@ -33,16 +33,16 @@ from kubernetes import client, watch
 
 from e2e.cluster import Cluster
 from e2e.harness.namespaces import create_namespace
-from e2e.harness.ports import free_port
-from e2e.harness.promtext import samples
-from e2e.harness.waits import eventually
-from e2e.test_operator import (  # noqa: F401 (admin_operator_credentials: a fixture)
+from e2e.harness.operators import (  # noqa: F401 (admin_operator_credentials: a fixture)
     AGENT,
     CRDS,
     Operator,
     OperatorCredentials,
     admin_operator_credentials,
 )
+from e2e.harness.ports import free_port
+from e2e.harness.promtext import samples
+from e2e.harness.waits import eventually
 from nodeagent.api.policy import GROUP, PLURAL
 
 RUN = uuid.uuid4().hex[:5]

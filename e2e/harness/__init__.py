@@ -10,6 +10,10 @@ from e2e/conftest.py), never from each other.
 - tcpproxy: a loopback TCP proxy a test can cut
 - agents: nodepulse-agent processes (one node each, or virtual nodes)
 - heartbeats: watching Lease and Node writes; the efficient-heartbeat scenario
+- operators: nodepulse-operator processes, their credentials and leader, the
+  NodeStatusPolicy CRD, a Lease renewer standing in for agents
+- pools: agents in node pools under policies; the operator's pool and failover
+  scenarios
 
 The control plane itself is e2e/cluster; kind clusters are e2e/kind; the upstream
 conformance run is e2e/conformance.
