@@ -26,7 +26,6 @@ from pathlib import Path
 import pytest
 from kubernetes import client
 
-from e2e import test_operator_taints as taints
 from e2e import test_rbac as rbac
 from e2e.cluster import Cluster
 from e2e.harness.agents import clean_slate, kill_all, spawn
@@ -40,14 +39,18 @@ from e2e.harness.operators import (  # noqa: F401 (fixtures)
     renewer_fixture,
 )
 from e2e.harness.pools import Agents, agents_fixture, ha_failover, two_pools_grace_15_and_60  # noqa: F401
+from e2e.harness.taints import (  # noqa: F401 (fixtures)
+    Agent,
+    disk_pressure_taint_follows_the_condition,
+    node_env_fixture,
+    start_operator_fixture,
+)
 
 # The fixtures the scenarios ask for. Those of test_operator(_taints) are the same
 # functions, so they pick up `operator_credentials` below, the chart's.
 tools = rbac.tools
 release = rbac.release
 identities = rbac.identities
-start_operator = taints.start_operator
-node_env = taints.node_env
 
 
 @pytest.fixture(scope="module")
@@ -86,14 +89,14 @@ def test_heartbeats_under_the_agent_identity(cluster: Cluster, release: rbac.Rel
 
 def test_condition_taints_under_the_operator_identity(
         kube: client.ApiClient, start_operator: Callable[[], Operator],
-        node_env: Callable[[str, str], tuple[taints.Agent, Path]]) -> None:
+        node_env: Callable[[str, str], tuple[Agent, Path]]) -> None:
     started: list[Operator] = []
 
     def start() -> Operator:
         started.append(start_operator())
         return started[-1]
 
-    taints.test_disk_pressure_taint_follows_the_condition(kube, start, node_env)
+    disk_pressure_taint_follows_the_condition(kube, start, node_env)
     _not_refused([o.log for o in started])
 
 

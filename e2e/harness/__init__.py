@@ -14,6 +14,8 @@ from e2e/conftest.py), never from each other.
   NodeStatusPolicy CRD, a Lease renewer standing in for agents
 - pools: agents in node pools under policies; the operator's pool and failover
   scenarios
+- taints: agents with a config file, a watch on one Node; the disk-pressure taint
+  scenario
 
 The control plane itself is e2e/cluster; kind clusters are e2e/kind; the upstream
 conformance run is e2e/conformance.
