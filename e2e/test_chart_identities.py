@@ -30,20 +30,25 @@ from e2e import test_rbac as rbac
 from e2e.cluster import Cluster
 from e2e.harness.agents import clean_slate, kill_all, spawn
 from e2e.harness.heartbeats import Parts, efficient_heartbeats
-from e2e.harness.operators import (  # noqa: F401 (fixtures)
+from e2e.harness.operators import (
     Operator,
     OperatorCredentials,
     Renewer,
-    kube_fixture,
-    operators_fixture,
-    renewer_fixture,
+    kube_fixture,  # noqa: F401 (a fixture)
+    operators_fixture,  # noqa: F401 (a fixture)
+    renewer_fixture,  # noqa: F401 (a fixture)
 )
-from e2e.harness.pools import Agents, agents_fixture, ha_failover, two_pools_grace_15_and_60  # noqa: F401
-from e2e.harness.taints import (  # noqa: F401 (fixtures)
+from e2e.harness.pools import (
+    Agents,
+    agents_fixture,  # noqa: F401 (a fixture)
+    ha_failover,
+    two_pools_grace_15_and_60,
+)
+from e2e.harness.taints import (
     Agent,
     disk_pressure_taint_follows_the_condition,
-    node_env_fixture,
-    start_operator_fixture,
+    node_env_fixture,  # noqa: F401 (a fixture)
+    start_operator_fixture,  # noqa: F401 (a fixture)
 )
 
 # The fixtures the scenarios ask for. Those of test_operator(_taints) are the same

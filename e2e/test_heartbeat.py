@@ -29,7 +29,11 @@ from pathlib import Path
 from kubernetes import client
 
 from e2e.cluster import Cluster
-from e2e.harness.agents import AgentProcess, agents_fixture, clean_slate  # noqa: F401 (a fixture)
+from e2e.harness.agents import (
+    AgentProcess,
+    agents_fixture,  # noqa: F401 (a fixture)
+    clean_slate,
+)
 from e2e.harness.heartbeats import Parts, efficient_heartbeats, lease_exists, reachable
 from e2e.harness.promtext import samples
 from e2e.harness.waits import eventually

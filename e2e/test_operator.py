@@ -19,20 +19,20 @@ import yaml
 from kubernetes import client
 
 from e2e.cluster import Cluster
-from e2e.harness.operators import (  # noqa: F401 (fixtures)
+from e2e.harness.operators import (
     RUN,
     Operator,
     OperatorCredentials,
     Renewer,
-    admin_operator_credentials,
-    kube_fixture,
+    admin_operator_credentials,  # noqa: F401 (a fixture)
+    kube_fixture,  # noqa: F401 (a fixture)
     kubectl,
-    operators_fixture,
-    renewer_fixture,
+    operators_fixture,  # noqa: F401 (a fixture)
+    renewer_fixture,  # noqa: F401 (a fixture)
 )
-from e2e.harness.pools import (  # noqa: F401 (agents_fixture: a fixture)
+from e2e.harness.pools import (
     Agents,
-    agents_fixture,
+    agents_fixture,  # noqa: F401 (a fixture)
     apiserver_metrics,
     condition,
     effects,

@@ -28,21 +28,21 @@ from kubernetes import client
 
 from e2e.cluster import Cluster
 from e2e.harness.namespaces import create_namespace
-from e2e.harness.operators import (  # noqa: F401 (admin_operator_credentials: a fixture)
+from e2e.harness.operators import (
     CRDS,
     Operator,
-    admin_operator_credentials,
+    admin_operator_credentials,  # noqa: F401 (a fixture)
 )
-from e2e.harness.taints import (  # noqa: F401 (fixtures)
+from e2e.harness.taints import (
     NOT_READY,
     RUN,
     Agent,
     disk_pressure_taint_follows_the_condition,
-    node_env_fixture,
+    node_env_fixture,  # noqa: F401 (a fixture)
     noschedule,
     read,
     ready,
-    start_operator_fixture,
+    start_operator_fixture,  # noqa: F401 (a fixture)
 )
 from e2e.harness.waits import eventually
 from nodeagent.api.policy import GROUP, PLURAL
