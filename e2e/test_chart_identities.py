@@ -1,9 +1,10 @@
 """The operator and heartbeat e2e scenarios again, under the Helm chart's identities.
 
-The chart is installed (e2e/test_rbac.py's `release` fixture); tokens for its two
-ServiceAccounts come from the TokenRequest API; then the same scenario functions as
-e2e/test_heartbeat.py, e2e/test_operator_taints.py and e2e/test_operator.py run with
-those tokens instead of the admin's or a node's credentials. Only the scenarios that
+The chart is installed (the `release` fixture of e2e/harness/release.py, as in
+e2e/test_rbac.py); tokens for its two ServiceAccounts come from the TokenRequest API;
+then the scenario functions e2e/test_heartbeat.py, e2e/test_operator_taints.py and
+e2e/test_operator.py run (e2e/harness/heartbeats.py, taints.py, pools.py) run again
+with those tokens instead of the admin's or a node's credentials. Only the scenarios that
 together use every permission the chart grants are re-run, so CI time is not doubled:
 
   agent (virtual-node mode, as the chart's StatefulSet runs it; one process, two
@@ -26,10 +27,12 @@ from pathlib import Path
 import pytest
 from kubernetes import client
 
-from e2e import test_rbac as rbac
 from e2e.cluster import Cluster
 from e2e.harness.agents import clean_slate, kill_all, spawn
 from e2e.harness.heartbeats import Parts, efficient_heartbeats
+from e2e.harness.helm import (
+    tools_fixture,  # noqa: F401 (a fixture)
+)
 from e2e.harness.operators import (
     Operator,
     OperatorCredentials,
@@ -44,6 +47,12 @@ from e2e.harness.pools import (
     ha_failover,
     two_pools_grace_15_and_60,
 )
+from e2e.harness.release import (
+    REFUSED,
+    Release,
+    identities_fixture,  # noqa: F401 (a fixture)
+    release_fixture,  # noqa: F401 (a fixture)
+)
 from e2e.harness.taints import (
     Agent,
     disk_pressure_taint_follows_the_condition,
@@ -51,15 +60,11 @@ from e2e.harness.taints import (
     start_operator_fixture,  # noqa: F401 (a fixture)
 )
 
-# The fixtures the scenarios ask for. Those of test_operator(_taints) are the same
-# functions, so they pick up `operator_credentials` below, the chart's.
-tools = rbac.tools
-release = rbac.release
-identities = rbac.identities
 
-
+# The scenarios' fixtures, imported above as test_operator(_taints) and test_rbac import
+# them, pick up `operator_credentials` here: the chart's.
 @pytest.fixture(scope="module")
-def operator_credentials(release: rbac.Release, identities: dict[str, Path]
+def operator_credentials(release: Release, identities: dict[str, Path]
                          ) -> OperatorCredentials:
     """The chart's operator ServiceAccount and the one election Lease its RBAC names."""
     return OperatorCredentials(identities["operator"], release.namespace,
@@ -69,10 +74,10 @@ def operator_credentials(release: rbac.Release, identities: dict[str, Path]
 def _not_refused(logs: list[Path]) -> None:
     for log in logs:
         text = log.read_text(errors="replace")
-        assert not rbac.REFUSED.search(text), f"{log.name}: refused something:\n{text[-4000:]}"
+        assert not REFUSED.search(text), f"{log.name}: refused something:\n{text[-4000:]}"
 
 
-def test_heartbeats_under_the_agent_identity(cluster: Cluster, release: rbac.Release,
+def test_heartbeats_under_the_agent_identity(cluster: Cluster, release: Release,
                                              identities: dict[str, Path],
                                              tmp_path: Path) -> None:
     """The efficient-heartbeat checks with one agent in virtual-node mode, as the

@@ -16,6 +16,8 @@ from e2e/conftest.py), never from each other.
   scenarios
 - taints: agents with a config file, a watch on one Node; the disk-pressure taint
   scenario
+- helm: helm and kubectl on the cluster; values that keep the chart's pods Pending
+- release: the chart installed, and kubeconfigs for its ServiceAccounts
 
 The control plane itself is e2e/cluster; kind clusters are e2e/kind; the upstream
 conformance run is e2e/conformance.
