@@ -18,6 +18,8 @@ from e2e/conftest.py), never from each other.
   scenario
 - helm: helm and kubectl on the cluster; values that keep the chart's pods Pending
 - release: the chart installed, and kubeconfigs for its ServiceAccounts
+- nodeenv: one node for one test with its own runtime (containerd or the process
+  runtime), agent process and namespace; what the runtime holds
 
 The control plane itself is e2e/cluster; kind clusters are e2e/kind; the upstream
 conformance run is e2e/conformance.
