@@ -3,7 +3,7 @@ threads, the builders of what they feed in (pods, agent settings, host readings)
 they read back from the in-memory API (tests/fakekube.py), and the rigs more than one
 test module drives (the sync loops; the whole agent; pods for the PLEG). Test modules
 import from here (and from tests/fakekube.py, tests/fakeoperator.py), not from each
-other."""
+other: tests/test_layout.py checks it."""
 
 from __future__ import annotations
 

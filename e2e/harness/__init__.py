@@ -1,5 +1,5 @@
 """What the e2e tests share, in modules of their own; test modules import from here (or
-from e2e/conftest.py), never from each other.
+from e2e/conftest.py), never from each other (tests/test_layout.py checks it).
 
 - ports: free loopback ports, and which sockets a process listens on
 - waits: polling until a condition holds (a Node registered, say)
