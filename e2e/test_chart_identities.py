@@ -2,9 +2,9 @@
 
 The chart is installed (the `release` fixture of e2e/harness/release.py, as in
 e2e/test_rbac.py); tokens for its two ServiceAccounts come from the TokenRequest API;
-then the scenario functions e2e/test_heartbeat.py, e2e/test_operator_taints.py and
-e2e/test_operator.py run (e2e/harness/heartbeats.py, taints.py, pools.py) run again
-with those tokens instead of the admin's or a node's credentials. Only the scenarios that
+then the scenario functions of e2e/harness/heartbeats.py, taints.py and pools.py, which
+e2e/test_heartbeat.py, e2e/test_operator_taints.py and e2e/test_operator.py run, run
+again with those tokens instead of the admin's or a node's credentials. Only the scenarios that
 together use every permission the chart grants are re-run, so CI time is not doubled:
 
   agent (virtual-node mode, as the chart's StatefulSet runs it; one process, two

@@ -256,16 +256,16 @@ def node_events(api: client.ApiClient, name: str) -> list[Any]:
 
 def ha_failover(kube: client.ApiClient, operators: list[Operator],
                 renewer: Renewer, operator_credentials: OperatorCredentials) -> None:
-    """Runs last (issue 9, fault 6): the module's two replicas; the standby writes
-    nothing while the leader works; the leader is SIGKILLed (by PID) and a node falls
-    silent at the same moment. The standby takes the leader Lease and taints the
+    """Run last in a module (issue 9, fault 6): the module's two replicas; the standby
+    writes nothing while the leader works; the leader is SIGKILLed (by PID) and a node
+    falls silent at the same moment. The standby takes the leader Lease and taints the
     silent node within 60 s. Through the failover a watch on the pool's Nodes shows
     that no node is tainted twice or wrongly: the silent node's unreachable taints are
     added once each and never rewritten; a node the old leader had already tainted
     keeps its taints untouched (same timeAdded, not re-added); the nodes that keep
-    renewing never get a taint written at all. (The API server restart above may
-    have moved the leadership, so the standby may have written earlier, as leader:
-    only its writes as standby count.)"""
+    renewing never get a taint written at all. (An earlier API server restart, as in
+    test_operator.py, may have moved the leadership, so the standby may have written
+    earlier, as leader: only its writes as standby count.)"""
     by_id = {o.identity: o for o in operators}
     active = by_id[eventually(lambda: leader(kube, operator_credentials), "a leader")]
     [standby] = [o for o in operators if o is not active]
