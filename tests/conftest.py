@@ -1,8 +1,9 @@
 """What the unit tests share, in one place: running async bodies, waiting on other
 threads, the builders of what they feed in (pods, agent settings, host readings), what
 they read back from the in-memory API (tests/fakekube.py), and the rigs more than one
-test module drives (the sync loops; the whole agent). Test modules import from here,
-not from each other."""
+test module drives (the sync loops; the whole agent; pods for the PLEG). Test modules
+import from here (and from tests/fakekube.py, tests/fakeoperator.py), not from each
+other: tests/test_layout.py checks it."""
 
 from __future__ import annotations
 
@@ -34,12 +35,13 @@ from nodeagent.pods.env import EnvResolver
 from nodeagent.pods.images import ImageManager, PullSettings
 from nodeagent.pods.loops import NodeLoops, NodeLoopsConfig
 from nodeagent.pods.objects import ObjectCache, ServiceCache
-from nodeagent.pods.pleg import Pleg
+from nodeagent.pods.pleg import Pleg, PodLifecycleEvent
 from nodeagent.pods.podhalf import Closable, Pods, Runnable
 from nodeagent.pods.podupdate import Op, Pod, PodUpdate, Source, SourcesReady
 from nodeagent.pods.settings import NodePodSettings
 from nodeagent.pods.volumes import TokenManager, VolumeManager
 from nodeagent.pods.workers import DueTimes
+from nodeagent.runtime import ContainerConfig, SandboxConfig
 from nodeagent.runtime.fake import FakeRuntime
 from tests.fakekube import FakeKube
 
@@ -334,6 +336,30 @@ async def started(clock: FakeClock, rt: FakeRuntime | None = None,
     a.loops.start()
     await settle()
     return a
+
+
+# the PLEG tests' pods on the fake runtime, and the events the PLEG hands out
+def pod_of(uid: str, containers: int = 1) -> dict:
+    return mkpod(f"p-{uid}", uid, image="img", containers=[f"c{i}" for i in range(containers)])
+
+
+async def start_pod(rt: FakeRuntime, uid: str, containers: int = 1) -> list[str]:
+    p = pod_of(uid, containers)
+    sc = SandboxConfig.from_pod(p)
+    sid = await rt.run_sandbox(sc)
+    ids = []
+    for c in p["spec"]["containers"]:
+        cid = await rt.create_container(sid, ContainerConfig.from_pod(p, c), sc)
+        await rt.start_container(cid)
+        ids.append(cid)
+    return ids
+
+
+def drain(q: asyncio.Queue[PodLifecycleEvent]) -> list[PodLifecycleEvent]:
+    out = []
+    while not q.empty():
+        out.append(q.get_nowait())
+    return out
 
 
 class AgentRig:

@@ -350,8 +350,8 @@ def measure(workdir: Path, only: str | None = None, plan: Plan | None = None,
     Logs of the run (each spec's e2e.log and report, the components' logs) stay in
     `workdir`."""
     from e2e.conformance.images import import_all, serve_upstream_pulls
+    from e2e.harness.ports import free_port
     from e2e.stack import Stack
-    from e2e.util import free_port
 
     plan = plan or load_plan()
     build.ensure(["e2e.test", "kubectl"], log=log)  # before anything runs
