@@ -16,13 +16,14 @@ from typing import Any
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client import CollectorRegistry
 
+from nodeagent.api.certificates import csr_pem, new_key
 from nodeagent.api.clock import FakeClock
 from nodeagent.node.status import StatusSettings, build_patch, compute_status, meaningful_changes
 from nodeagent.runtime.base import ContainerConfig, ContainerStats, PodRuntimeStatus, SandboxConfig
 from nodeagent.runtime.fake import FakeRuntime
 from nodeagent.server.auth import KubeletAuth, User, request_attributes, user_of_certificate
 from nodeagent.server.kubeletserver import KubeletServer, pick_container
-from nodeagent.server.tls import ServingCert, csr_request, renew_at, self_signed, validity
+from nodeagent.server.tls import ServingCert, renew_at, self_signed, validity
 from tests.conftest import aio
 
 NODE = "n1"
@@ -47,12 +48,6 @@ class FakeApi:
         self.access_reviews.append(spec)
         attrs = spec["resourceAttributes"]
         return {"allowed": (spec["user"], attrs["subresource"]) in self.allowed}
-
-    async def create_csr(self, body: dict[str, Any]) -> dict[str, Any]:
-        raise AssertionError("not used")
-
-    async def get_csr(self, name: str) -> dict[str, Any]:
-        raise AssertionError("not used")
 
 
 class Host:
@@ -305,7 +300,7 @@ def test_certificates(tmp_path: Path) -> None:
     import random
     at = renew_at(before, after, random.Random(1))
     assert before + (after - before) * 0.7 <= at <= before + (after - before) * 0.9
-    csr, _ = csr_request("n1", ["127.0.0.1"])
+    csr = csr_pem(new_key(), "n1", ["127.0.0.1"])
     from cryptography import x509
     req = x509.load_pem_x509_csr(csr)
     assert req.subject.rfc4514_string() == "CN=system:node:n1,O=system:nodes"

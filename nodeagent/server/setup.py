@@ -14,7 +14,7 @@ from nodeagent.api.clock import Clock
 from nodeagent.api.kube import Kube
 from nodeagent.config import AgentConfig, ConfigError
 from nodeagent.server.auth import KubeletAuth
-from nodeagent.server.kubeapi import RealServerApi, ServerApi
+from nodeagent.server.kubeapi import RealServerApi
 from nodeagent.server.kubeletserver import HealthCheck, KubeletServer
 from nodeagent.server.podhost import PodHost
 from nodeagent.server.tls import CertError, ServingCert
@@ -23,18 +23,18 @@ from nodeagent.server.tls import CertError, ServingCert
 class ServerBundle:
     """The server and what runs beside it (serving-certificate rotation)."""
 
-    def __init__(self, server: KubeletServer, cert: ServingCert, api: ServerApi,
+    def __init__(self, server: KubeletServer, cert: ServingCert, kube: Kube,
                  rotate: bool) -> None:
         self.server = server
         self.cert = cert
-        self.api = api
+        self.kube = kube  # the serving certificate's CSRs
         self.rotate = rotate
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> int:
         if self.rotate:
-            self._task = asyncio.create_task(self.cert.rotate(self.api, self._stop),
+            self._task = asyncio.create_task(self.cert.rotate(self.kube, self._stop),
                                              name="serving-cert")
             # the interim (or saved) certificate is in the context before we listen
             await asyncio.sleep(0)
@@ -78,4 +78,4 @@ def build(cfg: AgentConfig, host: PodHost, kube: Kube, *, clock: Clock,
     server = KubeletServer(host, auth, cert, node_names=cfg.node_names, clock=clock,
                            registry=registry, address=cfg.address, port=cfg.port,
                            health_checks=health_checks)
-    return ServerBundle(server, cert, api, cfg.rotate_server_certificates)
+    return ServerBundle(server, cert, kube.separate(1), cfg.rotate_server_certificates)
