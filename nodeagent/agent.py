@@ -114,7 +114,7 @@ def node_specs(cfg: AgentConfig) -> list[NodeSpec]:
     nodepulse.dev/virtual=true and tainted with the virtual taints)."""
     if not cfg.virtual:
         return [NodeSpec(cfg.node_name, cfg.agent_id, labels=dict(cfg.node_labels),
-                         taints=cfg.register_with_taints)]
+                         taints=cfg.register_with_taints, provider_id=cfg.provider_id)]
     labels = {**cfg.node_labels, VIRTUAL_LABEL: "true"}
     taints = list(cfg.register_with_taints)
     taints += [t for t in cfg.virtual_node_taints
@@ -289,7 +289,8 @@ class Agent:
                                 allocatable=allocatable)
         loop = SyncLoopConfig(runtime=runtime, clock=clock, kube=kube, answered=self.answered,
                               events=events, host_ip=hip, registry=registry,
-                              log_root=str(root / "logs" / "pods"), pod_settings=node_pods,
+                              log_root=cfg.pod_logs_dir or str(root / "logs" / "pods"),
+                              sync_frequency=cfg.sync_frequency, pod_settings=node_pods,
                               volumes=volumes, env=env, objects=objects,
                               serialize_image_pulls=cfg.serialize_image_pulls,
                               max_parallel_image_pulls=cfg.max_parallel_image_pulls)

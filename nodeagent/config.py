@@ -882,6 +882,10 @@ def _check_virtual(values: Mapping[str, Any]) -> None:
         which = "--pod-manifest-path" if values.get("pod_manifest_path") else "--manifest-url"
         raise ConfigError(f"{which}: static pods are not supported with --virtual-nodes "
                           "(a static pod is named and bound per node); remove one of them")
+    if values.get("bootstrap_kubeconfig"):
+        raise ConfigError("--bootstrap-kubeconfig: not supported with --virtual-nodes (a "
+                          "node client certificate names one Node); give --kubeconfig "
+                          "with the Helm chart's agent identity")
     if values.get("runtime") == "cri":
         raise ConfigError("--runtime cri: not supported with --virtual-nodes: every "
                           "virtual Node would advertise this host's capacity while all "

@@ -36,6 +36,7 @@ import datetime as dt
 import logging
 import os
 import random
+import ssl
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
@@ -261,10 +262,14 @@ async def client_credentials(settings: ClientCertSettings, clock: Clock, *,
             try:
                 cert, key = await obtain(lambda: (kube, "bootstrap"), store, settings.node,
                                          clock)
+                path = store.save(cert, key, clock.now())
+                write_kubeconfig(settings.kubeconfig, boot, store.current_path)
+            except OSError as e:
+                raise ClientConfigError(f"TLS bootstrap: cannot write {e.filename or ''} "
+                                        f"(--cert-dir {settings.cert_dir}, --kubeconfig "
+                                        f"{settings.kubeconfig}): {e.strerror or e}") from e
             finally:
                 await _close(kube)
-            path = store.save(cert, key, clock.now())
-            write_kubeconfig(settings.kubeconfig, boot, store.current_path)
             log.info("TLS bootstrap: client certificate stored in %s, %s written", path,
                      settings.kubeconfig)
     creds = load_credentials(settings.kubeconfig)
@@ -337,8 +342,15 @@ class ClientCertRotation:
             got = await _until_stopped(stop, self._renew(after))
             if got is None:
                 return
-            path = self.store.save(*got, self.clock.now())
-            self.creds.use_client_certificate(str(self.store.current_path))
+            try:
+                path = self.store.save(*got, self.clock.now())
+                self.creds.use_client_certificate(str(self.store.current_path))
+            except (OSError, ssl.SSLError) as e:
+                log.error("%s: the new certificate cannot be stored in %s: %s; asking "
+                          "again in %.0f s", WHAT, self.settings.cert_dir, e, BACKOFF_MAX)
+                if await _wait(stop, self.clock, BACKOFF_MAX):
+                    return
+                continue
             self.rotations += 1
             log.info("%s rotated: %s, valid until %s", WHAT, path,
                      validity(got[0])[1].isoformat())

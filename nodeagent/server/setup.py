@@ -61,9 +61,10 @@ def build(cfg: AgentConfig, host: PodHost, kube: Kube, *, clock: Clock,
     names = [*addresses, *cfg.node_names, socket.gethostname().lower()]
     try:
         cert = ServingCert(node=cfg.node_name, names=names,
-                           pki_dir=Path(cfg.root_dir) / "pki", cert_file=cfg.tls_cert_file,
-                           key_file=cfg.tls_private_key_file,
-                           client_ca_file=cfg.client_ca_file, clock=clock)
+                           pki_dir=Path(cfg.cert_dir or Path(cfg.root_dir) / "pki"),
+                           cert_file=cfg.tls_cert_file, key_file=cfg.tls_private_key_file,
+                           client_ca_file=cfg.client_ca_file, clock=clock,
+                           tls13_only=cfg.tls_min_version == "VersionTLS13")
         if cfg.tls_cert_file:
             cert.load_files()
         elif not cfg.rotate_server_certificates:
@@ -74,8 +75,14 @@ def build(cfg: AgentConfig, host: PodHost, kube: Kube, *, clock: Clock,
         raise ConfigError(str(e)) from None
     # connections of our own: the API's TokenReviews must not wait behind pod status writes
     api = RealServerApi(kube.separate(4))
-    auth = KubeletAuth(api, clock, anonymous=cfg.anonymous_auth)
+    auth = KubeletAuth(api, clock, anonymous=cfg.anonymous_auth,
+                       token_webhook=cfg.authentication_token_webhook,
+                       authorize_all=cfg.authorization_mode == "AlwaysAllow",
+                       token_ttl=cfg.authentication_token_webhook_cache_ttl,
+                       allowed_ttl=cfg.authorization_webhook_cache_authorized_ttl,
+                       denied_ttl=cfg.authorization_webhook_cache_unauthorized_ttl)
     server = KubeletServer(host, auth, cert, node_names=cfg.node_names, clock=clock,
                            registry=registry, address=cfg.address, port=cfg.port,
-                           health_checks=health_checks)
+                           health_checks=health_checks,
+                           debugging_handlers=cfg.enable_debugging_handlers)
     return ServerBundle(server, cert, kube.separate(1), cfg.rotate_server_certificates)

@@ -78,7 +78,7 @@ class ServingCert:
     def __init__(self, *, node: str, names: Sequence[str], pki_dir: Path,
                  cert_file: str | None = None, key_file: str | None = None,
                  client_ca_file: str | None = None, clock: Clock,
-                 rng: random.Random | None = None) -> None:
+                 rng: random.Random | None = None, tls13_only: bool = False) -> None:
         self.node = node
         self.names = list(names)
         self.pki_dir = pki_dir
@@ -87,7 +87,8 @@ class ServingCert:
         self.clock = clock
         self.rng = rng or random.Random()
         self.context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        self.context.minimum_version = ssl.TLSVersion.TLSv1_2
+        self.context.minimum_version = ssl.TLSVersion.TLSv1_3 if tls13_only \
+            else ssl.TLSVersion.TLSv1_2
         if client_ca_file:
             try:
                 self.context.load_verify_locations(cafile=client_ca_file)
