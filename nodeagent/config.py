@@ -965,6 +965,12 @@ def _merged(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def kubelet_table() -> str:
+    """The table of docs/kubelet-dropin.md: what the agent does with each of the
+    kubelet's fields and flags."""
+    return kubeletconfig.table_markdown({o.key: o.flag for o in OPTIONS if o.key and o.flag})
+
+
 def parse_args(argv: Sequence[str] | None, parser: argparse.ArgumentParser,
                env: Mapping[str, str] | None = None) -> AgentConfig:
     ns = parser.parse_args(argv)

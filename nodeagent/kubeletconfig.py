@@ -22,6 +22,7 @@ flags that are not fields.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
 from collections.abc import Callable, Mapping
@@ -174,7 +175,7 @@ FIELDS: dict[str, Field] = {
     "imageMaximumGCAge": I("duration", NO_IMAGE_GC, None),
     "imageGCHighThresholdPercent": I("*int", NO_IMAGE_GC, 100, "image-gc-high-threshold"),
     "imageGCLowThresholdPercent": I("*int", NO_IMAGE_GC, None, "image-gc-low-threshold"),
-    "volumeStatsAggPeriod": I("duration", "volume usage is measured when asked", None,
+    "volumeStatsAggPeriod": I("duration", "the stats summary reports no volume usage", None,
                               "volume-stats-agg-period"),
     "localStorageCapacityIsolation": I("*bool", "ephemeral-storage limits are not "
                                        "enforced by eviction", None,
@@ -251,8 +252,8 @@ FIELDS: dict[str, Field] = {
     "containerRuntimeEndpoint": H("str", "containerRuntimeEndpoint"),
     "imageServiceEndpoint": H("str", "imageServiceEndpoint",
                               note="must be unset or the runtime's endpoint"),
-    "runtimeRequestTimeout": I("duration", "each runtime call has the agent's own timeout",
-                               "2m", "runtime-request-timeout"),
+    "runtimeRequestTimeout": I("duration", "runtime changes have the kubelet's default "
+                               "deadline, 2 minutes", "2m", "runtime-request-timeout"),
     "registryPullQPS": I("*int", NO_LIMIT + " (serializeImagePulls and "
                          "maxParallelImagePulls bound pulls)", 0, "registry-qps"),
     "registryBurst": I("int", NO_LIMIT, None, "registry-burst"),
@@ -524,3 +525,30 @@ def read_flag(path: str, text: str) -> Any:
                 v.strip().lower() == "true"
         return out
     return text
+
+
+def _shown(value: Any) -> str:
+    return f"`{value}`" if isinstance(value, str) else f"`{json.dumps(value)}`"
+
+
+def table_markdown(flags_of_keys: Mapping[str, str]) -> str:
+    """FIELDS and FLAGS as the Markdown tables of docs/kubelet-dropin.md;
+    `flags_of_keys`: the agent's flag of each of its config-file keys."""
+    lines = ["| field | flag | what the agent does |", "|---|---|---|"]
+    for path, field in sorted(FIELDS.items()):
+        a = field.action
+        flag = field.flag
+        if isinstance(a, Honoured):
+            flag = flags_of_keys.get(a.key)
+            what = f"honoured (`{a.key}`)" + (f"; {a.note}" if a.note else "")
+        elif isinstance(a, Refused):
+            ok = " or ".join(_shown(v) for v in a.allowed if v != "")
+            what = f"**refused** unless {ok}: {a.why}"
+        else:
+            same = " or ".join(_shown(v) for v in a.same)
+            what = f"ignored, logged when set{f' (except {same})' if same else ''}: {a.why}"
+        lines.append(f"| `{path}` | {f'`--{flag}`' if flag else ''} | {what} |")
+    lines += ["", "| other kubelet flag | what the agent does |", "|---|---|"]
+    for name, (action, why) in sorted(FLAGS.items()):
+        lines.append(f"| `--{name}` | {action}{': ' + why if why else ''} |")
+    return "\n".join(lines) + "\n"

@@ -2,7 +2,9 @@
 kubelet.config.k8s.io/v1beta1 KubeletConfiguration (its json path and the shape of its
 Go type) and every flag of the kubelet's command line.
 
-    .venv/bin/python scripts/kubelet_surface.py   # rewrites tests/data/kubelet-surface.txt
+    .venv/bin/python scripts/kubelet_surface.py          # rewrites tests/data/kubelet-surface.txt
+    .venv/bin/python scripts/kubelet_surface.py --docs   # rewrites the table of
+                                                         # docs/kubelet-dropin.md
 
 tests/test_kubeletconfig.py reads the Go sources with these functions when the module
 cache holds them, and the committed list otherwise, and checks that
@@ -17,6 +19,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 LIST = ROOT / "tests" / "data" / "kubelet-surface.txt"
+DOC = ROOT / "docs" / "kubelet-dropin.md"
+DOC_START = "<!-- kubelet table: generated from nodeagent/kubeletconfig.py -->\n"
+DOC_END = "<!-- end of kubelet table -->\n"
 
 _STRUCT = re.compile(r"^type (\w+) struct \{\n(.*?)^\}", re.M | re.S)
 _FIELD = re.compile(r'^\s+\w+\s+([^\s`]+)\s+`json:"([^",]*)', re.M)
@@ -94,8 +99,24 @@ def read_list(path: Path = LIST) -> tuple[dict[str, str], set[str]]:
     return fields, flags
 
 
+def doc_table(text: str) -> str:
+    """The generated section of docs/kubelet-dropin.md."""
+    return text.split(DOC_START, 1)[1].split(DOC_END, 1)[0]
+
+
+def write_doc() -> None:
+    from nodeagent.config import kubelet_table
+    text = DOC.read_text()
+    head, rest = text.split(DOC_START, 1)
+    DOC.write_text(head + DOC_START + kubelet_table() + DOC_END + rest.split(DOC_END, 1)[1])
+    print(f"{DOC}: table written")
+
+
 def main() -> None:
     sys.path.insert(0, str(ROOT))
+    if sys.argv[1:] == ["--docs"]:
+        write_doc()
+        return
     from e2e.cluster.build import cache_root
     versions = pinned()
     types_go, options_go, logs_go = sources(cache_root() / "gomod", versions)

@@ -161,6 +161,11 @@ def test_every_kubelet_flag_is_taken() -> None:
         p.parse_args([f"--{flag}=1"] if flag != "v" else ["-v=1"])
 
 
+def test_the_docs_table_is_the_table() -> None:
+    doc = surface.doc_table(surface.DOC.read_text())
+    assert doc == config.kubelet_table(), "run scripts/kubelet_surface.py --docs"
+
+
 def test_honoured_fields_name_settings_of_the_agent() -> None:
     keys = {o.key for o in config.OPTIONS if o.key}
     honoured = {f.action.key for f in FIELDS.values() if isinstance(f.action, Honoured)}
