@@ -305,8 +305,14 @@ FLAGS: dict[str, tuple[str, str]] = {
     "log-json-split-stream": ("ignored", "the agent logs text"),
     "log-json-info-buffer-size": ("ignored", "the agent logs text"),
     "runtime-cgroups": ("ignored", NO_CGROUPS),
+    # flags older kubeadm versions wrote to kubeadm-flags.env, which the kubelet has
+    # since dropped: taken, so such a file still starts the agent
     "pod-infra-container-image": ("ignored", "the runtime's own sandbox image is used (the "
-                                             "kubelet dropped this flag too)"),
+                                             "kubelet dropped this flag in 1.35)"),
+    "container-runtime": ("ignored", "every runtime is a CRI endpoint (the kubelet "
+                                     "dropped this flag in 1.27)"),
+    "network-plugin": ("ignored", "pod networks are the runtime's CNI setup (the kubelet "
+                                  "dropped this flag in 1.24)"),
     "image-credential-provider-config": ("ignored", "no credential provider plugins: "
                                                     "private images need imagePullSecrets"),
     "image-credential-provider-bin-dir": ("ignored", "no credential provider plugins"),
