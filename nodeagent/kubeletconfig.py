@@ -43,8 +43,7 @@ class FieldError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class Honoured:
     key: str  # the agent's config-file key (config.OPTIONS)
-    # the kubelet's value -> the agent's (None: as it is); `doc` is the whole document
-    convert: Callable[[Any, Mapping[str, Any]], Any] | None = None
+    convert: Callable[[Any], Any] | None = None  # the kubelet's value -> the agent's
     note: str = ""  # what the agent makes of it, where that is less than the kubelet does
 
 
@@ -67,7 +66,7 @@ class Field:
     flag: str | None = None  # the kubelet's flag for it, where config.OPTIONS has none
 
 
-def H(kind: str, key: str, convert: Callable[[Any, Mapping[str, Any]], Any] | None = None,
+def H(kind: str, key: str, convert: Callable[[Any], Any] | None = None,
       note: str = "") -> Field:
     return Field(kind, Honoured(key, convert, note))
 
@@ -84,11 +83,11 @@ def R(kind: str, why: str, allowed: tuple[Any, ...] = (), flag: str | None = Non
 
 # -- conversions of honoured fields --
 
-def _node_status_max_images(value: Any, _doc: Mapping[str, Any]) -> Any:
+def _node_status_max_images(value: Any) -> Any:
     return 1000 if value == -1 else value  # the kubelet's -1: no cap; the agent's most
 
 
-def _verbosity(value: Any, _doc: Mapping[str, Any]) -> str:
+def _verbosity(value: Any) -> str:
     return "debug" if int(value) >= 4 else "info"
 
 
@@ -420,13 +419,15 @@ def translate(doc: Mapping[str, Any], where: str,
     given: dict[str, tuple[Any, str]] = {}
     notes: list[str] = []
     for path in leaves({k: v for k, v in doc.items() if k not in ("apiVersion", "kind")}):
+        if any(f.startswith(path + ".") for f in FIELDS):
+            raise FieldError(f"{where}: {path}: expected a mapping of fields, got "
+                             f"{_get(doc, path)!r}")
         if path not in FIELDS:
             notes.append(f"{where}: {path}: not a field of {API_VERSION} {KIND}; ignored")
             continue
         given[path] = (_get(doc, path), f"{where}: {path}")
     for path, value in (flag_values or {}).items():
         given[path] = (value, f"--{flag_of(path)}")
-    merged = {p: v for p, (v, _) in given.items()}
     out: dict[str, tuple[Any, str]] = {}
     for path, (value, at) in given.items():
         field = FIELDS[path]
@@ -444,25 +445,8 @@ def translate(doc: Mapping[str, Any], where: str,
             if not any(_same(field.kind, value, v, at) for v in action.same):
                 notes.append(f"{at}: {value!r} is not supported, ignored: {action.why}")
         else:
-            try:
-                converted = action.convert(value, _nested(merged)) if action.convert \
-                    else value
-            except (FieldError, ValueError, TypeError) as e:
-                raise FieldError(f"{at}: {e}") from None
-            if converted is not None:
-                out[action.key] = (converted, at)
+            out[action.key] = (action.convert(value) if action.convert else value, at)
     return Translated(out, notes)
-
-
-def _nested(flat: Mapping[str, Any]) -> dict[str, Any]:
-    doc: dict[str, Any] = {}
-    for path, value in flat.items():
-        *parents, last = path.split(".")
-        node = doc
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[last] = value
-    return doc
 
 
 def _logging(value: Any, at: str, out: dict[str, tuple[Any, str]], notes: list[str]) -> None:
@@ -475,7 +459,7 @@ def _logging(value: Any, at: str, out: dict[str, tuple[Any, str]], notes: list[s
             if not isinstance(v, int) or isinstance(v, bool):
                 raise FieldError(f"{at}.verbosity: expected a whole number, got {v!r}")
             if v:
-                out["logLevel"] = (_verbosity(v, {}), f"{at}.verbosity")
+                out["logLevel"] = (_verbosity(v), f"{at}.verbosity")
         elif k == "format":
             if v not in ("", "text"):
                 notes.append(f"{at}.format: {v!r} is not supported, ignored: the agent "

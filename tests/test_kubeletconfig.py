@@ -413,3 +413,8 @@ def test_config_dir_drop_ins_go_over_the_file(tmp_path: Path) -> None:
     (drop / "30-c.conf").write_text("maxPods: 1\n")
     with pytest.raises(ConfigError, match="30-c.conf is not a kubelet.config.k8s.io"):
         load(["--config", path, "--config-dir", str(drop), "--node-name", "n1"])
+
+
+def test_a_struct_given_as_a_value_is_named(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="authentication: expected a mapping of fields"):
+        with_file(tmp_path, "authentication: Webhook")
