@@ -133,7 +133,7 @@ def node_specs(cfg: AgentConfig) -> list[NodeSpec]:
     nodepulse.dev/virtual=true and tainted with the virtual taints)."""
     if not cfg.virtual:
         return [NodeSpec(cfg.node_name, cfg.agent_id, labels=dict(cfg.node_labels),
-                         taints=cfg.register_with_taints)]
+                         taints=cfg.register_with_taints, provider_id=cfg.provider_id)]
     labels = {**cfg.node_labels, VIRTUAL_LABEL: "true"}
     taints = list(cfg.register_with_taints)
     taints += [t for t in cfg.virtual_node_taints
@@ -271,9 +271,10 @@ def build_kubelet_api(cfg: AgentConfig, host: PodHost, kube: Kube, *, clock: Clo
     names = [*addresses, *cfg.node_names, socket.gethostname().lower()]
     try:
         cert = ServingCert(node=cfg.node_name, names=names,
-                           pki_dir=Path(cfg.root_dir) / "pki", cert_file=cfg.tls_cert_file,
-                           key_file=cfg.tls_private_key_file,
-                           client_ca_file=cfg.client_ca_file, clock=clock)
+                           pki_dir=Path(cfg.cert_dir or Path(cfg.root_dir) / "pki"),
+                           cert_file=cfg.tls_cert_file, key_file=cfg.tls_private_key_file,
+                           client_ca_file=cfg.client_ca_file, clock=clock,
+                           tls13_only=cfg.tls_min_version == "VersionTLS13")
         if cfg.tls_cert_file:
             cert.load_files()
         elif not cfg.rotate_server_certificates:
@@ -284,11 +285,18 @@ def build_kubelet_api(cfg: AgentConfig, host: PodHost, kube: Kube, *, clock: Clo
         raise ConfigError(str(e)) from None
     # connections of our own: the API's TokenReviews must not wait behind pod status writes
     api = RealServerApi(kube.separate(4))
-    auth = KubeletAuth(api, clock, anonymous=cfg.anonymous_auth)
+    auth = KubeletAuth(api, clock, anonymous=cfg.anonymous_auth,
+                       token_webhook=cfg.authentication_token_webhook,
+                       authorize_all=cfg.authorization_mode == "AlwaysAllow",
+                       token_ttl=cfg.authentication_token_webhook_cache_ttl,
+                       allowed_ttl=cfg.authorization_webhook_cache_authorized_ttl,
+                       denied_ttl=cfg.authorization_webhook_cache_unauthorized_ttl)
     server = KubeletServer(host, auth, cert, node_names=cfg.node_names, clock=clock,
                            registry=registry, address=cfg.address, port=cfg.port,
-                           health_checks=health_checks)
-    return ServerBundle(server, cert, api, cfg.rotate_server_certificates)
+                           health_checks=health_checks,
+                           debugging_handlers=cfg.enable_debugging_handlers)
+    # the serving certificate's CSRs, on a connection of their own
+    return ServerBundle(server, cert, kube.separate(1), cfg.rotate_server_certificates)
 
 
 class Agent:
@@ -379,7 +387,7 @@ class Agent:
             dns=DnsSettings(cluster_dns=cfg.cluster_dns, cluster_domain=cfg.cluster_domain,
                             resolv_conf=cfg.resolv_conf),
             admission=AdmissionSettings(allowed_unsafe_sysctls=cfg.allowed_unsafe_sysctls),
-            log_root=str(root / "logs" / "pods"),
+            log_root=cfg.pod_logs_dir or str(root / "logs" / "pods"),
             # virtual nodes' and the fake runtime's containers run nothing that could
             # read a hosts file, a volume or resolve a name
             pods_dir=str(root / "pods") if workloads else "",
@@ -402,7 +410,8 @@ class Agent:
         shared = PodParts(runtime=runtime, clock=clock, kube=kube, answered=self.answered,
                           events=events, registry=registry, settings=settings, cache=cache,
                           images=images, due_times=DueTimes(), volumes=volumes,
-                          env=EnvResolver(objects, services, allocatable))
+                          env=EnvResolver(objects, services, allocatable),
+                          timing=PodTiming(sync_frequency=cfg.sync_frequency))
         loops = NodeLoops(NodeLoopsConfig(cfg.node_names),
                           functools.partial(build_node_loop, shared=shared), pleg,
                           merge.updates, merge.ready, clock, shared.due_times, volumes)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import concurrent.futures
 import dataclasses
 import datetime as dt
@@ -20,13 +21,17 @@ from collections.abc import Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 from prometheus_client import CollectorRegistry
 
 from nodeagent import config
 from nodeagent.agent import Agent, Externals, PodParts, Pools, build_node_loop
 from nodeagent.api.answered import ApiAnswered
 from nodeagent.api.clock import FakeClock, settle
-from nodeagent.api.kube import NODES, PODS
+from nodeagent.api.kube import CERTIFICATE_SIGNING_REQUESTS, NODES, PODS
 from nodeagent.events import Events
 from nodeagent.node.host import HostReadings
 from nodeagent.node.status import StatusSettings
@@ -403,3 +408,53 @@ class AgentRig:
 
     def status(self, uid: str) -> dict[str, Any]:
         return [st for u, st in status_patches(self.kube) if u == uid][-1]
+
+
+class TestSigner:
+    """A cluster CA that approves and signs CertificateSigningRequests in the in-memory
+    API, as an approver and the controller manager's csrsigning would (or denies them)."""
+
+    __test__ = False  # not a test class, whatever pytest thinks of its name
+
+    def __init__(self, kube: FakeKube, clock: FakeClock) -> None:
+        self.kube, self.clock = kube, clock
+        self.key = ec.generate_private_key(ec.SECP256R1())
+        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "test-ca")])
+        now = clock.now()
+        self.cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+                     .public_key(self.key.public_key())
+                     .serial_number(x509.random_serial_number())
+                     .not_valid_before(now - dt.timedelta(days=1))
+                     .not_valid_after(now + dt.timedelta(days=3650))
+                     .add_extension(x509.BasicConstraints(ca=True, path_length=None),
+                                    critical=True)
+                     .sign(self.key, hashes.SHA256()))
+
+    def pending(self) -> list[str]:
+        """Names of the CSRs neither signed nor refused yet."""
+        return [n for n, o in self.kube.items(CERTIFICATE_SIGNING_REQUESTS).items()
+                if not (o.get("status") or {}).get("certificate")
+                and not (o.get("status") or {}).get("conditions")]
+
+    def sign(self, name: str, lifetime: dt.timedelta = dt.timedelta(days=365)) -> bytes:
+        """Approve and sign the CSR `name`: its certificate, valid from now."""
+        obj = self.kube.obj(CERTIFICATE_SIGNING_REQUESTS, name)
+        req = x509.load_pem_x509_csr(base64.b64decode(obj["spec"]["request"]))
+        now = self.clock.now()
+        cert = (x509.CertificateBuilder().subject_name(req.subject)
+                .issuer_name(self.cert.subject).public_key(req.public_key())
+                .serial_number(x509.random_serial_number())
+                .not_valid_before(now).not_valid_after(now + lifetime)
+                .sign(self.key, hashes.SHA256()))
+        pem = cert.public_bytes(serialization.Encoding.PEM)
+        obj["status"] = {"conditions": [{"type": "Approved", "status": "True",
+                                         "reason": "TestSigner"}],
+                         "certificate": base64.b64encode(pem).decode()}
+        self.kube.put(CERTIFICATE_SIGNING_REQUESTS, obj)
+        return pem
+
+    def deny(self, name: str, reason: str = "NotAllowed", message: str = "no") -> None:
+        obj = self.kube.obj(CERTIFICATE_SIGNING_REQUESTS, name)
+        obj["status"] = {"conditions": [{"type": "Denied", "status": "True",
+                                         "reason": reason, "message": message}]}
+        self.kube.put(CERTIFICATE_SIGNING_REQUESTS, obj)

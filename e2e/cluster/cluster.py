@@ -485,6 +485,9 @@ class LocalCluster(Cluster):
                 f"--service-cluster-ip-range={SERVICE_CIDR}",
                 "--authorization-mode=Node,RBAC",
                 "--enable-admission-plugins=NodeRestriction",
+                # bootstrap tokens (Secrets in kube-system), as kubeadm's clusters take
+                # them: agents join with one and get their client certificate by a CSR
+                "--enable-bootstrap-token-auth=true",
                 "--allow-privileged=true", "--profiling=false", "-v=1",
                 f"--audit-policy-file={self.workdir / 'audit-policy.yaml'}",
                 f"--audit-log-path={self.workdir / 'audit.log'}", "--audit-log-format=json",
