@@ -31,7 +31,7 @@ from prometheus_client import CollectorRegistry
 from nodeagent.api.clock import FakeClock
 from nodeagent.runtime import spdy
 from nodeagent.runtime.base import PodRuntimeStatus
-from nodeagent.runtime.execserver import ExecSpec, Session
+from nodeagent.runtime.execserver import RESIZE_LIMIT, STDIN_BUFFER, ExecSpec, Session
 from nodeagent.runtime.fake import FakeRuntime
 from nodeagent.server.auth import KubeletAuth, Unauthorized, request_attributes
 from nodeagent.server.containerlogs import LogRequestError, parse_options
@@ -343,4 +343,49 @@ def test_exec_session_reads_any_frames_or_ends_with_a_protocol_error(
         with contextlib.suppress(spdy.ProtocolError):
             await asyncio.wait_for(s._read_frames(), 5)
         assert s.gone.is_set()
+    asyncio.run(run())
+
+
+def _queued(q: asyncio.Queue[Any]) -> int:
+    return sum(len(x or b"") for x in q._queue)  # type: ignore[attr-defined]
+
+
+def test_stdin_a_command_does_not_read_holds_the_client_back() -> None:
+    """Stdin frames wait in the session only up to STDIN_BUFFER; past it the session
+    stops reading the socket, as a pipe would, instead of queueing without end."""
+    async def run() -> None:
+        s, reader, _ = session()
+        codec = spdy.HeaderCodec()
+        reader.feed_data(b"".join(syn_stream(codec, i + 1, k) for i, k in
+                                  enumerate(("error", "stdin", "stdout", "stderr"))))
+        chunk = b"x" * 32768
+        reader.feed_data(b"".join(spdy.data(2, chunk) for _ in range(128)))  # 4 MiB
+        frames = asyncio.create_task(s._read_frames())
+        for _ in range(200):
+            await asyncio.sleep(0)
+        assert s.all_there.is_set()
+        assert _queued(s.stdin_queue) <= STDIN_BUFFER + 65536  # and one read
+        # the command reads: the rest comes through
+        got = 0
+        while got < 128 * len(chunk):
+            got += len(await asyncio.wait_for(s.stdin_chunk(), 5) or b"")
+        reader.feed_eof()
+        await asyncio.wait_for(frames, 5)
+    asyncio.run(run())
+
+
+def test_resize_messages_are_bounded() -> None:
+    """A resize stream without newlines, or on a session without a terminal, holds at
+    most one message's worth of bytes."""
+    async def run() -> None:
+        for tty in (False, True):
+            s, reader, _ = session(tty)
+            codec = spdy.HeaderCodec()
+            reader.feed_data(syn_stream(codec, 1, "resize"))
+            reader.feed_data(b"".join(spdy.data(1, b"{" * 32768) for _ in range(64)))
+            reader.feed_data(spdy.data(1, b'{"Width":80,"Height":24}\n' * 1000))
+            reader.feed_eof()
+            await asyncio.wait_for(s._read_frames(), 5)
+            assert len(s._resize_buf) <= RESIZE_LIMIT
+            assert s.resizes.qsize() <= (1 if tty else 0)
     asyncio.run(run())
