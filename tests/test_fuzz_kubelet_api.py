@@ -26,17 +26,13 @@ import pytest
 from aiohttp.test_utils import make_mocked_request
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from prometheus_client import CollectorRegistry
 
 from nodeagent.api.clock import FakeClock
 from nodeagent.runtime import spdy
-from nodeagent.runtime.base import PodRuntimeStatus
 from nodeagent.runtime.execserver import RESIZE_LIMIT, STDIN_BUFFER, ExecSpec, Session
-from nodeagent.runtime.fake import FakeRuntime
 from nodeagent.server.auth import KubeletAuth, Unauthorized, request_attributes
 from nodeagent.server.containerlogs import LogRequestError, parse_options
-from nodeagent.server.kubeletserver import KubeletServer
-from nodeagent.server.tls import ServingCert
+from tests.conftest import KubeletApiFake, NoTls, kubelet_server
 
 FUZZ = settings(max_examples=int(os.environ.get("NP_FUZZ_EXAMPLES", "200")), deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
@@ -75,63 +71,6 @@ def test_log_options_parse_or_are_refused_by_name(query: dict[str, str]) -> None
 
 # -- routes and who may reach them --
 
-class Api:
-    """TokenReview: "good-<user>" is <user>; SubjectAccessReview: `allowed` (user,
-    subresource) pairs."""
-
-    def __init__(self, allowed: set[tuple[str, str]]) -> None:
-        self.allowed = allowed
-
-    async def review_token(self, token: str) -> dict[str, Any]:
-        if token.startswith("good-") and len(token) > 5:
-            return {"authenticated": True, "user": {"username": token[5:]}}
-        return {"authenticated": False}
-
-    async def review_access(self, spec: dict[str, Any]) -> dict[str, Any]:
-        sub = spec["resourceAttributes"]["subresource"]
-        return {"allowed": (spec["user"], sub) in self.allowed}
-
-    async def create_csr(self, body: dict[str, Any]) -> dict[str, Any]:
-        raise AssertionError("not used")
-
-    async def get_csr(self, name: str) -> dict[str, Any]:
-        raise AssertionError("not used")
-
-
-class Host:
-    """One pod, web in ns (uid u1), whose container has not started."""
-
-    def __init__(self, runtime: FakeRuntime) -> None:
-        self.runtime = runtime
-        self.pod = {"metadata": {"name": "web", "namespace": "ns", "uid": "u1"},
-                    "spec": {"nodeName": "n1", "containers": [{"name": "main",
-                                                               "image": "img"}]}}
-
-    def find_pod(self, namespace: str, name: str) -> tuple[str, dict[str, Any]] | None:
-        return ("n1", self.pod) if (namespace, name) == ("ns", "web") else None
-
-    def all_pods(self) -> list[dict[str, Any]]:
-        return [self.pod]
-
-    def runtime_pod(self, uid: str) -> PodRuntimeStatus:
-        return PodRuntimeStatus(uid)
-
-
-class NoTls:
-    def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return default
-
-
-def make_server(tmp: Path) -> KubeletServer:
-    clock = FakeClock(NOW)
-    api = Api({("alice", "proxy"), ("stan", "stats")})
-    cert = ServingCert(node="n1", names=["127.0.0.1"], pki_dir=tmp / "pki", clock=clock)
-    cert.load_self_signed()
-    return KubeletServer(Host(FakeRuntime(clock)), KubeletAuth(api, clock), cert,
-                         node_names=["n1"], clock=clock, registry=CollectorRegistry(),
-                         node_reader=lambda: {})
-
-
 SEGMENTS = st.sampled_from([
     "containerLogs", "exec", "attach", "portForward", "run", "pods", "stats", "summary",
     "metrics", "resource", "healthz", "logs", "configz", "checkpoint", "ns", "web", "main",
@@ -166,7 +105,7 @@ def test_any_path_is_answered_4xx_or_served_only_when_authorized(
     path = "/" + "/".join(segments) + ("/" if slash else "")
     if query:
         path += "?" + "&".join(f"{k}={v}" for k, v in query)
-    server = make_server(tmp_path)
+    server = kubelet_server(tmp_path, NOW)
     try:
         request = make_mocked_request(method, path, headers={**authorization(user),
                                                              **upgrade},
@@ -215,7 +154,7 @@ CERT_FIELDS = st.sampled_from(["commonName", "organizationName", "countryName", 
 def test_credentials_give_a_user_or_unauthorized(authorization: str | None,
                                                  peercert: dict[str, Any] | None) -> None:
     clock = FakeClock(NOW)
-    auth = KubeletAuth(Api(set()), clock)
+    auth = KubeletAuth(KubeletApiFake(set()), clock)
 
     async def run() -> None:
         try:
