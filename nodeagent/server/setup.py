@@ -77,5 +77,7 @@ def build(cfg: AgentConfig, host: PodHost, kube: Kube, *, clock: Clock,
     auth = KubeletAuth(api, clock, anonymous=cfg.anonymous_auth)
     server = KubeletServer(host, auth, cert, node_names=cfg.node_names, clock=clock,
                            registry=registry, address=cfg.address, port=cfg.port,
-                           health_checks=health_checks)
+                           health_checks=health_checks,
+                           connection_idle_timeout=cfg.connection_idle_timeout,
+                           streaming_idle_timeout=cfg.streaming_connection_idle_timeout)
     return ServerBundle(server, cert, api, cfg.rotate_server_certificates)
