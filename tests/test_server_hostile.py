@@ -154,3 +154,20 @@ async def test_a_malformed_request_is_a_400_and_no_traceback(
         assert not noisy, [r.getMessage() for r in noisy]
         assert any("kubelet API: Error handling request" in r.getMessage()
                    for r in caplog.records)
+
+
+@aio
+async def test_a_body_is_not_read_and_its_connection_closes_after_the_answer(
+        tmp_path: Path) -> None:
+    async with serving(tmp_path) as (server, _, _):
+        ctx = ssl.create_default_context()
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+        for auth in (b"", b"Authorization: Bearer good-alice\r\n"):
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.port, ssl=ctx)
+            writer.write(b"POST /exec/ns/ghost/main?command=sh&input=1 HTTP/1.1\r\nHost: x\r\n"
+                         + auth + b"Content-Length: 1073741824\r\n\r\n" + b"\0" * 2**20)
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            assert head.split(b" ")[1] == (b"404" if auth else b"401"), head
+            await until(lambda: open_connections(server) == 0, "the connection closed")
+            writer.close()

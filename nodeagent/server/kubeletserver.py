@@ -15,7 +15,8 @@ naming a pod is checked against the Node that pod is bound to.
 Hostile clients (docs/kubelet-api.md): a connection must finish its TLS handshake, and
 send a whole request head, within the connection idle timeout of connecting or of its
 last response, else it is closed; a request head is at most 128 lines of 8 KiB;
-bodies are never read; a malformed request is a 400 and a line in the debug log.
+bodies are never read (a request that sends one is answered, then its connection
+closed); a malformed request is a 400 and a line in the debug log.
 """
 
 from __future__ import annotations
@@ -169,6 +170,7 @@ class KubeletServer:
         self._runner = web.AppRunner(
             self.app(), access_log=None, handle_signals=False, shutdown_timeout=1.0,
             keepalive_timeout=self.connection_idle_timeout,
+            lingering_time=0,  # no endpoint takes a body: close rather than drain one
             logger=_BadRequestLog(logging.getLogger("aiohttp.server")))
         await self._runner.setup()
         server = self._runner.server
