@@ -65,6 +65,7 @@ class Figures:
     rss: int
     connections: float
     streams: float
+    tasks: float
 
 
 def metrics(node: Node) -> str:
@@ -77,7 +78,8 @@ def figures(node: Node) -> Figures:
     text = metrics(node)
     return Figures(len(os.listdir(f"/proc/{node.proc.pid}/fd")), node.rss_and_cpu()[0],
                    samples(text, "nodepulse_kubelet_api_connections"),
-                   samples(text, "nodepulse_kubelet_api_streams"))
+                   samples(text, "nodepulse_kubelet_api_streams"),
+                   samples(text, "nodepulse_asyncio_tasks"))
 
 
 def renew_time(node: Node) -> dt.datetime:
@@ -88,8 +90,9 @@ def renew_time(node: Node) -> dt.datetime:
 
 @pytest.fixture(autouse=True)
 def back_to_baseline(node: Node, request: pytest.FixtureRequest) -> Iterator[None]:
-    """Around each attack: fds, connections and streams return to what they were,
-    memory stays within 32 MiB of it, and the Lease is still renewed."""
+    """Around each attack: fds, connections, streams and asyncio tasks return to what
+    they were (tasks: within the agent's own coming and going), memory stays within
+    32 MiB of it, and the Lease is still renewed."""
     before = figures(node)
     renewed = renew_time(node)
     yield
@@ -99,7 +102,7 @@ def back_to_baseline(node: Node, request: pytest.FixtureRequest) -> Iterator[Non
         now = figures(node)
         # the figures' own /metrics request is one open connection
         ok = now.fds <= before.fds + 2 and now.connections <= max(before.connections, 1) \
-            and now.streams == 0
+            and now.streams == 0 and now.tasks <= before.tasks + 10
         return now if ok else None
     try:
         after = eventually(settled, "the agent's fds, connections and streams back to "
@@ -107,8 +110,9 @@ def back_to_baseline(node: Node, request: pytest.FixtureRequest) -> Iterator[Non
     except AssertionError:
         print(f"before {before}, now {figures(node)}\n{node.log_tail()}")
         raise
-    print(f"\n{request.node.name}: fds {before.fds} -> {after.fds}, RSS "
-          f"{before.rss / 2**20:.1f} -> {after.rss / 2**20:.1f} MiB")
+    print(f"\n{request.node.name}: fds {before.fds} -> {after.fds}, asyncio tasks "
+          f"{before.tasks:.0f} -> {after.tasks:.0f}, RSS {before.rss / 2**20:.1f} -> "
+          f"{after.rss / 2**20:.1f} MiB")
     assert after.rss - before.rss < 32 * 2**20, (before, after)
     eventually(lambda: renew_time(node) > renewed, "the Lease renewed after the attack", 15)
 

@@ -104,6 +104,8 @@ def streams(server: KubeletServer) -> float | None:
 @aio
 async def test_an_ended_stream_leaves_no_connection_behind(tmp_path: Path) -> None:
     async with serving(tmp_path) as (server, echo, _):
+        tasks = server.registry.get_sample_value("nodepulse_asyncio_tasks")
+        assert tasks
         for _ in range(3):
             reader, writer = await exec_upgrade(server)
             writer.write(b"ping")
@@ -112,6 +114,8 @@ async def test_an_ended_stream_leaves_no_connection_behind(tmp_path: Path) -> No
             writer.close()
             await until(lambda: open_connections(server) == 0 and streams(server) == 0
                         and echo.open == 0, "the connection gone from the server")
+            await until(lambda: server.registry.get_sample_value("nodepulse_asyncio_tasks")
+                        == tasks, "the stream's tasks gone")
 
 
 @aio

@@ -62,6 +62,7 @@ class ServerMetrics:
     requests: Counter
     streams: Gauge
     connections: Gauge
+    tasks: Gauge
 
 
 @per_registry
@@ -75,7 +76,10 @@ def server_metrics(registry: CollectorRegistry) -> ServerMetrics:
                       ["endpoint"], registry=registry),
         connections=Gauge("nodepulse_kubelet_api_connections",
                           "Client connections to the kubelet API open now, the upgraded "
-                          "ones of exec/attach/port-forward included.", registry=registry))
+                          "ones of exec/attach/port-forward included.", registry=registry),
+        tasks=Gauge("nodepulse_asyncio_tasks",
+                    "asyncio tasks of the agent's event loop now (a figure to see leaks by).",
+                    registry=registry))
 
 
 class _BadRequestLog(logging.LoggerAdapter):
@@ -176,6 +180,8 @@ class KubeletServer:
         server = self._runner.server
         assert server is not None
         self.metrics.connections.set_function(lambda: len(server.connections))
+        loop = asyncio.get_running_loop()
+        self.metrics.tasks.set_function(lambda: len(asyncio.all_tasks(loop)))
         # our own listener, not a TCPSite: it has no bound on the TLS handshake
         self._listener = await asyncio.get_running_loop().create_server(
             server, self.address, self.port, ssl=self.cert.context, reuse_address=True,
