@@ -8,7 +8,7 @@ Each attack gets a 4xx or a closed connection within a bound, and reads nothing 
 victim. After each, the agent's open fds, client connections and streams go back to
 where they were, its memory stays near it, and its Lease goes on being renewed (an
 autouse fixture checks that around every test). The agent runs with short idle
-timeouts (3 s for connections, 4 s for streams) so the bounds are seconds here.
+timeouts (5 s for connections, 4 s for streams) so the bounds are seconds here.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from e2e.kubeletagent import Node, admin_cert, kubelet_node
 from e2e.promtext import samples
 from e2e.util import eventually, free_port
 
-CONNECTION_IDLE = 3.0  # --connection-idle-timeout
+CONNECTION_IDLE = 5.0  # --connection-idle-timeout
 STREAM_IDLE = 4.0      # --streaming-connection-idle-timeout
 BOUND = 15.0           # seconds within which the agent must have closed on an attacker
 SECRET = "victim-secret-words"
@@ -309,20 +309,24 @@ def test_slowloris_and_silent_connections_are_closed_within_a_bound(node: Node) 
 
 
 async def _hold_upgrades(node: Node, count: int, cert: tuple[Path, Path] | None,
-                         head: bytes) -> list[float]:
+                         head: bytes) -> list[float | None]:
     """`count` connections at once, each sending `head` and then nothing; how long each
-    stayed open (the agent closing it, or BOUND)."""
+    stayed open (the agent closing it, or BOUND); None for one whose handshake the
+    agent cut short (busy past the idle timeout)."""
     ctx = tls_context(node, cert)
     port = node.port
     handshakes = asyncio.Semaphore(100)  # at once; the connections all stay open together
     start = time.monotonic()
 
-    async def one() -> float:
+    async def one() -> float | None:
         async with handshakes:
-            reader, writer = await asyncio.open_connection(
-                "127.0.0.1", port, ssl=ctx, server_hostname="127.0.0.1")
-            writer.write(head)
-            await writer.drain()
+            try:
+                reader, writer = await asyncio.open_connection(
+                    "127.0.0.1", port, ssl=ctx, server_hostname="127.0.0.1")
+                writer.write(head)
+                await writer.drain()
+            except (ConnectionError, ssl.SSLError):
+                return None
         try:
             with contextlib.suppress(TimeoutError, ConnectionError, ssl.SSLError):
                 await asyncio.wait_for(reader.read(), BOUND + 5)
@@ -341,7 +345,9 @@ def test_a_thousand_upgrade_requests_that_never_finish(node: Node) -> None:
             "Host: x\r\nConnection: Upgrade\r\nUpgrade: SPDY/3.1\r\n"
             "X-Stream-Protocol-Version: v4.channel.k8s.io\r\n").encode()  # no blank line
     cert = admin_cert(node.cluster)
-    held = asyncio.run(_hold_upgrades(node, 1000, cert, head))
+    times = asyncio.run(_hold_upgrades(node, 1000, cert, head))
+    held = [t for t in times if t is not None]
+    assert len(held) >= 900, f"only {len(held)} of 1000 got through the handshake"
     assert max(held) < BOUND + 5, sorted(held)[-5:]
     status, _ = node.get("/healthz", cert=cert, timeout=10)
     assert status == 200
