@@ -4,15 +4,13 @@ with real bytes, `top pod` through metrics-server, the webhook authentication an
 authorization (401, 403, 200), bad requests, memory under a huge log, a slow client,
 and 100 follow streams at once.
 
-The agent runs with node credentials, a serving certificate from the cluster CA (the
-API server verifies it: --kubelet-certificate-authority), the cluster CA as its client
-CA, and --node-ip=127.0.0.1, the address the API server dials.
+The agent and its containerd are started by e2e/kubeletagent.py (node credentials, a
+serving certificate the API server verifies, the cluster CA as its client CA).
 """
 
 from __future__ import annotations
 
 import contextlib
-import http.client
 import json
 import os
 import pty
@@ -21,157 +19,31 @@ import signal
 import socket
 import ssl
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from e2e.cluster import Cluster
-from e2e.cluster.images import BUSYBOX_IMAGE
+from e2e.harness.kubeletagent import AGENT, TAINT_KEY, Node, admin_cert, kubelet_node
 from e2e.harness.namespaces import create_namespace
 from e2e.harness.ports import free_port, listening
-from e2e.harness.processes import stop_process
 from e2e.harness.waits import eventually
 
-AGENT = Path(sys.executable).parent / "nodepulse-agent"
-TAINT_KEY = "nodepulse.dev/e2e-kubelet-api"
 # some CPU, not a whole core of this shared machine: count a while, rest a while
 WORK = ["sh", "-c", "while true; do i=0; while [ $i -lt 3000 ]; do i=$((i+1)); done; "
                     "sleep 0.3; done"]
 
 
-@dataclass
-class Node:
-    name: str
-    root: Path
-    proc: subprocess.Popen[bytes]
-    core: client.CoreV1Api
-    namespace: str
-    cluster: Cluster
-    kubectl: str
-    ctd: Any
-
-    @property
-    def port(self) -> int:
-        node = self.core.read_node(self.name)
-        return int(node.status.daemon_endpoints.kubelet_endpoint.port)
-
-    def run_kubectl(self, *args: str, input: bytes | None = None, timeout: float = 60
-                    ) -> subprocess.CompletedProcess[bytes]:
-        return subprocess.run([self.kubectl, f"--kubeconfig={self.cluster.kubeconfig}",
-                               "-n", self.namespace, *args], input=input, capture_output=True,
-                              timeout=timeout)
-
-    def pod(self, name: str, command: list[str], **container: Any) -> None:
-        spec = {"nodeSelector": {"kubernetes.io/hostname": self.name},
-                "tolerations": [{"key": TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"},
-                                {"key": "node.kubernetes.io/not-ready", "operator": "Exists",
-                                 "effect": "NoSchedule"}],
-                "terminationGracePeriodSeconds": 1, "automountServiceAccountToken": False,
-                "restartPolicy": container.pop("restartPolicy", "Always"),
-                "containers": [{"name": "main", "image": BUSYBOX_IMAGE,
-                                "imagePullPolicy": "Never", "command": command, **container}]}
-        self.core.create_namespaced_pod(self.namespace, {
-            "metadata": {"name": name}, "spec": spec})
-
-    def wait_running(self, name: str, restarts: int = 0) -> client.V1Pod:
-        def ok() -> client.V1Pod | None:
-            p = self.core.read_namespaced_pod(name, self.namespace)
-            cs = (p.status.container_statuses or [None])[0]
-            return p if (cs is not None and cs.state.running and cs.restart_count >= restarts) \
-                else None
-        try:
-            return eventually(ok, f"pod {name} running (restarts >= {restarts})", 120)
-        except AssertionError:
-            print(self.log_tail())
-            raise
-
-    def log_tail(self, n: int = 40) -> str:
-        return "\n".join((self.root / "agent.log").read_text(errors="replace").splitlines()[-n:])
-
-    # -- straight to the agent's port --
-    def tls(self, cert: tuple[Path, Path] | None = None) -> ssl.SSLContext:
-        ctx = ssl.create_default_context(cafile=str(self.cluster.ca_file()))
-        if cert:
-            ctx.load_cert_chain(*cert)
-        return ctx
-
-    def get(self, path: str, *, cert: tuple[Path, Path] | None = None, token: str = "",
-            timeout: float = 30) -> tuple[int, bytes]:
-        conn = http.client.HTTPSConnection("127.0.0.1", self.port, context=self.tls(cert),
-                                           timeout=timeout)
-        try:
-            conn.request("GET", path, headers={"Authorization": f"Bearer {token}"} if token
-                         else {})
-            r = conn.getresponse()
-            return r.status, r.read()
-        finally:
-            conn.close()
-
-    def rss_and_cpu(self) -> tuple[int, int, float]:
-        """(RSS, peak RSS) in bytes and CPU seconds of the agent process."""
-        status = Path(f"/proc/{self.proc.pid}/status").read_text()
-        kb = {k: int(v.split()[0]) * 1024 for k, v in
-              (line.split(":", 1) for line in status.splitlines() if line.startswith("Vm"))}
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rpartition(")")[2].split()
-        cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-        return kb["VmRSS"], kb["VmHWM"], cpu
-
-
 @pytest.fixture(scope="module")
 def node(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     name = f"kapi-{os.getpid() % 10000}"
-    root = tmp_path_factory.mktemp(name)
-    kubeconfig = cluster.node_kubeconfig(name)
-    crt, key = cluster.node_serving_cert(name)
-    from e2e.cluster.containerd import start_containerd
-    ctd = start_containerd()
-    admin = cluster.api_client()
-    core = client.CoreV1Api(admin)
-    argv = [str(AGENT), f"--node-name={name}", f"--kubeconfig={kubeconfig}",
-            f"--root-dir={root}", f"--healthz-bind-address=127.0.0.1:{free_port()}",
-            "--runtime=cri", f"--container-runtime-endpoint={ctd.endpoint}",
-            "--node-ip=127.0.0.1", "--port=0", f"--tls-cert-file={crt}",
-            f"--tls-private-key-file={key}", f"--client-ca-file={cluster.ca_file()}",
-            "--container-log-max-size=16Mi", "--container-log-max-files=3",
-            f"--register-with-taints={TAINT_KEY}={name}:NoSchedule"]
-    log = open(root / "agent.log", "ab")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, start_new_session=True)
-    n = Node(name, root, proc, core, name, cluster, str(cluster.binary("kubectl")), ctd)
-    try:
-        create_namespace(core, name)
-
-        def advertised() -> bool:
-            nodes = core.list_node(field_selector=f"metadata.name={name}").items
-            return bool(nodes and nodes[0].status.daemon_endpoints
-                        and nodes[0].status.daemon_endpoints.kubelet_endpoint.port)
-        eventually(lambda: proc.poll() is None and advertised(),
-                   f"node {name} registered with its kubelet port")
+    with kubelet_node(cluster, tmp_path_factory.mktemp(name), name) as n:
         yield n
-    finally:
-        with contextlib.suppress(ApiException):
-            core.delete_namespace(name)
-        stop_process(proc)
-        log.close()
-        ctd.stop()
-        with contextlib.suppress(ApiException):
-            core.delete_node(name)
-        admin.close()
-
-
-def admin_cert(cluster: Cluster) -> tuple[Path, Path]:
-    pki_dir = getattr(cluster, "pki_dir", None)
-    if pki_dir is None:
-        pytest.skip("needs the local control plane's admin client certificate")
-    return pki_dir / "admin.crt", pki_dir / "admin.key"
 
 
 # -- logs --

@@ -294,7 +294,9 @@ def build_kubelet_api(cfg: AgentConfig, host: PodHost, kube: Kube, *, clock: Clo
     server = KubeletServer(host, auth, cert, node_names=cfg.node_names, clock=clock,
                            registry=registry, address=cfg.address, port=cfg.port,
                            health_checks=health_checks,
-                           debugging_handlers=cfg.enable_debugging_handlers)
+                           debugging_handlers=cfg.enable_debugging_handlers,
+                           connection_idle_timeout=cfg.connection_idle_timeout,
+                           streaming_idle_timeout=cfg.streaming_connection_idle_timeout)
     # the serving certificate's CSRs, on a connection of their own
     return ServerBundle(server, cert, kube.separate(1), cfg.rotate_server_certificates)
 

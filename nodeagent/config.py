@@ -86,6 +86,8 @@ class AgentConfig:
     rotate_server_certificates: bool = False
     client_ca_file: str | None = None
     anonymous_auth: bool = False
+    connection_idle_timeout: float = 90.0
+    streaming_connection_idle_timeout: float = 4 * 3600.0
     container_log_max_size: int = 10 * 1024 * 1024
     container_log_max_files: int = 5
     # what the node gives pods: resolver, names, sysctls it allows
@@ -557,6 +559,14 @@ OPTIONS: tuple[Option, ...] = (
     Option("anonymous_auth", "anonymous-auth", "anonymousAuth", _bool,
            "let requests without credentials through as system:anonymous (still "
            "authorized through SubjectAccessReview; default false: 401)"),
+    Option("connection_idle_timeout", "connection-idle-timeout", "connectionIdleTimeout",
+           _period, "a kubelet API connection is closed when it has not finished its TLS "
+           "handshake, or sent a whole request head, this long after connecting or after "
+           "its last response (90s, the kubelet's idle timeout)"),
+    Option("streaming_connection_idle_timeout", "streaming-connection-idle-timeout",
+           "streamingConnectionIdleTimeout", _period,
+           "an exec, attach or port-forward connection that carries no byte either way "
+           "this long is closed (4h)"),
     Option("container_log_max_size", "container-log-max-size", "containerLogMaxSize",
            _log_size, "a container's log file is rotated once it is this big (10Mi)"),
     Option("container_log_max_files", "container-log-max-files", "containerLogMaxFiles",

@@ -138,9 +138,7 @@ FIELDS: dict[str, Field] = {
                         0, "event-qps"),
     "eventBurst": I("int", NO_LIMIT + " (Events have two connections of their own)", None,
                     "event-burst"),
-    "streamingConnectionIdleTimeout": I("duration", "exec, attach and port-forward streams "
-                                        "are not closed for idleness", None,
-                                        "streaming-connection-idle-timeout"),
+    "streamingConnectionIdleTimeout": H("duration", "streamingConnectionIdleTimeout"),
     # the node and its status
     "providerID": H("str", "providerID"),
     "registerNode": R("*bool", "the agent always registers its Node", (True,),

@@ -47,7 +47,18 @@ from nodeagent.pods.settings import NodePodSettings
 from nodeagent.pods.volumes import TokenManager, VolumeManager
 from nodeagent.pods.workers import DueTimes
 from nodeagent.runtime import ContainerConfig, SandboxConfig
+from nodeagent.runtime.base import (
+    Container,
+    ContainerState,
+    PodRuntimeStatus,
+    Runtime,
+    Sandbox,
+    SandboxState,
+)
 from nodeagent.runtime.fake import FakeRuntime
+from nodeagent.server.auth import KubeletAuth
+from nodeagent.server.kubeletserver import KubeletServer
+from nodeagent.server.tls import ServingCert
 from tests.fakekube import FakeKube
 
 # -- running and waiting ----------------------------------------------------------------
@@ -458,3 +469,74 @@ class TestSigner:
         obj["status"] = {"conditions": [{"type": "Denied", "status": "True",
                                          "reason": reason, "message": message}]}
         self.kube.put(CERTIFICATE_SIGNING_REQUESTS, obj)
+
+
+# -- the kubelet API server, with a fake runtime and in-memory reviews --
+
+class KubeletApiFake:
+    """TokenReview: "good-<user>" is <user>; SubjectAccessReview: `allowed` (user,
+    subresource) pairs."""
+
+    def __init__(self, allowed: set[tuple[str, str]]) -> None:
+        self.allowed = allowed
+
+    async def review_token(self, token: str) -> dict[str, Any]:
+        if token.startswith("good-") and len(token) > 5:
+            return {"authenticated": True, "user": {"username": token[5:]}}
+        return {"authenticated": False}
+
+    async def review_access(self, spec: dict[str, Any]) -> dict[str, Any]:
+        sub = spec["resourceAttributes"]["subresource"]
+        return {"allowed": (spec["user"], sub) in self.allowed}
+
+    async def create_csr(self, body: dict[str, Any]) -> dict[str, Any]:
+        raise AssertionError("not used")
+
+    async def get_csr(self, name: str) -> dict[str, Any]:
+        raise AssertionError("not used")
+
+
+class OnePodHost:
+    """One pod, web in ns (uid u1, container main), whose container runs (sandbox s1,
+    container c1) when `running`."""
+
+    def __init__(self, runtime: Runtime, running: bool = False) -> None:
+        self.runtime = runtime
+        self.running = running
+        self.pod = {"metadata": {"name": "web", "namespace": "ns", "uid": "u1"},
+                    "spec": {"nodeName": "n1", "containers": [{"name": "main",
+                                                               "image": "img"}]}}
+
+    def find_pod(self, namespace: str, name: str) -> tuple[str, dict[str, Any]] | None:
+        return ("n1", self.pod) if (namespace, name) == ("ns", "web") else None
+
+    def all_pods(self) -> list[dict[str, Any]]:
+        return [self.pod]
+
+    def runtime_pod(self, uid: str) -> PodRuntimeStatus:
+        if not self.running:
+            return PodRuntimeStatus(uid)
+        return PodRuntimeStatus(uid, [Sandbox("s1", uid, "web", "ns", 0, SandboxState.READY)],
+                                [Container("c1", "s1", uid, "main", "img",
+                                           ContainerState.RUNNING)])
+
+
+class NoTls:
+    """A mocked request's transport: no peer certificate."""
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return default
+
+
+def kubelet_server(tmp: Path, now: dt.datetime, runtime: Runtime | None = None, *,
+                   clock: FakeClock | None = None, **settings: Any) -> KubeletServer:
+    """A KubeletServer for node n1 serving OnePodHost; alice may use nodes/proxy, stan
+    nodes/stats. `settings`: KubeletServer's keyword arguments."""
+    clock = clock or FakeClock(now)
+    api = KubeletApiFake({("alice", "proxy"), ("stan", "stats")})
+    cert = ServingCert(node="n1", names=["127.0.0.1"], pki_dir=tmp / "pki", clock=clock)
+    cert.load_self_signed()
+    host = OnePodHost(runtime or FakeRuntime(clock), running=runtime is not None)
+    return KubeletServer(host, KubeletAuth(api, clock), cert, node_names=["n1"],
+                         clock=clock, registry=CollectorRegistry(), node_reader=lambda: {},
+                         address="127.0.0.1", port=0, **settings)

@@ -226,6 +226,7 @@ HONOURED: list[tuple[str, str, Any]] = [
     ("authorization: {webhook: {cacheUnauthorizedTTL: 5s}}",
      "authorization_webhook_cache_unauthorized_ttl", 5.0),
     ("enableDebuggingHandlers: false", "enable_debugging_handlers", False),
+    ("streamingConnectionIdleTimeout: 30m", "streaming_connection_idle_timeout", 1800.0),
     ("healthzPort: 10300", "healthz_bind_address", ("127.0.0.1", 10300)),
     ("healthzBindAddress: 0.0.0.0", "healthz_bind_address", ("0.0.0.0", 10248)),
     ("healthzPort: 0", "healthz_bind_address", None),

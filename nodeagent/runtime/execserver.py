@@ -34,6 +34,8 @@ PROTOCOLS = ("v5.channel.k8s.io", "v4.channel.k8s.io")  # same over SPDY
 TOKEN_TTL = 60.0      # seconds an unused exec URL stays valid
 STREAM_WAIT = 30.0    # seconds for the client to open its streams
 HEAD_LIMIT = 64 * 1024
+STDIN_BUFFER = 256 * 1024  # stdin bytes waiting for the command before we stop reading
+RESIZE_LIMIT = 4096       # bytes of one terminal-size message
 
 
 @dataclass
@@ -148,7 +150,9 @@ class Session:
             self.want.add("resize")
         self.all_there = asyncio.Event()
         self.stdin_queue: asyncio.Queue[bytes | None] = asyncio.Queue()
-        self.resizes: asyncio.Queue[bytes] = asyncio.Queue()
+        self._stdin_queued = 0
+        self._stdin_room = asyncio.Event()
+        self.resizes: asyncio.Queue[bytes] = asyncio.Queue(maxsize=1)  # the latest only
         self.gone = asyncio.Event()
         self._resize_buf = b""
 
@@ -169,6 +173,10 @@ class Session:
                 if len(buf) > spdy.MAX_FRAME + 8:
                     raise spdy.ProtocolError("frame too long")
                 await self.writer.drain()
+                # a command that does not read its stdin holds the client back
+                while self._stdin_queued > STDIN_BUFFER:
+                    self._stdin_room.clear()
+                    await self._stdin_room.wait()
         finally:
             self.gone.set()
             self.stdin_queue.put_nowait(None)
@@ -178,14 +186,19 @@ class Session:
             kind = next((k for k, sid in self.streams.items() if sid == f.stream_id), "")
             if kind == "stdin":
                 if f.data:
+                    self._stdin_queued += len(f.data)
                     self.stdin_queue.put_nowait(f.data)
                 if f.flags & spdy.FLAG_FIN:
                     self.stdin_queue.put_nowait(None)
-            elif kind == "resize":  # one JSON object per line
+            elif kind == "resize" and self.spec.tty:  # one JSON object per line
                 self._resize_buf += f.data
                 *msgs, self._resize_buf = self._resize_buf.split(b"\n")
-                for msg in msgs:
-                    self.resizes.put_nowait(msg)
+                if len(self._resize_buf) > RESIZE_LIMIT:
+                    self._resize_buf = b""  # no terminal size is that long
+                if msgs:
+                    if self.resizes.full():
+                        self.resizes.get_nowait()
+                    self.resizes.put_nowait(msgs[-1])
             return
         if f.type == spdy.SYN_STREAM:
             headers = self.codec.decode(f.data[6:])  # after assoc id, priority and slot
@@ -272,8 +285,15 @@ class Session:
             os.close(primary)
         return waiter.result()
 
+    async def stdin_chunk(self) -> bytes | None:
+        """The next piece of the client's stdin; None at its end."""
+        chunk = await self.stdin_queue.get()
+        self._stdin_queued -= len(chunk or b"")
+        self._stdin_room.set()
+        return chunk
+
     async def _stdin(self, proc: asyncio.subprocess.Process, pty_fd: int) -> None:
-        while (chunk := await self.stdin_queue.get()) is not None:
+        while (chunk := await self.stdin_chunk()) is not None:
             if pty_fd >= 0:
                 await asyncio.to_thread(os.write, pty_fd, chunk)
             elif proc.stdin is not None:

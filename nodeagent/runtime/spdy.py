@@ -19,6 +19,9 @@ SYN_STREAM, SYN_REPLY, RST_STREAM, SETTINGS, PING, GOAWAY, HEADERS, WINDOW_UPDAT
     1, 2, 3, 4, 6, 7, 8, 9
 FLAG_FIN = 0x01
 MAX_FRAME = 1 << 24
+# a header block's size once decompressed: a few small headers in practice; the limit
+# keeps a block that inflates a thousandfold (a zlib bomb) from filling memory
+HEADER_LIMIT = 64 * 1024
 
 # The header compression dictionary of SPDY/3: length-prefixed header names and values,
 # then a run of common status codes, reason phrases, dates and media types.
@@ -103,9 +106,11 @@ class HeaderCodec:
 
     def decode(self, block: bytes) -> dict[str, str]:
         try:
-            raw = self._in.decompress(block)
+            raw = self._in.decompress(block, HEADER_LIMIT + 1)
         except zlib.error as e:
             raise ProtocolError(f"header block: {e}") from None
+        if len(raw) > HEADER_LIMIT:
+            raise ProtocolError(f"header block: over {HEADER_LIMIT} bytes decompressed")
         out: dict[str, str] = {}
         try:
             (count,), pos = struct.unpack(">I", raw[:4]), 4

@@ -88,7 +88,10 @@ def parse_options(query: Mapping[str, str], now: dt.datetime) -> LogOptions:
     if since_seconds is not None:
         if since_seconds < 1:
             raise LogRequestError(422, f"sinceSeconds: must be at least 1, got {since_seconds}")
-        since = now - dt.timedelta(seconds=since_seconds)
+        try:
+            since = now - dt.timedelta(seconds=since_seconds)
+        except OverflowError:  # further back than the calendar goes: every line
+            since = None
     if tail_lines is not None and tail_lines < 0:
         raise LogRequestError(422, f"tailLines: must not be negative, got {tail_lines}")
     if limit is not None and limit < 1:

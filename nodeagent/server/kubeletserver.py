@@ -11,6 +11,12 @@ for `kubectl logs`, `exec`, `attach`, `port-forward` and what metrics-server scr
 Every request is authenticated and authorized first (auth.py). One server serves every
 Node of the process: with virtual nodes they all advertise its one port, and a request
 naming a pod is checked against the Node that pod is bound to.
+
+Hostile clients (docs/kubelet-api.md): a connection must finish its TLS handshake, and
+send a whole request head, within the connection idle timeout of connecting or of its
+last response, else it is closed; a request head is at most 128 lines of 8 KiB;
+bodies are never read (a request that sends one is answered, then its connection
+closed); a malformed request is a 400 and a line in the debug log.
 """
 
 from __future__ import annotations
@@ -43,6 +49,11 @@ from nodeagent.server.tls import ServingCert
 
 log = logging.getLogger(__name__)
 
+# the kubelet's http.Server IdleTimeout; here it also bounds the TLS handshake and the
+# wait for a request head (a slow client's half-sent head counts as idle)
+CONNECTION_IDLE_TIMEOUT = 90.0
+STREAMING_CONNECTION_IDLE_TIMEOUT = 4 * 3600.0  # the kubelet's default
+
 HealthCheck = Callable[[], str | None]
 DEBUGGING = ("containerLogs", "exec", "attach", "portForward")  # the debugging handlers
 
@@ -51,6 +62,8 @@ DEBUGGING = ("containerLogs", "exec", "attach", "portForward")  # the debugging 
 class ServerMetrics:
     requests: Counter
     streams: Gauge
+    connections: Gauge
+    tasks: Gauge
 
 
 @per_registry
@@ -61,7 +74,22 @@ def server_metrics(registry: CollectorRegistry) -> ServerMetrics:
                          ["endpoint", "code"], registry=registry),
         streams=Gauge("nodepulse_kubelet_api_streams",
                       "Log streams and exec/attach/port-forward sessions open now.",
-                      ["endpoint"], registry=registry))
+                      ["endpoint"], registry=registry),
+        connections=Gauge("nodepulse_kubelet_api_connections",
+                          "Client connections to the kubelet API open now, the upgraded "
+                          "ones of exec/attach/port-forward included.", registry=registry),
+        tasks=Gauge("nodepulse_asyncio_tasks",
+                    "asyncio tasks of the agent's event loop now (a figure to see leaks by).",
+                    registry=registry))
+
+
+class _BadRequestLog(logging.LoggerAdapter):
+    """aiohttp's server log: a client's malformed request is its problem, one debug
+    line (a hostile client must not fill the log with tracebacks)."""
+
+    def exception(self, msg: object, *args: object, exc_info: object = True,
+                  **kwargs: object) -> None:
+        self.debug("kubelet API: " + str(msg) + ": %s", *args, exc_info)
 
 
 class RequestError(Exception):
@@ -116,7 +144,9 @@ class KubeletServer:
                  address: str = "0.0.0.0", port: int = 10250,
                  health_checks: Mapping[str, HealthCheck] | None = None,
                  node_reader: Callable[[], dict[str, float]] | None = None,
-                 debugging_handlers: bool = True) -> None:
+                 debugging_handlers: bool = True,
+                 connection_idle_timeout: float = CONNECTION_IDLE_TIMEOUT,
+                 streaming_idle_timeout: float = STREAMING_CONNECTION_IDLE_TIMEOUT) -> None:
         self.host = host
         self.runtime = host.runtime
         self.auth = auth
@@ -129,10 +159,13 @@ class KubeletServer:
         self.health_checks = dict(health_checks or {})
         # containerLogs, exec, attach, portForward (the kubelet's enableDebuggingHandlers)
         self.debugging_handlers = debugging_handlers
+        self.connection_idle_timeout = connection_idle_timeout
+        self.streaming_idle_timeout = streaming_idle_timeout
         self.watch = containerlogs.FileWatch()
         self.metrics = server_metrics(registry)
         self.stats = stats.StatsProvider(host, self.runtime, clock, node_reader)
         self._runner: web.AppRunner | None = None
+        self._listener: asyncio.Server | None = None
 
     # -- lifecycle --
     def app(self) -> web.Application:
@@ -142,20 +175,31 @@ class KubeletServer:
 
     async def start(self) -> int:
         """Listen; returns the port (a free one when --port is 0)."""
-        self._runner = web.AppRunner(self.app(), access_log=None, handle_signals=False,
-                                     shutdown_timeout=1.0)
+        self._runner = web.AppRunner(
+            self.app(), access_log=None, handle_signals=False, shutdown_timeout=1.0,
+            keepalive_timeout=self.connection_idle_timeout,
+            lingering_time=0,  # no endpoint takes a body: close rather than drain one
+            logger=_BadRequestLog(logging.getLogger("aiohttp.server")))
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.address, self.port,
-                           ssl_context=self.cert.context, reuse_address=True)
-        await site.start()
-        server = getattr(site, "_server", None)
-        if self.port == 0 and server is not None and server.sockets:
-            self.port = int(server.sockets[0].getsockname()[1])
+        server = self._runner.server
+        assert server is not None
+        self.metrics.connections.set_function(lambda: len(server.connections))
+        loop = asyncio.get_running_loop()
+        self.metrics.tasks.set_function(lambda: len(asyncio.all_tasks(loop)))
+        # our own listener, not a TCPSite: it has no bound on the TLS handshake
+        self._listener = await asyncio.get_running_loop().create_server(
+            server, self.address, self.port, ssl=self.cert.context, reuse_address=True,
+            ssl_handshake_timeout=self.connection_idle_timeout)
+        if self.port == 0 and self._listener.sockets:
+            self.port = int(self._listener.sockets[0].getsockname()[1])
         log.info("kubelet API: serving on https://%s:%d for %d node(s)", self.address,
                  self.port, len(self.node_names))
         return self.port
 
     async def stop(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -358,7 +402,8 @@ class KubeletServer:
         gauge = self.metrics.streams.labels(endpoint=endpoint)
         gauge.inc()
         try:
-            return await streaming.proxy(request, url)
+            return await streaming.proxy(request, url, self.clock,
+                                         self.streaming_idle_timeout)
         finally:
             gauge.dec()
 

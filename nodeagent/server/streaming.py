@@ -6,7 +6,9 @@ kubectl and the API server use), so the agent only moves bytes: it sends the req
 on to the runtime, and once the runtime answers 101 Switching Protocols it hands the
 client's socket and the runtime's to a pair of pipes. Each pipe pauses reading from
 one side while the other side's send buffer is full, so a slow reader holds back its
-writer and nothing piles up in the agent.
+writer and nothing piles up in the agent. A pair that carries no byte either way for
+the streaming connection idle timeout is closed (the kubelet's
+streamingConnectionIdleTimeout).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import urllib.parse
 from typing import Any
 
 from aiohttp import web
+
+from nodeagent.api.clock import Clock
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +43,7 @@ class _Pipe(asyncio.Protocol):
         self.transport: Any = None
         self.peer: Any = None
         self.early = bytearray()  # what arrived before the peer was connected
+        self.received = 0  # bytes so far: the idle check looks for a change
         self.head = asyncio.get_running_loop().create_future()  # backend: its response head
         self.closed = asyncio.get_running_loop().create_future()
 
@@ -46,6 +51,7 @@ class _Pipe(asyncio.Protocol):
         self.transport = transport
 
     def data_received(self, data: bytes) -> None:
+        self.received += len(data)
         if self.peer is not None:
             self.peer.write(data)
             return
@@ -90,7 +96,8 @@ class _Pipe(asyncio.Protocol):
             self.peer.resume_reading()
 
 
-async def proxy(request: web.Request, url: str) -> web.StreamResponse:
+async def proxy(request: web.Request, url: str, clock: Clock,
+                idle_timeout: float) -> web.StreamResponse:
     """Proxy the upgrade request to `url`; returns once both sides are closed."""
     if not is_upgrade(request):
         return web.Response(status=400, text="Upgrade request required\n")
@@ -130,6 +137,7 @@ async def proxy(request: web.Request, url: str) -> web.StreamResponse:
     # From here the client's socket is ours: the runtime's 101 goes out as it came,
     # and neither side's bytes pass through aiohttp any more.
     client_pipe = _Pipe()
+    aiohttp_protocol = client.get_protocol()
     client.set_protocol(client_pipe)
     client_pipe.connection_made(client)
     client.write(head)
@@ -137,11 +145,35 @@ async def proxy(request: web.Request, url: str) -> web.StreamResponse:
     backend.connect(client)
     with contextlib.suppress(Exception):
         client.resume_reading()
-    await asyncio.gather(client_pipe.closed, backend.closed)
+    idle = asyncio.create_task(_close_when_idle(clock, idle_timeout, client_pipe, backend))
+    try:
+        await asyncio.gather(client_pipe.closed, backend.closed)
+    finally:
+        idle.cancel()
+        # aiohttp no longer sees this socket: tell it the connection is gone, or it
+        # counts (and holds) the connection for ever
+        aiohttp_protocol.connection_lost(None)
     # aiohttp's response for this request can no longer be sent; closing says so
     resp = web.Response(status=101)
     resp.force_close()
     return resp
+
+
+async def _close_when_idle(clock: Clock, timeout: float, *pipes: _Pipe) -> None:
+    """Close both sides once no byte has passed either way for `timeout` seconds
+    (checked every quarter of it)."""
+    seen, since = -1, clock.monotonic()
+    while True:
+        moved = sum(p.received for p in pipes)
+        if moved != seen:
+            seen, since = moved, clock.monotonic()
+        elif clock.monotonic() - since >= timeout:
+            log.info("kubelet API: closing a stream idle for %.0f s", timeout)
+            for p in pipes:
+                if p.transport is not None:
+                    p.transport.close()
+            return
+        await clock.sleep(timeout / 4)
 
 
 async def _relay_refusal(transport: Any, backend: _Pipe, status: int,
