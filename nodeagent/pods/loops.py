@@ -32,7 +32,7 @@ from nodeagent.api.clock import Clock
 from nodeagent.api.kube import describe
 from nodeagent.metrics import per_registry
 from nodeagent.pods.pleg import EventType, Pleg, PodLifecycleEvent
-from nodeagent.pods.podstatus import StatusManager
+from nodeagent.pods.podstatus import KillStatus, StatusManager
 from nodeagent.pods.podupdate import Op, Pod, PodUpdate, SourcesReady, pod_node_name
 from nodeagent.pods.probes import ProbeManager
 from nodeagent.pods.volumes import VolumeManager
@@ -69,7 +69,9 @@ class SyncLoop:
         self.probes = probes
         self.workers = workers
         self.syncer = workers.syncer
+        self.admission = workers.syncer.admission
         probes.on_change = self._probed
+        self.admission.on_preempt = self._preempt
         self.pods: dict[str, Pod] = {}   # uid -> latest pod from the sources
         self._orphans = _housekeeping_counter(registry).labels(node=node_name)
 
@@ -99,12 +101,15 @@ class SyncLoop:
                 if (pod.get("metadata") or {}).get("deletionTimestamp"):
                     self._kill(pod)
                 else:
+                    if u.op == Op.ADD:  # admitted or not when its first sync asks
+                        self.admission.add(pod)
                     self.workers.update(pod, UpdateKind.SYNC)
             elif u.op == Op.DELETE:
                 self.pods[uid] = pod
                 self._kill(pod)
             elif u.op == Op.REMOVE:
                 self.pods.pop(uid, None)
+                self.admission.withdraw(uid)
                 self.workers.update(pod, UpdateKind.REMOVE)
             elif u.op == Op.RECONCILE:
                 if uid in self.pods:
@@ -123,8 +128,14 @@ class SyncLoop:
 
     def _kill(self, pod: Pod) -> None:
         grace = (pod.get("metadata") or {}).get("deletionGracePeriodSeconds")
+        self.admission.withdraw(str(pod["metadata"]["uid"]))
         self.workers.update(pod, UpdateKind.KILL,
                             grace=None if grace is None else float(grace))
+
+    def _preempt(self, pod: Pod, status: KillStatus) -> None:
+        """Admission stops the pod to make room for a critical one."""
+        latest = self.pods.get(str(pod["metadata"]["uid"]), pod)
+        self.workers.update(latest, UpdateKind.KILL, status=status)
 
     def handle_event(self, ev: PodLifecycleEvent) -> None:
         if ev.type == EventType.CONTAINER_REMOVED:

@@ -152,6 +152,13 @@ class PodCache:
             return True
         return self.timestamp > t and uid not in self._pending
 
+    def runs(self, uid: str) -> bool:
+        """Whether the pod's entry has a ready sandbox or a running container."""
+        e = self._entries.get(uid)
+        return e is not None and (
+            any(c.state == ContainerState.RUNNING for c in e.status.containers)
+            or any(s.state == SandboxState.READY for s in e.status.sandboxes))
+
     def shows_running(self, uid: str, cid: str) -> bool:
         """Whether the pod's entry has this container running, or this sandbox ready."""
         e = self._entries.get(uid)
