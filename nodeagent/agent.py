@@ -216,6 +216,7 @@ class PodParts:
     registry: CollectorRegistry
     settings: NodePodSettings  # the node's name is each loop's own
     cache: PodCache            # the PLEG's
+    runs: Callable[[str], bool]  # whether the PLEG's last relist found the pod running
     images: ImageManager       # one runtime: one set of pulls
     due_times: DueTimes        # every loop's pods' resyncs, ticked from one timer
     env: EnvResolver
@@ -233,7 +234,7 @@ def build_node_loop(node: str, shared: PodParts) -> SyncLoop:
     p, t = shared, shared.timing
     settings = dataclasses.replace(p.settings, node_name=node)
     admission = NodeAdmission(node, settings.admission, functools.partial(p.node_info, node),
-                              p.cache.runs, p.events)
+                              p.runs, p.events)
     calls = RuntimeCalls(p.runtime, p.clock, t.call_timeout)
     status = StatusManager(p.kube, p.clock, answered=p.answered, node=node,
                            registry=p.registry)
@@ -408,6 +409,7 @@ class Agent:
                                                     present_events=workloads))
         shared = PodParts(runtime=runtime, clock=clock, kube=kube, answered=self.answered,
                           events=events, registry=registry, settings=settings, cache=cache,
+                          runs=pleg.runs,
                           images=images, due_times=DueTimes(), volumes=volumes,
                           env=EnvResolver(objects, services, allocatable),
                           node_info=node_info)

@@ -273,6 +273,7 @@ class LoopRig:
         self.parts = PodParts(runtime=rt, clock=clock, kube=self.kube,
                               answered=ApiAnswered(clock), events=self.events,
                               registry=self.registry, settings=settings, cache=pleg.cache,
+                              runs=pleg.runs,
                               images=self.images, due_times=DueTimes(), env=env,
                               volumes=self.volumes, node_info=self.node_view)
         self.loops = NodeLoops(NodeLoopsConfig(tuple(nodes)),

@@ -152,13 +152,6 @@ class PodCache:
             return True
         return self.timestamp > t and uid not in self._pending
 
-    def runs(self, uid: str) -> bool:
-        """Whether the pod's entry has a ready sandbox or a running container."""
-        e = self._entries.get(uid)
-        return e is not None and (
-            any(c.state == ContainerState.RUNNING for c in e.status.containers)
-            or any(s.state == SandboxState.READY for s in e.status.sandboxes))
-
     def shows_running(self, uid: str, cid: str) -> bool:
         """Whether the pod's entry has this container running, or this sandbox ready."""
         e = self._entries.get(uid)
@@ -355,6 +348,12 @@ class Pleg:
         m.event_stream_up.labels(node=node).set_function(lambda: float(self.evented))
         self._task: asyncio.Task[None] | None = None
         self._watcher: asyncio.Task[None] | None = None  # ends when the runtime has no events
+
+    def runs(self, uid: str) -> bool:
+        """Whether the last relist found a ready sandbox or a running container of the
+        pod (known before the pod's own inspection has stored it in the cache)."""
+        return any(state == ContainerState.RUNNING
+                   for state in self._records.get(uid, {}).values())
 
     # --- health ---------------------------------------------------------------------
 
