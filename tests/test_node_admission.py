@@ -16,8 +16,10 @@ from nodeagent.api.clock import FakeClock, settle
 from nodeagent.api.kube import NODES, PODS
 from nodeagent.api.quantity import parse_quantity
 from nodeagent.pods.admission import (
+    AdmissionSettings,
     Held,
     Insufficient,
+    NodeAdmission,
     PreemptionError,
     Rejection,
     Unmatched,
@@ -388,6 +390,28 @@ def test_preemption_that_cannot_free_enough() -> None:
                         [("cpu", 2000)])
 
 
+def test_a_node_that_cannot_be_read_refuses_and_a_withdrawn_pod_is_not_admitted() -> None:
+    settings = AdmissionSettings(kernel=(6, 1), apparmor=False)
+    blind = NodeAdmission("n1", settings, lambda: None, lambda uid: False)
+    blind.settle(mkpod("p"))
+    assert blind.rejection("uid-p") == Rejection("InvalidNodeInfo",
+                                                 "Kubelet cannot get node info.")
+    adm = NodeAdmission("n1", settings, lambda: node({"pods": "1"}), lambda uid: False)
+    adm.add(mkpod("a"))
+    adm.withdraw("uid-a")  # deleted before its first sync
+    adm.settle(mkpod("b"))
+    assert set(adm.admitted) == {"uid-b"} and adm.rejection("uid-b") is None
+    # what the pod alone decides comes first, and it holds no place
+    adm.settle(mkpod("c", os={"name": "windows"}))
+    r = adm.rejection("uid-c")
+    assert r is not None and r.reason == "PodOSNotSupported"
+    adm.release("uid-b")
+    adm.settle(mkpod("d"))
+    assert set(adm.admitted) == {"uid-d"}
+    adm.settle(mkpod("b"))  # stopped for good: never admitted again
+    assert set(adm.admitted) == {"uid-d"}
+
+
 # --- one node's admission, through the sync loops ---------------------------------------
 
 T1, T2, T3 = "2026-11-29T10:00:00Z", "2026-11-29T10:00:01Z", "2026-11-29T10:00:02Z"
@@ -532,6 +556,35 @@ async def test_a_restarted_agent_takes_back_the_pods_it_finds_running_first() ->
     assert rt.calls["create_container"] == creates and len(rt.running("u-old")) == 1
     assert set(a3.loop.syncer.admission.admitted) == {"u-old"}
     await a3.loops.stop()
+
+
+@aio
+async def test_a_pod_deleted_while_no_agent_ran_holds_its_place_until_it_stopped() -> None:
+    clock = FakeClock()
+    rt = FakeRuntime(clock)
+    a1 = await started(clock, rt)
+    old = asks("old", "u-old", cpu="3", created=T1, terminationGracePeriodSeconds=5)
+    a1.send(Op.ADD, old)
+    await a1.run_for(3)
+    await a1.loops.stop()
+    rt.ignore_sigterm.add("c")  # it takes its whole grace period to stop
+
+    a2 = LoopRig(rt, clock)
+    deleted = {**old, "status": a1.status("u-old"),
+               "metadata": {**old["metadata"], "deletionTimestamp": "2026-11-29T11:00:00Z",
+                            "deletionGracePeriodSeconds": 5}}
+    a2.send(Op.ADD, deleted, asks("new", "u-new", cpu="3", created=T2))
+    a2.loops.start()
+    await a2.run_for(3)
+    assert rt.running("u-old")  # still in its grace period
+    await rejected(a2, "u-new", "OutOfcpu", "Node didn't have enough resource: cpu, "
+                   "requested: 3000, used: 3000, capacity: 4000")
+    await a2.run_for(4)
+    assert not rt.running("u-old")
+    a2.send(Op.ADD, asks("later", "u-later", cpu="3", created=T3))
+    await a2.run_for(3)
+    assert a2.status("u-later")["phase"] == "Running"
+    await a2.loops.stop()
 
 
 @aio

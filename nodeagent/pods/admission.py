@@ -527,7 +527,8 @@ class NodeAdmission:
         # stop a preempted pod with this status (the pod loop's: a KILL to its worker)
         self.on_preempt: Callable[[Pod, KillStatus], None] | None = None
         self.admitted: dict[str, Held] = {}
-        self._pending: dict[str, tuple[int, Pod]] = {}  # seen, undecided: (arrival, pod)
+        # seen, undecided: uid -> (arrival, pod, to stop)
+        self._pending: dict[str, tuple[int, Pod, bool]] = {}
         self._rejected: dict[str, Rejection] = {}
         self._ended: set[str] = set()  # stopped for good, or never to start
         self._stopping: set[str] = set()  # preempted and not stopped yet: the rest waits
@@ -542,13 +543,15 @@ class NodeAdmission:
         uid = str(pod["metadata"]["uid"])
         if uid not in self._pending and uid not in self.admitted and \
                 uid not in self._rejected and uid not in self._ended:
-            self._pending[uid] = (next(self._arrivals), pod)
+            self._pending[uid] = (next(self._arrivals), pod, False)
 
     def withdraw(self, uid: str) -> None:
-        """The pod will not start (deleted, gone): no longer to be decided. One that
-        was admitted holds what it holds until it has stopped."""
-        if self._pending.pop(uid, None) is not None:
-            self._ended.add(uid)
+        """The pod is to stop (deleted, gone) before it was decided: it will not start;
+        if the runtime runs it already (an agent that restarted finds it), it holds what
+        it holds until it has stopped. One already admitted holds it until then too."""
+        if uid in self._pending:
+            arrival, pod, _ = self._pending[uid]
+            self._pending[uid] = (arrival, pod, True)
 
     def release(self, uid: str) -> None:
         """The pod's containers have stopped for good: what it held is free."""
@@ -581,8 +584,11 @@ class NodeAdmission:
         order = sorted(self._pending.items(), key=lambda kv: (
             not self.running(kv[0]),
             str((kv[1][1].get("metadata") or {}).get("creationTimestamp") or ""), kv[1][0]))
-        for uid, (_, p) in order:
+        for uid, (_, p, stops) in order:
             del self._pending[uid]
+            if stops and not self.running(uid):
+                self._ended.add(uid)  # it will never start
+                continue
             self._decide(uid, p)
             if self._stopping:  # the rest waits until the preempted pods have stopped
                 return

@@ -98,11 +98,11 @@ class SyncLoop:
             log.debug("pod %s: %s from %s", describe(pod), u.op, u.source)
             if u.op in (Op.ADD, Op.UPDATE):
                 self.pods[uid] = pod
+                if u.op == Op.ADD:  # admitted or not when a first sync asks
+                    self.admission.add(pod)
                 if (pod.get("metadata") or {}).get("deletionTimestamp"):
                     self._kill(pod)
                 else:
-                    if u.op == Op.ADD:  # admitted or not when its first sync asks
-                        self.admission.add(pod)
                     self.workers.update(pod, UpdateKind.SYNC)
             elif u.op == Op.DELETE:
                 self.pods[uid] = pod
