@@ -268,7 +268,7 @@ def host_ports(pod: Pod) -> list[HostPort]:
     for c in [*(c for c in spec.get("initContainers") or [] if is_sidecar(c)),
               *(spec.get("containers") or [])]:
         for p in c.get("ports") or []:
-            port = int(p.get("hostPort") or 0)
+            port = _integer(p.get("hostPort")) or 0
             if port > 0:
                 out.append((str(p.get("hostIP") or ANY_IP), str(p.get("protocol") or "TCP"),
                             port))
@@ -297,18 +297,19 @@ def _requirement(expr: Mapping[str, Any], value: str | None) -> bool | None:
             return None
         return (value is not None) == (op == "Exists")
     if op in ("Gt", "Lt"):
-        try:
-            bound = int(values[0]) if len(values) == 1 else None
-        except ValueError:
-            return None
+        bound = _integer(values[0]) if len(values) == 1 else None
         if bound is None:
             return None
-        try:
-            have = int(value) if value is not None else None
-        except ValueError:
-            return False
+        have = _integer(value)
         return have is not None and (have > bound if op == "Gt" else have < bound)
     return None
+
+
+def _integer(value: object) -> int | None:
+    try:
+        return int(str(value)) if value is not None else None
+    except ValueError:
+        return None
 
 
 def _field_requirement(expr: Mapping[str, Any], fields: Mapping[str, str]) -> bool | None:
