@@ -44,7 +44,7 @@ from nodeagent.node.lease import LeaseRenewer
 from nodeagent.node.nodewatch import NodeWatch
 from nodeagent.node.scheduler import Blocking, DueScheduler, inline
 from nodeagent.node.status import StatusSettings
-from nodeagent.pods.admission import AdmissionSettings
+from nodeagent.pods.admission import AdmissionSettings, NodeAdmission
 from nodeagent.pods.backoff import CrashBackoff
 from nodeagent.pods.containers import Containers
 from nodeagent.pods.dns import DnsSettings
@@ -216,9 +216,12 @@ class PodParts:
     registry: CollectorRegistry
     settings: NodePodSettings  # the node's name is each loop's own
     cache: PodCache            # the PLEG's
+    runs: Callable[[str], bool]  # whether the PLEG's last relist found the pod running
     images: ImageManager       # one runtime: one set of pulls
     due_times: DueTimes        # every loop's pods' resyncs, ticked from one timer
     env: EnvResolver
+    # a node's Node as admission reads it (labels, taints, allocatable); None: unknown
+    node_info: Callable[[str], Mapping[str, Any] | None]
     # None: pods with volumes are refused; its ObjectCache follows the ConfigMaps and
     # Secrets pods use
     volumes: VolumeManager | None = None
@@ -226,10 +229,12 @@ class PodParts:
 
 
 def build_node_loop(node: str, shared: PodParts) -> SyncLoop:
-    """One node's pod loop: its status writes, probes, syncer (with the parts it drives)
-    and pod workers."""
+    """One node's pod loop: its admission, status writes, probes, syncer (with the parts
+    it drives) and pod workers."""
     p, t = shared, shared.timing
     settings = dataclasses.replace(p.settings, node_name=node)
+    admission = NodeAdmission(node, settings.admission, functools.partial(p.node_info, node),
+                              p.runs, p.events)
     calls = RuntimeCalls(p.runtime, p.clock, t.call_timeout)
     status = StatusManager(p.kube, p.clock, answered=p.answered, node=node,
                            registry=p.registry)
@@ -242,7 +247,7 @@ def build_node_loop(node: str, shared: PodParts) -> SyncLoop:
     containers = Containers(calls, p.images, p.env, p.volumes, hooks, backoff, p.events,
                             settings)
     syncer = PodSyncer(calls, status, Sandboxes(calls, p.kube, p.events, settings),
-                       containers, p.volumes, probes, p.events, settings)
+                       containers, p.volumes, probes, p.events, settings, admission)
     workers = PodWorkers(syncer, p.cache, p.clock, node=node, timing=t,
                          due_times=p.due_times, registry=p.registry)
     return SyncLoop(node, status, probes, workers, p.registry)
@@ -400,6 +405,10 @@ class Agent:
             controller = self.nodes.get(node)
             status = controller and (controller.computed or controller.reported)
             return status.get("allocatable") if status else None
+
+        def node_info(node: str) -> Mapping[str, Any] | None:
+            controller = self.nodes.get(node)
+            return controller.admission_node() if controller else None
         # ConfigMaps, Secrets and Services: watched once for every node of the process
         objects = ObjectCache(kube, clock, answered=self.answered)
         services = ServiceCache(kube, clock, answered=self.answered)
@@ -411,8 +420,10 @@ class Agent:
                                                     present_events=workloads))
         shared = PodParts(runtime=runtime, clock=clock, kube=kube, answered=self.answered,
                           events=events, registry=registry, settings=settings, cache=cache,
+                          runs=pleg.runs,
                           images=images, due_times=DueTimes(), volumes=volumes,
                           env=EnvResolver(objects, services, allocatable),
+                          node_info=node_info,
                           timing=PodTiming(sync_frequency=cfg.sync_frequency))
         loops = NodeLoops(NodeLoopsConfig(cfg.node_names),
                           functools.partial(build_node_loop, shared=shared), pleg,

@@ -269,6 +269,9 @@ class LoopRig:
         self.mounter = FakeMounter()
         self.allocatable = {"cpu": "4", "memory": "8Gi", "ephemeral-storage": "100Gi",
                             "pods": "110"}
+        # what admission reads of each node's Node (node_view)
+        self.node_labels: dict[str, str] = {"kubernetes.io/os": "linux"}
+        self.node_taints: list[dict[str, str]] = []
         self.objects: ObjectCache | None = None
         self.volumes: VolumeManager | None = None
         env = EnvResolver()
@@ -288,8 +291,9 @@ class LoopRig:
         self.parts = PodParts(runtime=rt, clock=clock, kube=self.kube,
                               answered=ApiAnswered(clock), events=self.events,
                               registry=self.registry, settings=settings, cache=pleg.cache,
+                              runs=pleg.runs,
                               images=self.images, due_times=DueTimes(), env=env,
-                              volumes=self.volumes)
+                              volumes=self.volumes, node_info=self.node_view)
         self.loops = NodeLoops(NodeLoopsConfig(tuple(nodes)),
                                functools.partial(build_node_loop, shared=self.parts), pleg,
                                self.updates, self.ready, clock, self.parts.due_times,
@@ -307,6 +311,14 @@ class LoopRig:
             background.append(env.services)
         # with the runtime's readings, no sources
         self.pods = Pods(rt, clock, self.loops, background=background, shared=shared)
+
+    def node_view(self, name: str) -> dict[str, Any]:
+        """A node's Node as admission reads it: the rig's allocatable, labels (with the
+        node's hostname) and taints."""
+        return {"metadata": {"name": name,
+                             "labels": {**self.node_labels, "kubernetes.io/hostname": name}},
+                "spec": {"taints": list(self.node_taints)},
+                "status": {"allocatable": dict(self.allocatable)}}
 
     def warnings(self) -> list[dict[str, Any]]:
         """The Warning Events written so far."""

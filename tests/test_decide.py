@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from nodeagent.pods.admission import AdmissionSettings
+from nodeagent.pods.admission import AdmissionSettings, Rejection
 from nodeagent.pods.backoff import crash_key
 from nodeagent.pods.decide import (
     RETRY,
@@ -98,9 +98,15 @@ def kills(act: PodActions) -> list[tuple[str, str, float | None]]:
     (Case(mkpod("p", policy="Never"), sandboxes=[sb(0, ready=False)],
           containers=[c("c", EXITED, code=0)]), Verdict.ENDED),
     (Case(mkpod("p", hostUsers=False)), Verdict.REFUSED),
+    (Case(mkpod("p"), verdicts=Verdicts(rejection=Rejection("OutOfcpu", "short"))),
+     Verdict.REJECTED),
+    (Case(mkpod("p"), verdicts=Verdicts(admission_waits=True)), Verdict.WAITING),
+    # a pod that ended stays ended, whatever admission says of it now
+    (Case(mkpod("p"), previous={"phase": "Failed"},
+          verdicts=Verdicts(rejection=Rejection("OutOfcpu", "short"))), Verdict.FINISHED),
     (Case(mkpod("p")), Verdict.RUN),
 ], ids=["succeeded", "failed", "other-os", "deadline", "never-sandbox-died", "pod-field",
-        "runs"])
+        "node-rejects", "node-undecided", "ended-then-rejected", "runs"])
 def test_what_becomes_of_the_pod(case: Case, verdict: Verdict) -> None:
     assert case.decide().verdict == verdict
 
@@ -109,6 +115,13 @@ def test_a_rejection_carries_the_kubelets_reason() -> None:
     act = Case(mkpod("p", labels={"kubernetes.io/os": "windows"})).decide()
     assert act.rejection is not None
     assert act.rejection.reason == "PodOSSelectorNodeLabelDoesNotMatch"
+    assert not act.start and act.new_sandbox is None
+    # the pod alone decides first; the node's verdict when the pod itself is fine
+    act = Case(mkpod("p", labels={"kubernetes.io/os": "windows"}),
+               verdicts=Verdicts(rejection=Rejection("OutOfcpu", "short"))).decide()
+    assert act.rejection is not None and act.rejection.reason.startswith("PodOS")
+    act = Case(mkpod("p"), verdicts=Verdicts(rejection=Rejection("OutOfcpu", "short"))).decide()
+    assert act.rejection == Rejection("OutOfcpu", "short")
     assert not act.start and act.new_sandbox is None
 
 

@@ -439,3 +439,34 @@ def test_nodes_started_together_spread_their_status_ticks_over_the_period():
         assert rig.ticker.due("v0") == t0 + 10 and first.registered
         await rig.stop()
     run(main())
+
+
+def test_what_pod_admission_reads_of_the_node():
+    """Before the Node is registered (a static pod may come first): the labels and
+    taints it registers with and the allocatable of a host reading; then the Node as
+    the API has it, with the allocatable this agent computes over the API's."""
+    async def main():
+        rig = Rig()
+        rig.node.spec.taints = [{"key": "k", "value": "v", "effect": "NoExecute"}]
+        early = rig.node.admission_node()
+        assert early is not None
+        assert early["metadata"]["labels"]["pool"] == "x"
+        assert early["spec"]["taints"] == [{"key": "k", "value": "v", "effect": "NoExecute"}]
+        # 4 cpus and 8Gi, less what SETTINGS reserve (500m, 1Gi)
+        assert (early["status"]["allocatable"]["cpu"], early["status"]["allocatable"]["memory"],
+                early["status"]["allocatable"]["pods"]) == ("3500m", "7Gi", "110")
+        await rig.start()
+        node = rig.kube.obj(NODES, "n1")
+        node["metadata"]["labels"]["disk"] = "ssd"
+        node["spec"]["taints"] = []
+        node["status"]["allocatable"] = {**node["status"]["allocatable"], "cpu": "100",
+                                         "example.com/foo": "2"}
+        rig.kube.put(NODES, node)
+        await settle()
+        seen = rig.node.admission_node()
+        assert seen is not None
+        assert seen["metadata"]["labels"]["disk"] == "ssd" and seen["spec"]["taints"] == []
+        assert seen["status"]["allocatable"]["example.com/foo"] == "2"
+        assert seen["status"]["allocatable"]["cpu"] == "3500m"  # its own figure wins
+        await rig.stop()
+    run(main())

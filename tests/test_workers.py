@@ -78,7 +78,7 @@ class SlowSyncer:
         await self.gate.wait()
         return SyncResult()
 
-    async def terminate_pod(self, pod: dict, grace: float) -> None:
+    async def terminate_pod(self, pod: dict, grace: float, status: object = None) -> None:
         self.terminated.append(grace)
 
     def sync_terminated(self, pod: dict, entry: CacheEntry) -> None:

@@ -33,6 +33,7 @@ from nodeagent.node.scheduler import DueScheduler
 from nodeagent.node.status import (
     Status,
     StatusSettings,
+    allocatable,
     build_patch,
     compute_status,
     meaningful_changes,
@@ -116,6 +117,9 @@ class NodeController:
         self.reported: Status | None = None  # what the server has, as we last wrote it
         self.reported_version: str | None = None  # resourceVersion our last write returned
         self.computed: Status | None = None
+        # of the Node as the API last showed it, what pod admission reads: labels,
+        # taints, allocatable (others may add labels, taints, extended resources)
+        self.seen: dict[str, Any] | None = None
         self.last_full_report: float | None = None
         self.last_status_write: float | None = None
         self._next_tick: float | None = None
@@ -168,6 +172,23 @@ class NodeController:
         return {"kubernetes.io/hostname": self.name, "kubernetes.io/os": os_name,
                 "kubernetes.io/arch": arch, AGENT_LABEL: self.spec.agent_id,
                 **self.spec.labels}
+
+    def admission_node(self) -> Obj | None:
+        """The Node as pod admission reads it: its labels and taints as the API has them
+        (before the watch has shown it: those it registers with); its allocatable
+        as this agent computes it, over the API's (which holds the extended resources
+        others advertise). None when the host cannot be read and nothing was computed
+        yet."""
+        seen = self.seen or {}
+        ours = (self.computed or self.reported or {}).get("allocatable")
+        if ours is None:
+            try:
+                ours = allocatable(self.probe(), self.settings)
+            except HostReadError:
+                return None
+        return {"metadata": {"name": self.name, "labels": seen.get("labels") or self.labels()},
+                "spec": {"taints": seen["taints"] if self.seen else list(self.spec.taints)},
+                "status": {"allocatable": {**seen.get("allocatable", {}), **ours}}}
 
     async def _register(self) -> Obj:
         """Create the Node, or adopt the one there (our labels win)."""
@@ -301,6 +322,9 @@ class NodeController:
     # -- policy: the node watch hands us our Node --
     def on_node(self, node: Obj) -> None:
         meta = node.get("metadata") or {}
+        self.seen = {"labels": dict(meta.get("labels") or {}),
+                     "taints": list((node.get("spec") or {}).get("taints") or []),
+                     "allocatable": dict((node.get("status") or {}).get("allocatable") or {})}
         self._follow_uid(meta.get("uid"))
         self.apply_annotation((meta.get("annotations") or {}).get(HEARTBEAT_ANNOTATION))
         self._follow_api_conditions(node)

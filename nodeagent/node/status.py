@@ -184,14 +184,21 @@ def _host_parts(r: HostReadings, settings: StatusSettings) -> dict[str, Any]:
     return kept
 
 
+def _capacity(r: HostReadings, settings: StatusSettings) -> dict[str, float]:
+    return {"cpu": r.cpu, "memory": float(r.memoryTotal),
+            "ephemeral-storage": float(r.fsTotal), "pods": float(settings.max_pods)}
+
+
+def allocatable(r: HostReadings, settings: StatusSettings) -> dict[str, str]:
+    """What pods may be given of the node: its capacity less what is reserved."""
+    return _format_resources({k: max(0.0, v - settings.system_reserved.get(k, 0.0))
+                              for k, v in _capacity(r, settings).items()})
+
+
 def _make_host_parts(r: HostReadings, settings: StatusSettings) -> dict[str, Any]:
-    capacity = {"cpu": r.cpu, "memory": float(r.memoryTotal),
-                "ephemeral-storage": float(r.fsTotal), "pods": float(settings.max_pods)}
-    allocatable = {k: max(0.0, v - settings.system_reserved.get(k, 0.0))
-                   for k, v in capacity.items()}
     return {
-        "capacity": _format_resources(capacity),
-        "allocatable": _format_resources(allocatable),
+        "capacity": _format_resources(_capacity(r, settings)),
+        "allocatable": allocatable(r, settings),
         "addresses": [{"type": t, "address": a} for t, a in r.addresses],
         "nodeInfo": {
             "machineID": r.machineID, "systemUUID": r.systemUUID, "bootID": r.bootID,

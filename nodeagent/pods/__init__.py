@@ -19,11 +19,12 @@ The path of one pod:
       -> podstatus.py  StatusManager    the status computed from the spec and the runtime,
                                         PATCHed only when it changed
 
-Around that path: admission.py (may this node run the pod), podspec.py (the table of
-the spec fields the agent honours; anything else refuses the pod by name), probes.py
-and handlers.py (liveness, readiness, startup; exec, HTTP, TCP), backoff.py
-(CrashLoopBackOff), podhalf.py (the runtime's version and images for the node status,
-and what the kubelet API reads).
+Around that path: admission.py (may this node run the pod: the pod alone at every
+sync, and once beside the node's other pods; resources.py: what a pod asks of its
+node), podspec.py (the table of the spec fields the agent honours; anything else
+refuses the pod by name), probes.py and handlers.py (liveness, readiness, startup;
+exec, HTTP, TCP), backoff.py (CrashLoopBackOff), podhalf.py (the runtime's version and
+images for the node status, and what the kubelet API reads).
 
 Nothing here imports nodeagent.node (the heartbeat half) or a concrete runtime; the
 composition root (nodeagent.agent) builds every part and hands each its collaborators.

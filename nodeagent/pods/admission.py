@@ -3,21 +3,60 @@ before starting anything. A refused pod goes to phase Failed with the kubelet's 
 and the message "Pod was rejected: ..." and a Warning Event of that reason; none of its
 containers is started.
 
-Checked here: the pod's OS (spec.os.name and its kubernetes.io/os label), its sysctls
-against the safe set and `--allowed-unsafe-sysctls`, a Strict supplementalGroupsPolicy
-(the runtime cannot do it), AppArmor profiles on a host without AppArmor, and pod-level
-resources (this agent makes no pod cgroup).
+Two parts:
+
+- `admit(pod, settings)`: what depends on the pod alone, checked at every sync: its OS
+  (spec.os.name and its kubernetes.io/os label), its sysctls against the safe set and
+  `--allowed-unsafe-sysctls`, a Strict supplementalGroupsPolicy (the runtime cannot do
+  it), AppArmor profiles on a host without AppArmor, and pod-level resources (this
+  agent makes no pod cgroup).
+- `NodeAdmission`: what depends on the node and the pods already on it, decided once
+  per pod, in the order the pods were created (pods the runtime already runs first:
+  an agent that restarts takes them back before anything new). These are the kubelet's
+  general predicates (`general_predicates`): the pod's effective requests
+  (resources.py) fit the node's allocatable beside the pods admitted before it and not
+  ended; its host ports are free; its nodeName, nodeSelector and required node
+  affinity match the Node; it tolerates the Node's NoExecute taints (a static pod is
+  not asked). A critical pod (static, or of critical priority) that does not fit only
+  for want of resources preempts pods of lower priority instead (`pods_to_preempt`):
+  they are stopped with phase Failed, reason Preempting, and the critical pod starts
+  once they have stopped. An admitted pod stays admitted: admission never stops a pod
+  that runs.
 """
 
 from __future__ import annotations
 
+import asyncio
+import itertools
+import logging
 import platform
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nodeagent.api.kube import describe
+from nodeagent.events import WARNING, Events
+from nodeagent.pods.podstatus import KillStatus, is_sidecar
+from nodeagent.pods.podupdate import Pod, is_static
+from nodeagent.pods.resources import (
+    CPU,
+    EPHEMERAL,
+    MEMORY,
+    PODS,
+    amounts,
+    counted,
+    is_critical,
+    is_extended,
+    is_scalar,
+    pod_requests,
+    preemptable,
+    qos_class,
+    request_of,
+)
 from nodeagent.runtime.security import UNCONFINED, normalize_sysctl
+
+log = logging.getLogger(__name__)
 
 NODE_OS = "linux"
 OS_LABEL = "kubernetes.io/os"
@@ -160,3 +199,475 @@ def admit(pod: Mapping[str, Any], settings: AdmissionSettings) -> Rejection | No
         return Rejection("AppArmor", "Cannot enforce AppArmor: AppArmor is not enabled on "
                                      "the host")
     return None
+
+
+# --- the general predicates: the pod beside the node and its other pods -------------
+
+Node = Mapping[str, Any]
+"""A Node as the API has it; admission reads metadata.name and .labels, spec.taints and
+status.allocatable."""
+
+HostPort = tuple[str, str, int]  # host IP ("0.0.0.0": all), protocol, port
+ANY_IP = "0.0.0.0"
+
+
+@dataclass(frozen=True)
+class Insufficient:
+    """The node has too little left of a resource for the pod."""
+    resource: str
+    requested: int
+    used: int
+    capacity: int
+
+    def short(self) -> int:
+        """How much more would have to be free."""
+        return self.requested - (self.capacity - self.used)
+
+    def rejection(self) -> Rejection:
+        return Rejection(f"OutOf{self.resource}",
+                         f"Node didn't have enough resource: {self.resource}, requested: "
+                         f"{self.requested}, used: {self.used}, capacity: {self.capacity}")
+
+
+@dataclass(frozen=True)
+class Unmatched:
+    """A predicate other than resources that the pod fails, and why."""
+    predicate: str
+    why: str
+
+    def rejection(self) -> Rejection:
+        return Rejection(self.predicate, f"Predicate {self.predicate} failed: {self.why}")
+
+
+Failure = Insufficient | Unmatched
+
+NODE_AFFINITY = Unmatched("NodeAffinity", "node(s) didn't match Pod's node affinity/selector")
+NODE_NAME = Unmatched("NodeName", "node(s) didn't match the requested node name")
+NODE_PORTS = Unmatched("NodePorts", "node(s) didn't have free ports for the requested pod "
+                                    "ports")
+TAINTS = Unmatched("TaintToleration", "node(s) had taints that the pod didn't tolerate")
+
+
+@dataclass(frozen=True)
+class Held:
+    """What an admitted pod holds of its node until its containers have stopped."""
+    pod: Pod
+    requests: Mapping[str, int]
+    ports: tuple[HostPort, ...]
+
+
+def hold(pod: Pod) -> Held:
+    return Held(pod, pod_requests(pod), tuple(host_ports(pod)))
+
+
+def host_ports(pod: Pod) -> list[HostPort]:
+    """The host ports the pod's long-running containers (regular ones and sidecars)
+    claim."""
+    spec = pod.get("spec") or {}
+    out = []
+    for c in [*(c for c in spec.get("initContainers") or [] if is_sidecar(c)),
+              *(spec.get("containers") or [])]:
+        for p in c.get("ports") or []:
+            port = _integer(p.get("hostPort")) or 0
+            if port > 0:
+                out.append((str(p.get("hostIP") or ANY_IP), str(p.get("protocol") or "TCP"),
+                            port))
+    return out
+
+
+def _port_taken(want: HostPort, used: Iterable[HostPort]) -> bool:
+    """A port on all addresses clashes with that port on any; one address's only with
+    the same address's or all addresses'."""
+    ip, proto, port = want
+    return any((p, n) == (proto, port) and (u == ip or ANY_IP in (ip, u))
+               for u, p, n in used)
+
+
+def _requirement(expr: Mapping[str, Any], value: str | None) -> bool | None:
+    """Whether a node selector requirement holds for a label's value (None: the label
+    is absent); None when the requirement is malformed (it matches nothing)."""
+    op = expr.get("operator")
+    values = [str(v) for v in expr.get("values") or []]
+    if op in ("In", "NotIn"):
+        if not values:
+            return None
+        return (value in values) == (op == "In")
+    if op in ("Exists", "DoesNotExist"):
+        if values:
+            return None
+        return (value is not None) == (op == "Exists")
+    if op in ("Gt", "Lt"):
+        bound = _integer(values[0]) if len(values) == 1 else None
+        if bound is None:
+            return None
+        have = _integer(value)
+        return have is not None and (have > bound if op == "Gt" else have < bound)
+    return None
+
+
+def _integer(value: object) -> int | None:
+    try:
+        return int(str(value)) if value is not None else None
+    except ValueError:
+        return None
+
+
+def _field_requirement(expr: Mapping[str, Any], fields: Mapping[str, str]) -> bool | None:
+    """A matchFields requirement (In or NotIn, one value) against the Node's fields."""
+    values = expr.get("values") or []
+    if expr.get("operator") not in ("In", "NotIn") or len(values) != 1:
+        return None
+    return (fields.get(str(expr.get("key")), "") == str(values[0])) == \
+        (expr.get("operator") == "In")
+
+
+def _term_matches(term: Mapping[str, Any], labels: Mapping[str, str],
+                  fields: Mapping[str, str]) -> bool:
+    labels_ok = [_requirement(e, labels.get(str(e.get("key"))))
+                 for e in term.get("matchExpressions") or []]
+    fields_ok = [_field_requirement(e, fields) for e in term.get("matchFields") or []]
+    return all(ok is True for ok in [*labels_ok, *fields_ok])
+
+
+def node_affinity_matches(pod: Pod, node: Node) -> bool:
+    """The pod's nodeSelector (every label, exactly) and its required node affinity (any
+    of its non-empty terms) match the Node."""
+    spec = pod.get("spec") or {}
+    meta = node.get("metadata") or {}
+    labels = {str(k): str(v) for k, v in (meta.get("labels") or {}).items()}
+    if any(labels.get(str(k)) != str(v) for k, v in (spec.get("nodeSelector") or {}).items()):
+        return False
+    required = (((spec.get("affinity") or {}).get("nodeAffinity") or {})
+                .get("requiredDuringSchedulingIgnoredDuringExecution"))
+    if required is None:
+        return True
+    fields = {"metadata.name": str(meta.get("name") or "")}
+    terms = [t for t in required.get("nodeSelectorTerms") or []
+             if t.get("matchExpressions") or t.get("matchFields")]
+    return any(_term_matches(t, labels, fields) for t in terms)
+
+
+def tolerates(toleration: Mapping[str, Any], taint: Mapping[str, Any]) -> bool:
+    """An empty effect or key in the toleration matches any; operator Exists any value,
+    Equal (the default) the same value."""
+    for k in ("effect", "key"):
+        if toleration.get(k) and toleration[k] != taint.get(k):
+            return False
+    op = toleration.get("operator") or "Equal"
+    if op == "Equal":
+        return (toleration.get("value") or "") == (taint.get("value") or "")
+    return op == "Exists"
+
+
+def untolerated_no_execute(pod: Pod, node: Node) -> bool:
+    """A NoExecute taint of the Node that none of the pod's tolerations tolerates (the
+    NoSchedule ones are the scheduler's, as for the kubelet)."""
+    tolerations = (pod.get("spec") or {}).get("tolerations") or []
+    return any(not any(tolerates(t, taint) for t in tolerations)
+               for taint in (node.get("spec") or {}).get("taints") or []
+               if taint.get("effect") == "NoExecute")
+
+
+def _fits(pod: Pod, allocatable: Mapping[str, int],
+          others: Sequence[Held]) -> list[Insufficient]:
+    """The resources the node lacks for the pod beside `others`. Extended resources the
+    node does not advertise at all are not counted (they may be another component's,
+    such as a cluster-wide resource)."""
+    requests = pod_requests(pod, lambda n: not is_extended(n) or n in allocatable)
+    used: dict[str, int] = {}
+    for h in others:
+        for k, v in h.requests.items():
+            if counted(k):
+                used[k] = used.get(k, 0) + v
+    out = []
+    if len(others) + 1 > allocatable.get(PODS, 0):
+        out.append(Insufficient(PODS, 1, len(others), allocatable.get(PODS, 0)))
+    for name in [CPU, MEMORY, EPHEMERAL, *sorted(k for k in requests if is_scalar(k))]:
+        want = requests.get(name, 0)
+        if want > 0 and want > allocatable.get(name, 0) - used.get(name, 0):
+            out.append(Insufficient(name, want, used.get(name, 0), allocatable.get(name, 0)))
+    return out
+
+
+def general_predicates(pod: Pod, node: Node, others: Sequence[Held]) -> list[Failure]:
+    """Every predicate the pod fails on `node` beside the pods admitted there
+    (`others`), in the kubelet's order: resources (pods, cpu, memory,
+    ephemeral-storage, then the others by name), node affinity and selector, node
+    name, host ports, NoExecute taints. The first decides the rejection."""
+    spec = pod.get("spec") or {}
+    out: list[Failure] = []
+    out += _fits(pod, amounts((node.get("status") or {}).get("allocatable")), others)
+    if not node_affinity_matches(pod, node):
+        out.append(NODE_AFFINITY)
+    name = spec.get("nodeName")
+    if name and name != (node.get("metadata") or {}).get("name"):
+        out.append(NODE_NAME)
+    used = [p for h in others for p in h.ports]
+    if any(_port_taken(p, used) for p in host_ports(pod)):
+        out.append(NODE_PORTS)
+    if not is_static(pod) and untolerated_no_execute(pod, node):
+        out.append(TAINTS)
+    return out
+
+
+# --- preemption: room for a critical pod --------------------------------------------
+
+PREEMPTED = KillStatus("Preempting", "Preempted in order to admit critical pod",
+                       ("DisruptionTarget", "TerminationByKubelet",
+                        "Pod was preempted by Kubelet to accommodate a critical pod."))
+
+Needs = list[tuple[str, int]]  # resource -> how much more must be freed
+
+
+class PreemptionError(Exception):
+    """No set of pods frees what is needed."""
+
+
+def _needs_text(needs: Needs) -> str:
+    return "[" + "".join(f"(res: {n}, q: {q}), " for n, q in needs) + "]"
+
+
+def _left(needs: Needs, pods: Sequence[Pod]) -> Needs:
+    """What is still needed once `pods` are gone."""
+    out = []
+    for name, q in needs:
+        for p in pods:
+            q -= request_of(p, name)
+            if q <= 0:
+                break
+        if q > 0:
+            out.append((name, q))
+    return out
+
+
+def _distance(needs: Needs, pod: Pod) -> float:
+    """How far stopping `pod` leaves us from what is needed, each need weighed as a
+    fraction of itself, so no resource outweighs another by its unit."""
+    d = 0.0
+    for name, q in needs:
+        left = q - request_of(pod, name)
+        if left > 0:
+            d += (left / q) ** 2
+    return d
+
+
+def _smaller(a: Pod, b: Pod) -> bool:
+    """`a` requests less than `b`: memory first, then cpu (ties: yes)."""
+    for name in (MEMORY, CPU):
+        x, y = request_of(a, name), request_of(b, name)
+        if x != y:
+            return x < y
+    return True
+
+
+def _closest(pods: Sequence[Pod], needs: Needs) -> list[Pod]:
+    """Pods chosen one at a time, each the closest to what is still needed (the
+    smaller on a tie), until nothing is."""
+    pool = list(pods)
+    chosen: list[Pod] = []
+    while needs:
+        if not pool:
+            raise PreemptionError("no set of running pods found to reclaim resources: "
+                                  + _needs_text(needs))
+        best, best_d = 0, float(len(needs) + 1)
+        for i, p in enumerate(pool):
+            d = _distance(needs, p)
+            if d < best_d or (d == best_d and _smaller(p, pool[best])):
+                best, best_d = i, d
+        needs = _left(needs, [pool[best]])
+        chosen.append(pool[best])
+        pool[best] = pool[-1]
+        pool.pop()
+    return chosen
+
+
+def pods_to_preempt(pod: Pod, candidates: Sequence[Pod], needs: Needs) -> list[Pod]:
+    """The pods to stop so that the critical `pod` fits, the kubelet's way: of those it
+    may preempt, as few Guaranteed pods as would do were every BestEffort and
+    Burstable one stopped, then as few Burstable ones as would do beside those, then
+    the BestEffort ones still needed. PreemptionError when even all would not do."""
+    by_class: dict[str, list[Pod]] = {"BestEffort": [], "Burstable": [], "Guaranteed": []}
+    for c in candidates:
+        if preemptable(pod, c) and qos_class(c) in by_class:
+            by_class[qos_class(c)].append(c)
+    best_effort, burstable, guaranteed = by_class.values()
+    if left := _left(needs, [*best_effort, *burstable, *guaranteed]):
+        raise PreemptionError("no set of running pods found to reclaim resources: "
+                              + _needs_text(left))
+    g = _closest(guaranteed, _left(needs, [*best_effort, *burstable]))
+    b = _closest(burstable, _left(needs, [*best_effort, *g]))
+    e = _closest(best_effort, _left(needs, [*b, *g]))
+    return [*e, *b, *g]
+
+
+# --- one node's admission -----------------------------------------------------------
+
+INVALID_NODE_INFO = Rejection("InvalidNodeInfo", "Kubelet cannot get node info.")
+
+
+class NodeAdmission:
+    """One node's admission of the pods bound to it (see the module docstring): which
+    are admitted and what they hold, which were rejected and why, which wait.
+
+    The pod loop tells it when a pod is first seen (`add`), will not start
+    (`withdraw`), has stopped for good (`release`) or is gone (`forget`); the syncer
+    asks for a pod's verdict (`settle`, then `rejection` and `waiting`). Pods are
+    decided when a verdict is first asked for, so a restarted agent knows by then
+    which pods the runtime runs."""
+
+    def __init__(self, node: str, settings: AdmissionSettings,
+                 node_info: Callable[[], Node | None], running: Callable[[str], bool],
+                 events: Events | None = None) -> None:
+        """`node_info`: the Node as admission reads it (None: unknown); `running(uid)`:
+        whether the runtime runs something of the pod."""
+        self.node = node
+        self.settings = settings
+        self.node_info = node_info
+        self.running = running
+        self.events = events
+        # stop a preempted pod with this status (the pod loop's: a KILL to its worker)
+        self.on_preempt: Callable[[Pod, KillStatus], None] | None = None
+        self.admitted: dict[str, Held] = {}
+        # seen, undecided: uid -> (arrival, pod, to stop)
+        self._pending: dict[str, tuple[int, Pod, bool]] = {}
+        self._rejected: dict[str, Rejection] = {}
+        self._ended: set[str] = set()  # stopped for good, or never to start
+        self._stopping: set[str] = set()  # preempted and not stopped yet: the rest waits
+        self._preemptor = ""
+        self._turn: asyncio.Future[None] | None = None
+        self._arrivals = itertools.count()
+
+    # -- what the pod loop reports --
+
+    def add(self, pod: Pod) -> None:
+        """A pod first seen: to be decided."""
+        uid = str(pod["metadata"]["uid"])
+        if uid not in self._pending and uid not in self.admitted and \
+                uid not in self._rejected and uid not in self._ended:
+            self._pending[uid] = (next(self._arrivals), pod, False)
+
+    def withdraw(self, uid: str) -> None:
+        """The pod is to stop (deleted, gone) before it was decided: it will not start;
+        if the runtime runs it already (an agent that restarted finds it), it holds what
+        it holds until it has stopped. One already admitted holds it until then too."""
+        if uid in self._pending:
+            arrival, pod, _ = self._pending[uid]
+            self._pending[uid] = (arrival, pod, True)
+
+    def release(self, uid: str) -> None:
+        """The pod's containers have stopped for good: what it held is free."""
+        self.admitted.pop(uid, None)
+        self._pending.pop(uid, None)
+        self._ended.add(uid)
+        if uid in self._stopping:
+            self._stopping.discard(uid)
+            if not self._stopping:
+                log.info("node %s: the pods preempted for %s have stopped", self.node,
+                         self._preemptor)
+                self._preemptor = ""
+                if self._turn is not None and not self._turn.done():
+                    self._turn.set_result(None)
+                self._turn = None
+
+    def forget(self, uid: str) -> None:
+        """The pod is gone from every source and the runtime."""
+        self.release(uid)
+        self._ended.discard(uid)
+        self._rejected.pop(uid, None)
+
+    # -- what the syncer asks --
+
+    def settle(self, pod: Pod) -> None:
+        """Decide `pod` (added if new) and every pod before it that can be decided."""
+        self.add(pod)
+        if self._stopping or not self._pending:
+            return
+        order = sorted(self._pending.items(), key=lambda kv: (
+            not self.running(kv[0]),
+            str((kv[1][1].get("metadata") or {}).get("creationTimestamp") or ""), kv[1][0]))
+        for uid, (_, p, stops) in order:
+            del self._pending[uid]
+            if stops and not self.running(uid):
+                self._ended.add(uid)  # it will never start
+                continue
+            self._decide(uid, p)
+            if self._stopping:  # the rest waits until the preempted pods have stopped
+                return
+
+    def rejection(self, uid: str) -> Rejection | None:
+        return self._rejected.get(uid)
+
+    def waiting(self, uid: str) -> bool:
+        """Not decided yet, or admitted in place of pods still stopping."""
+        return uid in self._pending or (uid == self._preemptor and bool(self._stopping))
+
+    def turn(self) -> tuple[asyncio.Future[None], ...]:
+        """Done once the preempted pods have stopped (nothing when none are stopping)."""
+        if not self._stopping:
+            return ()
+        if self._turn is None:
+            self._turn = asyncio.get_running_loop().create_future()
+        return (self._turn,)
+
+    # -- deciding --
+
+    def _decide(self, uid: str, pod: Pod) -> None:
+        if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+            self._ended.add(uid)  # it ran its course: nothing to admit
+            return
+        if self.running(uid):
+            # it runs already (an agent that restarted finds it): it keeps what it has
+            node = self.node_info()
+            failures = general_predicates(pod, node, list(self.admitted.values())) \
+                if node is not None else []
+            if failures:
+                r = failures[0].rejection()
+                log.warning("pod %s runs on node %s, which would not admit it now (%s: "
+                            "%s); it keeps running", describe(pod), self.node, r.reason,
+                            r.message)
+            self.admitted[uid] = hold(pod)
+            return
+        refused = admit(pod, self.settings)
+        if refused is not None:
+            self._rejected[uid] = refused
+            return
+        node = self.node_info()
+        if node is None:
+            self._rejected[uid] = INVALID_NODE_INFO
+            return
+        failures = general_predicates(pod, node, list(self.admitted.values()))
+        if failures and is_critical(pod):
+            other: list[Failure] = [f for f in failures if isinstance(f, Unmatched)]
+            if not other:
+                self._preempt(uid, pod, [(f.resource, f.short()) for f in failures
+                                         if isinstance(f, Insufficient)])
+                return
+            failures = other
+        if failures:
+            self._rejected[uid] = failures[0].rejection()
+        else:
+            self.admitted[uid] = hold(pod)
+
+    def _preempt(self, uid: str, pod: Pod, needs: Needs) -> None:
+        """Admit the critical `pod` in place of pods of lower priority, stopped first."""
+        candidates = [h.pod for u, h in self.admitted.items() if u not in self._stopping]
+        try:
+            victims = pods_to_preempt(pod, candidates, needs)
+        except PreemptionError as e:
+            self._rejected[uid] = Rejection(
+                "UnexpectedAdmissionError", "Unexpected error while attempting to recover "
+                f"from admission failure: preemption: error finding a set of pods to "
+                f"preempt: {e}")
+            return
+        self.admitted[uid] = hold(pod)
+        if not victims:
+            return
+        self._preemptor = uid
+        for v in victims:
+            self._stopping.add(str(v["metadata"]["uid"]))
+            log.info("node %s: preempting pod %s to admit the critical pod %s (short of "
+                     "%s)", self.node, describe(v), describe(pod), _needs_text(needs))
+            if self.events is not None:
+                self.events.pod(v, WARNING, PREEMPTED.reason, PREEMPTED.message)
+            if self.on_preempt is not None:
+                self.on_preempt(v, PREEMPTED)

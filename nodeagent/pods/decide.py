@@ -81,6 +81,10 @@ class Verdicts:
     probe_kills: Mapping[str, Kind] = field(default_factory=dict)
     # ids of the running sidecars whose startup probe (if any) has passed
     started: frozenset[str] = frozenset()
+    # the node's admission (admission.NodeAdmission): why it refused the pod, or that
+    # it has not decided yet (pods stopping to make room for a critical one)
+    rejection: Rejection | None = None
+    admission_waits: bool = False
 
 
 def refusals(pod: Pod, node: NodeAbilities) -> tuple[dict[str, str], bool]:
@@ -115,6 +119,7 @@ class Verdict(enum.StrEnum):
     """What becomes of the pod in this sync."""
     FINISHED = "finished"  # it already ended (Succeeded/Failed): nothing to do
     REJECTED = "rejected"  # admission refused it: Failed, nothing started
+    WAITING = "waiting"    # admission has not decided yet: nothing done
     DEADLINE = "deadline"  # activeDeadlineSeconds passed: Failed
     ENDED = "ended"        # it ran and nothing will run again (restartPolicy Never):
                            # the final status
@@ -246,9 +251,11 @@ def compute_pod_actions(pod: Pod, rs: PodRuntimeStatus, previous: Mapping[str, A
     status last written `previous` (see the module docstring)."""
     if previous.get("phase") in ("Succeeded", "Failed"):
         return PodActions(Verdict.FINISHED)
-    rejection = admit(pod, node.admission)
+    rejection = admit(pod, node.admission) or verdicts.rejection
     if rejection is not None:
         return PodActions(Verdict.REJECTED, rejection=rejection)
+    if verdicts.admission_waits:
+        return PodActions(Verdict.WAITING)
     left = _deadline_left(pod, previous, now)
     if left is not None and left <= 0:
         return PodActions(Verdict.DEADLINE)

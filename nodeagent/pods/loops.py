@@ -32,7 +32,7 @@ from nodeagent.api.clock import Clock
 from nodeagent.api.kube import describe
 from nodeagent.metrics import per_registry
 from nodeagent.pods.pleg import EventType, Pleg, PodLifecycleEvent
-from nodeagent.pods.podstatus import StatusManager
+from nodeagent.pods.podstatus import KillStatus, StatusManager
 from nodeagent.pods.podupdate import Op, Pod, PodUpdate, SourcesReady, pod_node_name
 from nodeagent.pods.probes import ProbeManager
 from nodeagent.pods.volumes import VolumeManager
@@ -69,7 +69,9 @@ class SyncLoop:
         self.probes = probes
         self.workers = workers
         self.syncer = workers.syncer
+        self.admission = workers.syncer.admission
         probes.on_change = self._probed
+        self.admission.on_preempt = self._preempt
         self.pods: dict[str, Pod] = {}   # uid -> latest pod from the sources
         self._orphans = _housekeeping_counter(registry).labels(node=node_name)
 
@@ -96,6 +98,8 @@ class SyncLoop:
             log.debug("pod %s: %s from %s", describe(pod), u.op, u.source)
             if u.op in (Op.ADD, Op.UPDATE):
                 self.pods[uid] = pod
+                if u.op == Op.ADD:  # admitted or not when a first sync asks
+                    self.admission.add(pod)
                 if (pod.get("metadata") or {}).get("deletionTimestamp"):
                     self._kill(pod)
                 else:
@@ -105,6 +109,7 @@ class SyncLoop:
                 self._kill(pod)
             elif u.op == Op.REMOVE:
                 self.pods.pop(uid, None)
+                self.admission.withdraw(uid)
                 self.workers.update(pod, UpdateKind.REMOVE)
             elif u.op == Op.RECONCILE:
                 if uid in self.pods:
@@ -123,8 +128,14 @@ class SyncLoop:
 
     def _kill(self, pod: Pod) -> None:
         grace = (pod.get("metadata") or {}).get("deletionGracePeriodSeconds")
+        self.admission.withdraw(str(pod["metadata"]["uid"]))
         self.workers.update(pod, UpdateKind.KILL,
                             grace=None if grace is None else float(grace))
+
+    def _preempt(self, pod: Pod, status: KillStatus) -> None:
+        """Admission stops the pod to make room for a critical one."""
+        latest = self.pods.get(str(pod["metadata"]["uid"]), pod)
+        self.workers.update(latest, UpdateKind.KILL, status=status)
 
     def handle_event(self, ev: PodLifecycleEvent) -> None:
         if ev.type == EventType.CONTAINER_REMOVED:

@@ -349,6 +349,12 @@ class Pleg:
         self._task: asyncio.Task[None] | None = None
         self._watcher: asyncio.Task[None] | None = None  # ends when the runtime has no events
 
+    def runs(self, uid: str) -> bool:
+        """Whether the last relist found a ready sandbox or a running container of the
+        pod (known before the pod's own inspection has stored it in the cache)."""
+        return any(state == ContainerState.RUNNING
+                   for state in self._records.get(uid, {}).values())
+
     # --- health ---------------------------------------------------------------------
 
     @property

@@ -39,15 +39,19 @@ POD_FIELDS: dict[str, Rule] = {
     "activeDeadlineSeconds": None,   # the lifecycle code (probes.py and its neighbours)
     "dnsPolicy": None,               # dns.py
     "dnsConfig": None,               # dns.py
-    "nodeSelector": None,            # the scheduler's (not re-checked against the Node's
-                                     # labels here, unlike the kubelet's admission)
-    "affinity": None,                # the scheduler's
-    "tolerations": None,             # the scheduler's and the taint-eviction controller's
+    "nodeSelector": None,            # the scheduler's; admission.py checks it against the
+                                     # Node's labels (NodeAffinity)
+    "affinity": None,                # the scheduler's; admission.py checks the required node
+                                     # affinity (NodeAffinity); pod (anti-)affinity and
+                                     # what is preferred are the scheduler's alone
+    "tolerations": None,             # the scheduler's and the taint-eviction controller's;
+                                     # admission.py checks the Node's NoExecute taints
     "topologySpreadConstraints": None,  # the scheduler's
     "schedulerName": None,           # the scheduler's
     "schedulingGates": None,         # the scheduler's
     "priorityClassName": None,       # the API server's (priority admission)
-    "priority": None,                # the scheduler's (preemption)
+    "priority": None,                # the scheduler's (preemption); admission.py: a
+                                     # critical pod may preempt lower ones on the node
     "preemptionPolicy": None,        # the scheduler's
     "workloadRef": None,             # the scheduler's (gang scheduling)
     "serviceAccountName": None,      # the API server's (its token volume is a volume)
@@ -67,7 +71,8 @@ POD_FIELDS: dict[str, Rule] = {
     "hostAliases": None,             # dns.py (the managed /etc/hosts)
     "readinessGates": None,          # podstatus.py (the Ready condition)
     "runtimeClassName": None,        # syncer.py (the RuntimeClass's handler to CRI)
-    "overhead": None,                # runtime SandboxConfig.overhead (CRI sandbox overhead)
+    "overhead": None,                # runtime SandboxConfig.overhead (CRI sandbox overhead);
+                                     # counted in the requests admission fits (resources.py)
     "enableServiceLinks": None,      # the env code (service environment variables)
     "os": None,                      # admission.py (PodOSNotSupported)
     "resources": None,               # admission.py (PodLevelResourcesNotSupported)
@@ -83,10 +88,12 @@ CONTAINER_FIELDS: dict[str, Rule] = {
     "command": None,                 # runtime ContainerConfig
     "args": None,                    # runtime ContainerConfig
     "workingDir": None,              # runtime ContainerConfig
-    "ports": None,                   # hostPort: the sandbox's port mappings; the rest is
-                                     # informational, as for the kubelet
+    "ports": None,                   # hostPort: the sandbox's port mappings, and admission
+                                     # (NodePorts); the rest is informational, as for
+                                     # the kubelet
     "env": None,                     # the env code (runtime ContainerConfig.from_pod)
     "envFrom": None,                 # the env code
+    # requests: what admission fits (resources.py); cpu and memory also the runtime's
     "resources": lambda v: "dynamic resource allocation (resources.claims) is not " \
         "supported by this agent" if (v or {}).get("claims") else None,
     "resizePolicy": None,            # a changed resource restarts the container (syncer.py)

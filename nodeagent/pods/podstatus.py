@@ -56,6 +56,16 @@ class Waiting:
 
 
 @dataclass(frozen=True)
+class KillStatus:
+    """What the status of a pod the node itself stops says (e.g. preempted for a
+    critical pod): phase Failed with this reason and message, and a condition of its
+    own (type, reason, message; status True), written when the stop begins."""
+    reason: str
+    message: str
+    condition: tuple[str, str, str] | None = None
+
+
+@dataclass(frozen=True)
 class Probed:
     """A container's started and ready as its probes say (containers without probes
     are both as soon as they run)."""

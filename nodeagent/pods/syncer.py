@@ -1,10 +1,11 @@
 """The syncer: one sync of a pod, in two steps.
 
-First it decides: it gathers the node's answers (crash back-offs, probe verdicts) and
-asks `compute_pod_actions` (decide.py) what must be done. Then it acts, in the kubelet's
-order:
+First it decides: it gathers the node's answers (admission's verdict, crash back-offs,
+probe verdicts) and asks `compute_pod_actions` (decide.py) what must be done. Then it
+acts, in the kubelet's order:
 
-    1. a pod that ended, was rejected or ran past its deadline: its final status
+    1. a pod that ended, was rejected or ran past its deadline: its final status; one
+       admission has not decided yet: nothing (synced again once it has)
     2. the pod's volumes set up (a volume that cannot be: the pod waits, or is refused)
     3. duplicate sandboxes stopped; a new sandbox made when none is ready
     4. containers killed (a changed definition, a failed probe)
@@ -29,6 +30,7 @@ from typing import Any
 
 from nodeagent.api.kube import describe
 from nodeagent.events import NORMAL, WARNING, Events
+from nodeagent.pods.admission import NodeAdmission
 from nodeagent.pods.containers import Containers, Place, Progress
 from nodeagent.pods.decide import (
     NodeAbilities,
@@ -42,7 +44,14 @@ from nodeagent.pods.dns import PodDnsError
 from nodeagent.pods.env import env_refs
 from nodeagent.pods.hooks import DEADLINE_MESSAGE, DEADLINE_REASON
 from nodeagent.pods.pleg import CacheEntry
-from nodeagent.pods.podstatus import StatusManager, Waiting, compute_pod_status, is_sidecar
+from nodeagent.pods.podstatus import (
+    KillStatus,
+    StatusManager,
+    Waiting,
+    compute_pod_status,
+    is_sidecar,
+    rfc3339,
+)
 from nodeagent.pods.podupdate import Pod
 from nodeagent.pods.probes import ProbeManager
 from nodeagent.pods.runtimecalls import RuntimeCalls
@@ -81,10 +90,12 @@ class PodSyncer:
     def __init__(self, calls: RuntimeCalls, status: StatusManager, sandboxes: Sandboxes,
                  containers: Containers, volumes: VolumeManager | None,
                  probes: ProbeManager | None, events: Events | None,
-                 settings: NodePodSettings) -> None:
+                 settings: NodePodSettings, admission: NodeAdmission) -> None:
         """`volumes` None: pods with volumes are refused (its ObjectCache: the ConfigMaps
-        and Secrets pods use, watched); `probes` None: a pod with a probe is refused."""
+        and Secrets pods use, watched); `probes` None: a pod with a probe is refused;
+        `admission`: the node's, told when a pod's containers have stopped for good."""
         self.calls = calls
+        self.admission = admission
         self.runtime = calls.runtime
         self.clock = calls.clock
         self.status = status
@@ -117,13 +128,16 @@ class PodSyncer:
 
     def _verdicts(self, pod: Pod, rs: PodRuntimeStatus) -> Verdicts:
         uid = str(pod["metadata"]["uid"])
+        self.admission.settle(pod)
         left = self.containers.backoff.waiting(uid)
         running = [c for c in rs.containers if c.state == ContainerState.RUNNING]
-        if self.probes is None:
-            return Verdicts(left, {}, frozenset(c.id for c in running))
         probes = self.probes
-        return Verdicts(left, {c.id: k for c in running if (k := probes.kill_reason(c.id))},
-                        frozenset(c.id for c in running if probes.started(uid, c)))
+        return Verdicts(
+            left,
+            {c.id: k for c in running if (k := probes.kill_reason(c.id))} if probes else {},
+            frozenset(c.id for c in running if probes is None or probes.started(uid, c)),
+            rejection=self.admission.rejection(uid),
+            admission_waits=self.admission.waiting(uid))
 
     # --- acting ---------------------------------------------------------------------
 
@@ -146,6 +160,8 @@ class PodSyncer:
             self.status.set_status(pod, {"phase": "Failed", "reason": r.reason,
                                          "message": f"Pod was rejected: {r.message}"})
             return SyncResult(terminal=True)
+        if act.verdict == Verdict.WAITING:
+            return SyncResult(wake=self.admission.turn())
         if act.verdict == Verdict.DEADLINE:
             log.info("pod %s: activeDeadlineSeconds passed; failing it", describe(pod))
             self._event(pod, NORMAL, DEADLINE_REASON, DEADLINE_MESSAGE)
@@ -274,14 +290,23 @@ class PodSyncer:
 
     def _publish(self, pod: Pod, rs: PodRuntimeStatus, waiting: Mapping[str, Waiting],
                  terminal: bool = False, reason: str | None = None,
-                 message: str | None = None) -> None:
+                 message: str | None = None,
+                 condition: tuple[str, str, str] | None = None) -> None:
+        """The pod's status from the runtime's state `rs`; `condition` (type, reason,
+        message): one more, True (a status the node's own stop writes, KillStatus)."""
+        now = self.clock.now()
         st = compute_pod_status(pod, rs, host_ip=self.settings.host_ip,
-                                scheme=self.runtime.scheme, now=self.clock.now(),
+                                scheme=self.runtime.scheme, now=now,
                                 waiting=waiting, previous=self.status.previous(pod),
                                 terminal=terminal,
                                 probed=self.probes.readiness(pod, rs) if self.probes else None,
                                 messages=self.containers.messages(pod, rs),
                                 reason=reason, message=message)
+        if condition is not None:
+            ctype, creason, cmessage = condition
+            st["conditions"] = [*st["conditions"], {
+                "type": ctype, "status": "True", "reason": creason, "message": cmessage,
+                "lastProbeTime": None, "lastTransitionTime": rfc3339(now)}]
         self.status.set_status(pod, st)
 
     def _event(self, pod: Pod, type_: str, reason: str, message: str) -> None:
@@ -290,14 +315,21 @@ class PodSyncer:
 
     # --- stopping and forgetting ----------------------------------------------------
 
-    async def terminate_pod(self, pod: Pod, grace: float) -> None:
+    async def terminate_pod(self, pod: Pod, grace: float,
+                            status: KillStatus | None = None) -> None:
         """Stop every container (preStop hooks, SIGTERM, SIGKILL after `grace`): the
         regular ones together, then the sidecars one by one in reverse order, in the time
-        left; then the sandboxes."""
+        left; then the sandboxes. `status`: the node stops the pod of its own accord
+        (preemption): the pod's status says so first. Then the node's admission no
+        longer counts the pod."""
         uid = pod["metadata"]["uid"]
         if self.probes is not None:
             self.probes.stop_liveness_and_startup(uid)
         rs = await self.calls(self.runtime.pod_status(uid), "pod_status")
+        if status is not None:
+            log.info("pod %s: stopping: %s: %s", describe(pod), status.reason, status.message)
+            self._publish(pod, rs, {}, reason=status.reason, message=status.message,
+                          condition=status.condition)
         spec = pod.get("spec") or {}
         pod_ip = self.settings.pod_ip(bool(spec.get("hostNetwork")), rs.ip)
         sidecars = [c["name"] for c in spec.get("initContainers") or [] if is_sidecar(c)]
@@ -316,6 +348,7 @@ class PodSyncer:
         for s in rs.sandboxes:
             if s.state == SandboxState.READY:
                 await self.calls(self.runtime.stop_sandbox(s.id), "stop_sandbox")
+        self.admission.release(uid)
 
     def sync_terminated(self, pod: Pod, entry: CacheEntry) -> None:
         """Final status; a gracefully deleted API pod is then deleted for good."""
@@ -354,6 +387,7 @@ class PodSyncer:
             await self.volumes.teardown(uid)
         self.containers.forget(uid)
         self.status.forget(uid)
+        self.admission.forget(uid)
         if self.probes is not None:
             self.probes.remove(uid)
 

@@ -28,6 +28,7 @@ from nodeagent.api.kube import describe
 from nodeagent.metrics import per_registry
 from nodeagent.pods.decide import grace_of
 from nodeagent.pods.pleg import CacheEntry, PodCache
+from nodeagent.pods.podstatus import KillStatus
 from nodeagent.pods.podupdate import Pod, pod_full_name
 from nodeagent.pods.settings import PodTiming
 from nodeagent.pods.syncer import PodSyncer
@@ -89,6 +90,7 @@ class _Worker:
     kill: bool = False
     removed: bool = False
     grace: float | None = None
+    kill_status: KillStatus | None = None  # the node stops it of its own accord
     task: asyncio.Task[None] | None = None
     last_sync: float = -math.inf  # monotonic start of the last sync
     due: float = math.inf         # when a periodic or retry sync is due
@@ -192,7 +194,10 @@ class PodWorkers:
     # --- updates --------------------------------------------------------------------
 
     def update(self, pod: Pod, kind: UpdateKind = UpdateKind.SYNC,
-               grace: float | None = None) -> None:
+               grace: float | None = None, status: KillStatus | None = None) -> None:
+        """`grace`: a KILL's or REMOVE's grace period (the shortest one asked wins);
+        `status`: what a KILL the node decided (preemption) writes to the pod's status
+        as the stop begins."""
         uid = pod["metadata"]["uid"]
         w = self._w.get(uid)
         if w is None:
@@ -207,6 +212,8 @@ class PodWorkers:
             w.killed.set()
             if grace is not None:
                 w.grace = grace if w.grace is None else min(w.grace, grace)
+            if status is not None and w.kill_status is None:
+                w.kill_status = status
         if kind == UpdateKind.REMOVE:
             w.removed = True
         w.pending = True
@@ -314,7 +321,8 @@ class PodWorkers:
                 for f in res.wake:  # an image pull: sync again when it ends
                     f.add_done_callback(self._waker(w.uid))
             elif w.phase == Phase.TERMINATING:
-                await self.syncer.terminate_pod(w.pod, grace_of(w.pod, w.grace))
+                await self.syncer.terminate_pod(w.pod, grace_of(w.pod, w.grace),
+                                                w.kill_status)
                 w.phase = Phase.TERMINATED
                 w.stopped.set()
                 w.pending = True  # one more pass with fresh state for the final status
