@@ -6,7 +6,7 @@ containers is started.
 Checked here: the pod's OS (spec.os.name and its kubernetes.io/os label), its sysctls
 against the safe set and `--allowed-unsafe-sysctls`, a Strict supplementalGroupsPolicy
 (the runtime cannot do it), AppArmor profiles on a host without AppArmor, and pod-level
-resources (this agent makes no pod cgroup).
+resources (this agent's pod cgroups follow its containers' resources only).
 """
 
 from __future__ import annotations
@@ -148,7 +148,8 @@ def admit(pod: Mapping[str, Any], settings: AdmissionSettings) -> Rejection | No
     if spec.get("resources"):
         return Rejection("PodLevelResourcesNotSupported",
                          "Pod-level resources (spec.resources) are not supported by this "
-                         "node agent: it makes no pod cgroup")
+                         "node agent: its pod cgroups follow the containers' resources "
+                         "only")
     if psc.get("sysctls"):
         allowed = settings.allowed_sysctls()
         for s in psc["sysctls"]:
