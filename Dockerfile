@@ -4,7 +4,7 @@
 #
 # The chart runs it as user 10001 with a read-only root filesystem. PYTHON_IMAGE is the
 # base: the public one by default; the tests, which reach no registry, pass one made
-# from Debian's packages (e2e/kind/images.py, README "How the tests build images").
+# from Debian's packages (e2e/kind/images.py, docs/development.md, "How the tests build images").
 # No `# syntax=` line: BuildKit would fetch that frontend from a registry.
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm

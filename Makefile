@@ -20,7 +20,7 @@ lint: setup
 	.venv/bin/mypy nodeagent operator e2e tests bench
 
 test: lint
-	.venv/bin/pytest tests e2e
+	.venv/bin/pytest --durations=40 tests e2e
 
 unit: setup
 	.venv/bin/pytest tests

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kubernetes import client, watch  # noqa: E402
 
 from e2e.cluster import LocalCluster  # noqa: E402
-from e2e.promtext import samples  # noqa: E402
+from e2e.harness.promtext import samples  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 AGENT = ROOT / ".venv" / "bin" / "nodepulse-agent"

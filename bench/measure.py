@@ -10,6 +10,7 @@ its writes and body bytes through write_counts/body_bytes."""
 from __future__ import annotations
 
 import math
+import random
 import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -228,12 +229,16 @@ def render_markdown(results: Iterable[Result]) -> str:
 # ---- pod churn
 def percentile(values: list[float], q: float) -> float:
     """The q-th percentile (0..100) by the nearest-rank method; nan for no values."""
+    return _nearest_rank(sorted(values), q)
+
+
+def _nearest_rank(ordered_values: list[float], q: float) -> float:
     if not 0 <= q <= 100:
         raise ValueError(f"percentile q must be within 0..100, not {q}")
-    if not values:
+    if not ordered_values:
         return math.nan
-    ordered_values = sorted(values)
-    rank = max(1, math.ceil(q / 100 * len(ordered_values)))
+    # rounded first: 99.9 / 100 * 1000 is a hair over 999 in floating point
+    rank = max(1, math.ceil(round(q * len(ordered_values) / 100, 9)))
     return ordered_values[rank - 1]
 
 
@@ -256,6 +261,10 @@ class ChurnResult:
     job_s: float = math.nan
     node_p50_s: float = math.nan  # per pod: first seen bound to a node -> seen Running
     node_p99_s: float = math.nan
+    round: int = 1  # the subject's n-th phase in this run
+    # per pod seen Running, in seconds: first seen -> Running, bound -> Running
+    startup_s: list[float] = field(default_factory=list)
+    node_startup_s: list[float] = field(default_factory=list)
 
 
 def _s(x: float, fmt: str = "{:.2f}") -> str:
@@ -292,20 +301,221 @@ def render_rounds(results: Iterable[ChurnResult]) -> list[str]:
 
 
 def render_churn(results: Iterable[ChurnResult], markdown: bool = False) -> str:
-    head = ["subject", "nodes", "pods", "running", "all Running s", "p50 s", "p99 s",
+    head = ["subject", "round", "nodes", "pods", "running", "all Running s", "p50 s", "p99 s",
             "node p50 s", "node p99 s", "subject CPU s", "apiserver CPU s", "subject RSS MB",
             "job pods", "succeeded", "job s"]
-    rows = [[r.subject, str(r.nodes), str(r.pods), str(r.running),
+    rows = [[r.subject, str(r.round), str(r.nodes), str(r.pods), str(r.running),
              _s(r.all_running_s, "{:.1f}"), _s(r.p50_s), _s(r.p99_s),
              _s(r.node_p50_s, "{:.3f}"), _s(r.node_p99_s, "{:.3f}"),
              f"{r.subject_cpu_s:.1f}", f"{r.apiserver_cpu_s:.1f}", f"{r.subject_rss_mb:.0f}",
              str(r.job_pods), str(r.job_succeeded), _s(r.job_s, "{:.1f}")]
             for r in results]
+    return "\n".join(_table(head, rows, markdown))
+
+
+# ---- rounds pooled: the startup distribution over all rounds and a bootstrap interval
+POOLED_QS = (50.0, 90.0, 99.0, 99.9)
+INTERVAL_QS = (50.0, 99.0)
+BOOTSTRAP_RESAMPLES = 2000
+BOOTSTRAP_SEED = 41
+BOOTSTRAP_LEVEL = 0.95
+
+
+def percentiles(values: list[float], qs: Iterable[float]) -> list[float]:
+    """percentile() of `values` at each of `qs`, sorting once."""
+    ordered_values = sorted(values)
+    return [_nearest_rank(ordered_values, q) for q in qs]
+
+
+def round_sample(r: ChurnResult, node_part: bool = False) -> list[float]:
+    """One round's per-pod startup seconds, a pod never seen Running counted as slower
+    than any (inf): leaving it out would make a round that did not finish look fast."""
+    seen = r.node_startup_s if node_part else r.startup_s
+    return [*seen, *[math.inf] * max(0, r.pods - r.running)]
+
+
+def pool(samples: Iterable[list[float]]) -> list[float]:
+    """All rounds' pods in one sample."""
+    return [x for sample in samples for x in sample]
+
+
+def spread(values: list[float]) -> tuple[float, float, float]:
+    """(min, median, max); nans for no values."""
+    if not values:
+        return math.nan, math.nan, math.nan
+    return min(values), statistics.median(values), max(values)
+
+
+@dataclass
+class Interval:
+    """num/den of a percentile of the pooled startup, and its bootstrap interval."""
+    num: str
+    den: str
+    nodes: int
+    q: float
+    ratio: float
+    low: float
+    high: float
+
+    @property
+    def verdict(self) -> str:
+        """"met": num's percentile is under den's (the whole interval below 1);
+        "missed": over it (the whole interval above 1); "tie": the interval holds 1."""
+        if math.isnan(self.low) or math.isnan(self.high):
+            return "n/a"
+        if self.high < 1.0:
+            return "met"
+        if self.low > 1.0:
+            return "missed"
+        return "tie"
+
+
+def bootstrap_ratio(num: list[list[float]], den: list[list[float]], qs: Iterable[float],
+                    resamples: int = BOOTSTRAP_RESAMPLES, level: float = BOOTSTRAP_LEVEL,
+                    seed: int = BOOTSTRAP_SEED) -> dict[float, tuple[float, float, float]]:
+    """For each q: (ratio, low, high), the ratio of num's pooled q-th percentile to den's,
+    and its two-sided `level` percentile interval.
+
+    Each argument is one subject's rounds, each a list of per-pod seconds. A resample
+    draws whole rounds with replacement, each subject's independently, and pools the
+    drawn rounds' pods: a round's pods share one control plane and its first burst, so
+    they are not independent draws, and the round is what varies from run to run (its
+    burst sets the slowest pods). Resampling pods within rounds would treat a round's
+    30 slowest pods as 30 chances and give an interval too narrow for that. With few
+    rounds the interval is still somewhat narrow (a resample of k rounds varies about
+    (k-1)/k as much as new rounds would), and a subject with one round has no spread
+    to draw from: its interval is nan. So is one that a resample cannot give a ratio
+    (a zero percentile, or an infinite one on both sides)."""
+    qs = list(qs)
+    if not num or not den:
+        raise ValueError("bootstrap_ratio needs at least one round of each subject")
+    if resamples <= 0 or not 0 < level < 1:
+        raise ValueError(f"bootstrap_ratio: resamples={resamples} must be > 0 and "
+                         f"level={level} within (0, 1)")
+    rng = random.Random(seed)
+    # pre-sorted rounds: a pool of sorted runs sorts in little more than one merge
+    num_sorted, den_sorted = [sorted(r) for r in num], [sorted(r) for r in den]
+
+    def ratios_of(a: list[list[float]], b: list[list[float]]) -> list[float]:
+        return [ratio(x, y) for x, y in
+                zip(percentiles(pool(a), qs), percentiles(pool(b), qs), strict=True)]
+
+    point = ratios_of(num_sorted, den_sorted)
+    if len(num) < 2 or len(den) < 2:
+        return {q: (x, math.nan, math.nan) for q, x in zip(qs, point, strict=True)}
+    drawn: list[list[float]] = [[] for _ in qs]
+    for _ in range(resamples):
+        a = [num_sorted[i] for i in rng.choices(range(len(num)), k=len(num))]
+        b = [den_sorted[i] for i in rng.choices(range(len(den)), k=len(den))]
+        for column, x in zip(drawn, ratios_of(a, b), strict=True):
+            column.append(x)
+    tail = (1 - level) / 2 * 100
+    out = {}
+    for q, x, column in zip(qs, point, drawn, strict=True):
+        if any(math.isnan(v) for v in column):
+            out[q] = (x, math.nan, math.nan)
+        else:
+            out[q] = (x, percentile(column, tail), percentile(column, 100 - tail))
+    return out
+
+
+@dataclass
+class Pooled:
+    """One subject at one node count over all its rounds."""
+    subject: str
+    nodes: int
+    rounds: int
+    pods: int  # asked for, all rounds
+    not_running: int  # never seen Running (counted as the slowest)
+    startup_s: dict[str, float]  # "p50" -> seconds, of all rounds' pods together
+    node_startup_s: dict[str, float]
+    # (min, median, max) over the rounds
+    subject_cpu_s: tuple[float, float, float]
+    apiserver_cpu_s: tuple[float, float, float]
+    subject_rss_mb: tuple[float, float, float]
+
+
+def _label(q: float) -> str:
+    return f"p{q:g}"
+
+
+def by_subject(results: Iterable[ChurnResult]) -> dict[tuple[str, int], list[ChurnResult]]:
+    """Rounds grouped by (subject, nodes), each group in the order it ran."""
+    out: dict[tuple[str, int], list[ChurnResult]] = {}
+    for r in results:
+        out.setdefault((r.subject, r.nodes), []).append(r)
+    return out
+
+
+def pooled(results: Iterable[ChurnResult]) -> list[Pooled]:
+    out = []
+    for (subject, nodes), rs in by_subject(results).items():
+        startup = percentiles(pool(round_sample(r) for r in rs), POOLED_QS)
+        node = percentiles(pool(round_sample(r, node_part=True) for r in rs), POOLED_QS)
+        out.append(Pooled(
+            subject=subject, nodes=nodes, rounds=len(rs), pods=sum(r.pods for r in rs),
+            not_running=sum(max(0, r.pods - r.running) for r in rs),
+            startup_s={_label(q): x for q, x in zip(POOLED_QS, startup, strict=True)},
+            node_startup_s={_label(q): x for q, x in zip(POOLED_QS, node, strict=True)},
+            subject_cpu_s=spread([r.subject_cpu_s for r in rs]),
+            apiserver_cpu_s=spread([r.apiserver_cpu_s for r in rs]),
+            subject_rss_mb=spread([r.subject_rss_mb for r in rs])))
+    return out
+
+
+def intervals(results: Iterable[ChurnResult], resamples: int = BOOTSTRAP_RESAMPLES,
+              level: float = BOOTSTRAP_LEVEL, seed: int = BOOTSTRAP_SEED) -> list[Interval]:
+    """The bootstrap interval of each RATIO_PAIRS ratio of the pooled startup p50 and
+    p99, at every node count where both subjects ran."""
+    groups = by_subject(results)
+    out = []
+    for nodes in sorted({n for _, n in groups}):
+        for num, den in RATIO_PAIRS:
+            a, b = groups.get((num, nodes)), groups.get((den, nodes))
+            if not a or not b:
+                continue
+            found = bootstrap_ratio([round_sample(r) for r in a], [round_sample(r) for r in b],
+                                    INTERVAL_QS, resamples, level, seed)
+            out += [Interval(num, den, nodes, q, *found[q]) for q in INTERVAL_QS]
+    return out
+
+
+def _table(head: list[str], rows: list[list[str]], markdown: bool) -> list[str]:
     if markdown:
-        return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head),
-                          *("| " + " | ".join(r) + " |" for r in rows)])
+        return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head),
+                *("| " + " | ".join(r) + " |" for r in rows)]
     widths = [max(len(x) for x in col) for col in zip(head, *rows, strict=True)]
     lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True))
              for row in [head, *rows]]
     lines.insert(1, "-" * len(lines[0]))
-    return "\n".join(lines)
+    return lines
+
+
+def _spread(x: tuple[float, float, float], fmt: str) -> str:
+    return "/".join(_s(v, fmt) for v in x)
+
+
+def render_pooled(pools: list[Pooled], found: list[Interval], markdown: bool = False,
+                  level: float = BOOTSTRAP_LEVEL) -> str:
+    """Three tables: the pooled startup percentiles, each ratio's interval and verdict,
+    and the spread of each round's CPU and memory."""
+    labels = [_label(q) for q in POOLED_QS]
+    head = ["subject", "nodes", "rounds", "pods", "not Running",
+            *(f"{x} s" for x in labels), "node p50 s", "node p99 s"]
+    rows = [[p.subject, str(p.nodes), str(p.rounds), str(p.pods), str(p.not_running),
+             *(_s(p.startup_s[x], "{:.3f}") for x in labels),
+             _s(p.node_startup_s["p50"], "{:.3f}"), _s(p.node_startup_s["p99"], "{:.3f}")]
+            for p in pools]
+    lines = _table(head, rows, markdown)
+    if found:
+        head = ["nodes", "ratio", "percentile", "pooled ratio", f"{level:.0%} interval",
+                "verdict"]
+        rows = [[str(i.nodes), f"{i.num}/{i.den}", _label(i.q), _fmt_ratio(i.ratio),
+                 f"[{_fmt_ratio(i.low)}, {_fmt_ratio(i.high)}]", i.verdict] for i in found]
+        lines += ["", *_table(head, rows, markdown)]
+    head = ["subject", "nodes", "subject CPU s min/med/max", "apiserver CPU s min/med/max",
+            "subject RSS MB min/med/max"]
+    rows = [[p.subject, str(p.nodes), _spread(p.subject_cpu_s, "{:.1f}"),
+             _spread(p.apiserver_cpu_s, "{:.1f}"), _spread(p.subject_rss_mb, "{:.0f}")]
+            for p in pools]
+    return "\n".join([*lines, "", *_table(head, rows, markdown)])

@@ -4,8 +4,8 @@ local control plane (etcd and kube-apiserver included in the measurement):
 - nodepulse: nodepulse-agent, efficient heartbeats (Lease + NodeStatus on change);
 - legacy:    nodepulse-agent --heartbeat-mode=legacy (full NodeStatus every 10 s, no Lease);
 - kwok:      KWOK (pinned, built from its Go module) managing N Nodes we create, with
-             the default node stages kwokctl pairs with leases (node-initialize,
-             node-heartbeat-with-lease, read from the pinned module) and a 40 s Lease.
+             the default stages kwokctl applies when nodes hold leases (KWOK_STAGES,
+             read from the pinned module) and a 40 s Lease.
 
     python -m bench.scale --nodes 100,500,1000 --minutes 5
 
@@ -154,7 +154,7 @@ class KwokSubject(Subject):
                      "--manage-all-nodes=false",
                      f"--manage-nodes-with-annotation-selector={'='.join(KWOK_ANNOTATION)}",
                      f"--node-lease-duration-seconds={LEASE_SECONDS}",
-                     *(f"--config={p}" for p in kwok_node_stages())], self.tag)
+                     *(f"--config={p}" for p in kwok_stages())], self.tag)
 
     def _create_nodes(self, core: client.CoreV1Api) -> None:
         """N Node objects as KWOK's documentation has users write them."""
@@ -173,15 +173,23 @@ class KwokSubject(Subject):
             list(pool.map(create, range(self.n)))
 
 
-def kwok_node_stages() -> list[Path]:
-    """kwok's own default node stages for a leased node, from the pinned module source
-    (the kwok binary alone picks its stages the other way round in v0.7.0: with a
-    lease duration set it takes node-heartbeat, a status PATCH every 20-25 s; kwokctl
-    writes node-initialize + node-heartbeat-with-lease, which is what we use)."""
+# The stages kwokctl applies for a cluster whose nodes hold leases, as files of the
+# pinned module's kustomize/stage/: each node initialised once, its conditions re-written
+# every 600-610 s (the Lease does the heartbeat); a bound pod made Running at once, a
+# Job's Running pod Succeeded, a pod with a deletion timestamp removed. Up to v0.7.0 the
+# kwok binary added default pod stages when given none; from v0.8.0 it runs exactly the
+# stages it is given, so without the pod stages no pod ever leaves Pending.
+KWOK_STAGES = ("node/fast/node-initialize.yaml",
+               "node/heartbeat-with-lease/node-heartbeat-with-lease.yaml",
+               "pod/fast/pod-ready.yaml", "pod/fast/pod-complete.yaml",
+               "pod/fast/pod-delete.yaml")
+
+
+def kwok_stages() -> list[Path]:
+    """The paths of KWOK_STAGES in the pinned module's source (fetched when kwok is built)."""
     tool = build.TOOLS["kwok"]
-    src = build.cache_root() / "gomod" / f"{tool.module}@{tool.version}" / "kustomize" / "stage" / "node"
-    paths = [src / "fast" / "node-initialize.yaml",
-             src / "heartbeat-with-lease" / "node-heartbeat-with-lease.yaml"]
+    src = build.cache_root() / "gomod" / f"{tool.module}@{tool.version}" / "kustomize" / "stage"
+    paths = [src / rel for rel in KWOK_STAGES]
     missing = [str(p) for p in paths if not p.is_file()]
     if missing:
         raise RuntimeError(f"kwok's stage files are missing: {missing} (the module source "
@@ -368,6 +376,9 @@ def run_phase(subject: Subject, args: argparse.Namespace) -> measure.Result:
 
 # ---- pod churn (issue 8 item 3)
 CHURN_NS = "bench-churn"
+# rounds of each subject by default: one round's p99 is its first burst's, which moves
+# from run to run as much as the subjects differ
+CHURN_ROUNDS = 5
 
 
 class PodWatch:
@@ -455,8 +466,8 @@ def deployment(tag: str, replicas: int) -> client.V1Deployment:
 
 def job(tag: str, completions: int, parallelism: int, run_for: str) -> client.V1Job:
     """Pods that run `run_for` and exit 0: on nodepulse's virtual nodes by the fake
-    runtime's script annotations (README "Scripted pods"); KWOK completes a Job's pods
-    by its own default stage."""
+    runtime's script annotations (docs/virtual-nodes.md, "Scripted pods"); KWOK completes
+    a Job's pods by its own default stage."""
     return client.V1Job(
         metadata=client.V1ObjectMeta(name=f"job-{tag}"),
         spec=client.V1JobSpec(
@@ -497,7 +508,8 @@ def run_job(api: client.ApiClient, subject: Subject, args: argparse.Namespace
     return succeeded, math.nan
 
 
-def run_churn(subject: Subject, args: argparse.Namespace) -> measure.ChurnResult:
+def run_churn(subject: Subject, args: argparse.Namespace, round_no: int
+              ) -> measure.ChurnResult:
     cluster = LocalCluster(subject.workdir / "cluster")
     cluster.up(log=log)
     pods: PodWatch | None = None
@@ -556,7 +568,8 @@ def run_churn(subject: Subject, args: argparse.Namespace) -> measure.ChurnResult
         subject_cpu_s=s1.cpu["subject"] - s0.cpu["subject"],
         apiserver_cpu_s=s1.cpu["kube-apiserver"] - s0.cpu["kube-apiserver"],
         subject_rss_mb=rss, job_pods=args.job_pods if with_job else 0,
-        job_succeeded=job_done, job_s=job_s)
+        job_succeeded=job_done, job_s=job_s, round=round_no,
+        startup_s=latencies, node_startup_s=on_node)
 
 
 # ---- output
@@ -626,9 +639,10 @@ change started from), so before and after come from one run; **legacy** = the sa
 with `--heartbeat-mode=legacy` (full NodeStatus PATCH every 10 s, no Lease); **kwok** =
 KWOK {build.TOOLS["kwok"].version} managing Nodes created by the benchmark
 (`--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake`,
-`--node-lease-duration-seconds={LEASE_SECONDS}`) with the node stages kwokctl sets up when
+`--node-lease-duration-seconds={LEASE_SECONDS}`) with the stages kwokctl sets up when
 leases are on: `node-initialize` and `node-heartbeat-with-lease` (conditions re-written
-every 600-610 s), read from the pinned module's `kustomize/stage/node/`.
+every 600-610 s), and for pods `pod-ready`, `pod-complete`, `pod-delete`, read from the
+pinned module's `kustomize/stage/`.
 
 Per node-minute over the window. Every (subject, N) phase runs on a fresh control
 plane. Writes and request bytes come from the API server's own metrics
@@ -646,20 +660,93 @@ Lease, Ready heartbeat) was older than {LEASE_SECONDS} s at the start or end of 
 """)
 
 
+def plot_churn(results: list[measure.ChurnResult], path: Path) -> None:
+    """The pooled startup's tail (the share of pods slower than x), each round's p99
+    and each round's costs, per subject."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator, NullFormatter, ScalarFormatter
+
+    groups = measure.by_subject(results)
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    tails = [("startup ms (first seen -> Running), all rounds", False),
+             ("node part ms (bound -> Running), all rounds", True)]
+    for ax, (title, node_part) in zip(axes[0][:2], tails, strict=True):
+        for (subject, nodes), rs in groups.items():
+            xs = sorted(measure.pool(measure.round_sample(r, node_part) for r in rs))
+            shown = [(x * 1000, 1 - i / len(xs)) for i, x in enumerate(xs)
+                     if math.isfinite(x) and x > 0]
+            if shown:
+                ax.step(*zip(*shown, strict=True), where="post", label=f"{subject} N={nodes}")
+        ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_yscale("log")
+        ax.set_title(title)
+        ax.set_ylabel("share of pods slower")
+    per_round = [("startup p99 s by round", "p99_s"), ("subject CPU s by round", "subject_cpu_s"),
+                 ("API server CPU s by round", "apiserver_cpu_s"),
+                 ("subject peak RSS MB by round", "subject_rss_mb")]
+    for ax, (title, attr) in zip([axes[0][2], *axes[1]], per_round, strict=True):
+        for (subject, nodes), rs in groups.items():
+            ax.plot([r.round for r in rs], [getattr(r, attr) for r in rs], marker="o",
+                    label=f"{subject} N={nodes}")
+        ax.set_title(title)
+        ax.set_xlabel("round")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_ylim(bottom=0)
+    for ax in axes.flat:
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.suptitle("pod churn: nodepulse vs KWOK, rounds alternating (lower is better)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def churn_json(results: list[measure.ChurnResult], pools: list[measure.Pooled],
+               found: list[measure.Interval]) -> str:
+    """The tables, and every round with its per-pod seconds (to the microsecond), one
+    round a line so the file stays readable."""
+    def round_doc(r: measure.ChurnResult) -> dict[str, object]:
+        doc = asdict(r)
+        for key in ("startup_s", "node_startup_s"):
+            doc[key] = [round(x, 6) for x in doc[key]]
+        return doc
+
+    head = {"bootstrap": {"unit": "whole rounds, each subject's independently",
+                          "resamples": measure.BOOTSTRAP_RESAMPLES,
+                          "seed": measure.BOOTSTRAP_SEED, "level": measure.BOOTSTRAP_LEVEL},
+            "pooled": [asdict(p) for p in pools],
+            "intervals": [{**asdict(i), "verdict": i.verdict} for i in found]}
+    rounds = ",\n".join("  " + json.dumps(round_doc(r)) for r in results)
+    return json.dumps(head, indent=1)[:-2] + f',\n "rounds": [\n{rounds}\n ]\n}}\n'
+
+
 def write_churn_docs(results: list[measure.ChurnResult], args: argparse.Namespace,
-                     command: str, how: str) -> None:
+                     command: str, how: str, failures: list[str]
+                     ) -> tuple[list[measure.Pooled], list[measure.Interval]]:
+    """churn.md, churn.json and churn.png in --out; the pooled tables they show."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "churn.json").write_text(json.dumps([asdict(r) for r in results], indent=1))
+    pools, found = measure.pooled(results), measure.intervals(results)
+    (out / "churn.json").write_text(churn_json(results, pools, found))
+    plot_churn(results, out / "churn.png")
     job_text = "" if not args.job_pods else f"""
 
 Then a Job of {args.job_pods} completions, {args.job_parallelism} at a time ("job s": the
 Job created until its status counts them all succeeded, as the Job controller sees them).
 Its pods are scripted on nodepulse's fake runtime to run {args.job_run_for} and exit 0
-(`fake.nodepulse.dev/run-for`, `exit-code`: README "Scripted pods"), each through a pod
+(`fake.nodepulse.dev/run-for`, `exit-code`:
+[Scripted pods](../virtual-nodes.md#scripted-pods-the-fake-runtime)), each through a pod
 worker, the runtime and its status writes; KWOK completes a Job's Running pods by its
 default `pod-complete` stage, at once. ("before", an older build, has no Job phase.)"""
+    kwok_text = "" if "kwok" not in args.subjects.split(",") else (
+        f"- KWOK {build.TOOLS['kwok'].version} with the stages kwokctl applies when nodes "
+        f"hold leases: {', '.join(f'`{Path(p).stem}`' for p in KWOK_STAGES)}\n")
     rounds = "".join(f"\n- {line}" for line in measure.render_rounds(results))
+    failed = "".join(f"\nFailed round: {f}\n" for f in failures)
     (out / "churn.md").write_text(f"""# Pod churn: a Deployment across the nodes
 
 Written by `bench/scale.py --churn`; do not edit by hand.
@@ -668,6 +755,8 @@ Written by `bench/scale.py --churn`; do not edit by hand.
 - date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M UTC}
 - machine: {machine()}
 - nodepulse ran as: {how}, fake runtime
+{kwok_text}- rounds: {args.rounds} of each subject, in turn ({", ".join(args.subjects.split(","))},
+  {args.subjects.split(",")[0]}, ...), each on a fresh control plane
 
 One Deployment of {args.churn_pods} pods (node selector on the subject's nodes, all
 taints tolerated) on a fresh local control plane once all nodes are Ready and the
@@ -679,8 +768,27 @@ seen by a watch until seen Running; "node p50/p99": from first seen bound to a n
 kube-controller-manager's client rate limit (its defaults) and binding by
 kube-scheduler's, for every subject alike. CPU seconds over the Deployment's churn.{job_text}
 
+## All rounds pooled
+
+Every round's pods together, per subject (a pod never seen Running counts as the
+slowest). The interval is the {measure.BOOTSTRAP_LEVEL:.0%} percentile bootstrap of the
+ratio of the pooled percentiles, {measure.BOOTSTRAP_RESAMPLES} resamples (seed
+{measure.BOOTSTRAP_SEED}) that draw whole rounds with replacement, each subject's
+independently: a round's pods share one control plane and its first burst, so the round,
+not the pod, is what varies from run to run. Verdict: "met" when the whole interval is
+below 1 (the first subject faster), "missed" when it is above 1, "tie" when it holds 1;
+a subject with one round has no interval. Costs: each round's, min/median/max.
+
+{measure.render_pooled(pools, found, markdown=True)}
+
+![pooled startup tail and each round's figures](churn.png)
+
+## Each round
+
 {measure.render_churn(results, markdown=True)}
-{rounds}""")
+{rounds}
+{failed}""")
+    return pools, found
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -706,9 +814,10 @@ def main(argv: list[str] | None = None) -> int:
                         "pods across the nodes; time until all Running, startup latency "
                         "p50/p99, CPU (issue 8 item 3)")
     parser.add_argument("--churn-pods", type=int, default=3000)
-    parser.add_argument("--rounds", type=int, default=1,
+    parser.add_argument("--rounds", type=int, default=None,
                         help="--churn: run the subjects' phases this many times, in turn, "
-                        "each on a fresh control plane (the p99's spread from round to round)")
+                        "each on a fresh control plane, and pool their pods (default 5; "
+                        "the heartbeat phases run once)")
     parser.add_argument("--churn-timeout", type=float, default=900.0,
                         help="seconds for all pods to be Running (and for the Job)")
     parser.add_argument("--job-pods", type=int, default=0,
@@ -738,6 +847,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--before-agent: {args.before_agent} is not a file")
     if args.churn_pods <= 0:
         parser.error("--churn-pods must be > 0")
+    if args.rounds is None:
+        args.rounds = CHURN_ROUNDS if args.churn else 1
     if args.rounds <= 0:
         parser.error("--rounds must be > 0")
     if not args.churn and (args.rounds > 1 or len(set(subjects)) < len(subjects)):
@@ -765,6 +876,7 @@ def main(argv: list[str] | None = None) -> int:
     results: list[measure.Result] = []
     churns: list[measure.ChurnResult] = []
     failures: list[str] = []
+    tables: tuple[list[measure.Pooled], list[measure.Interval]] = ([], [])
     for n in sizes:
         seen: dict[str, int] = {}
         for name in subjects:
@@ -782,9 +894,15 @@ def main(argv: list[str] | None = None) -> int:
                 subject = AgentSubject("efficient" if name == "nodepulse" else "legacy",
                                        virtual, tag, n, phase_dir)
             if args.churn:
-                log(f"-- churn: {name}, {n} nodes, {args.churn_pods} pods")
-                churns.append(run_churn(subject, args))
+                log(f"-- churn: {name} round {seen[name]}, {n} nodes, {args.churn_pods} pods")
+                try:
+                    churns.append(run_churn(subject, args, seen[name]))
+                except Exception as e:  # a failed round is reported; the others still run
+                    failures.append(f"{name} round {seen[name]} at {n} nodes: {e}")
+                    log(f"  FAILED: {e}")
                 print(measure.render_churn(churns), file=sys.stderr)
+                if churns:  # written after every round: a late failure loses nothing
+                    tables = write_churn_docs(churns, args, command, how, failures)
             else:
                 log(f"-- {name}, {n} nodes, {args.minutes:g} min")
                 try:
@@ -800,9 +918,15 @@ def main(argv: list[str] | None = None) -> int:
         print(measure.render_churn(churns))
         for line in measure.render_rounds(churns):
             print(line)
-        write_churn_docs(churns, args, command, how)
-        print(f"wrote {args.out}/churn.md, churn.json; logs in {workdir}")
-        return 0
+        if churns:
+            print(f"\nall rounds' pods pooled; {measure.BOOTSTRAP_LEVEL:.0%} intervals by "
+                  f"{measure.BOOTSTRAP_RESAMPLES} resamples of whole rounds "
+                  f"(seed {measure.BOOTSTRAP_SEED}); costs per round min/median/max")
+            print(measure.render_pooled(*tables))
+        for f in failures:
+            print(f"FAILED: {f}")
+        print(f"wrote {args.out}/churn.md, churn.json, churn.png; logs in {workdir}")
+        return 1 if failures or not churns else 0
     print("per node-minute over the window; RSS = peak MB of the phase")
     print(measure.render_text(results))
     for f in failures:

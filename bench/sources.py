@@ -149,7 +149,7 @@ async def bench_api(pods: int) -> None:
     print(f"== API source: {pods} pods bound to one node")
     try:
         from e2e.cluster import LocalCluster
-        from e2e.util import request, request_json
+        from e2e.harness.apirequests import request, request_json
         from nodeagent.api.client import load_credentials, new_api_client
         cluster = LocalCluster()
         cluster.up(log=lambda m: print(f"  {m}"))

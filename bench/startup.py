@@ -121,9 +121,9 @@ def api_run(runtime: str, sizes: list[int], timeout: float) -> None:
     from kubernetes import client, watch
 
     from e2e.cluster import LocalCluster
-    from e2e.cluster.cluster import free_port
     from e2e.cluster.containerd import Containerd, start_containerd
     from e2e.cluster.images import BUSYBOX_IMAGE
+    from e2e.harness.ports import free_port
 
     node = f"startup-{uuid.uuid4().hex[:6]}"
     cluster = LocalCluster().up(log=lambda m: None)

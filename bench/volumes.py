@@ -37,9 +37,9 @@ def run(runtime: str, n: int, timeout: float) -> None:
     from kubernetes import client
 
     from e2e.cluster import LocalCluster
-    from e2e.cluster.cluster import free_port
     from e2e.cluster.containerd import Containerd, start_containerd
     from e2e.cluster.images import BUSYBOX_IMAGE
+    from e2e.harness.ports import free_port
 
     node = f"vols-{uuid.uuid4().hex[:6]}"
     cluster = LocalCluster().up(log=lambda m: None)

@@ -22,7 +22,7 @@ from typing import Any
 
 from e2e.cluster import LocalCluster
 from e2e.cluster.images import BUSYBOX_IMAGE
-from e2e.util import stop_process
+from e2e.harness.processes import stop_process
 
 ROOT = Path(__file__).resolve().parent.parent
 CRDS = ROOT / "charts" / "nodepulse" / "crds"

@@ -36,8 +36,10 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from e2e.cluster import Cluster
-from e2e.promtext import samples
-from e2e.util import eventually, free_port, stop_process
+from e2e.harness.ports import free_port
+from e2e.harness.processes import stop_process
+from e2e.harness.promtext import samples
+from e2e.harness.waits import eventually
 
 AGENT = Path(sys.executable).parent / "nodepulse-agent"
 TAINT_KEY = "nodepulse.dev/e2e-bad-input"
@@ -571,7 +573,7 @@ def test_host_network_static_pod_when_allowed(cluster: Cluster, tmp_path: Path) 
     composition root, nodeagent/agent.py.)"""
     import asyncio
 
-    from e2e.util import request_json
+    from e2e.harness.apirequests import request_json
     from nodeagent.api.client import load_credentials, new_api_client
     from nodeagent.api.clock import RealClock
     from nodeagent.api.kube import RestKube

@@ -35,7 +35,10 @@ from kubernetes.client.exceptions import ApiException
 
 from e2e.cluster import Cluster
 from e2e.cluster.images import BUSYBOX_IMAGE
-from e2e.util import create_namespace, eventually, free_port, marked, node_registered, stop_process
+from e2e.harness.namespaces import create_namespace
+from e2e.harness.ports import free_port
+from e2e.harness.processes import marked, stop_process
+from e2e.harness.waits import eventually, node_registered
 from nodeagent.pods.cgroupfs import CgroupFs
 
 AGENT = Path(sys.executable).parent / "nodepulse-agent"

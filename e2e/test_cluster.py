@@ -12,7 +12,7 @@ import pytest
 from kubernetes import client
 
 from e2e.cluster import Cluster
-from e2e.promtext import samples
+from e2e.harness.promtext import samples
 from nodeagent.api.client import new_api_client
 
 

@@ -2,7 +2,7 @@
 
 Two agents run for the whole module as real processes with node credentials
 (system:node:<name>): one on a private containerd (CRI), one on the process runtime.
-Each reaches the API server through its own loopback TCP proxy (e2e/tcpproxy.py),
+Each reaches the API server through its own loopback TCP proxy (e2e/harness/tcpproxy.py),
 which forwards untouched until a test cuts it (while the API server is down, the proxy
 ends each new connection at once, as a refused connection would). Their Lease runs on
 10 s / renew 2 s.
@@ -55,12 +55,14 @@ import yaml
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from e2e import util
 from e2e.cluster import Cluster
 from e2e.cluster.images import BUSYBOX_IMAGE
-from e2e.promtext import samples
-from e2e.tcpproxy import TcpProxy
-from e2e.util import alive, first_seen, free_port, marked, stop_process
+from e2e.harness import waits
+from e2e.harness.ports import free_port
+from e2e.harness.processes import alive, marked, stop_process
+from e2e.harness.promtext import samples
+from e2e.harness.tcpproxy import TcpProxy
+from e2e.harness.waits import first_seen
 from nodeagent.api.policy import GROUP, HEARTBEAT_ANNOTATION, PLURAL, VERSION
 from nodeagent.runtime.base import ANNOTATION_RESTART_COUNT, LABEL_POD_UID
 from nodeagent.runtime.cri.gen import api_pb2 as pb
@@ -89,9 +91,9 @@ T = TypeVar("T")
 # ---- small helpers
 def eventually(pred: Callable[[], T | None], what: str, timeout: float = 60.0,
                every: float = 0.25) -> T:
-    """util.eventually, with API and connection errors counting as "not yet": the
+    """waits.eventually, with API and connection errors counting as "not yet": the
     control plane may be coming back."""
-    return util.eventually(pred, what, timeout, every, tolerate=(ApiException, OSError))
+    return waits.eventually(pred, what, timeout, every, tolerate=(ApiException, OSError))
 
 
 def each(agents: list[NodeAgent], pred: Callable[[NodeAgent], T | None], what: str,

@@ -13,107 +13,26 @@ life.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import tempfile
 import time
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 from kubernetes import client
 
-from e2e.cluster import Cluster
-
-CHART = Path(__file__).resolve().parent.parent / "charts" / "nodepulse"
-CRDS = CHART / "crds"
-# A node label no node carries: the chart's pods stay Pending (see the module doc).
-NOWHERE = "nodepulse.dev/e2e-no-such-node"
-
-
-class Tools:
-    """helm and kubectl, pinned and built by the cluster fixture, on its kubeconfig."""
-
-    def __init__(self, cluster: Cluster, home: Path) -> None:
-        self.cluster = cluster
-        self.helm_bin = cluster.binary("helm")
-        self.kubectl_bin = cluster.binary("kubectl")
-        home.mkdir(parents=True, exist_ok=True)
-        # helm keeps its cache and config out of the user's home
-        self.env = {**os.environ, "HELM_CACHE_HOME": str(home / "cache"),
-                    "HELM_CONFIG_HOME": str(home / "config"),
-                    "HELM_DATA_HOME": str(home / "data"), "KUBECONFIG": str(cluster.kubeconfig)}
-
-    def run(self, binary: Path, *args: str, stdin: str | None = None,
-            check: bool = True, timeout: float = 180) -> subprocess.CompletedProcess[str]:
-        proc = subprocess.run([str(binary), *args], input=stdin, capture_output=True,
-                              text=True, env=self.env, timeout=timeout)
-        if check and proc.returncode != 0:
-            raise AssertionError(f"{binary.name} {' '.join(args)} exited {proc.returncode}:\n"
-                                 f"{proc.stdout}\n{proc.stderr}")
-        return proc
-
-    def helm(self, *args: str, check: bool = True,
-             timeout: float = 180) -> subprocess.CompletedProcess[str]:
-        return self.run(self.helm_bin, *args, "--kubeconfig", str(self.cluster.kubeconfig),
-                        check=check, timeout=timeout)
-
-    def kubectl(self, *args: str, stdin: str | None = None,
-                check: bool = True) -> subprocess.CompletedProcess[str]:
-        return self.run(self.kubectl_bin, "--kubeconfig", str(self.cluster.kubeconfig), *args,
-                        stdin=stdin, check=check)
-
-    def kube_version(self) -> str:
-        return str(client.VersionApi(self.cluster.api_client()).get_code().git_version)
-
-    def template(self, release: str, namespace: str, *sets: str) -> str:
-        # --kube-version: the server's, so `kubeVersion` in Chart.yaml is checked against it
-        return self.helm("template", release, str(CHART), "--namespace", namespace,
-                         "--kube-version", self.kube_version(), *sets).stdout
-
-    def apply_crds(self) -> None:
-        """The CRDs as users manage them: kubectl, server-side, from the chart's crds/."""
-        self.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRDS))
-        self.kubectl("wait", "--for=condition=Established", "--timeout=60s",
-                     "crd/nodestatuspolicies.nodepulse.dev")
-
-
-# The values files of this module's tests; removed with the directory at exit.
-VALUES_DIR = tempfile.TemporaryDirectory(prefix="np-values-")
-
-
-def sets(values: dict[str, Any]) -> list[str]:
-    """Arguments giving helm these values: a values file (keys may hold dots)."""
-    fd, path = tempfile.mkstemp(suffix=".yaml", dir=VALUES_DIR.name)
-    with os.fdopen(fd, "w") as f:
-        yaml.safe_dump(values, f)
-    return ["-f", path]
-
-
-PENDING = {"operator": {"nodeSelector": {NOWHERE: "true"}},
-           "agent": {"nodeSelector": {NOWHERE: "true"}}}
-
-
-def values(**extra: Any) -> list[str]:
-    """The values that keep the chart's pods Pending, plus `extra` (merged per section)."""
-    merged: dict[str, Any] = json.loads(json.dumps(PENDING))
-    for key, value in extra.items():
-        merged.setdefault(key, {}).update(value)
-    return sets(merged)
+from e2e.harness.helm import (
+    CHART,
+    Tools,
+    sets,
+    tools_fixture,  # noqa: F401 (a fixture)
+    values,
+)
 
 
 def docs(text: str) -> list[dict[str, Any]]:
     return [d for d in yaml.safe_load_all(text) if d]
-
-
-@pytest.fixture(scope="module")
-def tools(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Tools:
-    t = Tools(cluster, tmp_path_factory.mktemp("helm-home"))
-    t.apply_crds()
-    return t
 
 
 @pytest.fixture
@@ -139,7 +58,8 @@ ALL_ON = dict(agent={"enabled": True, "replicas": 2, "nodesPerReplica": 3},
 
 def test_lint_strict_is_clean(tools: Tools) -> None:
     for extra in ([], values(**ALL_ON),
-                  values(**ALL_ON, metrics={"serviceMonitor": {"enabled": True}})):
+                  values(**ALL_ON, metrics={"serviceMonitor": {"enabled": True}},
+                         dashboards={"enabled": True})):
         out = tools.helm("lint", "--strict", str(CHART), *extra)
         print(out.stdout)
         assert "1 chart(s) linted, 0 chart(s) failed" in out.stdout
@@ -248,6 +168,37 @@ def test_service_monitor_only_when_enabled(tools: Tools) -> None:
         (expr,) = match["matchExpressions"]
         assert labels[expr["key"]] in expr["values"]
         assert [p["name"] for p in svc["spec"]["ports"]] == ["metrics"]
+
+
+def test_dashboards_only_when_enabled(tools: Tools, namespace: str) -> None:
+    """Off by default; on, one ConfigMap per dashboard with the Grafana sidecar's label
+    (configurable), each holding its file's JSON as is, accepted by the API server."""
+    off = docs(tools.template("np-dash", namespace, *values()))
+    assert not [d for d in off if d["kind"] == "ConfigMap"]
+    files = {f"nodepulse-{p.stem}.json": json.loads(p.read_text())
+             for p in (CHART / "dashboards").glob("*.json")}
+    assert len(files) == 3
+    for dashboards, label in (({"enabled": True}, ("grafana_dashboard", "1")),
+                              ({"enabled": True, "label": "example.com/dashboard",
+                                "labelValue": "nodepulse", "annotations": {"folder": "np"}},
+                               ("example.com/dashboard", "nodepulse"))):
+        rendered = tools.template("np-dash", namespace, *values(dashboards=dashboards))
+        maps = [d for d in docs(rendered) if d["kind"] == "ConfigMap"]
+        assert {m["metadata"]["name"] for m in maps} == {
+            f"np-dash-nodepulse-dashboard-{n}" for n in ("heartbeats", "pods", "operator")}
+        for m in maps:
+            assert m["metadata"]["namespace"] == namespace
+            assert m["metadata"]["labels"][label[0]] == label[1]
+            assert m["metadata"].get("annotations") == dashboards.get("annotations")
+            ((key, text),) = m["data"].items()
+            assert json.loads(text) == files[key]
+        out = tools.kubectl("apply", "--dry-run=server", "-f", "-",
+                            stdin=yaml.safe_dump_all(maps))
+        assert out.stdout.count("(server dry run)") == 3, out.stdout
+    bad = tools.helm("lint", "--strict", str(CHART),
+                     *sets({"dashboards": {"enabled": True, "label": "not a label"}}),
+                     check=False)
+    assert bad.returncode != 0 and "at '/dashboards/label'" in bad.stdout + bad.stderr
 
 
 # ---- install, upgrade, uninstall

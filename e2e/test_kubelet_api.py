@@ -35,7 +35,10 @@ from kubernetes.client.exceptions import ApiException
 
 from e2e.cluster import Cluster
 from e2e.cluster.images import BUSYBOX_IMAGE
-from e2e.util import create_namespace, eventually, free_port, stop_process
+from e2e.harness.namespaces import create_namespace
+from e2e.harness.ports import free_port, listening
+from e2e.harness.processes import stop_process
+from e2e.harness.waits import eventually
 
 AGENT = Path(sys.executable).parent / "nodepulse-agent"
 TAINT_KEY = "nodepulse.dev/e2e-kubelet-api"
@@ -645,7 +648,6 @@ def test_virtual_nodes_share_one_server(cluster: Cluster, tmp_path: Path) -> Non
                 got.add(int(ep.kubelet_endpoint.port))
             return got
         [port] = eventually(ports, "3 virtual nodes advertising their kubelet port", 60)
-        from e2e.test_node_identity import listening
         assert (("0.0.0.0", port) in listening(proc.pid)
                 and len([p for h, p in listening(proc.pid) if p == port]) == 1)
         create_namespace(core, ns)

@@ -31,8 +31,9 @@ import pytest
 from kubernetes import client
 
 from e2e.cluster import Cluster
-from e2e.cluster.cluster import free_port
-from e2e.util import eventually, stop_process
+from e2e.harness.ports import free_port, listening
+from e2e.harness.processes import stop_process
+from e2e.harness.waits import eventually
 from nodeagent.api.client import new_api_client
 
 AGENT = Path(sys.executable).parent / "nodepulse-agent"
@@ -364,36 +365,6 @@ def local_addresses() -> set[str]:
         if "/32 host LOCAL" in line:
             out.add(prev.split()[-1])
         prev = line
-    return out
-
-
-def _decode(hexaddr: str) -> tuple[str, int]:
-    addr, port = hexaddr.split(":")
-    raw = bytes.fromhex(addr)
-    if len(raw) == 4:
-        return socket.inet_ntop(socket.AF_INET, raw[::-1]), int(port, 16)
-    words = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))
-    return socket.inet_ntop(socket.AF_INET6, words), int(port, 16)
-
-
-def listening(pid: int | None = None) -> set[tuple[str, int]]:
-    """(address, port) of the TCP sockets in LISTEN state, of one process or all."""
-    inodes: set[str] | None = None
-    if pid is not None:
-        inodes = set()
-        for fd in Path(f"/proc/{pid}/fd").iterdir():
-            try:
-                target = os.readlink(fd)
-            except OSError:
-                continue
-            if target.startswith("socket:["):
-                inodes.add(target[8:-1])
-    out = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            f = line.split()
-            if f[3] == "0A" and (inodes is None or f[9] in inodes):
-                out.add(_decode(f[1]))
     return out
 
 

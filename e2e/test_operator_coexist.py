@@ -41,14 +41,15 @@ import pytest
 from kubernetes import client
 
 from e2e import conftest
-from e2e import test_operator as op
 from e2e.cluster import LocalCluster
-from e2e.promtext import samples
-from e2e.util import eventually
+from e2e.harness import operators as op
+from e2e.harness import pools as nodepools
+from e2e.harness.promtext import samples
+from e2e.harness.waits import eventually
 from nodeagent.api.policy import GROUP, HEARTBEAT_ANNOTATION, PLURAL
 
 GRACE = 20  # the controller manager's --node-monitor-grace-period here
-UNREACHABLE = op.UNREACHABLE
+UNREACHABLE = nodepools.UNREACHABLE
 OWNED = "nodepulse.dev/owned-taints"
 CM_USER = "system:serviceaccount:kube-system:node-controller"
 # Each node's silences, (from, to) in seconds of the window: at most 3 of the 7 nodes
@@ -164,16 +165,16 @@ def pools(kube: client.ApiClient, operators: list[op.Operator],
           kubelets: Kubelets) -> dict[str, str]:
     """The two policies and seven nodes, all Ready, with their heartbeat annotation
     and no taint; policy name by pool."""
-    names = {pool: op.policy(kube, pool, pool, grace=grace, lease=lease,
+    names = {pool: nodepools.policy(kube, pool, pool, grace=grace, lease=lease,
                              noExecuteTaintsPerMinute=60)
              for pool, grace, lease in (("strict", 8, 5), ("lax", 40, 10))}
-    nodes = [n for pool in names for n in op.make_nodes(kube, pool, 3 if pool == "lax" else 4)]
+    nodes = [n for pool in names for n in nodepools.make_nodes(kube, pool, 3 if pool == "lax" else 4)]
     assert sorted(short(n) for n in nodes) == sorted(SILENCES)
     kubelets.start_renewing(nodes)
 
     def settled(n: str) -> bool:
-        node = op.node(kube, n)
-        ready = op.ready_status(kube, n)
+        node = nodepools.node(kube, n)
+        ready = nodepools.ready_status(kube, n)
         policy = json.loads((node.metadata.annotations or {}).get(
             HEARTBEAT_ANNOTATION, "{}")).get("policy")
         return (ready is not None and ready.status == "True" and not node.spec.taints
@@ -194,7 +195,7 @@ def full(name: str) -> str:
 
 
 def effective(kube: client.ApiClient, policy: str) -> dict[str, Any]:
-    return op.condition(op.get_policy(kube, policy), "Effective")
+    return nodepools.condition(nodepools.get_policy(kube, policy), "Effective")
 
 
 def test_a_policy_says_what_the_controller_manager_overrides(
@@ -208,7 +209,7 @@ def test_a_policy_says_what_the_controller_manager_overrides(
     assert f"({GRACE}s)" in got["message"]
     ok = effective(kube, strict)
     assert (ok["status"], ok["reason"]) == ("True", "StricterThanCluster")
-    assert op.get_policy(kube, strict)["status"]["nodeLifecycle"] == "coexist"
+    assert nodepools.get_policy(kube, strict)["status"]["nodeLifecycle"] == "coexist"
     # kubectl describe nsp: the Warning, once
     def warnings() -> list[Any]:
         return [e for e in client.CoreV1Api(kube).list_namespaced_event(
@@ -313,8 +314,8 @@ def test_three_minutes_beside_the_node_lifecycle_controller(
             took = time.time()
     assert not kubelets.errors, kubelets.errors[:5]
     kubelets.set(nodes.values(), True)
-    eventually(lambda: all(op.effects(kube, n) == set() and not (
-        op.node(kube, n).metadata.annotations or {}).get(OWNED) for n in nodes.values()),
+    eventually(lambda: all(nodepools.effects(kube, n) == set() and not (
+        nodepools.node(kube, n).metadata.annotations or {}).get(OWNED) for n in nodes.values()),
         "every node untainted once back, and no taint recorded as the operator's", 40)
     assert took, "the standby never took the leader Lease"
     writes = node_writes(coexist_cluster, list(nodes.values()))

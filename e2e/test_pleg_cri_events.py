@@ -15,8 +15,9 @@ stream are the only sources of PLEG events; a worker's own refresh emits none).
    (one whose container died meanwhile is restarted), and the new stream carries
    events again (a kill is restarted with no relist).
 
-Agents, containerd and pods are set up and torn down by test_faults_runtime's
-node_env and start_agent (node credentials, a tainted Node, stopped by PID).
+Agents, containerd and pods are set up and torn down by node_env and start_agent of
+e2e/harness/nodeenv.py, as in test_faults_runtime (node credentials, a tainted Node,
+stopped by PID).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from kubernetes import client
 
 from e2e.cluster import Cluster
 from e2e.cluster.containerd import BUILDS
-from e2e.test_faults_runtime import (
+from e2e.harness.nodeenv import (
     AgentProc,
     Env,
     all_running,
@@ -39,7 +40,8 @@ from e2e.test_faults_runtime import (
     start_agent,
     workloads,
 )
-from e2e.util import alive, eventually
+from e2e.harness.processes import alive
+from e2e.harness.waits import eventually
 
 LONG_RELIST = "--evented-pleg-relist-period=300s"
 RELISTS = "nodepulse_pleg_relist_duration_seconds_count"

@@ -44,8 +44,11 @@ from kubernetes.client.exceptions import ApiException
 
 from e2e.cluster import Cluster
 from e2e.cluster.images import BUSYBOX_IMAGE
-from e2e.promtext import samples
-from e2e.util import alive, create_namespace, eventually, free_port, marked, node_registered, stop_process
+from e2e.harness.namespaces import create_namespace
+from e2e.harness.ports import free_port
+from e2e.harness.processes import alive, marked, stop_process
+from e2e.harness.promtext import samples
+from e2e.harness.waits import eventually, node_registered
 from nodeagent.runtime.cri.gen import api_pb2 as pb
 from nodeagent.runtime.cri.gen import api_pb2_grpc as pb_grpc
 

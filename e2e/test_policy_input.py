@@ -30,9 +30,10 @@ from nodeoperator.state import parse_policy
 from urllib3.exceptions import ProtocolError
 
 from e2e.cluster import Cluster
-from e2e.cluster.cluster import free_port
-from e2e.promtext import samples
-from e2e.util import eventually, stop_process
+from e2e.harness.ports import free_port
+from e2e.harness.processes import stop_process
+from e2e.harness.promtext import samples
+from e2e.harness.waits import eventually
 from nodeagent.api.policy import GROUP, HEARTBEAT_ANNOTATION, KIND, PLURAL, VERSION
 
 ROOT = Path(__file__).resolve().parent.parent

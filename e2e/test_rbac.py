@@ -14,9 +14,7 @@ ValidatingAdmissionPolicy for create), and the tests below check each side of it
 
 from __future__ import annotations
 
-import base64
 import contextlib
-import dataclasses
 import datetime as dt
 import json
 import os
@@ -33,139 +31,27 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
-import yaml
 from kubernetes import client
 
 from e2e.cluster import Cluster
-from e2e.test_helm import CHART, Tools, values
-from e2e.util import free_port
+from e2e.harness.helm import (
+    Tools,
+    tools_fixture,  # noqa: F401 (a fixture)
+)
+from e2e.harness.ports import free_port
+from e2e.harness.release import (
+    REFUSED,
+    Release,
+    event_body,
+    identities_fixture,  # noqa: F401 (a fixture)
+    node_body,
+    release_fixture,  # noqa: F401 (a fixture)
+)
 from nodeagent.api.client import new_api_client
 from nodeagent.api.policy import AGENT_LABEL, HEARTBEAT_ANNOTATION, decode_heartbeat_annotation
 
 T = TypeVar("T")
-REFUSED = re.compile(r"[Ff]orbidden|\(403\)|status=403|\"code\": ?403")
 BIN = Path(sys.executable).parent
-
-
-@dataclasses.dataclass
-class Release:
-    name: str
-    namespace: str
-    policy: str  # the chart's default NodeStatusPolicy
-
-    @property
-    def operator_sa(self) -> str:
-        return f"{self.name}-nodepulse-operator"
-
-    @property
-    def agent_sa(self) -> str:
-        return f"{self.name}-nodepulse-agent"
-
-    def agent_node(self, ordinal: int, i: int) -> str:
-        """A Node name the chart lets its agents own."""
-        return f"{self.name}-nodepulse-agent-{ordinal}-{i}"
-
-    def user(self, sa: str) -> str:
-        return f"system:serviceaccount:{self.namespace}:{sa}"
-
-
-@pytest.fixture(scope="module")
-def tools(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Tools:
-    t = Tools(cluster, tmp_path_factory.mktemp("helm-home"))
-    t.apply_crds()
-    return t
-
-
-@pytest.fixture(scope="module")
-def release(tools: Tools, cluster: Cluster) -> Iterator[Release]:
-    suffix = uuid.uuid4().hex[:5]
-    rel = Release(f"np-rbac-{suffix}", f"np-rbac-{suffix}", f"e2e-rbac-{suffix}")
-    core = client.CoreV1Api(cluster.api_client())
-    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=rel.namespace)))
-    # A short lease so the agent's renewals are seen within seconds. The chart's pods
-    # stay Pending (no image, no kubelet here): the processes below stand in for them.
-    # The policy matches every node, other tests' left-over ones too, while this
-    # module's operator runs: NoSchedule only, so it evicts no other test's pods.
-    tools.helm("install", rel.name, str(CHART), "--namespace", rel.namespace, *values(
-        agent={"enabled": True, "replicas": 1, "nodesPerReplica": 2},
-        defaultPolicy={"enabled": True, "name": rel.policy,
-                       "heartbeat": {"leaseDurationSeconds": 10, "renewIntervalSeconds": 2},
-                       "failure": {"gracePeriodSeconds": 20, "taintUnreachable": False}}))
-    try:
-        yield rel
-    finally:
-        tools.helm("uninstall", rel.name, "--namespace", rel.namespace, check=False)
-        with contextlib.suppress(client.ApiException):
-            core.delete_namespace(rel.namespace)
-        for i in range(2):  # what the agent registered
-            name = rel.agent_node(0, i)
-            with contextlib.suppress(client.ApiException):
-                client.CoordinationV1Api(cluster.api_client()).delete_namespaced_lease(
-                    name, "kube-node-lease")
-            with contextlib.suppress(client.ApiException):
-                core.delete_node(name)
-
-
-def token_kubeconfig(cluster: Cluster, namespace: str, sa: str, path: Path) -> Path:
-    """A kubeconfig holding a TokenRequest token for the ServiceAccount, and nothing else."""
-    core = client.CoreV1Api(cluster.api_client())
-    req = core.create_namespaced_service_account_token(sa, namespace, client.AuthenticationV1TokenRequest(
-        spec=client.V1TokenRequestSpec(audiences=[], expiration_seconds=3600)))
-    admin = yaml.safe_load(cluster.kubeconfig.read_text())
-    ctx = next(c for c in admin["contexts"] if c["name"] == admin["current-context"])
-    cl = next(c for c in admin["clusters"] if c["name"] == ctx["context"]["cluster"])["cluster"]
-    ca = cl.get("certificate-authority-data") or base64.b64encode(
-        Path(cl["certificate-authority"]).read_bytes()).decode()
-    path.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": sa,
-        "clusters": [{"name": "c", "cluster": {"server": cl["server"],
-                                               "certificate-authority-data": ca}}],
-        "users": [{"name": sa, "user": {"token": req.status.token}}],
-        "contexts": [{"name": sa, "context": {"cluster": "c", "user": sa}}]}))
-    path.chmod(0o600)
-    return path
-
-
-@pytest.fixture(scope="module")
-def identities(cluster: Cluster, release: Release,
-               tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    d = tmp_path_factory.mktemp("identities")
-    ids = {"operator": token_kubeconfig(cluster, release.namespace, release.operator_sa,
-                                        d / "operator.kubeconfig"),
-           "agent": token_kubeconfig(cluster, release.namespace, release.agent_sa,
-                                     d / "agent.kubeconfig")}
-    _wait_for_admission_policies(ids["agent"], ids["operator"])
-    return ids
-
-
-def _wait_for_admission_policies(agent_kubeconfig: Path, operator_kubeconfig: Path,
-                                 timeout: float = 60) -> None:
-    """The API server enforces a new ValidatingAdmissionPolicy only once its admission
-    plugin has synced it; until then the fences have RBAC only. A dry-run create (a Node
-    under a foreign name by the agent, an Event about a Pod by the operator) goes
-    through admission and writes nothing."""
-    agent = client.CoreV1Api(new_api_client(agent_kubeconfig, component="e2e-agent-sa"))
-    operator = client.CoreV1Api(new_api_client(operator_kubeconfig, component="e2e-op-sa"))
-    deadline = time.monotonic() + timeout
-    for probe in (lambda: agent.create_node(_node(f"e2e-probe-{uuid.uuid4().hex[:6]}"),
-                                            dry_run="All"),
-                  lambda: operator.create_namespaced_event(
-                      "default", _event("probe", kind="Pod"), dry_run="All")):
-        _refused_eventually(probe, deadline, timeout)
-
-
-def _refused_eventually(probe: Callable[[], Any], deadline: float, timeout: float) -> None:
-    while True:
-        try:
-            probe()
-        except client.ApiException as e:
-            if e.status == 403:
-                return
-            raise
-        if time.monotonic() > deadline:
-            raise AssertionError(f"the chart's admission policies were not enforced "
-                                 f"within {timeout:.0f} s")
-        time.sleep(0.5)
 
 
 # ---- the rules, verb by verb, as the API server's authorizer judges them
@@ -292,10 +178,6 @@ def _status(fn: Callable[[], Any]) -> tuple[int, str]:
     return refused.value.status, message
 
 
-def _node(name: str) -> dict[str, Any]:
-    return {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name}}
-
-
 def _lease(name: str) -> dict[str, Any]:
     now = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
     return {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
@@ -308,7 +190,7 @@ def foreign_node(cluster: Cluster) -> Iterator[str]:
     """A Node (and its Lease) the chart's agents do not own."""
     name = f"e2e-foreign-{uuid.uuid4().hex[:6]}"
     api = cluster.api_client()
-    client.CoreV1Api(api).create_node(_node(name))
+    client.CoreV1Api(api).create_node(node_body(name))
     client.CoordinationV1Api(api).create_namespaced_lease("kube-node-lease", _lease(name))
     yield name
     with contextlib.suppress(client.ApiException):
@@ -341,10 +223,10 @@ def test_agent_identity_cannot_touch_what_it_does_not_own(
     # admission (what NodeRestriction would do for a kubelet): create under another name
     fence = f"may only act on its own nodes, named {release.agent_sa}-<ordinal>-<i>"
     squatter = f"e2e-squatter-{uuid.uuid4().hex[:6]}"
-    status, body = _status(lambda: core.create_node(_node(squatter)))
+    status, body = _status(lambda: core.create_node(node_body(squatter)))
     assert status == 403
     assert fence in body and f'create nodes concerns node "{squatter}"' in body
-    status, body = _status(lambda: core.create_node(_node(release.agent_node(0, 2))))
+    status, body = _status(lambda: core.create_node(node_body(release.agent_node(0, 2))))
     assert status == 403 and "i < 2" in body  # a name past nodesPerReplica
     status, body = _status(lambda: coord.create_namespaced_lease("kube-node-lease",
                                                                  _lease(squatter)))
@@ -370,17 +252,17 @@ def test_agent_identity_cannot_touch_what_it_does_not_own(
 
     # Events: only about its own Nodes, or about pods whose source host is one of them
     # (the agent names the pod's node there, as the kubelet does)
-    status, body = _status(lambda: core.create_namespaced_event("default", _event(foreign_node)))
+    status, body = _status(lambda: core.create_namespaced_event("default", event_body(foreign_node)))
     assert status == 403 and f'create events concerns node "{foreign_node}"' in body
     own = release.agent_node(0, 0)
     status, body = _status(lambda: core.create_namespaced_event(
-        release.namespace, _event("p", release.namespace, kind="Pod", host=foreign_node)))
+        release.namespace, event_body("p", release.namespace, kind="Pod", host=foreign_node)))
     assert status == 403 and f'create events concerns node "{foreign_node}"' in body
     status, body = _status(lambda: core.create_namespaced_event(
-        release.namespace, _event("p", release.namespace, kind="Pod")))
+        release.namespace, event_body("p", release.namespace, kind="Pod")))
     assert status == 403 and 'create events concerns node ""' in body
     core.create_namespaced_event(release.namespace,
-                                 _event("p", release.namespace, kind="Pod", host=own))
+                                 event_body("p", release.namespace, kind="Pod", host=own))
 
     # nothing else at all
     status, _ = _status(lambda: core.list_namespaced_secret(release.namespace))
@@ -405,21 +287,6 @@ def _pod(cluster: Cluster, namespace: str, node: str) -> str:
     return name
 
 
-def _event(node: str, namespace: str = "default", *, kind: str = "Node",
-           source: str | None = None, host: str | None = None,
-           api_version: str = "v1") -> dict[str, Any]:
-    now = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    body = {"apiVersion": "v1", "kind": "Event",
-            "metadata": {"name": f"{node}.{uuid.uuid4().hex[:8]}", "namespace": namespace},
-            "involvedObject": {"apiVersion": api_version, "kind": kind, "name": node,
-                               **({"namespace": namespace} if kind == "Pod" else {})},
-            "reason": "E2E", "message": "made up", "type": "Warning",
-            "firstTimestamp": now, "lastTimestamp": now, "count": 1}
-    if source or host:
-        body["source"] = {"component": source or "e2e", **({"host": host} if host else {})}
-    return body
-
-
 def test_operator_identity_cannot_read_secrets_or_make_nodes(
         cluster: Cluster, release: Release, identities: dict[str, Path], foreign_node: str) -> None:
     api = new_api_client(identities["operator"], component="e2e-operator-sa")
@@ -432,7 +299,7 @@ def test_operator_identity_cannot_read_secrets_or_make_nodes(
     assert status == 403 and "cannot get resource \"secrets\"" in body
     status, _ = _status(lambda: core.list_secret_for_all_namespaces())
     assert status == 403
-    status, _ = _status(lambda: core.create_node(_node(f"e2e-op-{uuid.uuid4().hex[:6]}")))
+    status, _ = _status(lambda: core.create_node(node_body(f"e2e-op-{uuid.uuid4().hex[:6]}")))
     assert status == 403
     status, _ = _status(lambda: core.delete_node(foreign_node))
     assert status == 403
@@ -450,23 +317,23 @@ def test_operator_identity_cannot_read_secrets_or_make_nodes(
     # other component's Event written or rewritten (RBAC, then the admission policy)
     op = "nodepulse-operator"
     status, body = _status(lambda: core.create_namespaced_event(
-        release.namespace, _event(foreign_node, release.namespace, source=op)))
+        release.namespace, event_body(foreign_node, release.namespace, source=op)))
     assert status == 403 and 'cannot create resource "events"' in body
     fence = "the nodepulse operator may only write its own Events about Nodes"
     status, body = _status(lambda: core.create_namespaced_event(
-        "default", _event("some-pod", kind="Pod", source=op)))
+        "default", event_body("some-pod", kind="Pod", source=op)))
     assert status == 403 and fence in body and "create events refused" in body
     status, body = _status(lambda: core.create_namespaced_event(
-        "default", _event(foreign_node, source="kubelet")))
+        "default", event_body(foreign_node, source="kubelet")))
     assert status == 403 and fence in body
     admin_core = client.CoreV1Api(cluster.api_client())
-    theirs = admin_core.create_namespaced_event("default", _event(foreign_node,
+    theirs = admin_core.create_namespaced_event("default", event_body(foreign_node,
                                                                   source="kubelet"))
     status, body = _status(lambda: core.patch_namespaced_event(
         theirs.metadata.name, "default", {"count": 7, "source": {"component": op}}))
     assert status == 403 and fence in body and "update events refused" in body
     assert admin_core.read_namespaced_event(theirs.metadata.name, "default").count == 1
-    made = core.create_namespaced_event("default", _event(foreign_node, source=op))
+    made = core.create_namespaced_event("default", event_body(foreign_node, source=op))
     assert core.patch_namespaced_event(made.metadata.name, "default", {"count": 2}).count == 2
     status, _ = _status(lambda: core.patch_namespaced_event(
         made.metadata.name, "default", {"involvedObject": {"name": "elsewhere"}}))
@@ -475,7 +342,7 @@ def test_operator_identity_cannot_read_secrets_or_make_nodes(
     assert status == 403
     # ...and about a policy the controller manager overrides (coexist mode), which an
     # Event about a Node cannot be turned into
-    about_policy = core.create_namespaced_event("default", _event(
+    about_policy = core.create_namespaced_event("default", event_body(
         release.policy, kind="NodeStatusPolicy", source=op, api_version="nodepulse.dev/v1alpha1"))
     status, body = _status(lambda: core.patch_namespaced_event(
         made.metadata.name, "default", {"involvedObject": {"kind": "NodeStatusPolicy"}}))

@@ -29,7 +29,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from e2e.cluster import Cluster
-from e2e.util import request_json
+from e2e.harness.apirequests import request_json
 from nodeagent.api.client import load_credentials, new_api_client
 from nodeagent.api.clock import FakeClock, RealClock, settle
 from nodeagent.api.kube import RestKube

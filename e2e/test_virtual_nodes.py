@@ -31,9 +31,11 @@ import pytest
 from kubernetes import client
 
 from e2e.cluster import Cluster
-from e2e.promtext import samples
-from e2e.test_heartbeat import AGENT, AgentProcess, Recorder, free_port
-from e2e.util import eventually
+from e2e.harness.agents import AGENT, AgentProcess
+from e2e.harness.heartbeats import Recorder
+from e2e.harness.ports import free_port
+from e2e.harness.promtext import samples
+from e2e.harness.waits import eventually
 
 N = 50
 PREFIX = "e2e-vn"

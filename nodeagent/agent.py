@@ -40,7 +40,7 @@ from nodeagent.api.serve import HealthServer
 from nodeagent.config import VIRTUAL_LABEL, AgentConfig, ConfigError, load
 from nodeagent.events import Events
 from nodeagent.node.controller import NodeController, NodeControllerConfig, NodeSpec
-from nodeagent.node.heartbeatmetrics import NodeMetrics
+from nodeagent.node.heartbeatmetrics import node_metrics
 from nodeagent.node.host import HostProbe, HostReadError, HostReadings
 from nodeagent.node.lease import LeaseRenewer
 from nodeagent.node.nodewatch import NodeWatch
@@ -106,7 +106,6 @@ TICKS_PER_STATUS_TURN = 16
 def status_settings(cfg: AgentConfig) -> StatusSettings:
     return StatusSettings(max_pods=cfg.max_pods, thresholds=cfg.eviction_hard,
                           system_reserved=dict(cfg.system_reserved),
-                          kube_reserved=dict(cfg.kube_reserved),
                           max_images=cfg.heartbeat.maxImagesInStatus,
                           agent_version=f"v{__version__}-nodepulse")  # semver: tools parse it
 
@@ -145,7 +144,7 @@ def node_specs(cfg: AgentConfig) -> list[NodeSpec]:
     nodepulse.dev/virtual=true and tainted with the virtual taints)."""
     if not cfg.virtual:
         return [NodeSpec(cfg.node_name, cfg.agent_id, labels=dict(cfg.node_labels),
-                         taints=cfg.register_with_taints)]
+                         taints=cfg.register_with_taints, provider_id=cfg.provider_id)]
     labels = {**cfg.node_labels, VIRTUAL_LABEL: "true"}
     taints = list(cfg.register_with_taints)
     taints += [t for t in cfg.virtual_node_taints
@@ -214,27 +213,25 @@ def build_pod_cgroups(cfg: AgentConfig, runtime: Runtime, read: Callable[[], Hos
             raise ConfigError(f"the node's capacity, which its cgroups are given, cannot "
                               f"be read: {e}") from None
         capacity = NodeResources(0, 0, 0)
-    reserved = dict(cfg.system_reserved)
-    for k, v in cfg.kube_reserved.items():
-        reserved[k] = reserved.get(k, 0.0) + v
     backend: CgroupBackend | None = None
     if on_host:
         backend = host_cgroups(cfg)
     elif runtime.cgroups in ("host", "simulated"):
         backend = MemoryCgroups()
-    return PodCgroups(backend, cgroup_settings(cfg), capacity, capacity.less(reserved), clock)
+    # --system-reserved with --kube-reserved added (config.py)
+    return PodCgroups(backend, cgroup_settings(cfg), capacity,
+                      capacity.less(cfg.system_reserved), clock)
 
 
 def host_cgroups(cfg: AgentConfig) -> CgroupFs:
     """The host's cgroup filesystem, for the cgroupfs driver. Raises ConfigError."""
     if cfg.cgroup_driver == "systemd":
-        if not SYSTEMD_RUNNING.is_dir():
-            raise ConfigError(f"--cgroup-driver=systemd: systemd is not running on this host "
-                              f"(no {SYSTEMD_RUNNING}); use --cgroup-driver=cgroupfs, with "
-                              "the container runtime set to cgroupfs too")
-        raise ConfigError("--cgroup-driver=systemd: this agent cannot make cgroups through "
-                          "systemd (its D-Bus API) yet; use --cgroup-driver=cgroupfs, with "
-                          "the container runtime set to cgroupfs too")
+        why = (f"systemd is not running on this host (no {SYSTEMD_RUNNING})"
+               if not SYSTEMD_RUNNING.is_dir() else
+               "this agent cannot make cgroups through systemd (its D-Bus API) yet")
+        raise ConfigError(f"--cgroup-driver=systemd: {why}; use --cgroup-driver=cgroupfs, "
+                          "with the container runtime set to cgroupfs too, or run without "
+                          "pod cgroups: --cgroups-per-qos=false --enforce-node-allocatable=none")
     try:
         return CgroupFs.detect()
     except CgroupError as e:
@@ -300,7 +297,8 @@ def build_node_loop(node: str, shared: PodParts) -> SyncLoop:
     status = StatusManager(p.kube, p.clock, answered=p.answered, node=node,
                            registry=p.registry)
     handlers = Actions(p.runtime)
-    probes = ProbeManager(handlers, p.cache, p.clock, events=p.events, host_ip=p.settings.host_ip)
+    probes = ProbeManager(handlers, p.cache, p.clock, events=p.events,
+                          host_ip=p.settings.host_ip, node=node, registry=p.registry)
     hooks = Hooks(handlers, p.clock, p.events)
     backoff = CrashBackoff(p.clock, t.crash_backoff_initial, t.crash_backoff_max,
                            t.crash_backoff_reset)
@@ -336,9 +334,10 @@ def build_kubelet_api(cfg: AgentConfig, host: PodHost, kube: Kube, *, clock: Clo
     names = [*addresses, *cfg.node_names, socket.gethostname().lower()]
     try:
         cert = ServingCert(node=cfg.node_name, names=names,
-                           pki_dir=Path(cfg.root_dir) / "pki", cert_file=cfg.tls_cert_file,
-                           key_file=cfg.tls_private_key_file,
-                           client_ca_file=cfg.client_ca_file, clock=clock)
+                           pki_dir=Path(cfg.cert_dir or Path(cfg.root_dir) / "pki"),
+                           cert_file=cfg.tls_cert_file, key_file=cfg.tls_private_key_file,
+                           client_ca_file=cfg.client_ca_file, clock=clock,
+                           tls13_only=cfg.tls_min_version == "VersionTLS13")
         if cfg.tls_cert_file:
             cert.load_files()
         elif not cfg.rotate_server_certificates:
@@ -349,11 +348,18 @@ def build_kubelet_api(cfg: AgentConfig, host: PodHost, kube: Kube, *, clock: Clo
         raise ConfigError(str(e)) from None
     # connections of our own: the API's TokenReviews must not wait behind pod status writes
     api = RealServerApi(kube.separate(4))
-    auth = KubeletAuth(api, clock, anonymous=cfg.anonymous_auth)
+    auth = KubeletAuth(api, clock, anonymous=cfg.anonymous_auth,
+                       token_webhook=cfg.authentication_token_webhook,
+                       authorize_all=cfg.authorization_mode == "AlwaysAllow",
+                       token_ttl=cfg.authentication_token_webhook_cache_ttl,
+                       allowed_ttl=cfg.authorization_webhook_cache_authorized_ttl,
+                       denied_ttl=cfg.authorization_webhook_cache_unauthorized_ttl)
     server = KubeletServer(host, auth, cert, node_names=cfg.node_names, clock=clock,
                            registry=registry, address=cfg.address, port=cfg.port,
-                           health_checks=health_checks)
-    return ServerBundle(server, cert, api, cfg.rotate_server_certificates)
+                           health_checks=health_checks,
+                           debugging_handlers=cfg.enable_debugging_handlers)
+    # the serving certificate's CSRs, on a connection of their own
+    return ServerBundle(server, cert, kube.separate(1), cfg.rotate_server_certificates)
 
 
 class Agent:
@@ -375,7 +381,7 @@ class Agent:
         self.rng = random.Random()
         self.uids: dict[str, str] = {}  # node name -> its Node's UID, once registered
         self.pods = self._pods(cfg, ext)
-        self.metrics = NodeMetrics(ext.registry)
+        self.metrics = node_metrics(ext.registry)
         # a renewal or tick may run up to TIMER_SLACK late, so one wake-up serves all
         # that are due within it: at most 20 a second for a thousand nodes, not 200
         self.renewals: DueScheduler[str] = DueScheduler(clock, self._renew, "renewals",
@@ -446,7 +452,7 @@ class Agent:
             dns=DnsSettings(cluster_dns=cfg.cluster_dns, cluster_domain=cfg.cluster_domain,
                             resolv_conf=cfg.resolv_conf),
             admission=AdmissionSettings(allowed_unsafe_sysctls=cfg.allowed_unsafe_sysctls),
-            log_root=str(root / "logs" / "pods"),
+            log_root=cfg.pod_logs_dir or str(root / "logs" / "pods"),
             # virtual nodes' and the fake runtime's containers run nothing that could
             # read a hosts file, a volume or resolve a name
             pods_dir=str(root / "pods") if workloads else "",
@@ -471,7 +477,8 @@ class Agent:
                           events=events, registry=registry, settings=settings, cache=cache,
                           images=images, due_times=DueTimes(), volumes=volumes,
                           env=EnvResolver(objects, services, allocatable),
-                          cgroups=self.cgroups)
+                          cgroups=self.cgroups,
+                          timing=PodTiming(sync_frequency=cfg.sync_frequency))
         loops = NodeLoops(NodeLoopsConfig(cfg.node_names),
                           functools.partial(build_node_loop, shared=shared), pleg,
                           merge.updates, merge.ready, clock, shared.due_times, volumes,

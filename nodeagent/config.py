@@ -4,6 +4,10 @@ Precedence: flag > environment > file > default. Flag names follow the kubelet's
 the meaning is the same (--node-status-update-frequency), and so do the file's
 camelCase keys (nodeStatusUpdateFrequency). Every bad value is refused with the
 flag, variable or key that carried it.
+
+--config is either the agent's own file (its keys: OPTIONS) or the kubelet's
+KubeletConfiguration (told apart by apiVersion and kind); the kubelet's flags are taken
+too. nodeagent/kubeletconfig.py maps both onto these settings, field by field.
 """
 
 from __future__ import annotations
@@ -20,17 +24,20 @@ from typing import Any
 
 import yaml
 
+from nodeagent import kubeletconfig
 from nodeagent.api.policy import Heartbeat, PolicyError, parse_heartbeat
 from nodeagent.api.quantity import QuantityError, parse_quantity
 from nodeagent.node.host import parse_overrides
 from nodeagent.node.thresholds import Threshold, parse_thresholds
 from nodeagent.pods.admission import check_unsafe_sysctls
+from nodeagent.runtime import socket_path
 
 ENV_PREFIX = "NODEPULSE_"
 DEFAULT_EVICTION_HARD = "memory.available<100Mi,nodefs.available<10%,pid.available<5%"
 VIRTUAL_LABEL = "nodepulse.dev/virtual"
 VIRTUAL_TAINT = {"key": VIRTUAL_LABEL, "value": "true", "effect": "NoSchedule"}
 MAX_VIRTUAL_NODES = 100000
+HEALTHZ_PORT = 10248
 
 
 class ConfigError(ValueError):
@@ -89,14 +96,30 @@ class AgentConfig:
     serialize_image_pulls: bool = True
     max_parallel_image_pulls: int = 0  # 0: no limit (with serialize_image_pulls off)
     evented_pleg_relist_period: float = 60.0  # the PLEG's relist while events flow
-    # cgroups (nodeagent.pods.cgroups)
+    # cgroups (nodeagent.pods.cgroups); --kube-reserved is added to system_reserved
     cgroup_root: str = "/"
     cgroups_per_qos: bool = True
     cgroup_driver: str = "cgroupfs"
     enforce_node_allocatable: tuple[str, ...] = ("pods",)
-    kube_reserved: Mapping[str, float] = dataclasses.field(default_factory=dict)
     pod_pids_limit: int = -1
     qos_reserved: Mapping[str, int] = dataclasses.field(default_factory=dict)  # percent
+    # the kubelet's ways (docs/kubelet-dropin.md): client certificate, host checks,
+    # the kubelet API's authentication and authorization
+    bootstrap_kubeconfig: str | None = None
+    cert_dir: str = ""  # the loader's default: <root-dir>/pki
+    rotate_certificates: bool = False
+    provider_id: str = ""
+    sync_frequency: float = 60.0
+    pod_logs_dir: str = ""  # empty: <root-dir>/logs/pods
+    fail_swap_on: bool = False  # a KubeletConfiguration's default: true
+    fail_cgroup_v1: bool = False  # a KubeletConfiguration's default: true
+    authentication_token_webhook: bool = True
+    authentication_token_webhook_cache_ttl: float = 120.0
+    authorization_mode: str = "Webhook"
+    authorization_webhook_cache_authorized_ttl: float = 300.0
+    authorization_webhook_cache_unauthorized_ttl: float = 30.0
+    tls_min_version: str = "VersionTLS12"
+    enable_debugging_handlers: bool = True
 
     @property
     def legacy(self) -> bool:
@@ -248,10 +271,21 @@ def _ips(value: Any, where: str) -> tuple[str, ...]:
     return ips
 
 
+def _is_ip(text: str) -> bool:
+    try:
+        socket.inet_pton(socket.AF_INET6 if ":" in text else socket.AF_INET, text)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
 def _bind(value: Any, where: str) -> tuple[str, int] | None:
+    """host:port, or an IP alone (the kubelet's form: the port is --healthz-port's)."""
     text = str(value).strip()
     if text in ("", "0", "off"):
         return None
+    if _is_ip(text.strip("[]")):
+        return text.strip("[]"), HEALTHZ_PORT
     host, sep, port = text.rpartition(":")
     if not sep or not port.isdigit() or int(port) > 65535:
         raise ConfigError(f"{where}: expected host:port (port 0 picks one), got {value!r}")
@@ -434,6 +468,18 @@ def _address(value: Any, where: str) -> str:
     return text
 
 
+def _ttl(value: Any, where: str) -> float:
+    return parse_duration(value, where)
+
+
+def _tls_version(value: Any, where: str) -> str:
+    """VersionTLS12 or VersionTLS13; the kubelet's 1.0 and 1.1 mean 1.2 here (the least
+    the agent serves)."""
+    versions = ("VersionTLS10", "VersionTLS11", "VersionTLS12", "VersionTLS13")
+    text = _choice(*versions)(value, where)
+    return "VersionTLS13" if text == "VersionTLS13" else "VersionTLS12"
+
+
 def _log_size(value: Any, where: str) -> int:
     try:
         size = int(parse_quantity(str(value), where))
@@ -485,9 +531,6 @@ OPTIONS: tuple[Option, ...] = (
            f"pressure thresholds ({DEFAULT_EVICTION_HARD})"),
     Option("system_reserved", "system-reserved", "systemReserved", _reserved,
            "resources held back from allocatable for the system, e.g. "
-           "cpu=100m,memory=256Mi,pid=1000"),
-    Option("kube_reserved", "kube-reserved", "kubeReserved", _reserved,
-           "resources held back from allocatable for Kubernetes' own programs, e.g. "
            "cpu=100m,memory=256Mi,pid=1000"),
     Option("node_labels", "node-labels", "nodeLabels", _labels, "extra labels, k=v,..."),
     Option("node_ips", "node-ip", "nodeIP", _ips, "node addresses (default: detected)"),
@@ -608,20 +651,112 @@ OPTIONS: tuple[Option, ...] = (
            "eventedPlegRelistPeriod", _period,
            "while the runtime streams container events, the PLEG relists this often, as "
            "the check for events lost (default 60s; at 1s when there is no stream)"),
+    # the kubelet's settings that have a meaning here (docs/kubelet-dropin.md)
+    Option("bootstrap_kubeconfig", "bootstrap-kubeconfig", None, _opt_str,
+           "kubeconfig with bootstrap credentials (a bootstrap token): when --kubeconfig "
+           "is missing or its client certificate expired, the agent asks for a node "
+           "client certificate with it (a CSR) and writes --kubeconfig"),
+    Option("cert_dir", "cert-dir", None, _str,
+           "folder of the client and serving certificates (<root-dir>/pki)"),
+    Option("rotate_certificates", "rotate-certificates", "rotateCertificates", _bool,
+           "renew the node's client certificate through a CSR before it expires"),
+    Option("hostname_override", "hostname-override", None, _str,
+           "the kubelet's name for --node-name"),
+    Option("cloud_provider", "cloud-provider", None, _choice("", "external"),
+           "'external': the Node is registered with the "
+           "node.cloudprovider.kubernetes.io/uninitialized taint, for the cloud "
+           "controller manager to remove"),
+    Option("provider_id", "provider-id", "providerID", _str,
+           "the Node's spec.providerID"),
+    Option("sync_frequency", "sync-frequency", "syncFrequency", _period,
+           "each pod is synced at least this often, 1-1.5x it (1m)"),
+    Option("pod_logs_dir", "pod-logs-dir", "podLogsDir", _str,
+           "where containers' logs are written (<root-dir>/logs/pods; the kubelet's "
+           "is /var/log/pods)"),
+    Option("kube_reserved", "kube-reserved", "kubeReserved", _reserved,
+           "more resources held back from allocatable, for Kubernetes' own programs, "
+           "added to --system-reserved, e.g. cpu=100m,memory=256Mi,pid=1000"),
+    Option("merge_default_eviction_settings", None, "mergeDefaultEvictionSettings", _bool,
+           "the default thresholds of signals evictionHard does not name are kept"),
+    Option("fail_swap_on", "fail-swap-on", "failSwapOn", _bool,
+           "refuse to start while swap is on (false; a KubeletConfiguration's default: "
+           "true)"),
+    Option("fail_cgroup_v1", "fail-cgroupv1", "failCgroupV1", _bool,
+           "refuse to start on a cgroup v1 host (false; a KubeletConfiguration's "
+           "default: true)"),
+    Option("healthz_port", "healthz-port", "healthzPort", _int(0, 65535),
+           "port of /healthz when --healthz-bind-address names only an IP (10248; 0: "
+           "not served)"),
+    Option("authentication_token_webhook", "authentication-token-webhook",
+           "authenticationTokenWebhook", _bool,
+           "kubelet API: bearer tokens are checked with a TokenReview (true)"),
+    Option("authentication_token_webhook_cache_ttl", "authentication-token-webhook-cache-ttl",
+           "authenticationTokenWebhookCacheTTL", _ttl,
+           "kubelet API: how long a TokenReview's answer is kept (2m)"),
+    Option("authorization_mode", "authorization-mode", "authorizationMode",
+           _choice("Webhook", "AlwaysAllow"),
+           "kubelet API: Webhook (a SubjectAccessReview per request) or AlwaysAllow"),
+    Option("authorization_webhook_cache_authorized_ttl",
+           "authorization-webhook-cache-authorized-ttl",
+           "authorizationWebhookCacheAuthorizedTTL", _ttl,
+           "kubelet API: how long an allowed SubjectAccessReview is kept (5m)"),
+    Option("authorization_webhook_cache_unauthorized_ttl",
+           "authorization-webhook-cache-unauthorized-ttl",
+           "authorizationWebhookCacheUnauthorizedTTL", _ttl,
+           "kubelet API: how long a refused SubjectAccessReview is kept (30s)"),
+    Option("tls_min_version", "tls-min-version", "tlsMinVersion", _tls_version,
+           "kubelet API: least TLS version, VersionTLS12 or VersionTLS13"),
+    Option("enable_debugging_handlers", "enable-debugging-handlers",
+           "enableDebuggingHandlers", _bool,
+           "kubelet API: serve containerLogs, exec, attach and portForward (true)"),
+    Option("image_service_endpoint", "image-service-endpoint", "imageServiceEndpoint",
+           _opt_str, "must be unset or --container-runtime-endpoint: images are pulled "
+                     "through the runtime's endpoint"),
+    Option("log_verbosity", "v", None, _int(0, 10),
+           "the kubelet's log verbosity: 4 or more logs at debug (unless --log-level)"),
 )
-_IGNORED_KEYS = {"apiVersion", "kind"}  # a KubeletConfiguration-style header
+_IGNORED_KEYS = {"apiVersion", "kind"}  # a header the agent's own file may carry
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=argparse.SUPPRESS,
-                        help="YAML config file with kubelet-style camelCase keys")
+                        help="YAML config file: the agent's own camelCase keys, or a "
+                             "kubelet.config.k8s.io/v1beta1 KubeletConfiguration")
+    parser.add_argument("--config-dir", dest="config-dir", default=argparse.SUPPRESS,
+                        help="folder of KubeletConfiguration drop-ins (*.conf), applied "
+                             "over --config in name order, as the kubelet's")
     for opt in OPTIONS:
         if opt.flag:
             # a boolean flag alone means true; --flag=false turns it off
             extra: dict[str, Any] = {"nargs": "?", "const": "true"} if opt.parse is _bool \
                 else {}
-            parser.add_argument(f"--{opt.flag}", dest=opt.flag, default=argparse.SUPPRESS,
+            names = ["-v", "--v"] if opt.flag == "v" else [f"--{opt.flag}"]
+            parser.add_argument(*names, dest=opt.flag, default=argparse.SUPPRESS,
                                 help=opt.help.replace("%", "%%"), **extra)
+    # the kubelet's flags for fields the agent does not do, and its other flags the
+    # agent does not do: taken, so the kubelet's command line starts the agent, and
+    # logged or refused by name (nodeagent/kubeletconfig.py)
+    for path, field in kubeletconfig.FIELDS.items():
+        if field.flag:
+            bool_flag = field.kind in ("bool", "*bool")
+            parser.add_argument(f"--{field.flag}", dest=field.flag,
+                                default=argparse.SUPPRESS,
+                                nargs="?" if bool_flag else None,
+                                const="true" if bool_flag else None,
+                                help=f"the kubelet's flag for {path}: {_what(field)}")
+    for flag, (action, why) in kubeletconfig.FLAGS.items():
+        if action != "honoured":
+            parser.add_argument(f"--{flag}", dest=flag, default=argparse.SUPPRESS,
+                                help=f"the kubelet's flag; {action}: {why}")
+
+
+def _what(field: kubeletconfig.Field) -> str:
+    a = field.action
+    if isinstance(a, kubeletconfig.Refused):
+        return f"refused unless {' or '.join(map(str, a.allowed))} ({a.why})"
+    if isinstance(a, kubeletconfig.Ignored):
+        return f"not supported, logged when set ({a.why})".replace("%", "%%")
+    return f"as --config's {a.key}"
 
 
 def env_name(flag: str) -> str:
@@ -631,16 +766,46 @@ def env_name(flag: str) -> str:
 def load(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> AgentConfig:
     """Settings from parsed flags (dest = flag name, only those given), the environment
     and the config file they name."""
+    return load_with_notes(flags, env)[0]
+
+
+def load_with_notes(flags: Mapping[str, Any], env: Mapping[str, str] | None = None
+                    ) -> tuple[AgentConfig, list[str]]:
+    """The settings, and what was asked for that the agent does not do (the kubelet's
+    fields and flags it ignores), one line each naming it: to be logged once."""
     env = os.environ if env is None else env
     config_path = flags.get("config") or env.get(env_name("config"))
     file: dict[str, Any] = {}
+    kubelet_doc: dict[str, Any] | None = None
     if config_path:
         file = read_file(Path(config_path))
+        if kubeletconfig.is_kubelet_configuration(file):
+            kubelet_doc, file = file, {}
+    config_dir = flags.get("config-dir")
+    if config_dir:
+        kubelet_doc = merge_drop_ins(kubelet_doc, Path(config_dir), config_path)
+    field_flags: dict[str, Any] = {}
+    try:
+        for path, field in kubeletconfig.FIELDS.items():
+            if field.flag and field.flag in flags:
+                field_flags[path] = kubeletconfig.read_flag(path, str(flags[field.flag]))
+        translated = kubeletconfig.translate(kubelet_doc or {}, str(config_path),
+                                             field_flags)
+    except kubeletconfig.FieldError as e:
+        raise ConfigError(str(e)) from None
+    notes = translated.notes + [
+        f"--{flag}: not supported, ignored: {why}"
+        for flag, (action, why) in kubeletconfig.FLAGS.items()
+        if action == "ignored" and flag in flags]
+    by_flag = {k: v for k, v in translated.values.items() if v[1].startswith("--")}
+    by_file = {k: v for k, v in translated.values.items() if not v[1].startswith("--")}
+    if kubelet_doc is not None:
+        _kubelet_defaults(kubelet_doc, by_file, str(config_path))
     values: dict[str, Any] = {}
     heartbeat: dict[str, Any] = {}
     where_of: dict[str, str] = {}
     for opt in OPTIONS:
-        raw, where = _pick(opt, flags, env, file, config_path)
+        raw, where = _pick(opt, flags, env, file, config_path, by_flag, by_file)
         if where is None:
             continue
         value = opt.parse(raw, where)
@@ -659,6 +824,12 @@ def load(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Agen
         raise ConfigError(msg.replace("heartbeat.", "setting ")) from None
     if "eviction_hard" not in values:
         values["eviction_hard"] = parse_thresholds(DEFAULT_EVICTION_HARD)
+    elif values.pop("merge_default_eviction_settings", False):
+        named = {t.signal for t in values["eviction_hard"]}
+        values["eviction_hard"] += tuple(t for t in parse_thresholds(DEFAULT_EVICTION_HARD)
+                                         if t.signal not in named)
+    values.pop("merge_default_eviction_settings", None)
+    _kubelet_settings(values, notes)
     count = values.pop("virtual_nodes", 0)
     prefix = values.pop("node_name_prefix", None)
     if isinstance(count, tuple):
@@ -698,7 +869,69 @@ def load(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Agen
         raise ConfigError(f"--max-parallel-image-pulls "
                           f"({values['max_parallel_image_pulls']}) must be 1 or unset while "
                           "--serialize-image-pulls is true; set --serialize-image-pulls=false")
-    return AgentConfig(**values)
+    return AgentConfig(**values), notes
+
+
+def _kubelet_defaults(doc: Mapping[str, Any], by_file: dict[str, tuple[Any, str]],
+                      where: str) -> None:
+    """The kubelet's defaults where they differ from the agent's, for a
+    KubeletConfiguration: it refuses swap and cgroup v1 unless told not to; its report
+    period follows a given update period; a parallel pull limit of 2 or more turns
+    serialized pulls off."""
+    for key in ("failSwapOn", "failCgroupV1"):
+        by_file.setdefault(key, (True, f"{where}: {key} (the kubelet's default)"))
+    if "nodeStatusUpdateFrequency" in by_file and "nodeStatusReportFrequency" not in by_file:
+        value, _ = by_file["nodeStatusUpdateFrequency"]
+        by_file["nodeStatusReportFrequency"] = (
+            value, f"{where}: nodeStatusReportFrequency (the kubelet's default: "
+                   "nodeStatusUpdateFrequency)")
+    parallel = doc.get("maxParallelImagePulls")
+    if "serializeImagePulls" not in by_file and isinstance(parallel, int) and parallel >= 2:
+        by_file["serializeImagePulls"] = (False, f"{where}: serializeImagePulls (the "
+                                                 "kubelet's default with "
+                                                 "maxParallelImagePulls)")
+
+
+def _kubelet_settings(values: dict[str, Any], notes: list[str]) -> None:
+    """The kubelet's settings that fold into the agent's: its name for the node,
+    kubeReserved, pids held back, 'external' cloud provider, its log verbosity."""
+    override = values.pop("hostname_override", None)
+    if override is not None:
+        override = override.strip().lower()
+        _node_name(override, "--hostname-override")
+        if values.get("node_name") and values["node_name"] != override:
+            raise ConfigError(f"--hostname-override {override!r} and --node-name "
+                              f"{values['node_name']!r} differ: give one of them")
+        values["node_name"] = override
+    reserved = dict(values.get("system_reserved", {}))
+    for resource, amount in values.pop("kube_reserved", {}).items():
+        reserved[resource] = reserved.get(resource, 0.0) + amount
+    if reserved or "system_reserved" in values:
+        values["system_reserved"] = reserved
+    if values.pop("cloud_provider", "") == "external":
+        taints = list(values.get("register_with_taints", ()))
+        if not any(t["key"] == kubeletconfig.CLOUD_TAINT["key"] for t in taints):
+            taints.append(dict(kubeletconfig.CLOUD_TAINT))
+        values["register_with_taints"] = tuple(taints)
+    verbosity = values.pop("log_verbosity", None)
+    if verbosity is not None and "log_level" not in values:
+        values["log_level"] = "debug" if verbosity >= 4 else "info"
+    healthz_port = values.pop("healthz_port", None)
+    bind = values.get("healthz_bind_address", ("127.0.0.1", HEALTHZ_PORT))
+    if healthz_port is not None and bind is not None:
+        values["healthz_bind_address"] = None if healthz_port == 0 else (bind[0],
+                                                                          healthz_port)
+    image = values.pop("image_service_endpoint", None)
+    runtime = values.get("container_runtime_endpoint")
+    if image and socket_path(image) != socket_path(runtime):
+        raise ConfigError(f"imageServiceEndpoint (--image-service-endpoint) {image!r} "
+                          f"differs from the container runtime's endpoint "
+                          f"{socket_path(runtime)!r}: images are pulled through the "
+                          "runtime's endpoint; leave it unset")
+    values["node_ips"] = tuple(ip for ip in values.get("node_ips", ())
+                               if ip not in ("0.0.0.0", "::"))  # the kubelet's: detect
+    values.setdefault("cert_dir", str(Path(values.get("root_dir") or
+                                           AgentConfig.root_dir) / "pki"))
 
 
 def _check_serving(values: Mapping[str, Any]) -> None:
@@ -722,6 +955,10 @@ def _check_virtual(values: Mapping[str, Any]) -> None:
         which = "--pod-manifest-path" if values.get("pod_manifest_path") else "--manifest-url"
         raise ConfigError(f"{which}: static pods are not supported with --virtual-nodes "
                           "(a static pod is named and bound per node); remove one of them")
+    if values.get("bootstrap_kubeconfig"):
+        raise ConfigError("--bootstrap-kubeconfig: not supported with --virtual-nodes (a "
+                          "node client certificate names one Node); give --kubeconfig "
+                          "with the Helm chart's agent identity")
     if values.get("runtime") == "cri":
         raise ConfigError("--runtime cri: not supported with --virtual-nodes: every "
                           "virtual Node would advertise this host's capacity while all "
@@ -730,13 +967,22 @@ def _check_virtual(values: Mapping[str, Any]) -> None:
 
 
 def _pick(opt: Option, flags: Mapping[str, Any], env: Mapping[str, str],
-          file: Mapping[str, Any], config_path: str | None) -> tuple[Any, str | None]:
+          file: Mapping[str, Any], config_path: str | None,
+          by_flag: Mapping[str, tuple[Any, str]],
+          by_file: Mapping[str, tuple[Any, str]]) -> tuple[Any, str | None]:
+    """The value of one setting and where it came from: a flag (the agent's, then the
+    kubelet's for the field), the environment, the file (the agent's keys or a
+    KubeletConfiguration's fields)."""
     if opt.flag and opt.flag in flags:
         return flags[opt.flag], f"--{opt.flag}"
+    if opt.key and opt.key in by_flag:
+        return by_flag[opt.key]
     if opt.flag and env_name(opt.flag) in env:
         return env[env_name(opt.flag)], f"${env_name(opt.flag)}"
     if opt.key and opt.key in file:
         return file[opt.key], f"{config_path}: {opt.key}"
+    if opt.key and opt.key in by_file:
+        return by_file[opt.key]
     return None, None
 
 
@@ -752,12 +998,50 @@ def read_file(path: Path) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"--config {path}: must be a mapping of settings")
+    if kubeletconfig.is_kubelet_configuration(data):
+        return data  # its fields: nodeagent/kubeletconfig.py
     known = {o.key for o in OPTIONS if o.key} | _IGNORED_KEYS
     unknown = sorted(map(str, set(data) - known))
     if unknown:
         raise ConfigError(f"--config {path}: unknown key(s) {', '.join(unknown)} "
                           f"(known: {', '.join(sorted(known - _IGNORED_KEYS))})")
     return data
+
+
+def merge_drop_ins(doc: dict[str, Any] | None, folder: Path,
+                   config_path: str | None) -> dict[str, Any]:
+    """The KubeletConfiguration drop-ins of --config-dir (*.conf, in name order) over
+    --config's, as the kubelet merges them: a mapping field by field, anything else
+    replaced."""
+    if config_path and doc is None:
+        raise ConfigError(f"--config-dir: --config {config_path} is not a "
+                          "KubeletConfiguration; drop-ins go over one")
+    merged: dict[str, Any] = dict(doc or {})
+    try:
+        names = sorted(p for p in folder.iterdir() if p.suffix == ".conf")
+    except OSError as e:
+        raise ConfigError(f"--config-dir {folder}: {e.strerror or e}") from None
+    for path in names:
+        data = read_file(path)
+        if data and not kubeletconfig.is_kubelet_configuration(data):
+            raise ConfigError(f"--config-dir: {path} is not a {kubeletconfig.API_VERSION} "
+                              f"{kubeletconfig.KIND}")
+        merged = _merged(merged, data)
+    return merged
+
+
+def _merged(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merged(out[k], v) if isinstance(v, Mapping) and isinstance(
+            out.get(k), Mapping) else v
+    return out
+
+
+def kubelet_table() -> str:
+    """The table of docs/kubelet-dropin.md: what the agent does with each of the
+    kubelet's fields and flags."""
+    return kubeletconfig.table_markdown({o.key: o.flag for o in OPTIONS if o.key and o.flag})
 
 
 def parse_args(argv: Sequence[str] | None, parser: argparse.ArgumentParser,

@@ -14,6 +14,10 @@ from prometheus_client import CollectorRegistry
 
 M = TypeVar("M")
 
+# every maker wrapped below, in import order: what a registry can hold (the chart's
+# dashboards are checked against the families they make)
+MAKERS: list[Callable[[CollectorRegistry], object]] = []
+
 
 def per_registry(make: Callable[[CollectorRegistry], M]) -> Callable[[CollectorRegistry], M]:
     """`make(registry)` once per registry object; later calls return what it made."""
@@ -27,4 +31,5 @@ def per_registry(make: Callable[[CollectorRegistry], M]) -> Callable[[CollectorR
         return m
 
     get.__doc__ = make.__doc__
+    MAKERS.append(get)
     return get

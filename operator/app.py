@@ -1,5 +1,5 @@
 """Wiring: kopf watches Nodes and NodeStatusPolicies into the indexes, a plain watch
-(watch.py) does the same for the node Leases; the leader elector and the one monitor
+(leasewatch.py) does the same for the node Leases; the leader elector and the one monitor
 loop run beside kopf in its event loop.
 
 kopf handlers here only read events (no create/update handlers, so kopf writes no

@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
               "--leader-lease-duration", file=sys.stderr)
         return 2
     try:
-        # the agent's event loop, uvloop (README "Dependencies")
+        # the agent's event loop, uvloop (docs/architecture.md, "Dependencies")
         uvloop.run(run(opts))
     except ClientConfigError as e:
         print(f"nodepulse-operator: {e}", file=sys.stderr)

@@ -77,6 +77,13 @@ MODE = Gauge("nodepulse_operator_node_lifecycle_info",
 CLUSTER_GRACE = Gauge("nodepulse_operator_cluster_grace_period_seconds",
                       "The controller manager's node grace period the operator assumes "
                       "(coexist mode)")
+POLICY_NODES = Gauge("nodepulse_operator_policy_nodes",
+                     "Nodes each valid policy governs, by state: governed (all of them), "
+                     "ready (heard from within the grace), unreachable (the status's "
+                     "nodes, readyNodes and unreachableNodes)", ["policy", "state"])
+POLICY_GUARD = Gauge("nodepulse_operator_policy_partition_guard",
+                     "1 while a policy's partition guard withholds NoExecute taints",
+                     ["policy"])
 TICK = Histogram("nodepulse_operator_monitor_tick_seconds",
                  "One monitor period's deciding (its writes run after it, in the background)",
                  buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
@@ -206,6 +213,7 @@ class Monitor:
         self._slots = Limiter(parallel)
         # node -> what its action was worked out from, when it needed no write
         self._quiet: dict[str, tuple[Any, ...]] = {}
+        self._exported_policies: set[str] = set()  # policies with metric series
         # "node/<name>" or "policy/<name>" -> its write under way
         self._inflight: dict[str, asyncio.Task[None]] = {}
         self._marking = 0  # of those, stale nodes' markings
@@ -375,6 +383,7 @@ class Monitor:
         store.stale = set(stale)
         self.next_stale = next_stale if next_stale < math.inf else None
         STALE.set(len(stale))
+        self._export_policies(groups)
 
         # Nodes with a write under way, or whose last write the index does not show
         # yet, are left alone this time.
@@ -443,6 +452,21 @@ class Monitor:
                 policy_events[p.name] = _overridden_events(p, status)
         return Plan(actions, statuses, groups, res, self._guard_events(res, groups, stale),
                     policy_events)
+
+    def _export_policies(self, groups: Mapping[str, GroupState]) -> None:
+        """Each valid policy's node counts and guard as metrics; a policy gone or
+        turned invalid since the last period loses its series."""
+        for name in self._exported_policies - groups.keys():
+            for state in ("governed", "ready", "unreachable"):
+                POLICY_NODES.remove(name, state)
+            POLICY_GUARD.remove(name)
+        self._exported_policies = {n for n in groups if n != DEFAULT_GROUP}
+        for name in self._exported_policies:
+            g = groups[name]
+            POLICY_NODES.labels(name, "governed").set(g.matched)
+            POLICY_NODES.labels(name, "ready").set(g.matched - g.stale)
+            POLICY_NODES.labels(name, "unreachable").set(g.stale)
+            POLICY_GUARD.labels(name).set(1 if g.acts and g.guarded else 0)
 
     def _guard_events(self, res: Resolution, groups: Mapping[str, GroupState],
                       stale: Mapping[str, float]) -> list[NodeEvent]:

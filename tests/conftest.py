@@ -1,13 +1,15 @@
 """What the unit tests share, in one place: running async bodies, waiting on other
 threads, the builders of what they feed in (pods, agent settings, host readings), what
 they read back from the in-memory API (tests/fakekube.py), and the rigs more than one
-test module drives (the sync loops; the whole agent). Test modules import from here,
-not from each other."""
+test module drives (the sync loops; the whole agent; pods for the PLEG). Test modules
+import from here (and from tests/fakekube.py, tests/fakeoperator.py), not from each
+other: tests/test_layout.py checks it."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import concurrent.futures
 import dataclasses
 import datetime as dt
@@ -19,13 +21,17 @@ from collections.abc import Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 from prometheus_client import CollectorRegistry
 
 from nodeagent import config
 from nodeagent.agent import Agent, Externals, PodParts, Pools, build_node_loop
 from nodeagent.api.answered import ApiAnswered
 from nodeagent.api.clock import FakeClock, settle
-from nodeagent.api.kube import NODES, PODS
+from nodeagent.api.kube import CERTIFICATE_SIGNING_REQUESTS, NODES, PODS
 from nodeagent.events import Events
 from nodeagent.node.host import HostReadings
 from nodeagent.node.status import StatusSettings
@@ -35,12 +41,13 @@ from nodeagent.pods.env import EnvResolver
 from nodeagent.pods.images import ImageManager, PullSettings
 from nodeagent.pods.loops import NodeLoops, NodeLoopsConfig
 from nodeagent.pods.objects import ObjectCache, ServiceCache
-from nodeagent.pods.pleg import Pleg
+from nodeagent.pods.pleg import Pleg, PodLifecycleEvent
 from nodeagent.pods.podhalf import Closable, Pods, Runnable
 from nodeagent.pods.podupdate import Op, Pod, PodUpdate, Source, SourcesReady
 from nodeagent.pods.settings import NodePodSettings
 from nodeagent.pods.volumes import TokenManager, VolumeManager
 from nodeagent.pods.workers import DueTimes
+from nodeagent.runtime import ContainerConfig, SandboxConfig
 from nodeagent.runtime.fake import FakeRuntime
 from tests.fakekube import FakeKube
 
@@ -346,6 +353,30 @@ async def started(clock: FakeClock, rt: FakeRuntime | None = None,
     return a
 
 
+# the PLEG tests' pods on the fake runtime, and the events the PLEG hands out
+def pod_of(uid: str, containers: int = 1) -> dict:
+    return mkpod(f"p-{uid}", uid, image="img", containers=[f"c{i}" for i in range(containers)])
+
+
+async def start_pod(rt: FakeRuntime, uid: str, containers: int = 1) -> list[str]:
+    p = pod_of(uid, containers)
+    sc = SandboxConfig.from_pod(p)
+    sid = await rt.run_sandbox(sc)
+    ids = []
+    for c in p["spec"]["containers"]:
+        cid = await rt.create_container(sid, ContainerConfig.from_pod(p, c), sc)
+        await rt.start_container(cid)
+        ids.append(cid)
+    return ids
+
+
+def drain(q: asyncio.Queue[PodLifecycleEvent]) -> list[PodLifecycleEvent]:
+    out = []
+    while not q.empty():
+        out.append(q.get_nowait())
+    return out
+
+
 class AgentRig:
     """The agent as its composition root builds it, on the in-memory API, the fake
     runtime and FakeClock (blocking work inline): pods reach it through the API source,
@@ -387,3 +418,53 @@ class AgentRig:
 
     def status(self, uid: str) -> dict[str, Any]:
         return [st for u, st in status_patches(self.kube) if u == uid][-1]
+
+
+class TestSigner:
+    """A cluster CA that approves and signs CertificateSigningRequests in the in-memory
+    API, as an approver and the controller manager's csrsigning would (or denies them)."""
+
+    __test__ = False  # not a test class, whatever pytest thinks of its name
+
+    def __init__(self, kube: FakeKube, clock: FakeClock) -> None:
+        self.kube, self.clock = kube, clock
+        self.key = ec.generate_private_key(ec.SECP256R1())
+        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "test-ca")])
+        now = clock.now()
+        self.cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+                     .public_key(self.key.public_key())
+                     .serial_number(x509.random_serial_number())
+                     .not_valid_before(now - dt.timedelta(days=1))
+                     .not_valid_after(now + dt.timedelta(days=3650))
+                     .add_extension(x509.BasicConstraints(ca=True, path_length=None),
+                                    critical=True)
+                     .sign(self.key, hashes.SHA256()))
+
+    def pending(self) -> list[str]:
+        """Names of the CSRs neither signed nor refused yet."""
+        return [n for n, o in self.kube.items(CERTIFICATE_SIGNING_REQUESTS).items()
+                if not (o.get("status") or {}).get("certificate")
+                and not (o.get("status") or {}).get("conditions")]
+
+    def sign(self, name: str, lifetime: dt.timedelta = dt.timedelta(days=365)) -> bytes:
+        """Approve and sign the CSR `name`: its certificate, valid from now."""
+        obj = self.kube.obj(CERTIFICATE_SIGNING_REQUESTS, name)
+        req = x509.load_pem_x509_csr(base64.b64decode(obj["spec"]["request"]))
+        now = self.clock.now()
+        cert = (x509.CertificateBuilder().subject_name(req.subject)
+                .issuer_name(self.cert.subject).public_key(req.public_key())
+                .serial_number(x509.random_serial_number())
+                .not_valid_before(now).not_valid_after(now + lifetime)
+                .sign(self.key, hashes.SHA256()))
+        pem = cert.public_bytes(serialization.Encoding.PEM)
+        obj["status"] = {"conditions": [{"type": "Approved", "status": "True",
+                                         "reason": "TestSigner"}],
+                         "certificate": base64.b64encode(pem).decode()}
+        self.kube.put(CERTIFICATE_SIGNING_REQUESTS, obj)
+        return pem
+
+    def deny(self, name: str, reason: str = "NotAllowed", message: str = "no") -> None:
+        obj = self.kube.obj(CERTIFICATE_SIGNING_REQUESTS, name)
+        obj["status"] = {"conditions": [{"type": "Denied", "status": "True",
+                                         "reason": reason, "message": message}]}
+        self.kube.put(CERTIFICATE_SIGNING_REQUESTS, obj)

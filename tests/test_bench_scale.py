@@ -140,13 +140,15 @@ def test_churn_table_marks_an_unfinished_run() -> None:
     r = measure.ChurnResult(subject="nodepulse", nodes=100, pods=3000, running=2990,
                             all_running_s=math.nan, p50_s=1.234, p99_s=9.0,
                             subject_cpu_s=12.0, apiserver_cpu_s=30.0, subject_rss_mb=200.0)
-    text = measure.render_churn([r])
-    assert text.splitlines()[2].split() == ["nodepulse", "100", "3000", "2990", "n/a", "1.23",
-                                            "9.00", "n/a", "n/a", "12.0", "30.0", "200", "0",
-                                            "0", "n/a"]
+    text = measure.render_churn([r, dataclasses.replace(r, round=2)])
+    assert text.splitlines()[2].split() == ["nodepulse", "1", "100", "3000", "2990", "n/a",
+                                            "1.23", "9.00", "n/a", "n/a", "12.0", "30.0", "200",
+                                            "0", "0", "n/a"]
+    assert text.splitlines()[3].split()[:2] == ["nodepulse", "2"]
     on_node = dataclasses.replace(r, node_p50_s=0.0123, node_p99_s=0.5)
-    assert measure.render_churn([on_node]).splitlines()[2].split()[7:9] == ["0.012", "0.500"]
-    assert "| nodepulse | 100 | 3000 | 2990 | n/a |" in measure.render_churn([r], markdown=True)
+    assert measure.render_churn([on_node]).splitlines()[2].split()[8:10] == ["0.012", "0.500"]
+    assert "| nodepulse | 1 | 100 | 3000 | 2990 | n/a |" in measure.render_churn([r],
+                                                                             markdown=True)
     job = dataclasses.replace(r, job_pods=500, job_succeeded=500, job_s=61.04)
     assert measure.render_churn([job]).splitlines()[2].split()[-3:] == ["500", "500", "61.0"]
 
@@ -167,6 +169,181 @@ def test_rounds_show_each_p99_and_each_rounds_ratio() -> None:
     assert measure.render_rounds(rs[:2]) == []  # one round each: the table says it all
     assert measure.render_rounds([churn("kwok", 0.05), churn("kwok", 0.03)]) == [
         "kwok N=100: p99 s by round 0.050 0.030; median 0.040"]
+
+
+def churn_round(subject: str, startup: list[float], pods: int = 0, nodes: int = 100,
+                cpu: float = 12.0, rss: float = 200.0) -> measure.ChurnResult:
+    """A round whose pods started in `startup` seconds (the node's part half of it);
+    `pods` more than len(startup) were asked for and never seen Running."""
+    asked = max(pods, len(startup))
+    return measure.ChurnResult(subject=subject, nodes=nodes, pods=asked, running=len(startup),
+                               all_running_s=math.nan, p50_s=math.nan, p99_s=math.nan,
+                               subject_cpu_s=cpu, apiserver_cpu_s=cpu * 2,
+                               subject_rss_mb=rss, startup_s=startup,
+                               node_startup_s=[x / 2 for x in startup])
+
+
+def test_percentiles_sort_once_and_agree_with_percentile() -> None:
+    values = [float(x) for x in range(1000, 0, -1)]  # 1000..1
+    assert measure.percentiles(values, measure.POOLED_QS) == [500.0, 900.0, 990.0, 999.0]
+    assert measure.percentiles(values, [99.9]) == [measure.percentile(values, 99.9)]
+    assert all(math.isnan(x) for x in measure.percentiles([], [50, 99]))
+
+
+def test_pods_never_running_count_as_the_slowest_of_their_round() -> None:
+    r = churn_round("kwok", [0.1, 0.2], pods=4)
+    assert measure.round_sample(r) == [0.1, 0.2, math.inf, math.inf]
+    assert measure.round_sample(r, node_part=True) == [0.05, 0.1, math.inf, math.inf]
+    assert measure.percentile(measure.round_sample(r), 50) == 0.2
+    assert measure.percentile(measure.round_sample(r), 99) == math.inf
+
+
+def test_pooled_takes_every_rounds_pods_together_and_the_spread_of_their_costs() -> None:
+    # 1..100 ms in round 1, 101..200 ms in round 2: pooled, 1..200 ms
+    rounds = [churn_round("nodepulse", [x / 1000 for x in range(1, 101)], cpu=10.0, rss=90.0),
+              churn_round("nodepulse", [x / 1000 for x in range(101, 201)], cpu=14.0,
+                          rss=80.0),
+              churn_round("nodepulse", [0.5], pods=100, cpu=11.0, rss=85.0),
+              churn_round("kwok", [0.3])]
+    ours, kwok = measure.pooled(rounds)
+    assert (ours.subject, ours.nodes, ours.rounds, ours.pods, ours.not_running) == \
+        ("nodepulse", 100, 3, 300, 99)
+    # 300 values: 1..200 ms, 0.5 s, and 99 never Running
+    assert ours.startup_s == {"p50": 0.15, "p90": math.inf, "p99": math.inf,
+                              "p99.9": math.inf}
+    assert ours.node_startup_s["p50"] == 0.075
+    assert ours.subject_cpu_s == (10.0, 11.0, 14.0)
+    assert ours.apiserver_cpu_s == (20.0, 22.0, 28.0)
+    assert ours.subject_rss_mb == (80.0, 85.0, 90.0)
+    assert (kwok.rounds, kwok.startup_s["p99.9"], kwok.subject_cpu_s) == (1, 0.3,
+                                                                        (12.0, 12.0, 12.0))
+    assert all(math.isnan(x) for x in measure.spread([]))
+
+
+def spread_rounds(scale: float, rounds: int = 5, pods: int = 200) -> list[list[float]]:
+    """Rounds of `pods` startups, 10-30 ms, each round's slowest 2 % a burst whose length
+    moves from round to round (40-60 ms), all times `scale`."""
+    out = []
+    for k in range(rounds):
+        burst = 0.04 + 0.005 * k
+        body = [0.01 + 0.02 * i / pods for i in range(pods - pods // 50)]
+        out.append([scale * x for x in body + [burst] * (pods // 50)])
+    return out
+
+
+def test_bootstrap_is_seeded_and_gives_the_pooled_ratio_inside_its_interval() -> None:
+    ours, kwok = spread_rounds(0.9), spread_rounds(1.0)
+    found = measure.bootstrap_ratio(ours, kwok, [50.0, 99.0], resamples=300, seed=7)
+    assert found == measure.bootstrap_ratio(ours, kwok, [50.0, 99.0], resamples=300, seed=7)
+    assert found != measure.bootstrap_ratio(ours, kwok, [50.0, 99.0], resamples=300, seed=8)
+    for q in (50.0, 99.0):
+        ratio, low, high = found[q]
+        assert low <= ratio <= high
+    assert found[50.0][0] == pytest.approx(0.9)
+
+
+def test_bootstrap_resamples_whole_rounds() -> None:
+    # nodepulse: one fast round and one slow; KWOK: two alike. Pods within rounds would
+    # put every resample's median near 0.5x; whole rounds draw both slow 1 time in 4
+    ours = [[1.0] * 100, [3.0] * 100]
+    kwok = [[2.0] * 100, [2.0] * 100]
+    ratio, low, high = measure.bootstrap_ratio(ours, kwok, [50.0], resamples=400)[50.0]
+    assert (ratio, low, high) == (0.5, 0.5, 1.5)
+
+
+@pytest.mark.parametrize(("ours", "verdict"), [(0.5, "met"), (1.0, "tie"), (2.0, "missed")])
+def test_p99_verdict_by_where_the_interval_lies(ours: float, verdict: str) -> None:
+    rs = [churn_round("nodepulse", x) for x in spread_rounds(ours)]
+    rs += [churn_round("kwok", x) for x in spread_rounds(1.0)]
+    p50, p99 = measure.intervals(rs, resamples=300)
+    assert (p99.num, p99.den, p99.nodes, p99.q) == ("nodepulse", "kwok", 100, 99.0)
+    assert p50.q == 50.0
+    assert p99.ratio == pytest.approx(ours)
+    assert p99.verdict == verdict
+
+
+def test_verdict_boundaries_and_a_ratio_without_meaning() -> None:
+    def interval(low: float, high: float) -> measure.Interval:
+        return measure.Interval("nodepulse", "kwok", 100, 99.0, 1.0, low, high)
+
+    assert interval(0.5, 0.99).verdict == "met"
+    assert interval(0.5, 1.0).verdict == "tie"  # the interval holds 1.0
+    assert interval(1.0, 1.2).verdict == "tie"
+    assert interval(1.01, 1.2).verdict == "missed"
+    assert interval(math.nan, math.nan).verdict == "n/a"
+    # KWOK's percentiles zero in every resample: no ratio to bound
+    found = measure.bootstrap_ratio([[0.1], [0.2]], [[0.0], [0.0]], [50.0], resamples=10)
+    assert math.isnan(found[50.0][0]) and math.isnan(found[50.0][1])
+
+
+def test_one_round_has_a_ratio_but_no_interval() -> None:
+    ratio, low, high = measure.bootstrap_ratio([[0.1]], [[0.2], [0.4]], [50.0])[50.0]
+    assert ratio == 0.5
+    assert math.isnan(low) and math.isnan(high)
+
+
+def test_bootstrap_refuses_what_it_cannot_resample() -> None:
+    with pytest.raises(ValueError, match="at least one round of each"):
+        measure.bootstrap_ratio([], [[1.0]], [50.0])
+    with pytest.raises(ValueError, match="resamples=0"):
+        measure.bootstrap_ratio([[1.0]], [[1.0]], [50.0], resamples=0)
+    with pytest.raises(ValueError, match="level=1.5"):
+        measure.bootstrap_ratio([[1.0]], [[1.0]], [50.0], level=1.5)
+
+
+def test_intervals_only_for_pairs_that_both_ran() -> None:
+    rs = [churn_round("nodepulse", [0.1]), churn_round("kwok", [0.2]),
+          churn_round("nodepulse", [0.1], nodes=500)]
+    assert [(i.nodes, i.q) for i in measure.intervals(rs, resamples=10)] == [(100, 50.0),
+                                                                             (100, 99.0)]
+
+
+def test_pooled_tables_show_percentiles_intervals_and_spreads() -> None:
+    rs = [churn_round("nodepulse", x, cpu=10.0 + k) for k, x in enumerate(spread_rounds(0.5))]
+    rs += [churn_round("kwok", x) for x in spread_rounds(1.0)]
+    pools, found = measure.pooled(rs), measure.intervals(rs, resamples=200)
+    text = measure.render_pooled(pools, found)
+    lines = text.splitlines()
+    assert lines[0].split() == ["subject", "nodes", "rounds", "pods", "not", "Running",
+                                "p50", "s", "p90", "s", "p99", "s", "p99.9", "s", "node",
+                                "p50", "s", "node", "p99", "s"]
+    assert lines[2].split()[:5] == ["nodepulse", "100", "5", "1000", "0"]
+    assert "nodepulse/kwok         p99           0.5" in text
+    assert text.count(" met") == 2  # p50 and p99
+    assert "10.0/12.0/14.0" in text  # subject CPU s min/median/max
+    md = measure.render_pooled(pools, found, markdown=True)
+    assert "| 100 | nodepulse/kwok | p99 | 0.5 |" in md
+    assert "| kwok | 100 | 12.0/12.0/12.0 | 24.0/24.0/24.0 | 200/200/200 |" in md
+
+
+def test_churn_docs_hold_the_pooled_tables_every_rounds_pods_and_a_plot(
+        tmp_path: Path) -> None:
+    import argparse
+    import json
+
+    from bench.scale import write_churn_docs
+
+    rs = []
+    for k, (ours, kwok) in enumerate(zip(spread_rounds(0.5), spread_rounds(1.0),
+                                         strict=True)):
+        rs += [dataclasses.replace(churn_round("nodepulse", ours), round=k + 1),
+               dataclasses.replace(churn_round("kwok", kwok), round=k + 1)]
+    args = argparse.Namespace(out=str(tmp_path), job_pods=0, churn_pods=200, rounds=5,
+                              subjects="nodepulse,kwok")
+    pools, found = write_churn_docs(rs, args, "python -m bench.scale --churn", "one process",
+                                    ["kwok round 6 at 100 nodes: timed out"])
+    assert [i.verdict for i in found] == ["met", "met"]
+    md = (tmp_path / "churn.md").read_text()
+    assert "| 100 | nodepulse/kwok | p99 | 0.5 |" in md
+    assert "`pod-ready`, `pod-complete`, `pod-delete`" in md
+    assert "Failed round: kwok round 6 at 100 nodes: timed out" in md
+    doc = json.loads((tmp_path / "churn.json").read_text())
+    assert [i["verdict"] for i in doc["intervals"]] == ["met", "met"]
+    assert doc["pooled"][0]["startup_s"]["p99"] == pools[0].startup_s["p99"]
+    assert [(r["subject"], r["round"]) for r in doc["rounds"][:3]] == [
+        ("nodepulse", 1), ("kwok", 1), ("nodepulse", 2)]
+    assert doc["rounds"][1]["startup_s"] == pytest.approx(rs[1].startup_s)
+    assert (tmp_path / "churn.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.parametrize("argv", [["--rounds", "2"], ["--subjects", "kwok,kwok"]])
@@ -203,18 +380,21 @@ def test_window_takes_out_the_identity_lease_writes_and_their_bytes() -> None:
 
 def test_kwok_stages_missing_from_the_module_cache_are_named(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from bench.scale import kwok_node_stages
+    from bench.scale import KWOK_STAGES, kwok_stages
 
     monkeypatch.setenv("NODEPULSE_CACHE", str(tmp_path))
-    with pytest.raises(RuntimeError, match="node-heartbeat-with-lease.yaml"):
-        kwok_node_stages()
-    stages = tmp_path / "gomod" / "sigs.k8s.io" / "kwok@v0.7.0" / "kustomize" / "stage" / "node"
-    for rel in ("fast/node-initialize.yaml", "heartbeat-with-lease/node-heartbeat-with-lease.yaml"):
+    monkeypatch.setattr("e2e.cluster.build.pinned_version", lambda gomod, module: "v0.8.0")
+    stages = tmp_path / "gomod" / "sigs.k8s.io" / "kwok@v0.8.0" / "kustomize" / "stage"
+    for rel in KWOK_STAGES[:-1]:
         (stages / rel).parent.mkdir(parents=True, exist_ok=True)
         (stages / rel).write_text("kind: Stage\n")
-    monkeypatch.setattr("e2e.cluster.build.pinned_version", lambda gomod, module: "v0.7.0")
-    assert [p.name for p in kwok_node_stages()] == ["node-initialize.yaml",
-                                                    "node-heartbeat-with-lease.yaml"]
+    with pytest.raises(RuntimeError, match="pod-delete.yaml"):
+        kwok_stages()
+    (stages / KWOK_STAGES[-1]).write_text("kind: Stage\n")
+    # node and pod stages both: the binary applies no default of its own since v0.8.0
+    assert [p.name for p in kwok_stages()] == [
+        "node-initialize.yaml", "node-heartbeat-with-lease.yaml", "pod-ready.yaml",
+        "pod-complete.yaml", "pod-delete.yaml"]
 
 
 def test_nodes_without_the_ttl_annotation_are_named() -> None:

@@ -187,7 +187,8 @@ def test_cgroup_settings_keep_the_kubelets_names_and_defaults(tmp_path):
                 "--qos-reserved", "memory=50%"])
     assert cfg.cgroup_root == "/np-e2e" and not cfg.cgroups_per_qos
     assert cfg.enforce_node_allocatable == () and cfg.cgroup_driver == "systemd"
-    assert cfg.kube_reserved == {"cpu": 0.25, "memory": 512 * 2**20, "pid": 1000}
+    # added to --system-reserved (none here); pid: held back from kubepods' pids.max
+    assert cfg.system_reserved == {"cpu": 0.25, "memory": 512 * 2**20, "pid": 1000}
     assert cfg.pod_pids_limit == 4096 and cfg.qos_reserved == {"memory": 50}
     assert load(["--node-name", "n1", "--enforce-node-allocatable", "none",
                  "--cgroups-per-qos=false"]).enforce_node_allocatable == ()
@@ -197,4 +198,4 @@ def test_cgroup_settings_keep_the_kubelets_names_and_defaults(tmp_path):
     cfg = load(["--node-name", "n1", "--config", file])
     assert (cfg.cgroup_root, cfg.pod_pids_limit, cfg.qos_reserved) == ("/x", 100,
                                                                        {"memory": 10})
-    assert cfg.kube_reserved == {"memory": 2**30}
+    assert cfg.system_reserved == {"memory": 2**30}

@@ -31,9 +31,12 @@ def status(readings: HostReadings | HostReadError = READINGS, images=IMAGES, at:
                           previous=previous, not_ready=not_ready)
 
 
-def test_allocatable_is_capacity_less_both_reservations_and_the_eviction_thresholds():
+def test_allocatable_is_capacity_less_the_reservations_and_the_eviction_thresholds():
+    # --system-reserved cpu=500m,memory=1Gi with --kube-reserved
+    # cpu=250m,memory=512Mi,ephemeral-storage=1Gi
     settings = dataclasses.replace(
-        SETTINGS, kube_reserved={"cpu": 0.25, "memory": 512 * 2**20, "ephemeral-storage": GI},
+        SETTINGS, system_reserved={"cpu": 0.75, "memory": GI + 512 * 2**20,
+                                   "ephemeral-storage": GI},
         thresholds=parse_thresholds("memory.available<5%,nodefs.available<2Gi"))
     st = compute_status(READINGS, settings, [], T0)
     # memory: 8Gi - 1Gi - 512Mi - 5% of 8Gi; disk: 100Gi - 1Gi - 2Gi; cpu: 4 - 0.5 - 0.25

@@ -27,7 +27,7 @@ from prometheus_client import REGISTRY
 
 from nodeagent.api.clock import FakeClock
 from nodeagent.api.policy import parse_spec
-from tests.test_operator_monitor import FakeApi, _post_ready, spec, step
+from tests.fakeoperator import FakeApi, post_ready, spec, step
 
 CM_CONDITIONS = ("Ready", "MemoryPressure", "DiskPressure", "PIDPressure")
 BY_CONDITION = {("Ready", "False"): "node.kubernetes.io/not-ready",
@@ -76,7 +76,7 @@ class ClusterApi(FakeApi):
         return rv
 
     def post_ready(self, name: str) -> None:
-        _post_ready(self, name)
+        post_ready(self, name)
         self.updated("agent", name)
 
     def cm_write(self, name: str) -> None:

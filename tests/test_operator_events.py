@@ -14,8 +14,7 @@ from nodeoperator.state import Store
 
 from nodeagent.api.client import ApiError
 from nodeagent.api.clock import FakeClock
-from tests.test_operator_monitor import ALONE, FakeApi, spec, step
-from tests.test_operator_taints import post, register
+from tests.fakeoperator import ALONE, FakeApi, post, register, spec, step
 
 
 class EventApi(FakeApi):

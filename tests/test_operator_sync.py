@@ -20,7 +20,7 @@ from nodeagent.api.kube import NODE_STATUS_POLICIES, NODES
 from nodeagent.api.policy import HEARTBEAT_ANNOTATION, Heartbeat, encode_heartbeat_annotation
 from tests.conftest import until
 from tests.fakekube import Call, FakeKube
-from tests.test_operator_monitor import FakeApi, _post_ready, spec
+from tests.fakeoperator import FakeApi, post_ready, spec
 
 # the controller manager's node-lifecycle controller off: the operator does it all
 ALONE = Lifecycle(EXCLUSIVE)
@@ -283,7 +283,7 @@ def test_a_marked_node_stays_marked_until_heard_from() -> None:
             if how == "lease":
                 api.renew("n1")
             else:
-                _post_ready(api, "n1")
+                post_ready(api, "n1")
             await mon.tick()
             assert api.taints("n1") == set(), how
     asyncio.run(main())

@@ -1,7 +1,7 @@
 """NoSchedule taints by condition: the mapping table, add and remove through the
 monitor's one loop (admission's not-ready taint included), no fight with the Lease
 verdict's unreachable taints, and a write only when the taint set changes. FakeClock,
-the monitor tests' fake API server; no test sleeps."""
+the fake API server of tests/fakeoperator.py; no test sleeps."""
 
 from __future__ import annotations
 
@@ -16,16 +16,14 @@ from nodeoperator.state import Store
 
 from nodeagent.api.client import ApiError
 from nodeagent.api.clock import FakeClock
-from tests.test_operator_monitor import Env, FakeApi, run, spec, step
+from tests.fakeoperator import NOT_READY, Env, FakeApi, post, register, run, spec, step
 
-NOT_READY = "node.kubernetes.io/not-ready"
 UNREACHABLE = "node.kubernetes.io/unreachable"
 DISK = "node.kubernetes.io/disk-pressure"
 MEMORY = "node.kubernetes.io/memory-pressure"
 PID = "node.kubernetes.io/pid-pressure"
 NETWORK = "node.kubernetes.io/network-unavailable"
 UNSCHEDULABLE = "node.kubernetes.io/unschedulable"
-ADMISSION = {"key": NOT_READY, "effect": "NoSchedule"}  # what TaintNodesByCondition adds
 
 
 # the controller manager's node-lifecycle controller off: the operator does it all
@@ -71,28 +69,6 @@ def test_every_condition_taint_is_noschedule_and_managed() -> None:
 
 
 # ---- through the monitor
-def register(api: FakeApi, name: str, extra: list[dict[str, str]] | None = None) -> None:
-    """The agent creates its Node; admission adds not-ready:NoSchedule; no status yet."""
-    body: dict[str, Any] = {"metadata": {"name": name, "labels": {}},
-                            "spec": {"taints": [*(extra or []), dict(ADMISSION)]},
-                            "status": {}}
-    api._bump(body)
-    api.nodes[name] = body
-    api.store.node_event("ADDED", copy.deepcopy(body))
-
-
-def post(api: FakeApi, name: str, **statuses: str) -> None:
-    """The agent posts conditions (merged by type, like a status patch)."""
-    node = api.nodes[name]
-    by_type = {c["type"]: c for c in node["status"].get("conditions", [])}
-    for ctype, status in statuses.items():
-        by_type[ctype] = {"type": ctype, "status": status, "reason": "Agent",
-                          "lastHeartbeatTime": api.clock.now().isoformat()}
-    node["status"]["conditions"] = list(by_type.values())
-    api._bump(node)
-    api.store.node_event("MODIFIED", copy.deepcopy(node))
-
-
 def edit(api: FakeApi, name: str, **spec_fields: Any) -> None:
     node = api.nodes[name]
     node["spec"].update(spec_fields)

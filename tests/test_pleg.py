@@ -16,32 +16,9 @@ from nodeagent.pods.pleg import (
     clock_timeout,
     diff,
 )
-from nodeagent.runtime import ContainerConfig, PodRuntimeStatus, RelistResult, SandboxConfig
+from nodeagent.runtime import PodRuntimeStatus, RelistResult
 from nodeagent.runtime.fake import FakeRuntime
-from tests.conftest import aio, mkpod
-
-
-def pod_of(uid: str, containers: int = 1) -> dict:
-    return mkpod(f"p-{uid}", uid, image="img", containers=[f"c{i}" for i in range(containers)])
-
-
-async def start_pod(rt: FakeRuntime, uid: str, containers: int = 1) -> list[str]:
-    p = pod_of(uid, containers)
-    sc = SandboxConfig.from_pod(p)
-    sid = await rt.run_sandbox(sc)
-    ids = []
-    for c in p["spec"]["containers"]:
-        cid = await rt.create_container(sid, ContainerConfig.from_pod(p, c), sc)
-        await rt.start_container(cid)
-        ids.append(cid)
-    return ids
-
-
-def drain(q: asyncio.Queue[PodLifecycleEvent]) -> list[PodLifecycleEvent]:
-    out = []
-    while not q.empty():
-        out.append(q.get_nowait())
-    return out
+from tests.conftest import aio, drain, start_pod
 
 
 def test_diff_generates_kubelet_style_events() -> None:

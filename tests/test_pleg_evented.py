@@ -23,8 +23,7 @@ from nodeagent.runtime import (
     Unsupported,
 )
 from nodeagent.runtime.fake import FakeRuntime
-from tests.conftest import AgentRig, agent_config, aio, mkpod, started
-from tests.test_pleg import drain, start_pod
+from tests.conftest import AgentRig, agent_config, aio, drain, mkpod, start_pod, started
 
 CONFIG = PlegConfig(relist_period=1.0, evented_relist_period=60.0)
 

@@ -59,7 +59,17 @@ async def test_failing_readiness_probe_keeps_the_pod_not_ready() -> None:
     assert ("c", ["false"]) in a.rt.execs
     assert "Readiness probe failed: nope\n" in a.events_of("Unhealthy")
     assert len(a.rt.find("u1", "c")) == 1  # readiness never restarts
+    failed = probe_results(a, "Readiness", "failure")
+    assert failed == a.loop.probes.probes_run > 0  # every run counted, each a failure
+    assert probe_results(a, "Readiness", "success") == 0
     await a.loops.stop()
+
+
+def probe_results(a: LoopRig, kind: str, result: str) -> float:
+    """nodepulse_probe_results_total of the rig's node, for one kind and result."""
+    return a.registry.get_sample_value("nodepulse_probe_results_total",
+                                       {"node": "n1", "probe_type": kind,
+                                        "result": result}) or 0.0
 
 
 @aio
@@ -86,6 +96,9 @@ async def test_readiness_follows_the_probe_both_ways() -> None:
     assert cond(a, "u1", "Ready") == "False"  # one success is below successThreshold 2
     await a.run_for(2)
     assert cond(a, "u1", "Ready") == "True"
+    succeeded, failed = (probe_results(a, "Readiness", r) for r in ("success", "failure"))
+    assert failed >= 2 and succeeded >= 4
+    assert succeeded + failed == a.loop.probes.probes_run
     await a.loops.stop()
 
 
@@ -189,6 +202,8 @@ async def test_probe_that_cannot_run_counts_as_nothing() -> None:
     assert len(a.rt.find("u1", "c")) == 1
     assert any("Liveness probe errored" in m and "port nope not found" in m
                for m in a.events_of("Unhealthy"))
+    assert probe_results(a, "Liveness", "unknown") == a.loop.probes.probes_run > 0
+    assert probe_results(a, "Liveness", "failure") == 0
     await a.loops.stop()
 
 

@@ -16,13 +16,14 @@ from typing import Any
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client import CollectorRegistry
 
+from nodeagent.api.certificates import csr_pem, new_key
 from nodeagent.api.clock import FakeClock
 from nodeagent.node.status import StatusSettings, build_patch, compute_status, meaningful_changes
 from nodeagent.runtime.base import ContainerConfig, ContainerStats, PodRuntimeStatus, SandboxConfig
 from nodeagent.runtime.fake import FakeRuntime
 from nodeagent.server.auth import KubeletAuth, User, request_attributes, user_of_certificate
 from nodeagent.server.kubeletserver import KubeletServer, pick_container
-from nodeagent.server.tls import ServingCert, csr_request, renew_at, self_signed, validity
+from nodeagent.server.tls import ServingCert, renew_at, self_signed, validity
 from tests.conftest import aio
 
 NODE = "n1"
@@ -47,12 +48,6 @@ class FakeApi:
         self.access_reviews.append(spec)
         attrs = spec["resourceAttributes"]
         return {"allowed": (spec["user"], attrs["subresource"]) in self.allowed}
-
-    async def create_csr(self, body: dict[str, Any]) -> dict[str, Any]:
-        raise AssertionError("not used")
-
-    async def get_csr(self, name: str) -> dict[str, Any]:
-        raise AssertionError("not used")
 
 
 class Host:
@@ -305,7 +300,7 @@ def test_certificates(tmp_path: Path) -> None:
     import random
     at = renew_at(before, after, random.Random(1))
     assert before + (after - before) * 0.7 <= at <= before + (after - before) * 0.9
-    csr, _ = csr_request("n1", ["127.0.0.1"])
+    csr = csr_pem(new_key(), "n1", ["127.0.0.1"])
     from cryptography import x509
     req = x509.load_pem_x509_csr(csr)
     assert req.subject.rfc4514_string() == "CN=system:node:n1,O=system:nodes"
@@ -409,3 +404,51 @@ def test_log_rotation_lets_other_work_run_between_batches(tmp_path: Path) -> Non
         assert [n for n in turns if 0 < n < len(read)] == [LogRotation.BATCH, 2 * LogRotation.BATCH]
 
     asyncio.run(main())
+
+
+@aio
+async def test_the_kubelets_authentication_and_authorization_settings(tmp_path: Path) -> None:
+    """authentication.webhook.enabled false: a bearer token is not reviewed (anonymous
+    if allowed, else 401); authorization.mode AlwaysAllow: no SubjectAccessReview; the
+    cache TTLs are the configured ones."""
+    async with serving(tmp_path) as env:
+        env.server.auth = KubeletAuth(env.api, env.clock, token_webhook=False, anonymous=True,
+                                      authorize_all=True)
+        r = await env.client.get("/pods", headers=bearer("alice"))
+        assert r.status == 200
+        assert env.api.token_reviews == 0 and env.api.access_reviews == []
+        env.server.auth = KubeletAuth(env.api, env.clock, token_webhook=False)
+        assert (await env.client.get("/pods", headers=bearer("alice"))).status == 401
+        env.server.auth = KubeletAuth(env.api, env.clock, token_ttl=10, allowed_ttl=20,
+                                      denied_ttl=5)
+        env.api.allowed = {("alice", "pods")}
+        assert (await env.client.get("/pods", headers=bearer("alice"))).status == 200
+        env.api.allowed = set()
+        await env.clock.advance(15)  # the token is asked again, the allowance is kept
+        assert (await env.client.get("/pods", headers=bearer("alice"))).status == 200
+        assert env.api.token_reviews == 2 and len(env.api.access_reviews) == 1
+        await env.clock.advance(10)
+        assert (await env.client.get("/pods", headers=bearer("alice"))).status == 403
+        env.api.allowed = {("alice", "pods")}
+        await env.clock.advance(6)  # a refusal is kept 5 s
+        assert (await env.client.get("/pods", headers=bearer("alice"))).status == 200
+
+
+@aio
+async def test_without_debugging_handlers_logs_and_exec_are_not_served(tmp_path: Path) -> None:
+    async with serving(tmp_path) as env:
+        env.server.debugging_handlers = False
+        env.api.allowed = {("alice", "proxy"), ("alice", "pods")}
+        env.host.pods["u1"] = pod("web", "u1")
+        for path in ("/containerLogs/ns/web/main", "/exec/ns/web/main?command=ls",
+                     "/portForward/ns/web"):
+            r = await env.client.get(path, headers=bearer("alice"))
+            assert r.status == 404 and "enableDebuggingHandlers is false" in await r.text()
+        assert (await env.client.get("/pods", headers=bearer("alice"))).status == 200
+
+
+def test_tls13_only_serving(tmp_path: Path) -> None:
+    clock = FakeClock(dt.datetime(2026, 1, 2, tzinfo=dt.UTC))
+    cert = ServingCert(node=NODE, names=["127.0.0.1"], pki_dir=tmp_path, clock=clock,
+                       tls13_only=True)
+    assert cert.context.minimum_version == ssl.TLSVersion.TLSv1_3

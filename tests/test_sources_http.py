@@ -92,10 +92,13 @@ def server() -> Iterator[Server]:
     s.thread.join()
 
 
-def setup(url: str, **kw: object) -> tuple[Merge, HTTPSource, Sink]:
+def setup(url: str, max_bytes: int | None = None,
+          **kw: object) -> tuple[Merge, HTTPSource, Sink]:
     sink = Sink()
     merge = Merge([Source.HTTP], Problems(sink))
     src = HTTPSource(url, "n1", merge, FakeClock(), headers={"X-Token": "t"}, **kw)  # type: ignore[arg-type]
+    if max_bytes is not None:
+        src.max_bytes = max_bytes
     return merge, src, sink
 
 

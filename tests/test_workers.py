@@ -40,6 +40,18 @@ def test_crash_backoff_doubles_caps_and_resets() -> None:
     assert b.remaining(key) == 0
 
 
+def test_crash_backoff_says_which_of_a_pods_containers_still_wait() -> None:
+    clock = FakeClock()
+    b = CrashBackoff(clock)
+    b.restarted(("u", "a", "h1"))
+    b.restarted(("u", "b", "h2"))
+    b.restarted(("other", "a", "h1"))
+    clock._t += 5
+    assert b.waiting("u") == {("u", "a", "h1"): (5.0, 10.0), ("u", "b", "h2"): (5.0, 10.0)}
+    clock._t += 5  # their back-off is over: nothing waits
+    assert b.waiting("u") == {} and b.waiting("nobody") == {}
+
+
 def test_pull_policy_defaults_and_grace() -> None:
     assert pull_policy({"image": "busybox"}) == "Always"
     assert pull_policy({"image": "localhost:5000/busybox:latest"}) == "Always"

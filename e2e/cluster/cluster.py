@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import tempfile
@@ -22,6 +21,7 @@ import yaml
 from kubernetes import client
 
 from e2e.cluster import build, pki
+from e2e.harness.ports import free_port
 from nodeagent.api.client import new_api_client
 
 SERVICE_CIDR = "10.96.0.0/16"
@@ -57,23 +57,6 @@ NODE_WRITES_RULE = {"level": "RequestResponse",
 
 class PortTaken(RuntimeError):
     """A process of the control plane could not bind its port."""
-
-
-_handed_out: set[int] = set()
-
-
-def free_port() -> int:
-    """A port nothing listens on now and that this process has not handed out before:
-    the kernel offers a closed port again, so two processes started one after the other
-    could be given the same one while the first is still starting (CI: a restarted
-    agent found its port taken by another agent restarted with it)."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if port not in _handed_out:
-            _handed_out.add(port)
-            return port
 
 
 def write_kubeconfig(path: Path, server: str, ca: Path, cert: Path | bytes,
@@ -502,6 +485,9 @@ class LocalCluster(Cluster):
                 f"--service-cluster-ip-range={SERVICE_CIDR}",
                 "--authorization-mode=Node,RBAC",
                 "--enable-admission-plugins=NodeRestriction",
+                # bootstrap tokens (Secrets in kube-system), as kubeadm's clusters take
+                # them: agents join with one and get their client certificate by a CSR
+                "--enable-bootstrap-token-auth=true",
                 "--allow-privileged=true", "--profiling=false", "-v=1",
                 f"--audit-policy-file={self.workdir / 'audit-policy.yaml'}",
                 f"--audit-log-path={self.workdir / 'audit.log'}", "--audit-log-format=json",

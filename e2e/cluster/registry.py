@@ -32,7 +32,8 @@ import bcrypt
 import yaml
 
 from e2e.cluster import build, pki
-from e2e.cluster.cluster import PortTaken, free_port
+from e2e.cluster.cluster import PortTaken
+from e2e.harness.ports import free_port
 
 USERNAME = "nodepulse-e2e"
 

@@ -275,6 +275,33 @@ def newly_passing(results: list[Result], plan: Plan) -> list[str]:
     return [r.spec for r in results if r.status == PASSED and r.spec not in plan.expected_pass]
 
 
+# What the page says of the run besides its results (the page is the project's
+# conformance document, not only a report).
+HOW_IT_RUNS = [
+    "## How the run works",
+    "",
+    "The specs of `test/e2e/common/storage` are the kubelet's own volume specs (ConfigMap, "
+    "Secrets, Projected, Downward API, EmptyDir and HostPath volumes). The control plane, "
+    "the operator and the agent are the ones `make run` starts (`e2e/stack.py`), on a "
+    "control plane of their own. The specs' images are built here and tagged with the "
+    "names the specs use (`e2e/conformance/images.py`: agnhost and nonewprivs from the "
+    "pinned Kubernetes module, nginx from Debian's packages (downloaded with "
+    "`apt-get download`, not installed), busybox and pause as the e2e suite builds them, "
+    "see [development.md](development.md#pinned-versions)). What a spec pulls from "
+    "registry.k8s.io (agnhost, with imagePullPolicy Always) comes from the e2e suite's "
+    "loopback registry ([development.md](development.md#an-image-registry-for-tests)), "
+    "which the test containerd uses as that host's mirror (test setup only; the agent "
+    "pulls as it would from the internet). `e2e/conformance/specs.yaml` is the one file "
+    "that says which specs run, which cannot run here and why, and which must pass (the "
+    "ratchet: the test fails when one of those does not). Each spec runs in an `e2e.test` "
+    "process of its own, several at a time.",
+    "",
+    "`python -m e2e.conformance` runs it outside pytest; `--only RE` runs the specs whose "
+    "names match, and a longer `--trial-timeout` (seconds; 420, say) finds specs that pass "
+    "now but are not yet in the ratchet.",
+]
+
+
 def write_doc(results: list[Result], plan: Plan, wall: float, path: Path = DOC,
               note: str = "") -> None:
     counts = {s: sum(r.status == s for r in results) for s in (PASSED, FAILED, SKIPPED, NOT_RUN)}
@@ -300,6 +327,8 @@ def write_doc(results: list[Result], plan: Plan, wall: float, path: Path = DOC,
         f"{plan.trial_timeout} s.",
         *(["", note] if note else []),
         "",
+        *HOW_IT_RUNS,
+        "",
         "| spec | result | s | why not passed |",
         "|---|---|---|---|",
     ]
@@ -321,8 +350,8 @@ def measure(workdir: Path, only: str | None = None, plan: Plan | None = None,
     Logs of the run (each spec's e2e.log and report, the components' logs) stay in
     `workdir`."""
     from e2e.conformance.images import import_all, serve_upstream_pulls
+    from e2e.harness.ports import free_port
     from e2e.stack import Stack
-    from e2e.util import free_port
 
     plan = plan or load_plan()
     build.ensure(["e2e.test", "kubectl"], log=log)  # before anything runs

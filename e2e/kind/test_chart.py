@@ -23,10 +23,10 @@ import pytest
 from kubernetes import client
 
 from e2e.cluster import Cluster
+from e2e.harness.helm import CHART, Tools, sets
+from e2e.harness.waits import eventually
 from e2e.kind.cluster import KindCluster
 from e2e.kind.images import PROJECT_IMAGE
-from e2e.test_helm import CHART, Tools, sets
-from e2e.util import eventually
 from nodeagent.api.policy import HEARTBEAT_ANNOTATION, decode_heartbeat_annotation
 
 # The first test to use the engine or the cluster also waits for what is not cached yet

@@ -133,6 +133,9 @@ class Credentials:
         self._lock = threading.Lock()
         self._token = token
         self._token_until = float("inf") if token else -float("inf")
+        # moves on each time the client certificate is replaced: connections made with
+        # the one before are closed (nodeagent.api.rest)
+        self.generation = 0
         if exec_plugin is not None:
             self._run_plugin()  # its client certificate, if it gives one, is needed now
 
@@ -167,6 +170,23 @@ class Credentials:
             finally:
                 shutil.rmtree(folder, ignore_errors=True)
         return ctx
+
+    def use_client_certificate(self, pem_file: str) -> None:
+        """Prove who we are with the certificate and key in `pem_file` (one file, as the
+        kubelet keeps them) from now on: loaded into the TLS context connections are
+        made with, and `generation` moves on."""
+        with self._lock:
+            if self._ssl is not None:
+                self._ssl.load_cert_chain(pem_file)
+            self.cert_file = self.key_file = pem_file
+            self.cert_data = self.key_data = None
+            self.generation += 1
+
+    def client_certificate(self) -> bytes | None:
+        """The client certificate (PEM) these credentials present, if any."""
+        if self.cert_file:
+            return Path(self.cert_file).read_bytes()
+        return self.cert_data
 
     # -- the Authorization header --
     def authorization(self) -> str | None:

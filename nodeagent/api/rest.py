@@ -96,6 +96,8 @@ class Connections:
     # idle connections are kept this long: under the API server's 90 s idle timeout,
     # so it is never the server that closes one as it is being reused
     KEEPALIVE_S = 60.0
+    # connections made with a replaced client certificate are closed this long after
+    RETIRE_S = 60.0
 
     def __init__(self, creds: Credentials) -> None:
         self.creds = creds
@@ -103,10 +105,17 @@ class Connections:
         self._session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.opened = 0  # connections opened (keep-alive works when this stays small)
+        self._generation = creds.generation  # of the client certificate the session uses
+        self._retiring: set[aiohttp.ClientSession] = set()
 
     def session(self) -> aiohttp.ClientSession:
         loop = asyncio.get_running_loop()
+        if self._session is not None and self._generation != self.creds.generation \
+                and self._loop is loop and not self._session.closed:
+            self._retire(self._session, loop)
+            self._session = None
         if self._session is None or self._loop is not loop or self._session.closed:
+            self._generation = self.creds.generation
             if self._ssl is None:
                 self._ssl = self.creds.ssl_context()
             # counted where their sockets are made: a TraceConfig would cost every
@@ -120,6 +129,18 @@ class Connections:
             self._loop = loop
         return self._session
 
+    def _retire(self, old: aiohttp.ClientSession, loop: asyncio.AbstractEventLoop) -> None:
+        """The client certificate was replaced: new requests go over new connections,
+        and those made with the old certificate are closed once the requests on them had
+        time to finish (the API server checks a certificate's expiry on every request,
+        not only when a connection is made). A watch on one is cut then, and resumes."""
+        self._retiring.add(old)
+
+        def close() -> None:
+            self._retiring.discard(old)
+            loop.create_task(old.close())
+        loop.call_later(self.RETIRE_S, close)
+
     def _new_socket(self, addr: tuple[Any, ...]) -> socket.socket:
         self.opened += 1
         family, type_, proto, _, _ = addr
@@ -130,6 +151,9 @@ class Connections:
                 and self._loop is asyncio.get_running_loop():
             await self._session.close()
         self._session = None
+        for old in list(self._retiring):
+            await old.close()
+        self._retiring.clear()
 
 
 class Transport:

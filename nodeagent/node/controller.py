@@ -54,6 +54,7 @@ class NodeSpec:
     agent_id: str
     labels: Mapping[str, str] = dataclasses.field(default_factory=dict)
     taints: Sequence[Mapping[str, str]] = ()
+    provider_id: str = ""  # spec.providerID (set once: the API server refuses a change)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,8 +150,13 @@ class NodeController:
     def node_object(self) -> Obj:
         body: Obj = {"apiVersion": "v1", "kind": "Node",
                      "metadata": {"name": self.name, "labels": dict(self.labels())}}
+        spec: Obj = {}
         if self.spec.taints:
-            body["spec"] = {"taints": [dict(t) for t in self.spec.taints]}
+            spec["taints"] = [dict(t) for t in self.spec.taints]
+        if self.spec.provider_id:
+            spec["providerID"] = self.spec.provider_id
+        if spec:
+            body["spec"] = spec
         return body
 
     def labels(self) -> dict[str, str]:
@@ -182,9 +188,13 @@ class NodeController:
                 node = await self.kube.get(NODES, self.name, timeout=t)
         want = await self.status_call(self.labels)
         have = (node.get("metadata") or {}).get("labels") or {}
+        patch: Obj = {}
         if any(have.get(k) != v for k, v in want.items()):
-            node = await self.kube.patch(NODES, self.name, {"metadata": {"labels": want}},
-                                         timeout=t)
+            patch["metadata"] = {"labels": want}
+        if self.spec.provider_id and not (node.get("spec") or {}).get("providerID"):
+            patch["spec"] = {"providerID": self.spec.provider_id}
+        if patch:
+            node = await self.kube.patch(NODES, self.name, patch, timeout=t)
         log.info("node %s: adopted existing Node", self.name)
         return node
 

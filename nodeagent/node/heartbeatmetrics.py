@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
+from nodeagent.metrics import per_registry
+
 
 class NodeMetrics:
     def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
@@ -30,3 +32,7 @@ class NodeMetrics:
             "annotation, by result (applied, refused, cleared)", ["result"], registry=registry)
         self.nodes = Gauge("nodepulse_nodes", "Nodes this process speaks for",
                            registry=registry)
+
+
+# the one NodeMetrics of a registry: every node of a process counts into it
+node_metrics = per_registry(NodeMetrics)

@@ -182,3 +182,23 @@ def _primary_ip() -> str:
             return str(s.getsockname()[0])
         except OSError:
             return "127.0.0.1"
+
+
+def startup_refusal(*, fail_swap_on: bool, fail_cgroup_v1: bool, proc: str = "/proc",
+                    cgroup_root: str = "/sys/fs/cgroup") -> str | None:
+    """Why the agent must not start on this host, as the kubelet refuses to (failSwapOn,
+    failCgroupV1), or None."""
+    if fail_swap_on:
+        try:
+            lines = Path(proc, "swaps").read_text().splitlines()
+        except OSError as e:
+            return f"failSwapOn: cannot tell whether swap is on ({e.strerror or e}); " \
+                   "set failSwapOn: false (--fail-swap-on=false) to start anyway"
+        devices = [line.split()[0] for line in lines[1:] if line.strip()]
+        if devices:
+            return f"failSwapOn: swap is on ({', '.join(devices)}): turn it off (swapoff " \
+                   "-a) or set failSwapOn: false (--fail-swap-on=false)"
+    if fail_cgroup_v1 and not Path(cgroup_root, "cgroup.controllers").exists():
+        return f"failCgroupV1: this host uses cgroup v1 ({cgroup_root} has no unified " \
+               "hierarchy): set failCgroupV1: false (--fail-cgroupv1=false) to start anyway"
+    return None

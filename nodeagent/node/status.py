@@ -34,10 +34,9 @@ def api_microtime(t: dt.datetime) -> str:
 class StatusSettings:
     max_pods: int = 110
     thresholds: tuple[Threshold, ...] = ()
-    # resource name -> amount held back from allocatable (cores for cpu, bytes otherwise),
-    # for the system (--system-reserved) and for Kubernetes' programs (--kube-reserved)
+    # resource name -> amount held back from allocatable (cores for cpu, bytes otherwise):
+    # --system-reserved and --kube-reserved together
     system_reserved: Mapping[str, float] = dataclasses.field(default_factory=dict)
-    kube_reserved: Mapping[str, float] = dataclasses.field(default_factory=dict)
     max_images: int = 50
     agent_version: str = ""
     runtime_version: str = ""
@@ -179,7 +178,7 @@ def compute_status(readings: HostReadings | HostReadError, settings: StatusSetti
 def _host_parts(r: HostReadings, settings: StatusSettings) -> dict[str, Any]:
     """capacity, allocatable, addresses and nodeInfo of a reading (kept: see _Kept)."""
     inputs = (r, settings.max_pods, tuple(settings.system_reserved.items()),
-              tuple(settings.kube_reserved.items()), settings.thresholds,
+              settings.thresholds,
               settings.runtime_version, settings.agent_version)
     kept: dict[str, Any] = _kept.get(
         "host", inputs, lambda a, b: a[0] is b[0] and a[1:] == b[1:],
@@ -190,14 +189,13 @@ def _host_parts(r: HostReadings, settings: StatusSettings) -> dict[str, Any]:
 def _make_host_parts(r: HostReadings, settings: StatusSettings) -> dict[str, Any]:
     capacity = {"cpu": r.cpu, "memory": float(r.memoryTotal),
                 "ephemeral-storage": float(r.fsTotal), "pods": float(settings.max_pods)}
-    # as the kubelet's: capacity less both reservations and the hard eviction
-    # thresholds of memory and the node's filesystem
+    # as the kubelet's: capacity less the reservations and the hard eviction thresholds
+    # of memory and the node's filesystem
     evicted = {"memory": ("memory.available", capacity["memory"]),
                "ephemeral-storage": ("nodefs.available", capacity["ephemeral-storage"])}
     held = {k: sum(int(t.limit(evicted[k][1])) for t in settings.thresholds
                    if t.signal == evicted[k][0]) for k in evicted}
-    allocatable = {k: max(0.0, v - settings.system_reserved.get(k, 0.0)
-                          - settings.kube_reserved.get(k, 0.0) - held.get(k, 0.0))
+    allocatable = {k: max(0.0, v - settings.system_reserved.get(k, 0.0) - held.get(k, 0.0))
                    for k, v in capacity.items()}
     return {
         "capacity": _format_resources(capacity),

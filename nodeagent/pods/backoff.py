@@ -28,31 +28,38 @@ class CrashBackoff:
         self.initial = initial
         self.maximum = maximum
         self.reset_after = reset_after
-        self._e: dict[CrashKey, tuple[float, float]] = {}  # key -> (delay, last)
+        # pod uid -> (container name, spec hash) -> (delay, last restart)
+        self._e: dict[str, dict[tuple[str, str], tuple[float, float]]] = {}
 
-    def remaining(self, key: CrashKey) -> float:
-        """Seconds until the container may be restarted (0: now)."""
-        e = self._e.get(key)
-        if e is None:
-            return 0.0
+    def _left(self, e: tuple[float, float]) -> float:
         delay, last = e
         now = self.clock.monotonic()
         if now - last >= self.reset_after:
             return 0.0
         return max(0.0, last + delay - now)
 
+    def remaining(self, key: CrashKey) -> float:
+        """Seconds until the container may be restarted (0: now)."""
+        e = self._e.get(key[0], {}).get(key[1:])
+        return 0.0 if e is None else self._left(e)
+
     def delay(self, key: CrashKey) -> float:
-        e = self._e.get(key)
+        e = self._e.get(key[0], {}).get(key[1:])
         return e[0] if e else 0.0
+
+    def waiting(self, uid: str) -> dict[CrashKey, tuple[float, float]]:
+        """The pod's containers still backing off: key -> (seconds left, the delay)."""
+        return {(uid, *k): (left, e[0]) for k, e in self._e.get(uid, {}).items()
+                if (left := self._left(e)) > 0}
 
     def restarted(self, key: CrashKey) -> None:
         now = self.clock.monotonic()
-        e = self._e.get(key)
+        pod = self._e.setdefault(key[0], {})
+        e = pod.get(key[1:])
         if e is None or now - e[1] >= self.reset_after:
-            self._e[key] = (self.initial, now)
+            pod[key[1:]] = (self.initial, now)
         else:
-            self._e[key] = (min(e[0] * 2, self.maximum), now)
+            pod[key[1:]] = (min(e[0] * 2, self.maximum), now)
 
     def forget(self, uid: str) -> None:
-        for k in [k for k in self._e if k[0] == uid]:
-            del self._e[k]
+        self._e.pop(uid, None)

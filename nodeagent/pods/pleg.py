@@ -285,7 +285,7 @@ def pleg_metrics(registry: CollectorRegistry) -> PlegMetrics:
 class PlegConfig:
     relist_period: float = 1.0         # the kubelet's relistPeriod
     # while the event stream is up: the relist is then only the check for lost events
-    # (the kubelet's evented PLEG relists every 300 s; see README, "Evented PLEG")
+    # (the kubelet's evented PLEG relists every 300 s; see docs/pods.md, "Evented PLEG")
     evented_relist_period: float = 60.0
     relist_timeout: float = 30.0       # one runtime list
     inspect_timeout: float = 10.0      # one pod's status call

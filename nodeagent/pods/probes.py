@@ -30,10 +30,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from prometheus_client import REGISTRY, CollectorRegistry, Counter
+
 from nodeagent.api.clock import Clock
 from nodeagent.api.kube import describe
 from nodeagent.events import WARNING as EVENT_WARNING
 from nodeagent.events import Events
+from nodeagent.metrics import per_registry
 from nodeagent.pods.handlers import FAILURE, SUCCESS, WARNING, ActionError, Actions, Target
 from nodeagent.pods.pleg import PodCache
 from nodeagent.pods.podstatus import Probed, is_sidecar
@@ -64,6 +67,14 @@ class Result(enum.Enum):
 
 INITIAL = {Kind.READINESS: Result.FAILURE, Kind.LIVENESS: Result.SUCCESS,
            Kind.STARTUP: Result.UNKNOWN}
+
+
+@per_registry
+def _probe_counter(registry: CollectorRegistry) -> Counter:
+    return Counter("nodepulse_probe_results_total",
+                   "Probes run, by kind (Liveness, Readiness, Startup) and result (success, "
+                   "failure, unknown: the probe could not be run)",
+                   ["node", "probe_type", "result"], registry=registry)
 
 
 def probed_containers(pod: Pod) -> list[Mapping[str, Any]]:
@@ -103,7 +114,8 @@ class ProbeManager:
     def __init__(self, actions: Actions, cache: PodCache, clock: Clock, *,
                  events: Events | None = None, host_ip: str = "",
                  on_change: Callable[[str], None] = lambda uid: None,
-                 rng: random.Random | None = None) -> None:
+                 rng: random.Random | None = None, node: str = "",
+                 registry: CollectorRegistry = REGISTRY) -> None:
         self.actions = actions
         self.cache = cache
         self.clock = clock
@@ -117,6 +129,8 @@ class ProbeManager:
         self._workers: dict[tuple[str, str, Kind], _Worker] = {}
         self._results: dict[tuple[str, Kind], Result] = {}  # (container id, kind)
         self.probes_run = 0
+        self._counted = _probe_counter(registry)
+        self._node = node
 
     # --- the pod's lifecycle ----------------------------------------------------------
 
@@ -348,16 +362,22 @@ class ProbeManager:
                       w.kind.value, e)
             self._event(pod, w.name, "Unhealthy", f"{w.kind.value} probe errored and "
                                                   f"resulted in Unknown state: {e}")
+            self._count(w, Result.UNKNOWN)
             return None
         if outcome.result == FAILURE:
             self._event(pod, w.name, "Unhealthy",
                         f"{w.kind.value} probe failed: {outcome.output}")
+            self._count(w, Result.FAILURE)
             return Result.FAILURE
         if outcome.result == WARNING:
             self._event(pod, w.name, "ProbeWarning",
                         f"{w.kind.value} probe warning: {outcome.output}")
         assert outcome.result in (SUCCESS, WARNING)
+        self._count(w, Result.SUCCESS)
         return Result.SUCCESS
+
+    def _count(self, w: _Worker, result: Result) -> None:
+        self._counted.labels(self._node, w.kind.value, result.value).inc()
 
     def _event(self, pod: Pod, container: str, reason: str, message: str) -> None:
         if self.events is not None:

@@ -31,7 +31,6 @@ from typing import Any
 
 from nodeagent.api.kube import describe
 from nodeagent.events import NORMAL, WARNING, Events
-from nodeagent.pods.backoff import crash_key
 from nodeagent.pods.cgroups import CgroupError
 from nodeagent.pods.containers import Containers, Place, Progress
 from nodeagent.pods.decide import (
@@ -122,12 +121,7 @@ class PodSyncer:
 
     def _verdicts(self, pod: Pod, rs: PodRuntimeStatus) -> Verdicts:
         uid = str(pod["metadata"]["uid"])
-        backoff = self.containers.backoff
-        left = {}
-        for c in all_containers(pod):
-            key = crash_key(uid, c)
-            if (wait := backoff.remaining(key)) > 0:
-                left[key] = (wait, backoff.delay(key))
+        left = self.containers.backoff.waiting(uid)
         running = [c for c in rs.containers if c.state == ContainerState.RUNNING]
         if self.probes is None:
             return Verdicts(left, {}, frozenset(c.id for c in running))

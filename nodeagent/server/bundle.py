@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+from nodeagent.api.kube import Kube
 from nodeagent.config import ConfigError
-from nodeagent.server.kubeapi import ServerApi
 from nodeagent.server.kubeletserver import KubeletServer
 from nodeagent.server.tls import ServingCert
 
@@ -15,18 +15,18 @@ from nodeagent.server.tls import ServingCert
 class ServerBundle:
     """The server and what runs beside it (serving-certificate rotation)."""
 
-    def __init__(self, server: KubeletServer, cert: ServingCert, api: ServerApi,
+    def __init__(self, server: KubeletServer, cert: ServingCert, kube: Kube,
                  rotate: bool) -> None:
         self.server = server
         self.cert = cert
-        self.api = api
+        self.kube = kube  # the serving certificate's CSRs
         self.rotate = rotate
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> int:
         if self.rotate:
-            self._task = asyncio.create_task(self.cert.rotate(self.api, self._stop),
+            self._task = asyncio.create_task(self.cert.rotate(self.kube, self._stop),
                                              name="serving-cert")
             # the interim (or saved) certificate is in the context before we listen
             await asyncio.sleep(0)

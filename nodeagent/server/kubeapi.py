@@ -1,6 +1,6 @@
-"""Every API call the kubelet API server makes, in one place: TokenReview and
-SubjectAccessReview (webhook authentication and authorization), and the
-CertificateSigningRequest calls of serving-certificate rotation.
+"""Every API call the kubelet API server's requests make, in one place: TokenReview
+and SubjectAccessReview (webhook authentication and authorization). Serving-certificate
+rotation sends its CertificateSigningRequests through nodeagent.api.certificates.
 
 Through the one API layer (nodeagent.api.kube), on the server's own few threads
 (setup.py hands it a Kube on them): a TokenReview never waits behind pod status writes.
@@ -11,12 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from nodeagent.api.kube import (
-    CERTIFICATE_SIGNING_REQUESTS,
-    SUBJECT_ACCESS_REVIEWS,
-    TOKEN_REVIEWS,
-    Kube,
-)
+from nodeagent.api.kube import SUBJECT_ACCESS_REVIEWS, TOKEN_REVIEWS, Kube
 
 TIMEOUT = 10.0
 Obj = dict[str, Any]
@@ -25,8 +20,6 @@ Obj = dict[str, Any]
 class ServerApi(Protocol):
     async def review_token(self, token: str) -> Obj: ...
     async def review_access(self, spec: Obj) -> Obj: ...
-    async def create_csr(self, body: Obj) -> Obj: ...
-    async def get_csr(self, name: str) -> Obj: ...
 
 
 class RealServerApi:
@@ -46,9 +39,3 @@ class RealServerApi:
                 "spec": spec}
         out = await self.kube.create(SUBJECT_ACCESS_REVIEWS, body, timeout=TIMEOUT)
         return dict(out.get("status") or {})
-
-    async def create_csr(self, body: Obj) -> Obj:
-        return await self.kube.create(CERTIFICATE_SIGNING_REQUESTS, body, timeout=TIMEOUT)
-
-    async def get_csr(self, name: str) -> Obj:
-        return await self.kube.get(CERTIFICATE_SIGNING_REQUESTS, name, timeout=TIMEOUT)

@@ -44,6 +44,7 @@ from nodeagent.server.tls import ServingCert
 log = logging.getLogger(__name__)
 
 HealthCheck = Callable[[], str | None]
+DEBUGGING = ("containerLogs", "exec", "attach", "portForward")  # the debugging handlers
 
 
 @dataclass
@@ -114,7 +115,8 @@ class KubeletServer:
                  node_names: Sequence[str], clock: Clock, registry: CollectorRegistry,
                  address: str = "0.0.0.0", port: int = 10250,
                  health_checks: Mapping[str, HealthCheck] | None = None,
-                 node_reader: Callable[[], dict[str, float]] | None = None) -> None:
+                 node_reader: Callable[[], dict[str, float]] | None = None,
+                 debugging_handlers: bool = True) -> None:
         self.host = host
         self.runtime = host.runtime
         self.auth = auth
@@ -125,6 +127,8 @@ class KubeletServer:
         self.address = address
         self.port = port
         self.health_checks = dict(health_checks or {})
+        # containerLogs, exec, attach, portForward (the kubelet's enableDebuggingHandlers)
+        self.debugging_handlers = debugging_handlers
         self.watch = containerlogs.FileWatch()
         self.metrics = server_metrics(registry)
         self.stats = stats.StatsProvider(host, self.runtime, clock, node_reader)
@@ -234,6 +238,9 @@ class KubeletServer:
             only_cpu_mem = request.query.get("only_cpu_and_memory") in ("true", "1")
             summary = await self.stats.summary(self.node_names, only_cpu_mem)
             return web.json_response(summary)
+        if endpoint in DEBUGGING and not self.debugging_handlers:
+            raise RequestError(404, f"{method} {request.path}: not served "
+                                    "(enableDebuggingHandlers is false)")
         if endpoint == "containerLogs" and len(parts) == 4 and method == "GET":
             return await self._logs(request, parts, found)
         if endpoint in ("exec", "attach") and len(parts) in (4, 5) and method in ("GET", "POST"):

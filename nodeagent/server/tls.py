@@ -6,7 +6,8 @@
   O system:nodes) and its addresses, the signed certificate saved under
   <root-dir>/pki and used at once, and a new one requested at a random point between
   70 % and 90 % of its lifetime (the kubelet's rule); someone (an approver, an admin)
-  must approve each CSR, as for the kubelet;
+  must approve each CSR, as for the kubelet (the request and the wait:
+  nodeagent.api.certificates);
 - else self-signed, made at start and saved under <root-dir>/pki.
 
 One ssl.SSLContext serves every connection; a renewed certificate is loaded into it,
@@ -17,11 +18,8 @@ for a client certificate and verifies any given against that CA.
 from __future__ import annotations
 
 import asyncio
-import base64
 import datetime as dt
-import ipaddress
 import logging
-import os
 import random
 import ssl
 from collections.abc import Sequence
@@ -29,42 +27,37 @@ from pathlib import Path
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from nodeagent.api.certificates import (
+    SERVING_SIGNER,
+    CertError,
+    csr_name,
+    csr_object,
+    csr_pem,
+    key_pem,
+    new_key,
+    renew_at,
+    request_certificate,
+    sans,
+    usages,
+    validity,
+    write_private,
+)
 from nodeagent.api.clock import Clock
-from nodeagent.server.kubeapi import ServerApi
+from nodeagent.api.kube import Kube
 
 log = logging.getLogger(__name__)
 
-SIGNER = "kubernetes.io/kubelet-serving"
 SELF_SIGNED_VALIDITY = dt.timedelta(days=365)
-CSR_POLL = 2.0  # seconds between looks at a pending CSR
 RETRY = 30.0    # seconds before a refused or failed CSR is tried again
 
-
-class CertError(ValueError):
-    """A certificate or key that cannot be used; the message names the file."""
-
-
-def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                             serialization.NoEncryption())
-
-
-def _sans(names: Sequence[str]) -> list[x509.GeneralName]:
-    out: list[x509.GeneralName] = []
-    for n in dict.fromkeys(n for n in names if n):
-        try:
-            out.append(x509.IPAddress(ipaddress.ip_address(n)))
-        except ValueError:
-            out.append(x509.DNSName(n))
-    return out
+__all__ = ["CertError", "ServingCert", "renew_at", "self_signed", "validity"]
 
 
 def self_signed(node: str, names: Sequence[str], now: dt.datetime) -> tuple[bytes, bytes]:
     """(certificate PEM, key PEM) for `names`, valid a year."""
-    key = ec.generate_private_key(ec.SECP256R1())
+    key = new_key()
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME,
                                             f"{node}@{int(now.timestamp())}")])
     cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject)
@@ -74,39 +67,9 @@ def self_signed(node: str, names: Sequence[str], now: dt.datetime) -> tuple[byte
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]),
                            critical=False)
-            .add_extension(x509.SubjectAlternativeName(_sans(names)), critical=False)
+            .add_extension(x509.SubjectAlternativeName(sans(names)), critical=False)
             .sign(key, hashes.SHA256()))
-    return cert.public_bytes(serialization.Encoding.PEM), _key_pem(key)
-
-
-def csr_request(node: str, names: Sequence[str]) -> tuple[bytes, bytes]:
-    """(CSR PEM, key PEM) for the node's serving certificate."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    csr = (x509.CertificateSigningRequestBuilder()
-           .subject_name(x509.Name([
-               x509.NameAttribute(NameOID.ORGANIZATION_NAME, "system:nodes"),
-               x509.NameAttribute(NameOID.COMMON_NAME, f"system:node:{node}")]))
-           .add_extension(x509.SubjectAlternativeName(_sans(names)), critical=False)
-           .sign(key, hashes.SHA256()))
-    return csr.public_bytes(serialization.Encoding.PEM), _key_pem(key)
-
-
-def validity(cert_pem: bytes) -> tuple[dt.datetime, dt.datetime]:
-    cert = x509.load_pem_x509_certificate(cert_pem)
-    return cert.not_valid_before_utc, cert.not_valid_after_utc
-
-
-def renew_at(not_before: dt.datetime, not_after: dt.datetime, rng: random.Random) -> dt.datetime:
-    """A random point between 70 % and 90 % of the certificate's lifetime."""
-    return not_before + (not_after - not_before) * rng.uniform(0.7, 0.9)
-
-
-def _write_private(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    return cert.public_bytes(serialization.Encoding.PEM), key_pem(key)
 
 
 class ServingCert:
@@ -115,7 +78,7 @@ class ServingCert:
     def __init__(self, *, node: str, names: Sequence[str], pki_dir: Path,
                  cert_file: str | None = None, key_file: str | None = None,
                  client_ca_file: str | None = None, clock: Clock,
-                 rng: random.Random | None = None) -> None:
+                 rng: random.Random | None = None, tls13_only: bool = False) -> None:
         self.node = node
         self.names = list(names)
         self.pki_dir = pki_dir
@@ -124,7 +87,8 @@ class ServingCert:
         self.clock = clock
         self.rng = rng or random.Random()
         self.context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        self.context.minimum_version = ssl.TLSVersion.TLSv1_2
+        self.context.minimum_version = ssl.TLSVersion.TLSv1_3 if tls13_only \
+            else ssl.TLSVersion.TLSv1_2
         if client_ca_file:
             try:
                 self.context.load_verify_locations(cafile=client_ca_file)
@@ -146,8 +110,7 @@ class ServingCert:
 
     def use(self, cert_pem: bytes, key_pem: bytes, path: Path) -> None:
         """Save cert + key in one file (0600) and serve them from now on."""
-        self.pki_dir.mkdir(parents=True, exist_ok=True)
-        _write_private(path, cert_pem + key_pem)
+        write_private(path, cert_pem + key_pem)
         try:
             self.context.load_cert_chain(path)
         except ssl.SSLError as e:
@@ -190,7 +153,7 @@ class ServingCert:
         self.not_after = after
         return before, after
 
-    async def rotate(self, api: ServerApi, stop: asyncio.Event) -> None:
+    async def rotate(self, kube: Kube, stop: asyncio.Event) -> None:
         """Keep a CSR-signed certificate in place until `stop` (the interim one is
         self-signed)."""
         current = self.load_current()
@@ -205,44 +168,38 @@ class ServingCert:
                              "at %s", current[1].isoformat(), due.isoformat())
                     if await _wait(stop, self.clock, wait):
                         return
+            request = asyncio.ensure_future(self._request(kube))
+            stopped = asyncio.ensure_future(stop.wait())
+            await asyncio.wait({request, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            stopped.cancel()
+            if not request.done():
+                request.cancel()
+                await asyncio.gather(request, return_exceptions=True)
+                return
             try:
-                got = await self._request(api, stop)
+                cert, key = request.result()
             except Exception as e:  # noqa: BLE001 - logged; tried again after RETRY
                 log.warning("kubelet API: serving certificate request failed: %s; trying "
                             "again in %.0f s", e, RETRY)
                 if await _wait(stop, self.clock, RETRY):
                     return
                 continue
-            if got is None:
-                return
-            cert, key = got
             self.use(cert, key, self.current_path)
             current = validity(cert)
             self.renewals += 1
             log.info("kubelet API: new serving certificate, valid until %s",
                      current[1].isoformat())
 
-    async def _request(self, api: ServerApi, stop: asyncio.Event) -> tuple[bytes, bytes] | None:
-        csr, key = csr_request(self.node, self.names)
-        body = {"apiVersion": "certificates.k8s.io/v1", "kind": "CertificateSigningRequest",
-                "metadata": {"generateName": f"csr-{self.node}-"},
-                "spec": {"request": base64.b64encode(csr).decode(), "signerName": SIGNER,
-                         "usages": ["digital signature", "server auth"]}}
-        created = await api.create_csr(body)
-        name = created["metadata"]["name"]
-        log.info("kubelet API: CertificateSigningRequest %s sent (signer %s); waiting for "
-                 "approval and signing", name, SIGNER)
-        while True:
-            obj = await api.get_csr(name)
-            status = obj.get("status") or {}
-            for c in status.get("conditions") or []:
-                if c.get("type") in ("Denied", "Failed") and c.get("status", "True") == "True":
-                    raise RuntimeError(f"CertificateSigningRequest {name} {c['type'].lower()}: "
-                                       f"{c.get('reason', '')} {c.get('message', '')}".strip())
-            if status.get("certificate"):
-                return base64.b64decode(status["certificate"]), key
-            if await _wait(stop, self.clock, CSR_POLL):
-                return None
+    async def _request(self, kube: Kube) -> tuple[bytes, bytes]:
+        """A new key and its certificate, signed by kubernetes.io/kubelet-serving for the
+        node's names."""
+        key = new_key()
+        key_usages = usages(key, "server auth")
+        body = csr_object(csr_name("csr-", key, self.node, SERVING_SIGNER, key_usages),
+                          csr_pem(key, self.node, self.names), SERVING_SIGNER, key_usages)
+        cert = await request_certificate(kube, body, self.clock,
+                                         what="kubelet API serving certificate")
+        return cert, key_pem(key)
 
 
 async def _wait(stop: asyncio.Event, clock: Clock, seconds: float) -> bool:

@@ -59,7 +59,6 @@ from nodeagent.api.clock import Clock
 from nodeagent.pods.podupdate import Pod, Source, pod_full_name, pod_uid
 from nodeagent.pods.sources import sourcemetrics
 from nodeagent.pods.sources.merge import Merge
-from nodeagent.pods.sources.problems import Problems
 from nodeagent.pods.sources.static import (
     MAX_MANIFEST_BYTES,
     ManifestError,
@@ -99,22 +98,22 @@ class _Entry:
 
 
 class FileSource:
+    max_bytes = MAX_MANIFEST_BYTES
+    min_hold = 1.0  # a file changing again sooner is held (see the module docstring)
+
     def __init__(self, path: str | os.PathLike[str], node_name: str, merge: Merge,
-                 clock: Clock, *, problems: Problems | None = None,
-                 check_frequency: float = 20.0, debounce: float = 0.1,
-                 max_bytes: int = MAX_MANIFEST_BYTES, allow_privileged: bool = False,
-                 min_hold: float = 1.0, max_hold: float | None = None) -> None:
+                 clock: Clock, *, check_frequency: float = 20.0, debounce: float = 0.1,
+                 allow_privileged: bool = False) -> None:
+        """Problems are reported through the merge's (merge.problems)."""
         self.path = Path(path)
         self.node_name = node_name
         self.merge = merge
         self.clock = clock
-        self.problems = problems or merge.problems
+        self.problems = merge.problems
         self.check_frequency = check_frequency
         self.debounce = debounce
-        self.max_bytes = max_bytes
         self.allow_privileged = allow_privileged
-        self.min_hold = min_hold
-        self.max_hold = check_frequency if max_hold is None else max_hold
+        self.max_hold = check_frequency  # a held change waits no longer than a rescan
         self._held: dict[str, float] = {}  # file -> when its held change may apply
         self._entries: dict[str, _Entry] = {}
         self._owner: dict[str, str] = {}   # pod full name -> file that delivers it

@@ -34,7 +34,6 @@ from nodeagent.api.clock import Clock
 from nodeagent.pods.podupdate import Pod, Source, pod_uid
 from nodeagent.pods.sources import sourcemetrics
 from nodeagent.pods.sources.merge import Merge
-from nodeagent.pods.sources.problems import Problems
 from nodeagent.pods.sources.static import (
     ManifestError,
     check_host_access,
@@ -61,10 +60,12 @@ class _Response:
 
 
 class HTTPSource:
+    max_bytes = MAX_BODY_BYTES
+
     def __init__(self, url: str, node_name: str, merge: Merge, clock: Clock, *,
-                 headers: Mapping[str, str] | None = None, problems: Problems | None = None,
-                 check_frequency: float = 20.0, timeout: float = 10.0,
-                 max_bytes: int = MAX_BODY_BYTES, allow_privileged: bool = False) -> None:
+                 headers: Mapping[str, str] | None = None, check_frequency: float = 20.0,
+                 timeout: float = 10.0, allow_privileged: bool = False) -> None:
+        """Problems are reported through the merge's (merge.problems)."""
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"--manifest-url {url!r}: only http:// and https:// URLs")
         self.url = url
@@ -72,10 +73,9 @@ class HTTPSource:
         self.merge = merge
         self.clock = clock
         self.headers = dict(headers or {})
-        self.problems = problems or merge.problems
+        self.problems = merge.problems
         self.check_frequency = check_frequency
         self.timeout = timeout
-        self.max_bytes = max_bytes
         self.allow_privileged = allow_privileged
         self._etag: str | None = None
         self._last_modified: str | None = None

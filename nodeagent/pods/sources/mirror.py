@@ -44,7 +44,6 @@ from nodeagent.pods.podupdate import (
 )
 from nodeagent.pods.sources import sourcemetrics
 from nodeagent.pods.sources.merge import Merge
-from nodeagent.pods.sources.problems import Problems
 from nodeagent.pods.sources.static import mirror_pod, mirror_problem
 
 log = logging.getLogger("nodeagent.pods.sources")
@@ -55,21 +54,22 @@ def _ann(pod: Pod, key: str) -> str | None:
 
 
 class MirrorManager:
+    # a pass that failed is tried again after this, doubling up to BACKOFF_MAX
+    BACKOFF_INITIAL, BACKOFF_MAX = 1.0, 60.0
+
     def __init__(self, kube: Kube, node_name: str, merge: Merge, clock: Clock, *,
                  node_uid: Callable[[], str | None], answered: ApiAnswered | None = None,
-                 problems: Problems | None = None, resync: float = 60.0,
-                 backoff_initial: float = 1.0, backoff_max: float = 60.0) -> None:
-        """`node_uid`: the Node's UID once it is registered (None before)."""
+                 resync: float = 60.0) -> None:
+        """`node_uid`: the Node's UID once it is registered (None before). Problems are
+        reported through the merge's (merge.problems)."""
         self.kube = kube
         self.node_name = node_name
         self.node_uid = node_uid
         self.merge = merge
         self.clock = clock
         self.answered = answered or ApiAnswered(clock)
-        self.problems = problems or merge.problems
+        self.problems = merge.problems
         self.resync = resync
-        self.backoff_initial = backoff_initial
-        self.backoff_max = backoff_max
         self._created: dict[str, str] = {}   # name -> hash created, not yet seen by the watch
         self._deleted: dict[str, str] = {}   # name -> UID deleted, maybe still seen
         self._refused: dict[str, str] = {}   # name -> problem reported
@@ -94,7 +94,7 @@ class MirrorManager:
             async with self._pass_cond:
                 self.passes += 1
                 self._pass_cond.notify_all()
-            delay = 0.0 if ok else min(self.backoff_max, max(self.backoff_initial, delay * 2))
+            delay = 0.0 if ok else min(self.BACKOFF_MAX, max(self.BACKOFF_INITIAL, delay * 2))
             await self._wait(changed, delay or self.resync)
 
     async def wait_passes(self, n: int) -> None:
