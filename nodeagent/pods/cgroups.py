@@ -126,8 +126,9 @@ class NodeResources:
             pids=max(0, self.pids - int(reserved.get("pid", 0.0))))
 
 
-def pod_values(pod: Pod, pids_limit: int = -1) -> CgroupValues:
-    """The pod cgroup's values (the kubelet's ResourceConfigForPod)."""
+def pod_values(pod: Pod, pids_limit: int = -1, qos: QOSClass | None = None) -> CgroupValues:
+    """The pod cgroup's values (the kubelet's ResourceConfigForPod); `qos`: the pod's
+    class, when known already."""
     declared = {"cpu": True, "memory": True}
 
     def seen(limits: Mapping[str, int]) -> None:
@@ -141,7 +142,7 @@ def pod_values(pod: Pod, pids_limit: int = -1) -> CgroupValues:
     quota = milli_cpu_to_quota(limits.get("cpu", 0))
     memory = limits.get("memory", 0)
     pids = pids_limit if pids_limit > 0 else None
-    qos = qos_class(pod)
+    qos = qos or qos_class(pod)
     if qos == QOSClass.GUARANTEED:
         return CgroupValues(cpu_shares=shares, cpu_quota=quota, cpu_period=CPU_PERIOD_US,
                             memory_limit=memory, pids_limit=pids, hugetlb=hugetlb)
@@ -191,14 +192,20 @@ class MemoryCgroups:
 
     def __init__(self) -> None:
         self.cgroups: dict[str, CgroupValues] = {"/": CgroupValues()}
+        self._children: dict[str, set[str]] = {"/": set()}  # path -> its children's names
 
     def exists(self, path: str) -> bool:
         return path in self.cgroups
 
     def create(self, path: str, values: CgroupValues) -> None:
-        parts = [p for p in path.split("/") if p]
-        for i in range(1, len(parts)):
-            self.cgroups.setdefault("/" + "/".join(parts[:i]), CgroupValues())
+        parent = "/"
+        for part in [p for p in path.split("/") if p]:
+            here = parent.rstrip("/") + "/" + part
+            if here not in self.cgroups:
+                self.cgroups[here] = CgroupValues()
+                self._children[here] = set()
+                self._children[parent].add(part)
+            parent = here
         self.cgroups[path] = values
 
     def update(self, path: str, values: CgroupValues) -> None:
@@ -210,13 +217,17 @@ class MemoryCgroups:
             if getattr(values, f.name) not in (None, {})})
 
     def remove(self, path: str) -> None:
-        for p in [p for p in self.cgroups if p == path or p.startswith(path + "/")]:
-            del self.cgroups[p]
+        if path not in self.cgroups or path == "/":
+            return
+        for child in list(self._children[path]):
+            self.remove(f"{path}/{child}")
+        del self.cgroups[path]
+        del self._children[path]
+        parent, _, name = path.rpartition("/")
+        self._children[parent or "/"].discard(name)
 
     def children(self, path: str) -> list[str]:
-        prefix = path.rstrip("/") + "/"
-        return [p[len(prefix):] for p in self.cgroups
-                if p.startswith(prefix) and "/" not in p[len(prefix):]]
+        return sorted(self._children.get(path, ()))
 
     def page_sizes(self) -> tuple[int, ...]:
         return ()
@@ -270,7 +281,12 @@ class PodCgroups:
             QOSClass.BURSTABLE: (*self.node, "burstable"),
             QOSClass.BEST_EFFORT: (*self.node, "besteffort")}
         self._pods: dict[str, _Tracked] = {}
+        # the counted pods' requests by class, kept as they come and go: a new pod's QoS
+        # update costs the same with ten thousand pods (virtual nodes) as with ten
+        self._cpu: dict[QOSClass, int] = dict.fromkeys(QOSClass, 0)
+        self._memory: dict[QOSClass, int] = dict.fromkeys(QOSClass, 0)
         self._qos_updated = -QOS_UPDATE_PERIOD
+        self._qos_written: dict[QOSClass, CgroupValues] = {}  # what each class was given
 
     @property
     def enabled(self) -> bool:
@@ -304,17 +320,20 @@ class PodCgroups:
                     b.create(path, CgroupValues())
         except OSError as e:
             raise CgroupError(f"cannot make the QoS cgroups under {node}: {e}") from e
-        self.update_qos()
+        self.update_qos(everything=True)
 
     # --- pods -------------------------------------------------------------------------
 
-    def name(self, pod: Pod) -> CgroupName:
-        uid = str(pod["metadata"]["uid"])
-        return (*self.qos_names[qos_class(pod)], POD_PREFIX + uid)
+    def _path_of(self, uid: str, qos: QOSClass) -> str:
+        return self.path((*self.qos_names[qos], POD_PREFIX + uid))
 
     def parent(self, pod: Pod) -> str:
         """The pod's cgroup as the runtime is given it (a sandbox's cgroup_parent)."""
-        return self.path(self.name(pod)) if self.enabled else ""
+        if not self.enabled:
+            return ""
+        uid = str(pod["metadata"]["uid"])
+        tracked = self._pods.get(uid)  # a pod's QoS class never changes
+        return tracked.path if tracked is not None else self._path_of(uid, qos_class(pod))
 
     def ensure(self, pod: Pod) -> None:
         """The pod's cgroup exists, made with the pod's values when it did not (the QoS
@@ -323,35 +342,48 @@ class PodCgroups:
         if self.backend is None:
             return
         uid = str(pod["metadata"]["uid"])
-        path = self.parent(pod)
-        if uid not in self._pods:
-            requests = pod_requests(pod)
-            self._pods[uid] = _Tracked(path, qos_class(pod), requests.get("cpu", 0),
-                                       requests.get("memory", 0))
+        t = self._pods.get(uid)
+        if t is None:
+            qos, requests = qos_class(pod), pod_requests(pod)
+            t = _Tracked(self._path_of(uid, qos), qos, requests.get("cpu", 0),
+                         requests.get("memory", 0))
+            self._count(uid, t)
             self.update_qos()
-        if self.backend.exists(path):
+        if self.backend.exists(t.path):
             return
-        values = pod_values(pod, self.settings.pod_pids_limit)
-        sizes = {s: values.hugetlb.get(s, 0) for s in self.backend.page_sizes()}
+        values = pod_values(pod, self.settings.pod_pids_limit, t.qos)
+        values = dataclasses.replace(values, hugetlb={
+            s: values.hugetlb.get(s, 0) for s in self.backend.page_sizes()})
         try:
-            self.backend.create(path, dataclasses.replace(values, hugetlb=sizes))
+            self.backend.create(t.path, values)
         except OSError as e:
-            raise CgroupError(f"cannot make the cgroup {path} of pod {describe(pod)}: "
+            raise CgroupError(f"cannot make the cgroup {t.path} of pod {describe(pod)}: "
                               f"{e}") from e
-        log.info("pod %s: cgroup %s made (%s)", describe(pod), path,
-                 _brief(dataclasses.replace(values, hugetlb=sizes)))
+        log.debug("pod %s: cgroup %s made (%s)", describe(pod), t.path, _brief(values))
 
     def release(self, uid: str) -> None:
         """The pod runs no more: its cgroup is removed and the QoS cgroups no longer
         count it. Raises CgroupError."""
         if self.backend is None:
             return
-        tracked = self._pods.pop(uid, None)
+        tracked = self._uncount(uid)
         paths = [tracked.path] if tracked else self._found().get(uid, [])
         if tracked is not None:
             self.update_qos()
         for path in paths:
             self._remove(path)
+
+    def _count(self, uid: str, t: _Tracked) -> None:
+        self._pods[uid] = t
+        self._cpu[t.qos] += t.cpu_request
+        self._memory[t.qos] += t.memory_request
+
+    def _uncount(self, uid: str) -> _Tracked | None:
+        t = self._pods.pop(uid, None)
+        if t is not None:
+            self._cpu[t.qos] -= t.cpu_request
+            self._memory[t.qos] -= t.memory_request
+        return t
 
     def _remove(self, path: str) -> None:
         try:
@@ -377,13 +409,12 @@ class PodCgroups:
         whose cgroups were removed."""
         if self.backend is None:
             return []
-        keep = set(keep)
+        found = self._found()
         removed = []
-        for uid, paths in sorted(self._found().items()):
-            if uid in keep:
-                continue
+        for uid in sorted(found.keys() - set(keep)):
+            paths = found[uid]
             log.info("housekeeping: removing the cgroup of pod %s, which nothing runs", uid)
-            self._pods.pop(uid, None)
+            self._uncount(uid)
             try:
                 for path in paths:
                     self._remove(path)
@@ -393,7 +424,7 @@ class PodCgroups:
             removed.append(uid)
         if removed or self.clock.monotonic() - self._qos_updated >= QOS_UPDATE_PERIOD:
             try:
-                self.update_qos()
+                self.update_qos(everything=True)
             except CgroupError as e:
                 log.warning("%s; tried again later", e)
         return removed
@@ -402,11 +433,10 @@ class PodCgroups:
 
     def qos_values(self) -> dict[QOSClass, CgroupValues]:
         """What the QoS cgroups get for the pods running now."""
-        cpu = sum(t.cpu_request for t in self._pods.values() if t.qos == QOSClass.BURSTABLE)
-        memory = {q: sum(t.memory_request for t in self._pods.values() if t.qos == q)
-                  for q in QOSClass}
+        memory = self._memory
         unbounded = self._unbounded()
-        burstable = CgroupValues(cpu_shares=milli_cpu_to_shares(cpu), hugetlb=unbounded)
+        burstable = CgroupValues(cpu_shares=milli_cpu_to_shares(self._cpu[QOSClass.BURSTABLE]),
+                                 hugetlb=unbounded)
         best_effort = CgroupValues(cpu_shares=MIN_SHARES, hugetlb=unbounded)
         percent = self.settings.qos_reserved_memory
         if percent and self.allocatable.memory_bytes:
@@ -418,19 +448,25 @@ class PodCgroups:
         return {QOSClass.GUARANTEED: CgroupValues(hugetlb=unbounded),
                 QOSClass.BURSTABLE: burstable, QOSClass.BEST_EFFORT: best_effort}
 
-    def update_qos(self) -> None:
-        """Set the QoS cgroups' values. A memory limit below what a class uses already
-        cannot be set: then it is set to that use, which stops it growing. Raises
-        CgroupError."""
+    def update_qos(self, everything: bool = False) -> None:
+        """Set the QoS cgroups' values that changed since they were last set (with
+        `everything`: all of them, as once a minute). A memory limit below what a
+        class uses already cannot be set: then it is set to that use, which stops it
+        growing. Raises CgroupError."""
         if self.backend is None:
             return
         b = self.backend
-        self._qos_updated = self.clock.monotonic()
+        if everything:
+            self._qos_updated = self.clock.monotonic()
         failed = []
         for qos, values in self.qos_values().items():
+            if not everything and self._qos_written.get(qos) == values:
+                continue
+            self._qos_written.pop(qos, None)  # unknown until it is set again
             path = self.path(self.qos_names[qos])
             try:
                 b.update(path, values)
+                self._qos_written[qos] = values
                 continue
             except OSError as e:
                 problem = f"{path}: {e}"

@@ -19,6 +19,7 @@ score adjustments.
 from __future__ import annotations
 
 import enum
+import functools
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -46,9 +47,23 @@ def amounts(values: Mapping[str, Any] | None, where: str) -> Amounts:
     """A resource list as whole amounts: CPU in millicores, the rest rounded up."""
     out: Amounts = {}
     for name, value in (values or {}).items():
-        q = parse_quantity(value, f"{where}.{name}")
-        out[str(name)] = round(q * 1000) if name == "cpu" else math.ceil(q)
+        amount = _amount(name == "cpu", value) if isinstance(value, (str, int)) else None
+        if amount is None:  # not a quantity: parsed again for the message naming it
+            q = parse_quantity(value, f"{where}.{name}")
+            amount = round(q * 1000) if name == "cpu" else math.ceil(q)
+        out[str(name)] = amount
     return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _amount(cpu: bool, value: str | int) -> int | None:
+    """A quantity's whole amount (None: not a quantity). Kept: pods of a node mostly
+    ask for the same few amounts, and a pod's are read several times in its sync."""
+    try:
+        q = parse_quantity(value)
+    except ValueError:
+        return None
+    return round(q * 1000) if cpu else math.ceil(q)
 
 
 def container_requests(c: Mapping[str, Any], where: str = "container") -> Amounts:
