@@ -192,6 +192,50 @@ def test_qos_reserved_memory_holds_back_the_classes_above() -> None:
     assert values[QOSClass.BEST_EFFORT].memory_limit == int(6.5 * GI) - GI // 2 - GI
 
 
+class InUse(MemoryCgroups):
+    """Memory use the kernel will not set a limit below."""
+
+    def __init__(self, usage: int) -> None:
+        super().__init__()
+        self.usage = usage
+        self.writes: list[tuple[str, CgroupValues]] = []
+
+    def update(self, path: str, values: CgroupValues) -> None:
+        if values.memory_limit is not None and values.memory_limit < self.usage:
+            raise OSError(16, "Device or resource busy")
+        self.writes.append((path, values))
+        super().update(path, values)
+
+    def memory_usage(self, path: str) -> int | None:
+        return self.usage
+
+
+def test_a_qos_memory_limit_below_the_use_is_set_to_the_use() -> None:
+    backend = InUse(usage=6 * GI)
+    m = manager(backend, qos_reserved_memory=100)
+    m.ensure(mkpod("g", "ug", containers=[ctr("a", limits={"cpu": "1", "memory": "1Gi"})]))
+    # 6.5Gi - 1Gi would be below the 6Gi in use: the limit stops where the use is
+    assert backend.cgroups["/kubepods/burstable"].memory_limit == 6 * GI
+    assert backend.cgroups["/kubepods/besteffort"].memory_limit == 6 * GI
+
+
+@aio
+async def test_qos_cgroups_are_written_when_their_values_change() -> None:
+    backend = InUse(usage=0)
+    clock = FakeClock()
+    m = manager(backend, clock)
+    backend.writes.clear()
+    m.ensure(best_effort())  # the QoS values stay as they were: nothing written
+    m.ensure(burstable("u1"))  # the burstable shares change: that one cgroup
+    assert [p for p, _ in backend.writes] == ["/kubepods/burstable"]
+    m.housekeeping({"u-be", "u1"})  # not a minute yet
+    assert len(backend.writes) == 1
+    await clock.advance(60)  # a minute on: every QoS cgroup again
+    m.housekeeping({"u-be", "u1"})
+    assert sorted(p for p, _ in backend.writes[1:]) == [
+        "/kubepods", "/kubepods/besteffort", "/kubepods/burstable"]
+
+
 def test_without_cgroups_per_qos_there_is_no_parent() -> None:
     m = manager(per_qos=False, enforce_pods=False)
     m.ensure(guaranteed())
