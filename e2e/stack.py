@@ -76,8 +76,7 @@ class Stack:
                 self.runtime = f"the process runtime (containerd did not start: {e})"
             else:
                 self.runtime = f"containerd (pid {self.ctd.pid}, {self.ctd.endpoint})"
-                runtime = ["--runtime=cri",
-                           f"--container-runtime-endpoint={self.ctd.endpoint}"]
+                runtime = self.ctd.agent_flags
         if self.require_containerd and self.ctd is None:
             raise RuntimeError("containerd is not installed (apt package containerd)")
         self.manifests.mkdir(exist_ok=True)

@@ -30,7 +30,10 @@ from kubernetes.client.exceptions import ApiException
 
 from e2e.cluster import Cluster
 from e2e.cluster.images import BUSYBOX_IMAGE
-from e2e.util import create_namespace, eventually, free_port, marked, node_registered, stop_process
+from e2e.harness.namespaces import create_namespace
+from e2e.harness.ports import free_port
+from e2e.harness.processes import marked, stop_process
+from e2e.harness.waits import eventually, node_registered
 from nodeagent.api.quantity import parse_quantity
 
 AGENT = Path(sys.executable).parent / "nodepulse-agent"
@@ -86,7 +89,7 @@ def node(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator
             f"--root-dir={root}", "--healthz-bind-address=", "--max-pods=3",
             # keeps the scheduler's pods off; the kubelet's admission does not look at it
             f"--register-with-taints={TAINT_KEY}={name}:NoSchedule",
-            "--runtime=cri", f"--container-runtime-endpoint={ctd.endpoint}"]
+            *ctd.agent_flags]
     log = open(root / "agent.log", "ab")  # noqa: SIM115 - closed below
     try:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,

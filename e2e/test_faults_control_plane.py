@@ -400,7 +400,7 @@ def agents(cluster: Cluster, core: client.CoreV1Api, ns: str,
             kubeconfig = proxied_kubeconfig(cluster, name, proxy.port, root / "kubeconfig")
             if kind == "containerd":
                 ctd = start_containerd()
-                runtime = ["--runtime=cri", f"--container-runtime-endpoint={ctd.endpoint}"]
+                runtime = ctd.agent_flags
             else:
                 runtime = ["--runtime=process"]
             port = free_port()

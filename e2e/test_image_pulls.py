@@ -103,7 +103,7 @@ def node(cluster: Cluster, registry: Registry, tmp_path_factory: pytest.TempPath
         proc = subprocess.Popen(
             [str(AGENT), f"--node-name={name}", f"--kubeconfig={kubeconfig}",
              f"--root-dir={root}", f"--healthz-bind-address=127.0.0.1:{free_port()}",
-             "--runtime=cri", f"--container-runtime-endpoint={ctd.endpoint}"],
+             *ctd.agent_flags],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True)
         create_namespace(core, NS)

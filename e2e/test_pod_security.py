@@ -109,7 +109,7 @@ def agent(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     core = client.CoreV1Api(admin)
     argv = [str(AGENT), f"--node-name={name}", f"--kubeconfig={kubeconfig}",
             f"--root-dir={root}", f"--healthz-bind-address=127.0.0.1:{free_port()}",
-            "--port=0", "--runtime=cri", f"--container-runtime-endpoint={ctd.endpoint}",
+            "--port=0", *ctd.agent_flags,
             f"--register-with-taints={TAINT_KEY}={name}:NoSchedule",
             f"--cluster-dns={CLUSTER_DNS}", f"--cluster-domain={CLUSTER_DOMAIN}"]
     log = open(root / "agent.log", "ab")  # noqa: SIM115 - closed below

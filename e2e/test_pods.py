@@ -155,7 +155,7 @@ def start_runtime(kind: str, base: Path) -> tuple[Any, list[str]]:
         return None, ["--runtime=process"]
     from e2e.cluster.containerd import start_containerd  # says which package is missing
     ctd = start_containerd()
-    return ctd, ["--runtime=cri", f"--container-runtime-endpoint={ctd.endpoint}"]
+    return ctd, ctd.agent_flags
 
 
 @pytest.fixture(scope="module", params=["containerd", "process"])

@@ -129,8 +129,7 @@ def node(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     ctd = start_containerd()
     try:
         agnhost = import_all(ctd)["Agnhost"]
-        with agent(cluster, tmp_path_factory.mktemp(name), name,
-                   ["--runtime=cri", f"--container-runtime-endpoint={ctd.endpoint}"],
+        with agent(cluster, tmp_path_factory.mktemp(name), name, ctd.agent_flags,
                    agnhost) as n:
             yield n
     finally:

@@ -119,8 +119,7 @@ def node(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     ctd = start_containerd()
     argv = [str(AGENT), f"--node-name={name}", f"--kubeconfig={kubeconfig}",
             f"--root-dir={root}", f"--healthz-bind-address=127.0.0.1:{free_port()}",
-            f"--register-with-taints={TAINT_KEY}={name}:NoSchedule", "--runtime=cri",
-            f"--container-runtime-endpoint={ctd.endpoint}"]
+            f"--register-with-taints={TAINT_KEY}={name}:NoSchedule", *ctd.agent_flags]
     log = open(root / "agent.log", "ab")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, start_new_session=True)

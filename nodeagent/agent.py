@@ -10,7 +10,9 @@ NodeControllers and SyncLoops to the same. No other module builds parts of the a
 each component is handed what it uses. What is made per node, when a node is added or
 first has a pod, is made here too: build_node_controller (the heartbeat half),
 build_node_loop (the pod half, from the PodParts every node shares); the kubelet API by
-build_kubelet_api. Tests build their rigs with the same functions.
+build_kubelet_api; the pods' cgroups (in the host's cgroup filesystem, as records, or
+none, by what the runtime does with them) by build_pod_cgroups. Tests build their rigs
+with the same functions.
 """
 
 from __future__ import annotations
@@ -46,6 +48,15 @@ from nodeagent.node.scheduler import Blocking, DueScheduler, inline
 from nodeagent.node.status import StatusSettings
 from nodeagent.pods.admission import AdmissionSettings, NodeAdmission
 from nodeagent.pods.backoff import CrashBackoff
+from nodeagent.pods.cgroupfs import CgroupFs
+from nodeagent.pods.cgroups import (
+    CgroupBackend,
+    CgroupError,
+    CgroupSettings,
+    MemoryCgroups,
+    NodeResources,
+    PodCgroups,
+)
 from nodeagent.pods.containers import Containers
 from nodeagent.pods.dns import DnsSettings
 from nodeagent.pods.env import EnvResolver
@@ -176,6 +187,57 @@ def build_runtime(cfg: AgentConfig, host_ip: str = "") -> Runtime:
     return make_runtime(kind, cfg.container_runtime_endpoint, **opts)
 
 
+SYSTEMD_RUNNING = Path("/run/systemd/system")  # there when systemd is the host's init
+
+
+def cgroup_settings(cfg: AgentConfig) -> CgroupSettings:
+    return CgroupSettings(root=cfg.cgroup_root, per_qos=cfg.cgroups_per_qos,
+                          driver=cfg.cgroup_driver,
+                          enforce_pods="pods" in cfg.enforce_node_allocatable,
+                          pod_pids_limit=cfg.pod_pids_limit,
+                          qos_reserved_memory=cfg.qos_reserved.get("memory", 0))
+
+
+def build_pod_cgroups(cfg: AgentConfig, runtime: Runtime, read: Callable[[], HostReadings],
+                      clock: Clock) -> PodCgroups:
+    """The pods' cgroups, kept where the runtime's containers are: in the host's cgroup
+    filesystem (a runtime that runs them in their cgroup_parent, on a host agent), as
+    records (a runtime that runs nothing, virtual nodes), or nowhere (a runtime that
+    places nothing in cgroups, --cgroups-per-qos=false). Raises ConfigError."""
+    on_host = runtime.cgroups == "host" and not cfg.virtual and cfg.cgroups_per_qos
+    try:
+        r = read()
+        capacity = NodeResources(round(r.cpu * 1000), r.memoryTotal, r.pidMax)
+    except HostReadError as e:
+        if on_host:
+            raise ConfigError(f"the node's capacity, which its cgroups are given, cannot "
+                              f"be read: {e}") from None
+        capacity = NodeResources(0, 0, 0)
+    backend: CgroupBackend | None = None
+    if on_host:
+        backend = host_cgroups(cfg)
+    elif runtime.cgroups in ("host", "simulated"):
+        backend = MemoryCgroups()
+    # --system-reserved with --kube-reserved added (config.py)
+    return PodCgroups(backend, cgroup_settings(cfg), capacity,
+                      capacity.less(cfg.system_reserved), clock)
+
+
+def host_cgroups(cfg: AgentConfig) -> CgroupFs:
+    """The host's cgroup filesystem, for the cgroupfs driver. Raises ConfigError."""
+    if cfg.cgroup_driver == "systemd":
+        why = (f"systemd is not running on this host (no {SYSTEMD_RUNNING})"
+               if not SYSTEMD_RUNNING.is_dir() else
+               "this agent cannot make cgroups through systemd (its D-Bus API) yet")
+        raise ConfigError(f"--cgroup-driver=systemd: {why}; use --cgroup-driver=cgroupfs, "
+                          "with the container runtime set to cgroupfs too, or run without "
+                          "pod cgroups: --cgroups-per-qos=false --enforce-node-allocatable=none")
+    try:
+        return CgroupFs.detect()
+    except CgroupError as e:
+        raise ConfigError(f"--cgroups-per-qos: {e}") from None
+
+
 @dataclasses.dataclass(frozen=True)
 class Pools:
     """The threads blocking work runs on: host readings and the status computation (API
@@ -222,6 +284,7 @@ class PodParts:
     env: EnvResolver
     # a node's Node as admission reads it (labels, taints, allocatable); None: unknown
     node_info: Callable[[str], Mapping[str, Any] | None]
+    cgroups: PodCgroups       # every node's pods' cgroups
     # None: pods with volumes are refused; its ObjectCache follows the ConfigMaps and
     # Secrets pods use
     volumes: VolumeManager | None = None
@@ -246,7 +309,7 @@ def build_node_loop(node: str, shared: PodParts) -> SyncLoop:
                            t.crash_backoff_reset)
     containers = Containers(calls, p.images, p.env, p.volumes, hooks, backoff, p.events,
                             settings)
-    syncer = PodSyncer(calls, status, Sandboxes(calls, p.kube, p.events, settings),
+    syncer = PodSyncer(calls, status, Sandboxes(calls, p.kube, p.events, settings, p.cgroups),
                        containers, p.volumes, probes, p.events, settings, admission)
     workers = PodWorkers(syncer, p.cache, p.clock, node=node, timing=t,
                          due_times=p.due_times, registry=p.registry)
@@ -389,6 +452,8 @@ class Agent:
                     node=cfg.agent_id if cfg.virtual else cfg.node_name)
         root = Path(cfg.root_dir).resolve()
         workloads = not cfg.virtual and runtime.runs_workloads
+        self.cgroups = build_pod_cgroups(
+            cfg, runtime, self.shared_readings.read if cfg.virtual else self.probe.read, clock)
         settings = NodePodSettings(
             host_ip=hip,
             dns=DnsSettings(cluster_dns=cfg.cluster_dns, cluster_domain=cfg.cluster_domain,
@@ -399,7 +464,8 @@ class Agent:
             # read a hosts file, a volume or resolve a name
             pods_dir=str(root / "pods") if workloads else "",
             runs_workloads=workloads,
-            seccomp_root=str(root / "seccomp"))
+            seccomp_root=str(root / "seccomp"),
+            memory_capacity=self.cgroups.capacity.memory_bytes)
 
         def allocatable(node: str) -> Mapping[str, Any] | None:
             controller = self.nodes.get(node)
@@ -423,11 +489,12 @@ class Agent:
                           runs=pleg.runs,
                           images=images, due_times=DueTimes(), volumes=volumes,
                           env=EnvResolver(objects, services, allocatable),
-                          node_info=node_info,
+                          node_info=node_info, cgroups=self.cgroups,
                           timing=PodTiming(sync_frequency=cfg.sync_frequency))
         loops = NodeLoops(NodeLoopsConfig(cfg.node_names),
                           functools.partial(build_node_loop, shared=shared), pleg,
-                          merge.updates, merge.ready, clock, shared.due_times, volumes)
+                          merge.updates, merge.ready, clock, shared.due_times, volumes,
+                          self.cgroups)
         objects.on_change = loops.objects_changed
         rotation = LogRotation(runtime, functools.partial(running_logs, cache), clock,
                                max_size=cfg.container_log_max_size,
@@ -509,6 +576,10 @@ class Agent:
 
     # -- run --
     async def run(self, stop: asyncio.Event) -> None:
+        try:  # kubepods and the QoS cgroups, before any pod is synced
+            self.cgroups.start()
+        except CgroupError as e:
+            raise ConfigError(str(e)) from None
         if not self.nodes:
             for spec in node_specs(self.cfg):
                 self.add_node(spec)

@@ -98,6 +98,13 @@ class AgentConfig:
     serialize_image_pulls: bool = True
     max_parallel_image_pulls: int = 0  # 0: no limit (with serialize_image_pulls off)
     evented_pleg_relist_period: float = 60.0  # the PLEG's relist while events flow
+    # cgroups (nodeagent.pods.cgroups); --kube-reserved is added to system_reserved
+    cgroup_root: str = "/"
+    cgroups_per_qos: bool = True
+    cgroup_driver: str = "cgroupfs"
+    enforce_node_allocatable: tuple[str, ...] = ("pods",)
+    pod_pids_limit: int = -1
+    qos_reserved: Mapping[str, int] = dataclasses.field(default_factory=dict)  # percent
     # the kubelet's ways (docs/kubelet-dropin.md): client certificate, host checks,
     # the kubelet API's authentication and authorization
     bootstrap_kubeconfig: str | None = None
@@ -384,6 +391,51 @@ def _sysctls(value: Any, where: str) -> tuple[str, ...]:
         raise ConfigError(str(e)) from None
 
 
+def _cgroup_root(value: Any, where: str) -> str:
+    text = _str(value, where).strip() or "/"
+    if not text.startswith("/") or "//" in text or any(p in (".", "..") for p in text.split("/")):
+        raise ConfigError(f"{where}: {value!r} is not an absolute cgroup path (e.g. / or "
+                          "/kubelet)")
+    return text.rstrip("/") or "/"
+
+
+ENFORCEMENTS = ("pods", "system-reserved", "kube-reserved", "system-reserved-compressible",
+                "kube-reserved-compressible", "none")
+
+
+def _enforcements(value: Any, where: str) -> tuple[str, ...]:
+    """'pods' (the kubelet's default), 'none' or empty; the reserved cgroups' own
+    enforcement is refused by name: this agent does not limit those cgroups."""
+    items = value if isinstance(value, list) else str(value).split(",")
+    names = [str(i).strip() for i in items if str(i).strip()]
+    for n in names:
+        if n not in ENFORCEMENTS:
+            raise ConfigError(f"{where}: {n!r} is not one of {', '.join(ENFORCEMENTS)}")
+        if n not in ("pods", "none"):
+            raise ConfigError(f"{where}: {n}: limiting the system-reserved and "
+                              "kube-reserved cgroups is not supported by this agent; use "
+                              "pods, or none")
+        if names.count(n) > 1:
+            raise ConfigError(f"{where}: {n!r} is listed twice")
+    if "none" in names and len(names) > 1:
+        raise ConfigError(f"{where}: none cannot be combined with {names}")
+    return tuple(n for n in names if n != "none")
+
+
+def _qos_reserved(value: Any, where: str) -> dict[str, int]:
+    """'memory=50%': how much of the memory requests of each QoS class the classes
+    below it may not use."""
+    out = {}
+    for k, v in _pairs(value, where).items():
+        if k != "memory":
+            raise ConfigError(f"{where}: {k}: only memory can be reserved per QoS class")
+        text = v.strip()
+        if not text.endswith("%") or not text[:-1].isdigit() or int(text[:-1]) > 100:
+            raise ConfigError(f"{where}: memory: expected a percentage 0%-100%, got {v!r}")
+        out[k] = int(text[:-1])
+    return out
+
+
 def _opt_str(value: Any, where: str) -> str | None:
     return _str(value, where) or None
 
@@ -480,7 +532,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("eviction_hard", "eviction-hard", "evictionHard", _thresholds,
            f"pressure thresholds ({DEFAULT_EVICTION_HARD})"),
     Option("system_reserved", "system-reserved", "systemReserved", _reserved,
-           "resources held back from allocatable, e.g. cpu=100m,memory=256Mi"),
+           "resources held back from allocatable for the system, e.g. "
+           "cpu=100m,memory=256Mi,pid=1000"),
     Option("node_labels", "node-labels", "nodeLabels", _labels, "extra labels, k=v,..."),
     Option("node_ips", "node-ip", "nodeIP", _ips, "node addresses (default: detected)"),
     Option("root_dir", "root-dir", "rootDir", _str,
@@ -587,6 +640,23 @@ OPTIONS: tuple[Option, ...] = (
     Option("max_parallel_image_pulls", "max-parallel-image-pulls", "maxParallelImagePulls",
            _int(1, 1000), "with --serialize-image-pulls=false: at most this many pulls at "
            "once (default: no limit)"),
+    Option("cgroup_root", "cgroup-root", "cgroupRoot", _cgroup_root,
+           "the cgroup pods' cgroups go under (kubepods is made in it); it must exist "
+           "(default /)"),
+    Option("cgroups_per_qos", "cgroups-per-qos", "cgroupsPerQOS", _bool,
+           "make the kubepods, QoS and pod cgroups (default true; false needs "
+           "--enforce-node-allocatable=none)"),
+    Option("cgroup_driver", "cgroup-driver", "cgroupDriver", _choice("cgroupfs", "systemd"),
+           "how cgroups are named and made: cgroupfs (default) or systemd (slices); the "
+           "container runtime must use the same"),
+    Option("enforce_node_allocatable", "enforce-node-allocatable", "enforceNodeAllocatable",
+           _enforcements, "pods (default): kubepods is limited to the node's allocatable "
+           "resources; none: to its capacity"),
+    Option("pod_pids_limit", "pod-max-pids", "podPidsLimit", _int(-1, 2**31 - 1),
+           "process ids a pod may use (-1, the default: no limit of its own)"),
+    Option("qos_reserved", "qos-reserved", "qosReserved", _qos_reserved,
+           "memory=N%: the Burstable and BestEffort cgroups may not use N% of the memory "
+           "requested by the classes above them"),
     Option("evented_pleg_relist_period", "evented-pleg-relist-period",
            "eventedPlegRelistPeriod", _period,
            "while the runtime streams container events, the PLEG relists this often, as "
@@ -614,7 +684,8 @@ OPTIONS: tuple[Option, ...] = (
            "where containers' logs are written (<root-dir>/logs/pods; the kubelet's "
            "is /var/log/pods)"),
     Option("kube_reserved", "kube-reserved", "kubeReserved", _reserved,
-           "more resources held back from allocatable, added to --system-reserved"),
+           "more resources held back from allocatable, for Kubernetes' own programs, "
+           "added to --system-reserved, e.g. cpu=100m,memory=256Mi,pid=1000"),
     Option("merge_default_eviction_settings", None, "mergeDefaultEvictionSettings", _bool,
            "the default thresholds of signals evictionHard does not name are kept"),
     Option("fail_swap_on", "fail-swap-on", "failSwapOn", _bool,
@@ -798,6 +869,11 @@ def load_with_notes(flags: Mapping[str, Any], env: Mapping[str, str] | None = No
     if not values.pop("enable_server", True):
         values["port"] = None
     _check_serving(values)
+    if not values.get("cgroups_per_qos", True) and "pods" in values.get(
+            "enforce_node_allocatable", ("pods",)):
+        raise ConfigError("--cgroups-per-qos=false: kubepods, which "
+                          "--enforce-node-allocatable=pods limits, is then not made; set "
+                          "--enforce-node-allocatable=none too")
     if values.get("serialize_image_pulls", True) and values.get("max_parallel_image_pulls",
                                                                  1) > 1:
         raise ConfigError(f"--max-parallel-image-pulls "
@@ -840,9 +916,6 @@ def _kubelet_settings(values: dict[str, Any], notes: list[str]) -> None:
     reserved = dict(values.get("system_reserved", {}))
     for resource, amount in values.pop("kube_reserved", {}).items():
         reserved[resource] = reserved.get(resource, 0.0) + amount
-    if "pid" in reserved:
-        notes.append(f"reserved pid={reserved.pop('pid'):g}: not supported, ignored: "
-                     "pid.available counts every pid of the node")
     if reserved or "system_reserved" in values:
         values["system_reserved"] = reserved
     if values.pop("cloud_provider", "") == "external":

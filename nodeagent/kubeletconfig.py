@@ -87,11 +87,18 @@ def _node_status_max_images(value: Any) -> Any:
     return 1000 if value == -1 else value  # the kubelet's -1: no cap; the agent's most
 
 
+def _pod_pids_limit(value: Any) -> Any:
+    return -1 if isinstance(value, int) and value < 0 else value  # the kubelet's: any < 0
+
+
 def _verbosity(value: Any) -> str:
     return "debug" if int(value) >= 4 else "info"
 
 
-NO_CGROUPS = "the agent makes no pod or QoS cgroups: containers go where the runtime puts them"
+NO_CGROUPS = ("the agent puts no program of the node (itself, the runtime, the system) "
+              "in a cgroup of its own")
+NO_RESERVED_CGROUPS = ("the system-reserved and kube-reserved cgroups are not limited: "
+                       "enforceNodeAllocatable limits kubepods only")
 NO_EVICTION = ("the agent does not evict pods; evictionHard sets its pressure conditions "
                "(the scheduler and the taint manager act on them)")
 NO_IMAGE_GC = "the agent removes no images (disk pressure shows in NodeStatus)"
@@ -152,10 +159,8 @@ FIELDS: dict[str, Field] = {
     "maxPods": H("int", "maxPods"),
     "podsPerCore": I("int", "maxPods alone caps the pods", None, "pods-per-core"),
     "podCIDR": I("str", "only for a kubelet without an API server", None, "pod-cidr"),
-    "systemReserved": H("map", "systemReserved",
-                        note="pid is not reserved: pid.available counts all pids"),
-    "kubeReserved": H("map", "kubeReserved",
-                      note="added to systemReserved; pid is not reserved"),
+    "systemReserved": H("map", "systemReserved"),
+    "kubeReserved": H("map", "kubeReserved", note="added to systemReserved"),
     "reservedSystemCPUs": I("str", "no CPUs are set apart (reserve cpu in systemReserved)",
                             None, "reserved-cpus"),
     "reservedMemory": I("list", "no memory manager", None, "reserved-memory"),
@@ -199,20 +204,22 @@ FIELDS: dict[str, Field] = {
     "iptablesDropBit": I("*int", "the agent writes no iptables rules", None),
     "hairpinMode": I("str", "hairpin traffic is the network plugin's", "none", "hairpin-mode"),
     # cgroups and resource managers
-    "cgroupDriver": I("str", NO_CGROUPS, None, "cgroup-driver"),
-    "cgroupRoot": I("str", NO_CGROUPS, None, "cgroup-root"),
-    "cgroupsPerQOS": I("*bool", NO_CGROUPS, False, "cgroups-per-qos"),
+    "cgroupDriver": H("str", "cgroupDriver",
+                      note="systemd is refused at start on a CRI node: the agent does not "
+                           "make cgroups through systemd yet"),
+    "cgroupRoot": H("str", "cgroupRoot"),
+    "cgroupsPerQOS": H("*bool", "cgroupsPerQOS"),
     "kubeletCgroups": I("str", NO_CGROUPS, None, "kubelet-cgroups"),
     "systemCgroups": I("str", NO_CGROUPS, None, "system-cgroups"),
-    "systemReservedCgroup": I("str", NO_CGROUPS, None, "system-reserved-cgroup"),
-    "kubeReservedCgroup": I("str", NO_CGROUPS, None, "kube-reserved-cgroup"),
-    "enforceNodeAllocatable": I("list", NO_CGROUPS + "; allocatable is reported, not "
-                                "enforced", (["none"],), "enforce-node-allocatable"),
+    "systemReservedCgroup": I("str", NO_RESERVED_CGROUPS, None, "system-reserved-cgroup"),
+    "kubeReservedCgroup": I("str", NO_RESERVED_CGROUPS, None, "kube-reserved-cgroup"),
+    "enforceNodeAllocatable": H("list", "enforceNodeAllocatable",
+                                note="pods or none; " + NO_RESERVED_CGROUPS),
     "cpuCFSQuota": I("*bool", "CPU limits always become CFS quotas", True, "cpu-cfs-quota"),
     "cpuCFSQuotaPeriod": I("*duration", "the CFS period is the kernel's 100ms", "100ms",
                            "cpu-cfs-quota-period"),
-    "podPidsLimit": I("*int", NO_CGROUPS + " (no pod pid limit)", -1, "pod-max-pids"),
-    "qosReserved": I("map", NO_CGROUPS, None, "qos-reserved"),
+    "podPidsLimit": H("*int", "podPidsLimit", _pod_pids_limit),
+    "qosReserved": H("map", "qosReserved"),
     "cpuManagerPolicy": I("str", "no exclusive CPUs: every pod shares the node's",
                           "none", "cpu-manager-policy"),
     "cpuManagerPolicyOptions": I("map", "no CPU manager", None, "cpu-manager-policy-options"),

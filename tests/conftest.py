@@ -36,6 +36,7 @@ from nodeagent.events import Events
 from nodeagent.node.host import HostReadings
 from nodeagent.node.status import StatusSettings
 from nodeagent.node.thresholds import parse_thresholds
+from nodeagent.pods.cgroups import CgroupSettings, MemoryCgroups, NodeResources, PodCgroups
 from nodeagent.pods.env import EnvResolver
 from nodeagent.pods.images import ImageManager, PullSettings
 from nodeagent.pods.loops import NodeLoops, NodeLoopsConfig
@@ -252,10 +253,12 @@ class LoopRig:
     def __init__(self, rt: FakeRuntime, clock: FakeClock, ready: bool = True,
                  nodes: Sequence[str] = ("n1",),
                  pod_settings: NodePodSettings | None = None,
-                 volumes: Path | None = None, first_loop: bool = True) -> None:
+                 volumes: Path | None = None, first_loop: bool = True,
+                 cgroups: PodCgroups | None = None) -> None:
         """`volumes`: the agent's root dir, to run with volumes, ConfigMaps, Secrets,
         Services and tokens from the in-memory API (a FakeMounter for tmpfs);
-        `first_loop`: make the first node's loop now (else: when it first has a pod)."""
+        `first_loop`: make the first node's loop now (else: when it first has a pod);
+        `cgroups`: the pods' cgroups (default: in memory, a node of 4 CPUs, 8Gi, started)."""
         self.rt = rt
         self.clock = clock
         self.updates: asyncio.Queue[PodUpdate] = asyncio.Queue()
@@ -265,7 +268,14 @@ class LoopRig:
         self.kube = FakeKube(now=clock.monotonic)
         self.registry = CollectorRegistry()
         self.events = Events(self.kube, nodes[0], clock, node_uid=lambda: "node-uid")
-        settings = dataclasses.replace(pod_settings or NodePodSettings(), host_ip="192.0.2.10")
+        settings = pod_settings or NodePodSettings()
+        settings = dataclasses.replace(settings, host_ip="192.0.2.10",
+                                       memory_capacity=settings.memory_capacity or 8 * GI)
+        if cgroups is None:
+            node = NodeResources(cpu_millis=4000, memory_bytes=8 * GI, pids=4_194_304)
+            cgroups = PodCgroups(MemoryCgroups(), CgroupSettings(), node, node, clock)
+            cgroups.start()
+        self.cgroups = cgroups
         self.mounter = FakeMounter()
         self.allocatable = {"cpu": "4", "memory": "8Gi", "ephemeral-storage": "100Gi",
                             "pods": "110"}
@@ -293,11 +303,12 @@ class LoopRig:
                               registry=self.registry, settings=settings, cache=pleg.cache,
                               runs=pleg.runs,
                               images=self.images, due_times=DueTimes(), env=env,
-                              volumes=self.volumes, node_info=self.node_view)
+                              volumes=self.volumes, node_info=self.node_view,
+                              cgroups=cgroups)
         self.loops = NodeLoops(NodeLoopsConfig(tuple(nodes)),
                                functools.partial(build_node_loop, shared=self.parts), pleg,
                                self.updates, self.ready, clock, self.parts.due_times,
-                               self.volumes)
+                               self.volumes, cgroups)
         if self.objects is not None:
             self.objects.on_change = self.loops.objects_changed
         if first_loop:

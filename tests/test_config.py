@@ -100,6 +100,20 @@ def test_flag_forms(tmp_path):
     (["--system-reserved", "gpu=1"], {}, "--system-reserved: unknown resource 'gpu'"),
     (["--host-overrides", "{cpus: 2}"], {}, "unknown key 'cpus'"),
     (["--agent-id", "not valid!"], {}, "--agent-id"),
+    (["--cgroup-root", "kubelet"], {}, "--cgroup-root: 'kubelet' is not an absolute cgroup"),
+    (["--cgroup-root", "/a/../b"], {}, "--cgroup-root: '/a/../b' is not an absolute"),
+    (["--cgroup-driver", "cgroupv2"], {}, "--cgroup-driver: must be one of cgroupfs, systemd"),
+    (["--cgroups-per-qos=false"], {},
+     "--cgroups-per-qos=false: kubepods, which --enforce-node-allocatable=pods limits"),
+    (["--enforce-node-allocatable", "pods,kube-reserved"], {},
+     "--enforce-node-allocatable: kube-reserved: limiting the system-reserved and "
+     "kube-reserved cgroups is not supported"),
+    (["--enforce-node-allocatable", "pods,none"], {}, "none cannot be combined"),
+    (["--enforce-node-allocatable", "everything"], {}, "'everything' is not one of pods"),
+    (["--qos-reserved", "cpu=10%"], {}, "--qos-reserved: cpu: only memory can be reserved"),
+    (["--qos-reserved", "memory=150%"], {}, "expected a percentage 0%-100%, got '150%'"),
+    (["--pod-max-pids", "-2"], {}, "--pod-max-pids: must be between -1"),
+    (["--kube-reserved", "gpu=1"], {}, "--kube-reserved: unknown resource 'gpu'"),
 ])
 def test_bad_values_name_their_source(argv, env, words):
     with pytest.raises(ConfigError) as e:
@@ -161,3 +175,27 @@ def test_the_kubelet_api_is_served_unless_enable_server_is_false(tmp_path):
     conf.write_text("enableServer: false\nport: 11250\n")
     assert load(["--node-name", "n1", "--config", str(conf)]).port is None
     assert load(["--node-name", "n1", "--config", str(conf), "--enable-server"]).port == 11250
+
+
+def test_cgroup_settings_keep_the_kubelets_names_and_defaults(tmp_path):
+    cfg = load(["--node-name", "n1"])
+    assert (cfg.cgroup_root, cfg.cgroups_per_qos, cfg.cgroup_driver) == ("/", True, "cgroupfs")
+    assert cfg.enforce_node_allocatable == ("pods",) and cfg.pod_pids_limit == -1
+    cfg = load(["--node-name", "n1", "--cgroup-root", "/np-e2e/", "--cgroups-per-qos=false",
+                "--enforce-node-allocatable=", "--cgroup-driver", "systemd",
+                "--kube-reserved", "cpu=250m,memory=512Mi,pid=1000", "--pod-max-pids", "4096",
+                "--qos-reserved", "memory=50%"])
+    assert cfg.cgroup_root == "/np-e2e" and not cfg.cgroups_per_qos
+    assert cfg.enforce_node_allocatable == () and cfg.cgroup_driver == "systemd"
+    # added to --system-reserved (none here); pid: held back from kubepods' pids.max
+    assert cfg.system_reserved == {"cpu": 0.25, "memory": 512 * 2**20, "pid": 1000}
+    assert cfg.pod_pids_limit == 4096 and cfg.qos_reserved == {"memory": 50}
+    assert load(["--node-name", "n1", "--enforce-node-allocatable", "none",
+                 "--cgroups-per-qos=false"]).enforce_node_allocatable == ()
+    file = write(tmp_path, "cgroupRoot: /x\ncgroupsPerQOS: true\ncgroupDriver: cgroupfs\n"
+                           "enforceNodeAllocatable: [pods]\npodPidsLimit: 100\n"
+                           "qosReserved: {memory: 10%}\nkubeReserved: {memory: 1Gi}\n")
+    cfg = load(["--node-name", "n1", "--config", file])
+    assert (cfg.cgroup_root, cfg.pod_pids_limit, cfg.qos_reserved) == ("/x", 100,
+                                                                       {"memory": 10})
+    assert cfg.system_reserved == {"memory": 2**30}

@@ -518,6 +518,20 @@ def test_security_namespaces_sysctls_and_dns_reach_cri() -> None:
     assert not sandbox_config_pb(qsc).HasField("dns_config")  # the node's resolv.conf
 
 
+def test_cgroup_parent_and_oom_score_adj_reach_cri() -> None:
+    from nodeagent.runtime.base import ContainerConfig, SandboxConfig
+    from nodeagent.runtime.cri.criruntime import container_config_pb, sandbox_config_pb
+    pod = mkpod("p")
+    sc = SandboxConfig.from_pod(pod)
+    sc.cgroup_parent = "/kubepods/besteffort/poduid-p"
+    assert sandbox_config_pb(sc).linux.cgroup_parent == "/kubepods/besteffort/poduid-p"
+    cc = ContainerConfig.from_pod(pod, pod["spec"]["containers"][0])
+    cc.oom_score_adj = 1000
+    msg = container_config_pb(cc, sc)
+    assert msg.linux.resources.oom_score_adj == 1000
+    assert msg.linux.resources.cpu_shares == 2
+
+
 @aio
 async def test_container_events_from_get_container_events(tmp_path: Path) -> None:
     async with served(tmp_path) as (fake, rt):

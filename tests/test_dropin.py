@@ -73,11 +73,11 @@ def test_the_agent_names_what_it_does_not_do_and_refuses_swap(
     proc = fake_proc(tmp_path)
     (proc / "swaps").write_text("Filename\tType\tSize\tUsed\tPriority\n/dev/sdb\tpartition"
                                 "\t1\t0\t-2\n")
-    path = kubelet_config(tmp_path, cgroupDriver="systemd", failCgroupV1=False)
+    path = kubelet_config(tmp_path, cpuManagerPolicy="static", failCgroupV1=False)
     with caplog.at_level(logging.WARNING, "nodeagent"):
         code = cli.main(["--config", path, "--node-name", "n1", "--proc-path", str(proc),
                          "--runtime-cgroups=/system.slice/containerd.service"])
     assert code == 2
     assert "failSwapOn: swap is on (/dev/sdb)" in capsys.readouterr().err
-    assert f"{path}: cgroupDriver: 'systemd' is not supported, ignored" in caplog.text
+    assert f"{path}: cpuManagerPolicy: 'static' is not supported, ignored" in caplog.text
     assert "--runtime-cgroups: not supported, ignored" in caplog.text

@@ -200,8 +200,10 @@ def test_kubeadm_and_kinds_kubelet_command_line_starts_the_agent(tmp_path: Path)
     assert cfg.node_labels == {}
     named = sorted(n.split(":")[1].strip() if n.startswith(path) else n.split(":")[0]
                    for n in notes)
-    assert named == ["--pod-infra-container-image", "--runtime-cgroups", "cgroupDriver",
-                     "cgroupRoot"], notes
+    # kind's cgroups, by the kubelet's names (the systemd driver is refused when the
+    # agent starts its pods' cgroups, not here)
+    assert (cfg.cgroup_driver, cfg.cgroup_root) == ("systemd", "/kubelet")
+    assert named == ["--pod-infra-container-image", "--runtime-cgroups"], notes
 
 
 # -- each honoured field changes its setting --
@@ -245,6 +247,16 @@ HONOURED: list[tuple[str, str, Any]] = [
     ("evictionHard: {memory.available: 1Gi}", "eviction_hard", ("memory.available<1Gi",)),
     ("evictionHard: {memory.available: 1Gi}\nmergeDefaultEvictionSettings: true",
      "eviction_hard", ("memory.available<1Gi", "nodefs.available<10%", "pid.available<5%")),
+    ("cgroupDriver: systemd", "cgroup_driver", "systemd"),
+    ("cgroupRoot: /kubelet", "cgroup_root", "/kubelet"),
+    ("cgroupsPerQOS: false\nenforceNodeAllocatable: [none]", "cgroups_per_qos", False),
+    ("enforceNodeAllocatable: [none]", "enforce_node_allocatable", ()),
+    ("enforceNodeAllocatable: []", "enforce_node_allocatable", ("pods",)),  # the default
+    ("podPidsLimit: 4096", "pod_pids_limit", 4096),
+    ("podPidsLimit: -5", "pod_pids_limit", -1),
+    ("qosReserved: {memory: 50%}", "qos_reserved", {"memory": 50}),
+    ("systemReserved: {pid: '100'}\nkubeReserved: {pid: '50'}", "system_reserved",
+     {"pid": 150}),
     ("failSwapOn: false", "fail_swap_on", False),
     ("{}", "fail_swap_on", True),
     ("failCgroupV1: false", "fail_cgroup_v1", False),
@@ -356,8 +368,8 @@ def test_the_agents_own_file_still_works_and_still_refuses_unknown_keys(
     cfg, _ = load(["--config", str(path), "--node-name", "n1"])
     assert cfg.legacy and cfg.max_pods == 12 and cfg.sync_frequency == 30
     assert not cfg.fail_swap_on and not cfg.fail_cgroup_v1  # the agent's own defaults
-    path.write_text("cgroupDriver: systemd\n")
-    with pytest.raises(ConfigError, match="unknown key.*cgroupDriver"):
+    path.write_text("cpuManagerPolicy: static\n")
+    with pytest.raises(ConfigError, match="unknown key.*cpuManagerPolicy"):
         load(["--config", str(path), "--node-name", "n1"])
 
 
@@ -369,9 +381,8 @@ def test_flags_win_over_the_file(tmp_path: Path) -> None:
                            "--eviction-soft=memory.available<1Gi", "--feature-gates=A=true,B=false",
                            "--register-node=true")
     assert cfg.max_pods == 50 and not cfg.fail_swap_on
+    assert cfg.cgroup_driver == "cgroupfs"  # the flag replaced the file's value
     text = "\n".join(notes)
-    assert "--cgroup-driver: 'cgroupfs' is not supported" in text
-    assert "systemd" not in text  # the flag replaced the file's value
     assert "--eviction-soft: {'memory.available': '1Gi'} is not supported" in text
     assert "--feature-gates: {'A': True, 'B': False} is not supported" in text
     with pytest.raises(ConfigError, match="--register-node: False is not supported"):
@@ -386,7 +397,7 @@ def test_the_kubelets_other_flags(tmp_path: Path) -> None:
     assert cfg.node_name == "node-a" and cfg.log_level == "debug" and cfg.node_ips == ()
     assert cfg.register_with_taints == (kubeletconfig.CLOUD_TAINT,)
     assert any(n.startswith("--lock-file: not supported, ignored") for n in notes)
-    assert any("reserved pid=100: not supported" in n for n in notes)
+    assert cfg.system_reserved == {"pid": 100}  # held back from kubepods' pids.max
     assert load(["--node-name=n1", "--v=2"])[0].log_level == "info"
     with pytest.raises(ConfigError, match="--hostname-override 'a' and --node-name 'b'"):
         load(["--hostname-override=a", "--node-name=b"])

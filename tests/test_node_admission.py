@@ -683,7 +683,8 @@ async def test_the_agent_admits_against_its_node_as_the_api_has_it(tmp_path: Pat
     assert rig.status("u-ssd")["phase"] == "Running"
     assert rig.status("u-foo")["reason"] == "OutOfexample.com/foo"
     memory = parse_quantity(allocatable["memory"])
-    assert memory == 8_000_000 * 1024 - GI  # the fake /proc's, less what is reserved
+    # the fake /proc's, less what is reserved and the hard eviction threshold (100Mi)
+    assert memory == 8_000_000 * 1024 - GI - 100 * 2**20
     assert rig.status("u-huge")["message"] == (
         f"Pod was rejected: Node didn't have enough resource: memory, requested: "
         f"{900 * GI}, used: 0, capacity: {memory:.0f}")

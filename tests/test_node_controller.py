@@ -452,9 +452,10 @@ def test_what_pod_admission_reads_of_the_node():
         assert early is not None
         assert early["metadata"]["labels"]["pool"] == "x"
         assert early["spec"]["taints"] == [{"key": "k", "value": "v", "effect": "NoExecute"}]
-        # 4 cpus and 8Gi, less what SETTINGS reserve (500m, 1Gi)
+        # 4 cpus and 8Gi, less what SETTINGS reserve (500m, 1Gi) and the hard eviction
+        # threshold of memory (100Mi)
         assert (early["status"]["allocatable"]["cpu"], early["status"]["allocatable"]["memory"],
-                early["status"]["allocatable"]["pods"]) == ("3500m", "7Gi", "110")
+                early["status"]["allocatable"]["pods"]) == ("3500m", "7068Mi", "110")
         await rig.start()
         node = rig.kube.obj(NODES, "n1")
         node["metadata"]["labels"]["disk"] = "ssd"

@@ -31,6 +31,20 @@ def status(readings: HostReadings | HostReadError = READINGS, images=IMAGES, at:
                           previous=previous, not_ready=not_ready)
 
 
+def test_allocatable_is_capacity_less_the_reservations_and_the_eviction_thresholds():
+    # --system-reserved cpu=500m,memory=1Gi with --kube-reserved
+    # cpu=250m,memory=512Mi,ephemeral-storage=1Gi
+    settings = dataclasses.replace(
+        SETTINGS, system_reserved={"cpu": 0.75, "memory": GI + 512 * 2**20,
+                                   "ephemeral-storage": GI},
+        thresholds=parse_thresholds("memory.available<5%,nodefs.available<2Gi"))
+    st = compute_status(READINGS, settings, [], T0)
+    # memory: 8Gi - 1Gi - 512Mi - 5% of 8Gi; disk: 100Gi - 1Gi - 2Gi; cpu: 4 - 0.5 - 0.25
+    assert st["allocatable"] == {"cpu": "3250m", "memory": str(8 * GI - GI - 512 * 2**20
+                                                                - 8 * GI // 20),
+                                 "ephemeral-storage": "97Gi", "pods": "110"}
+
+
 def cond(st, ctype):
     return next(c for c in st["conditions"] if c["type"] == ctype)
 
@@ -39,8 +53,10 @@ def test_compute_capacity_allocatable_info_and_conditions():
     st = status()
     assert st["capacity"] == {"cpu": "4", "memory": "8Gi", "ephemeral-storage": "100Gi",
                               "pods": "110"}
-    assert st["allocatable"] == {"cpu": "3500m", "memory": "7Gi",
-                                 "ephemeral-storage": "100Gi", "pods": "110"}
+    # the kubelet's: capacity less --system-reserved (0.5 cpu, 1Gi) and the hard eviction
+    # thresholds of memory (100Mi) and the node's filesystem (10%)
+    assert st["allocatable"] == {"cpu": "3500m", "memory": "7068Mi",
+                                 "ephemeral-storage": "90Gi", "pods": "110"}
     assert st["nodeInfo"]["kernelVersion"] == "6.1.0"
     assert st["nodeInfo"]["kubeletVersion"] == "v0.1.0"
     assert st["addresses"] == [{"type": "InternalIP", "address": "10.0.0.5"},
@@ -108,7 +124,10 @@ CASES = [
     ("disk pressure", _variant(fsAvailable=GI), ["conditions/DiskPressure"]),
     ("inode pressure is disk pressure",
      status(dataclasses.replace(READINGS, inodesFree=10), settings=dataclasses.replace(
-         SETTINGS, thresholds=parse_thresholds("nodefs.inodesFree<5%")), at=37, previous=BASE),
+         # the same memory and disk thresholds: they take their part of allocatable
+         SETTINGS, thresholds=parse_thresholds(
+             "memory.available<100Mi,nodefs.available<10%,nodefs.inodesFree<5%")),
+         at=37, previous=BASE),
      ["conditions/DiskPressure"]),
     ("pid pressure", _variant(pidsRunning=4_190_000), ["conditions/PIDPressure"]),
     ("not ready", status(at=37, previous=BASE, not_ready="x"), ["conditions/Ready"]),

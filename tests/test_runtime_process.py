@@ -447,6 +447,25 @@ async def test_refuses_mounts_it_cannot_make(tmp_path: Path) -> None:
 
 
 @aio
+async def test_refuses_limits_it_cannot_enforce(tmp_path: Path) -> None:
+    from nodeagent.runtime.base import Unsupported
+    p = pod(["true"])
+    p["spec"]["containers"][0]["resources"] = {"requests": {"cpu": "100m"},
+                                               "limits": {"memory": "64Mi"}}
+    async with runtime(tmp_path) as rt:
+        assert rt.cgroups == "none"
+        sc = SandboxConfig.from_pod(p)
+        sid = await rt.run_sandbox(sc)
+        cc = ContainerConfig.from_pod(p, p["spec"]["containers"][0])
+        with pytest.raises(Unsupported, match="resources.limits.memory: the process runtime "
+                                              "runs a process in the agent's own cgroup"):
+            await rt.create_container(sid, cc, sc)
+        p["spec"]["containers"][0]["resources"].pop("limits")  # a request alone: runs
+        await rt.create_container(sid, ContainerConfig.from_pod(p, p["spec"]["containers"][0]),
+                                  sc)
+
+
+@aio
 async def test_security_settings_a_process_cannot_honour_are_refused(tmp_path: Path) -> None:
     async with runtime(tmp_path / "state") as rt:
         own = {"runAsUser": os.getuid(), "runAsGroup": os.getgid()}

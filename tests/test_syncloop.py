@@ -388,15 +388,19 @@ async def test_unrunnable_spec_is_reported_not_crashed_on() -> None:
     pod["spec"]["containers"][1]["resources"] = {"limits": {"memory": "lots"}}
     a.send(Op.ADD, pod)
     await a.run_for(3)
-    bad = a.cstatus("u1", 1)["state"]["waiting"]
-    assert bad["reason"] == "CreateContainerConfigError"
-    assert "container c1: resources.limits.memory" in bad["message"]
-    assert len(a.rt.running("u1")) == 1  # the good container runs
+    # the pod's cgroup, which both containers go in, cannot be given its limits: the
+    # pod waits, each container naming the field
+    for i in (0, 1):
+        bad = a.cstatus("u1", i)["state"]["waiting"]
+        assert bad["reason"] == "CreateContainerConfigError"
+        assert "spec.containers[1].resources.limits.memory: 'lots'" in bad["message"]
+    assert a.rt.running("u1") == []
     await a.events.drain()
-    [event] = [e for e in a.warnings() if e["reason"] == "Failed"]
-    assert "resources.limits.memory" in event["message"]
-    assert event["involvedObject"]["fieldPath"] == "spec.containers{c1}"
-    assert event["metadata"]["namespace"] == pod["metadata"]["namespace"]
+    events = [e for e in a.warnings() if e["reason"] == "Failed"]
+    assert {e["involvedObject"]["fieldPath"] for e in events} == {
+        "spec.containers{c0}", "spec.containers{c1}"}
+    assert all("resources.limits.memory" in e["message"] for e in events)
+    assert events[0]["metadata"]["namespace"] == pod["metadata"]["namespace"]
     await a.loops.stop()
 
 

@@ -15,8 +15,15 @@ containerd. Two builds, both on Debian's runc:
     ctd = start_containerd()            # returns when CRI answers; images imported
     ctd = start_containerd(build="built")
     ctd.endpoint                         # "unix:///tmp/np-ctd-.../containerd.sock"
+    ctd.agent_flags                      # what an agent on it is started with
     ...
-    ctd.stop()                           # sandboxes, shims, containerd, bridge, files
+    ctd.stop()                           # sandboxes, shims, containerd, bridge, files,
+                                         # the cgroup root
+
+Each containerd comes with a cgroup root of its own (ctd.cgroup_root, made in every
+cgroup hierarchy): an agent started with ctd.agent_flags makes its kubepods there, so
+the host's cgroups are left alone and two agents of concurrent runs never take each
+other's pod cgroups for orphans.
 
 Config keys follow /work/shared/notes/containerd-cri.md (measured here):
 restrict_oom_score_adj is required (root lacks CAP_SYS_RESOURCE), apparmor off,
@@ -45,6 +52,8 @@ import grpc
 
 from e2e.cluster import build as gobuild
 from e2e.cluster import images
+from nodeagent.pods.cgroupfs import CgroupFs
+from nodeagent.pods.cgroups import CgroupError, CgroupValues
 from nodeagent.runtime.cri.gen import api_pb2 as pb
 from nodeagent.runtime.cri.gen import api_pb2_grpc as pb_grpc
 
@@ -196,6 +205,17 @@ class Containerd:
     keep_files: bool = False
 
     @property
+    def cgroup_root(self) -> str:
+        """The cgroup its agents' pods go under (--cgroup-root), made at start."""
+        return f"/nodepulse-e2e-{self.base.name}"
+
+    @property
+    def agent_flags(self) -> list[str]:
+        """An agent's flags to run its pods here, under cgroup_root."""
+        return ["--runtime=cri", f"--container-runtime-endpoint={self.endpoint}",
+                f"--cgroup-root={self.cgroup_root}"]
+
+    @property
     def socket(self) -> Path:
         return self.base / "containerd.sock"
 
@@ -286,6 +306,8 @@ class Containerd:
             for pid in shims + self.shim_pids():
                 _kill_pid(pid, timeout)
         self.proc = None
+        with contextlib.suppress(OSError, CgroupError):  # by now nothing runs in it
+            host_cgroups().remove(self.cgroup_root)
         subprocess.run(["ip", "link", "delete", self.bridge], capture_output=True, timeout=30)
         _unmount_under(self.base)
         if not self.keep_files:
@@ -431,6 +453,7 @@ def start_containerd(*, build: str = "debian", cni: bool = True, subnet: str | N
     ctd = Containerd(base=base, proc=_spawn(base, program), bridge=bridge, build=build,
                      program=program, shim=shim, subnet=subnet or "", keep_files=keep_files)
     try:
+        host_cgroups().create(ctd.cgroup_root, CgroupValues())
         _wait_ready(ctd, ready_timeout)
         if import_images:
             for name, tar in images.build_all().items():
@@ -441,6 +464,10 @@ def start_containerd(*, build: str = "debian", cni: bool = True, subnet: str | N
         ctd.stop()
         raise
     return ctd
+
+
+def host_cgroups() -> CgroupFs:
+    return CgroupFs.detect()
 
 
 def _spawn(base: Path, program: str) -> subprocess.Popen[bytes]:

@@ -130,8 +130,7 @@ def kubelet_node(cluster: Cluster, root: Path, name: str,
     core = client.CoreV1Api(admin)
     argv = [str(AGENT), f"--node-name={name}", f"--kubeconfig={kubeconfig}",
             f"--root-dir={root}", f"--healthz-bind-address=127.0.0.1:{free_port()}",
-            "--runtime=cri", f"--container-runtime-endpoint={ctd.endpoint}",
-            "--node-ip=127.0.0.1", "--port=0", f"--tls-cert-file={crt}",
+            *ctd.agent_flags, "--node-ip=127.0.0.1", "--port=0", f"--tls-cert-file={crt}",
             f"--tls-private-key-file={key}", f"--client-ca-file={cluster.ca_file()}",
             "--container-log-max-size=16Mi", "--container-log-max-files=3",
             f"--register-with-taints={TAINT_KEY}={name}:NoSchedule", *extra_args]

@@ -333,8 +333,8 @@ def _teardown(env: Env) -> None:
 
 
 def start_agent(cluster: Cluster, env: Env, *extra: str) -> AgentProc:
-    args = (["--runtime=cri", f"--container-runtime-endpoint={env.ctd.endpoint}"]
-            if env.kind == "containerd" else ["--runtime=process"])
+    args: list[str] = (env.ctd.agent_flags if env.kind == "containerd"
+                       else ["--runtime=process"])
     args += extra
     env.agent = AgentProc(env.name, env.root, cluster.node_kubeconfig(env.name), args)
     env.agent.start()

@@ -34,7 +34,8 @@ def api_microtime(t: dt.datetime) -> str:
 class StatusSettings:
     max_pods: int = 110
     thresholds: tuple[Threshold, ...] = ()
-    # resource name -> amount held back from allocatable (cores for cpu, bytes otherwise)
+    # resource name -> amount held back from allocatable (cores for cpu, bytes otherwise):
+    # --system-reserved and --kube-reserved together
     system_reserved: Mapping[str, float] = dataclasses.field(default_factory=dict)
     max_images: int = 50
     agent_version: str = ""
@@ -177,6 +178,7 @@ def compute_status(readings: HostReadings | HostReadError, settings: StatusSetti
 def _host_parts(r: HostReadings, settings: StatusSettings) -> dict[str, Any]:
     """capacity, allocatable, addresses and nodeInfo of a reading (kept: see _Kept)."""
     inputs = (r, settings.max_pods, tuple(settings.system_reserved.items()),
+              settings.thresholds,
               settings.runtime_version, settings.agent_version)
     kept: dict[str, Any] = _kept.get(
         "host", inputs, lambda a, b: a[0] is b[0] and a[1:] == b[1:],
@@ -190,9 +192,16 @@ def _capacity(r: HostReadings, settings: StatusSettings) -> dict[str, float]:
 
 
 def allocatable(r: HostReadings, settings: StatusSettings) -> dict[str, str]:
-    """What pods may be given of the node: its capacity less what is reserved."""
-    return _format_resources({k: max(0.0, v - settings.system_reserved.get(k, 0.0))
-                              for k, v in _capacity(r, settings).items()})
+    """What pods may be given of the node, as the kubelet's: its capacity less what is
+    reserved and the hard eviction thresholds of memory and the node's filesystem."""
+    capacity = _capacity(r, settings)
+    evicted = {"memory": ("memory.available", capacity["memory"]),
+               "ephemeral-storage": ("nodefs.available", capacity["ephemeral-storage"])}
+    held = {k: sum(int(t.limit(evicted[k][1])) for t in settings.thresholds
+                   if t.signal == evicted[k][0]) for k in evicted}
+    return _format_resources({
+        k: max(0.0, v - settings.system_reserved.get(k, 0.0) - held.get(k, 0.0))
+        for k, v in capacity.items()})
 
 
 def _make_host_parts(r: HostReadings, settings: StatusSettings) -> dict[str, Any]:

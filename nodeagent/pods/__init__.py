@@ -12,7 +12,8 @@ The path of one pod:
       -> syncer.py  PodSyncer           one sync:
            decide.py  compute_pod_actions   what must be done, a pure function of the spec,
                                             the runtime's state and the previous status
-           syncer.py  (the executor)        carries the actions out, in order: sandbox,
+           syncer.py  (the executor)        carries the actions out, in order: the pod's
+                                            cgroup (cgroups.py, qos.py), sandbox,
                                             init containers, containers, hooks (hooks.py),
                                             images (images.py), volumes (volumes/), env
                                             (env.py, objects.py), names (dns.py)

@@ -9,7 +9,7 @@ Two parts:
   (spec.os.name and its kubernetes.io/os label), its sysctls against the safe set and
   `--allowed-unsafe-sysctls`, a Strict supplementalGroupsPolicy (the runtime cannot do
   it), AppArmor profiles on a host without AppArmor, and pod-level resources (this
-  agent makes no pod cgroup).
+  agent's pod cgroups follow its containers' resources only).
 - `NodeAdmission`: what depends on the node and the pods already on it, decided once
   per pod, in the order the pods were created (pods the runtime already runs first:
   an agent that restarts takes them back before anything new). These are the kubelet's
@@ -187,7 +187,8 @@ def admit(pod: Mapping[str, Any], settings: AdmissionSettings) -> Rejection | No
     if spec.get("resources"):
         return Rejection("PodLevelResourcesNotSupported",
                          "Pod-level resources (spec.resources) are not supported by this "
-                         "node agent: it makes no pod cgroup")
+                         "node agent: its pod cgroups follow the containers' resources "
+                         "only")
     if psc.get("sysctls"):
         allowed = settings.allowed_sysctls()
         for s in psc["sysctls"]:

@@ -2,10 +2,11 @@
 
 Start: the image (images.py, a pull may still be under way), the container's config
 (environment, volume mounts, the managed /etc/hosts, its termination-message file,
-runAsNonRoot against the image's user), create, start, the postStart hook; a failure
-counts for the crash back-off. Stop: a `Killing` Event, the preStop hook within the
-grace period, then SIGTERM and SIGKILL after what is left. Also what an exited
-container leaves behind: its termination message, read once.
+runAsNonRoot against the image's user, the OOM score adjustment of its QoS class),
+create, start, the postStart hook; a failure counts for the crash back-off. Stop: a
+`Killing` Event, the preStop hook within the grace period, then SIGTERM and SIGKILL
+after what is left. Also what an exited container leaves behind: its termination
+message, read once.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from nodeagent.pods.hooks import Hooks, cap_messages, termination_message, termi
 from nodeagent.pods.images import ImageManager
 from nodeagent.pods.podstatus import Waiting
 from nodeagent.pods.podupdate import Pod
+from nodeagent.pods.qos import oom_score_adj
 from nodeagent.pods.runtimecalls import RuntimeCalls
 from nodeagent.pods.settings import NodePodSettings
 from nodeagent.pods.volumes import PodVolumes, VolumeManager
@@ -193,6 +195,8 @@ class Containers:
                                        restart_count=s.restarts, init=s.init, env=env,
                                        mounts=mounts, seccomp_root=self.settings.seccomp_root)
         cfg.target_id = s.target_id
+        if self.settings.memory_capacity:
+            cfg.oom_score_adj = oom_score_adj(pod, spec, self.settings.memory_capacity)
         cfg.command, cfg.args = expand_command(spec, env)
         await self._check_non_root(pod, cfg)
         hosts = self._etc_hosts(pod, spec, place)

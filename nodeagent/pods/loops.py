@@ -4,7 +4,8 @@ turn into pod worker updates.
     merge's PodUpdates ─> NodeLoops ─┬─> SyncLoop (node a) ─> PodWorkers ─> runtime
     PLEG events ────────>  (routing) ├─> SyncLoop (node b)        └─> StatusManager ─> API
     resync tick ──────────┤          └─> ...
-    housekeeping ─────────┘  (orphans in the runtime are removed once sources are ready)
+    housekeeping ─────────┘  (orphans in the runtime, and the folders and cgroups of
+                              pods nothing has, are removed once sources are ready)
 
 `NodeLoops` runs one PLEG over the runtime for every node of the process (a host agent
 is the case N=1): it routes each update to the SyncLoop of the pod's `spec.nodeName`
@@ -31,6 +32,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter
 from nodeagent.api.clock import Clock
 from nodeagent.api.kube import describe
 from nodeagent.metrics import per_registry
+from nodeagent.pods.cgroups import PodCgroups
 from nodeagent.pods.pleg import EventType, Pleg, PodLifecycleEvent
 from nodeagent.pods.podstatus import KillStatus, StatusManager
 from nodeagent.pods.podupdate import Op, Pod, PodUpdate, SourcesReady, pod_node_name
@@ -200,10 +202,11 @@ class NodeLoops:
     def __init__(self, config: NodeLoopsConfig, make_loop: Callable[[str], SyncLoop],
                  pleg: Pleg, updates: asyncio.Queue[PodUpdate], sources_ready: SourcesReady,
                  clock: Clock, due_times: DueTimes,
-                 volumes: VolumeManager | None = None) -> None:
+                 volumes: VolumeManager | None = None,
+                 cgroups: PodCgroups | None = None) -> None:
         """`make_loop(node)`: a node's SyncLoop (the composition root's); `due_times`:
-        every loop's pods' resyncs, ticked here from one timer; `volumes`: their host
-        folders, cleaned of pods nobody has."""
+        every loop's pods' resyncs, ticked here from one timer; `volumes` and
+        `cgroups`: the pods' host folders and cgroups, cleaned of pods nobody has."""
         self.config = config
         self.make_loop = make_loop
         self.clock = clock
@@ -212,6 +215,7 @@ class NodeLoops:
         self.sources_ready = sources_ready
         self.due_times = due_times
         self.volumes = volumes
+        self.cgroups = cgroups
         self.node_names = frozenset(config.node_names)
         self.loops: dict[str, SyncLoop] = {}  # made by loop(): when a node first has a pod
         self.owner: dict[str, str] = {}  # pod uid -> node, from the routed updates
@@ -268,8 +272,9 @@ class NodeLoops:
             await self.pleg.stop()
 
     def housekeeping(self) -> list[str]:
-        """Removes the runtime's pods that no loop knows, and the folders of pods that
-        neither a loop nor the runtime has; returns the removed pods' uids. Only once
+        """Removes the runtime's pods that no loop knows, and the folders and cgroups of
+        pods that neither a loop nor the runtime has; returns the removed pods' uids
+        (of the runtime's). Only once
         every source has delivered its first full set: before that, absence proves
         nothing."""
         result = self.pleg.last_result
@@ -283,6 +288,8 @@ class NodeLoops:
                                  lambda: self.loop(self.config.node_names[0]))
         if self.volumes is not None:
             self.volumes.cleanup_orphans(known | in_runtime)
+        if self.cgroups is not None:
+            self.cgroups.housekeeping(known | in_runtime)
         return orphans
 
     async def _route_updates(self) -> None:

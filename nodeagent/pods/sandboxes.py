@@ -1,6 +1,7 @@
 """A pod's sandbox, made as the kubelet makes it: its names (hostname cut to 63
 characters, or the FQDN with setHostnameAsFQDN), its resolver, the handler of its
-RuntimeClass, and what is left of an earlier sandbox stopped first."""
+RuntimeClass, its cgroup parent (the pod's cgroup, cgroups.py), and what is left of an
+earlier sandbox stopped first."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from collections.abc import Sequence
 from nodeagent.api.client import brief
 from nodeagent.api.kube import RUNTIME_CLASSES, Kube
 from nodeagent.events import WARNING, Events
+from nodeagent.pods.cgroups import PodCgroups
 from nodeagent.pods.decide import grace_of
 from nodeagent.pods.dns import hostname_and_domain, kernel_hostname, pod_dns
 from nodeagent.pods.podupdate import Pod
@@ -26,16 +28,19 @@ class NoRuntimeClass(Exception):
 
 class Sandboxes:
     def __init__(self, calls: RuntimeCalls, kube: Kube, events: Events | None,
-                 settings: NodePodSettings) -> None:
-        """`kube`: where the pods' RuntimeClasses are read."""
+                 settings: NodePodSettings, cgroups: PodCgroups) -> None:
+        """`kube`: where the pods' RuntimeClasses are read; `cgroups`: the pods' cgroups
+        (the syncer makes a pod's before its sandbox)."""
         self.calls = calls
         self.kube = kube
         self.events = events
         self.settings = settings
+        self.cgroups = cgroups
 
     def config(self, pod: Pod, attempt: int) -> SandboxConfig:
         """The sandbox's config with the names the node gives it. Raises PodDnsError."""
         sc = SandboxConfig.from_pod(pod, attempt=attempt, log_root=self.settings.log_root)
+        sc.cgroup_parent = self.cgroups.parent(pod)
         if not sc.host_network:
             host, domain = hostname_and_domain(pod, self.settings.dns.cluster_domain)
             sc.hostname = kernel_hostname(pod, host, domain)

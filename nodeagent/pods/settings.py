@@ -19,6 +19,7 @@ class NodePodSettings:
     log_root: str = ""      # container logs, for runtimes that write files
     pods_dir: str = ""      # <root-dir>/pods: each pod's managed /etc/hosts ("": none)
     seccomp_root: str = ""  # <root-dir>/seccomp: where Localhost seccomp profiles are
+    memory_capacity: int = 0  # the node's memory in bytes: Burstable OOM score adjustments
     # False (virtual nodes and the fake runtime, whose containers run nothing): no
     # resolver configuration, volumes planned but not made (nothing could read them; no
     # ConfigMap, Secret or token read), no container lifecycle Events (`Pulled` for an

@@ -7,16 +7,18 @@ acts, in the kubelet's order:
     1. a pod that ended, was rejected or ran past its deadline: its final status; one
        admission has not decided yet: nothing (synced again once it has)
     2. the pod's volumes set up (a volume that cannot be: the pod waits, or is refused)
-    3. duplicate sandboxes stopped; a new sandbox made when none is ready
-    4. containers killed (a changed definition, a failed probe)
-    5. containers started: ephemeral, then the next init container, then the regular ones
-    6. old exited attempts and empty stopped sandboxes removed
-    7. the status computed from what the runtime now holds, and handed to the
+    3. the pod's cgroup made if it is not there (cgroups.py)
+    4. duplicate sandboxes stopped; a new sandbox made when none is ready
+    5. containers killed (a changed definition, a failed probe)
+    6. containers started: ephemeral, then the next init container, then the regular ones
+    7. old exited attempts and empty stopped sandboxes removed
+    8. the status computed from what the runtime now holds, and handed to the
        StatusManager
 
 It also stops a pod within its grace period (terminate_pod), writes its final status
-(sync_terminated) and removes what the runtime holds of a pod that is gone
-(cleanup_pod). It keeps no per-pod state; the pod workers (workers.py) say when it runs.
+and removes its cgroup (sync_terminated) and removes what the runtime holds of a pod
+that is gone, then its cgroup (cleanup_pod). It keeps no per-pod state; the pod workers
+(workers.py) say when it runs.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import Any
 from nodeagent.api.kube import describe
 from nodeagent.events import NORMAL, WARNING, Events
 from nodeagent.pods.admission import NodeAdmission
+from nodeagent.pods.cgroups import CgroupError
 from nodeagent.pods.containers import Containers, Place, Progress
 from nodeagent.pods.decide import (
     NodeAbilities,
@@ -100,6 +103,7 @@ class PodSyncer:
         self.clock = calls.clock
         self.status = status
         self.sandboxes = sandboxes
+        self.cgroups = sandboxes.cgroups
         self.containers = containers
         self.volumes = volumes
         self.objects = volumes.objects if volumes is not None else None
@@ -180,6 +184,17 @@ class PodSyncer:
             self._publish(pod, rs, self._refuse(pod, act.refuse))
             return SyncResult()
 
+        try:
+            self.cgroups.ensure(pod)
+        except ValueError as e:  # a quantity the cgroup cannot be given
+            self._publish(pod, rs, self._refuse(pod, {str(c["name"]): str(e)
+                                                      for c in all_containers(pod)}))
+            return SyncResult()
+        except CgroupError as e:
+            self._event(pod, WARNING, "FailedToCreatePodContainer",
+                        f"unable to ensure pod container exists: {e}")
+            self._publish(pod, rs, dict(act.waiting))
+            raise  # retried with the pod worker's error back-off
         progress = Progress(waiting=dict(act.waiting))
         if act.requeue_after is not None:
             progress.again(act.requeue_after)
@@ -241,6 +256,7 @@ class PodSyncer:
             unnamed = str(e)
             sc = SandboxConfig.from_pod(pod, attempt=sandbox.attempt,
                                         log_root=self.settings.log_root)
+            sc.cgroup_parent = self.cgroups.parent(pod)
         host_net = bool((pod.get("spec") or {}).get("hostNetwork"))
         pod_ip = self.settings.pod_ip(host_net, sandbox.ip)
         hip = self.settings.host_ip
@@ -351,9 +367,16 @@ class PodSyncer:
         self.admission.release(uid)
 
     def sync_terminated(self, pod: Pod, entry: CacheEntry) -> None:
-        """Final status; a gracefully deleted API pod is then deleted for good."""
+        """Final status; the pod's cgroup removed (nothing of it runs any more; one
+        that cannot be removed yet is tried again when the pod is cleaned up); a
+        gracefully deleted API pod is then deleted for good."""
+        uid = str(pod["metadata"]["uid"])
+        try:
+            self.cgroups.release(uid)
+        except CgroupError as e:
+            log.warning("pod %s: %s; tried again when the pod is cleaned up", describe(pod), e)
         if self.objects is not None:  # nothing will read its objects again
-            self.objects.release(str(pod["metadata"]["uid"]))
+            self.objects.release(uid)
         if self.probes is not None:
             self.probes.remove(pod["metadata"]["uid"])
         self._publish(pod, entry.status, {}, terminal=True)
@@ -361,7 +384,8 @@ class PodSyncer:
             self.status.finish_deletion(pod)
 
     async def cleanup_pod(self, uid: str) -> None:
-        """The pod is gone from every source: remove all its runtime objects. Each
+        """The pod is gone from every source: remove all its runtime objects, then its
+        cgroup (CgroupError when it cannot be removed yet: retried). Each
         removal is tried even after one failed: a container the runtime will not remove
         (containerd 1.6 refuses one whose start was cut short while its task exists, and
         then its sandbox too) holds back no other container, and every sandbox is still
@@ -381,6 +405,7 @@ class PodSyncer:
             await attempt(self.runtime.remove_sandbox(s.id), f"remove_sandbox {s.id}")
         if failures:
             raise ContainerRuntimeError("; ".join(failures))
+        self.cgroups.release(uid)  # after the sandbox: nothing of the pod is left in it
         if self.objects is not None:
             self.objects.release(uid)
         if self.volumes is not None:

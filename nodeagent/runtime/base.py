@@ -158,6 +158,9 @@ class SandboxConfig:
     dns: DnsConfig | None = None
     runtime_handler: str = ""  # the pod's RuntimeClass's handler ("": the default)
     overhead: Resources | None = None  # spec.overhead (set from the RuntimeClass)
+    # the pod's cgroup (nodeagent.pods.cgroups), which the sandbox and its containers go
+    # under, in the node's cgroup driver's form ("": the runtime's default)
+    cgroup_parent: str = ""
 
     @classmethod
     def from_pod(cls, pod: Mapping[str, Any], attempt: int = 0,
@@ -235,6 +238,9 @@ class ContainerConfig:
     # an ephemeral container's targetContainerName, resolved: the id of the container
     # whose process namespace it joins ("": none)
     target_id: str = ""
+    # the OOM score adjustment of its processes, by the pod's QoS class
+    # (nodeagent.pods.qos; None: the runtime's default)
+    oom_score_adj: int | None = None
 
     @classmethod
     def from_pod(cls, pod: Mapping[str, Any], container: Mapping[str, Any], *,
@@ -520,6 +526,14 @@ class Runtime(ABC):
     # ContainerConfig.mounts can be made (the files the agent writes for it: its managed
     # /etc/hosts, its termination-message file, its volumes).
     can_mount: bool = True
+
+    # Where a pod's containers go, cgroup-wise: "host": in the cgroup their sandbox
+    # config names (cgroup_parent), limited by their resources (the agent makes the pod
+    # cgroups in the host's cgroup filesystem); "simulated": the cgroup parent and the
+    # limits are recorded, nothing runs (the agent keeps the pod cgroups as records);
+    # "none": in no cgroup of their own (no pod cgroups; the runtime refuses limits it
+    # could not enforce).
+    cgroups: str = "none"
 
     # Whether anything runs in its containers (the fake runtime runs nothing): a node
     # whose runtime runs nothing gets no files for its containers (volumes are planned,

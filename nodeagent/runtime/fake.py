@@ -66,6 +66,7 @@ class FakeRuntime(Runtime):
     scheme = "fake"
     inline = True  # in-process: only simulated delays and hangs wait
     runs_workloads = False  # what the agent builds with it; its tests may say otherwise
+    cgroups = "simulated"   # the sandboxes' cgroup parents and the limits are recorded
 
     def __init__(self, clock: Clock | None = None, *, images: Iterable[str] | None = None,
                  host_ip: str = "192.0.2.10", image_size: int = 5_000_000) -> None:

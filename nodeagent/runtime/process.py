@@ -215,6 +215,7 @@ class ProcessRuntime(Runtime):
     scheme = "process"
     log_format = "raw"  # the program writes straight to the file: no times, no streams
     can_mount = False  # a process sees the host's filesystem as it is
+    cgroups = "none"  # a process runs in the agent's own cgroup
 
     def __init__(self, state_dir: str | Path | None = None, *, clock: Clock | None = None,
                  host_ip: str = "", kill_wait: float = 10.0) -> None:
@@ -615,6 +616,12 @@ class ProcessRuntime(Runtime):
             raise ContainerRuntimeError(f"{where}: {field_name}: the process runtime cannot "
                                         "give a process a terminal or keep its stdin open")
         _refuse_security(config.security, f"{where}: securityContext")
+        r = config.resources
+        if r.cpu_limit_millis is not None or r.memory_limit_bytes is not None:
+            which = "cpu" if r.cpu_limit_millis is not None else "memory"
+            raise Unsupported(f"{where}: resources.limits.{which}: the process runtime runs "
+                              "a process in the agent's own cgroup, where no limit of its "
+                              "own would be enforced")
         if config.mounts:
             raise Unsupported(f"{where}: volumeMounts: the process runtime runs a process "
                               f"in the host's filesystem and cannot mount "

@@ -122,10 +122,12 @@ def map_error(err: grpc.aio.AioRpcError | grpc.RpcError, what: str) -> Container
     return ContainerRuntimeError(msg)
 
 
-def linux_resources(r: Resources) -> pb.LinuxContainerResources:
+def linux_resources(r: Resources, oom_score_adj: int | None = None
+                    ) -> pb.LinuxContainerResources:
     """Pod spec resources as cgroup settings (the kubelet's arithmetic: shares from
-    the CPU request, CFS quota from the CPU limit, memory limit as is)."""
-    out = pb.LinuxContainerResources()
+    the CPU request, CFS quota from the CPU limit, memory limit as is), and the
+    processes' OOM score adjustment."""
+    out = pb.LinuxContainerResources(oom_score_adj=oom_score_adj or 0)
     millis = r.cpu_request_millis if r.cpu_request_millis is not None else r.cpu_limit_millis
     out.cpu_shares = max(MIN_CPU_SHARES, (millis or 0) * 1024 // 1000)
     if r.cpu_limit_millis:
@@ -201,7 +203,7 @@ def sandbox_config_pb(c: SandboxConfig) -> pb.PodSandboxConfig:
                 # the sandbox's own process runs under the runtime's default profile
                 # whatever its containers ask for, as the kubelet's does
                 seccomp=pb.SecurityProfile(profile_type=pb.SecurityProfile.RuntimeDefault)),
-            sysctls=dict(sec.sysctls),
+            sysctls=dict(sec.sysctls), cgroup_parent=c.cgroup_parent,
             overhead=None if c.overhead is None else linux_resources(c.overhead)),
     )
 
@@ -231,7 +233,7 @@ def container_config_pb(c: ContainerConfig, sandbox: SandboxConfig) -> pb.Contai
         log_path=c.log_path if sandbox.log_directory else "",
         stdin=c.stdin, stdin_once=c.stdin_once, tty=c.tty,
         linux=pb.LinuxContainerConfig(
-            resources=linux_resources(c.resources),
+            resources=linux_resources(c.resources, c.oom_score_adj),
             security_context=pb.LinuxContainerSecurityContext(
                 namespace_options=namespaces_pb(sandbox, c.target_id),
                 run_as_user=_int64(sec.run_as_user), run_as_group=_int64(sec.run_as_group),
@@ -311,6 +313,7 @@ class CriRuntime(Runtime):
     The channel is opened lazily inside the running event loop."""
 
     scheme = "containerd"
+    cgroups = "host"  # the runtime runs each container in the sandbox's cgroup_parent
 
     def __init__(self, socket: str, *, call_timeout: float = 10.0,
                  request_timeout: float = 120.0, pull_timeout: float = 1800.0,
