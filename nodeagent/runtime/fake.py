@@ -32,6 +32,7 @@ from nodeagent.runtime.base import (
     ContainerEventType,
     ContainerRuntimeError,
     ContainerState,
+    ContainerStats,
     ExecResult,
     ImageInfo,
     ImageNotPresent,
@@ -72,6 +73,7 @@ class FakeRuntime(Runtime):
         """`images`: refs present in the store; None means every image is present."""
         self.clock = clock or RealClock()
         self.images: set[str] | None = None if images is None else {_tagged(r) for r in images}
+        self.pinned: set[str] = set()  # refs the store says are pinned (never collected)
         self.image_size = image_size
         self.host_ip = host_ip
         self.sandboxes: dict[str, Sandbox] = {}
@@ -350,7 +352,7 @@ class FakeRuntime(Runtime):
             id=cid, sandbox_id=sandbox_id, pod_uid=sb.pod_uid, name=config.name,
             image=config.image, state=ContainerState.CREATED, attempt=config.attempt,
             restart_count=config.restart_count, created_at=self.clock.now(),
-            image_id="sha256:" + hashlib.sha256(config.image.encode()).hexdigest(),
+            image_id=_image_id(config.image),
             spec_hash=config.spec_hash, init=config.init,
             labels=dict(config.labels), annotations=dict(config.annotations))
         log_dir = self._log_dirs.get(sandbox_id)
@@ -493,15 +495,44 @@ class FakeRuntime(Runtime):
                 raise PullFailed(f"fake PullImage {ref}: 401 Unauthorized")
         if self.images is not None:
             self.images.add(_tagged(ref))
-        return ImageInfo(id="sha256:" + hashlib.sha256(_tagged(ref).encode()).hexdigest(),
-                         names=[_tagged(ref)], size_bytes=self.image_size)
+        return ImageInfo(id=_image_id(ref), names=[_tagged(ref)], size_bytes=self.image_size)
 
     async def list_images(self) -> list[ImageInfo]:
         self._call("list_images")
-        refs = self.images if self.images is not None else {c.image for c in
+        refs = self.images if self.images is not None else {_tagged(c.image) for c in
                                                             self.containers.values()}
-        return [ImageInfo(id="sha256:" + hashlib.sha256(r.encode()).hexdigest(), names=[r],
-                          size_bytes=self.image_size) for r in sorted(refs)]
+        return [ImageInfo(id=_image_id(r), names=[r], size_bytes=self.image_size,
+                          pinned=r in self.pinned) for r in sorted(refs)]
+
+    async def remove_image(self, image_id: str) -> None:
+        self._call("remove_image")
+        if self.images is None:
+            raise Unsupported("the fake runtime was made with every image present; it "
+                              "has none to remove")
+        for ref in [r for r in self.images if _image_id(r) == image_id]:
+            self.images.discard(ref)
+
+    async def container_stats(self) -> list[ContainerStats]:
+        """The usage the pods' annotations script (runtime/script.py): memory, disk,
+        processes; none scripted, a container uses no memory, no disk, one process."""
+        self._call("container_stats")
+        self._scripted_exits()
+        now = self.clock.now()
+        idle = Script()
+        out = []
+        for c in self.containers.values():
+            if c.state == ContainerState.RUNNING:
+                s = self.scripts.get(c.id, idle)
+                out.append(ContainerStats(
+                    container_id=c.id, timestamp=now, memory_working_set_bytes=s.memory,
+                    memory_usage_bytes=s.memory, writable_layer_bytes=s.disk,
+                    writable_layer_inodes=1 if s.disk else 0, processes=s.processes))
+        return out
+
+
+def _image_id(ref: str) -> str:
+    """The id the fake store gives an image: a hash of its tagged name."""
+    return "sha256:" + hashlib.sha256(_tagged(ref).encode()).hexdigest()
 
 
 def _tagged(ref: str) -> str:
