@@ -29,7 +29,6 @@ from nodeagent.api.kube import NODES, PODS
 from nodeagent.events import Events
 from nodeagent.node.host import HostReadings
 from nodeagent.node.status import StatusSettings
-from nodeagent.node.thresholds import parse_thresholds
 from nodeagent.pods.env import EnvResolver
 from nodeagent.pods.images import ImageManager, PullSettings
 from nodeagent.pods.loops import NodeLoops, NodeLoopsConfig
@@ -143,10 +142,8 @@ READINGS = HostReadings(
     kernelVersion="6.1.0", osImage="Debian GNU/Linux 12", operatingSystem="linux",
     architecture="amd64", hostname="h1",
     addresses=(("InternalIP", "10.0.0.5"), ("Hostname", "h1")), machineID="m", bootID="b")
-SETTINGS = StatusSettings(
-    max_pods=110, agent_version="v0.1.0",
-    thresholds=parse_thresholds("memory.available<100Mi,nodefs.available<10%,pid.available<5%"),
-    system_reserved={"cpu": 0.5, "memory": GI})
+SETTINGS = StatusSettings(max_pods=110, agent_version="v0.1.0",
+                          system_reserved={"cpu": 0.5, "memory": GI})
 
 
 def agent_flags(tmp_path: Path, *argv: str) -> dict[str, Any]:

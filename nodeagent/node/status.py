@@ -13,7 +13,6 @@ from typing import Any
 
 from nodeagent.api.quantity import format_bytes, format_cpu
 from nodeagent.node.host import HostReadError, HostReadings
-from nodeagent.node.thresholds import Threshold
 
 CONDITION_TYPES = ("MemoryPressure", "DiskPressure", "PIDPressure", "Ready")
 
@@ -33,7 +32,6 @@ def api_microtime(t: dt.datetime) -> str:
 @dataclasses.dataclass(frozen=True)
 class StatusSettings:
     max_pods: int = 110
-    thresholds: tuple[Threshold, ...] = ()
     # resource name -> amount held back from allocatable (cores for cpu, bytes otherwise)
     system_reserved: Mapping[str, float] = dataclasses.field(default_factory=dict)
     max_images: int = 50
@@ -42,35 +40,16 @@ class StatusSettings:
     kubelet_port: int = 0  # where the kubelet API listens; 0: not served
 
 
-def _signal(readings: HostReadings, signal: str) -> tuple[float, float]:
-    """(available, capacity) for an eviction signal."""
-    r = readings
-    if signal == "memory.available":
-        return r.memoryAvailable, r.memoryTotal
-    if signal in ("nodefs.available", "imagefs.available"):
-        return r.fsAvailable, r.fsTotal
-    if signal == "nodefs.inodesFree":
-        return r.inodesFree, r.inodesTotal
-    if signal == "pid.available":
-        return max(0, r.pidMax - r.pidsRunning), r.pidMax
-    raise ValueError(f"unknown signal {signal}")
-
-
-_PRESSURE = {  # condition -> (signals, reason when under pressure, reason when not)
-    "MemoryPressure": (("memory.available",), "MemoryBelowThreshold", "MemorySufficient"),
-    "DiskPressure": (("nodefs.available", "nodefs.inodesFree", "imagefs.available"),
-                     "DiskBelowThreshold", "DiskSufficient"),
-    "PIDPressure": (("pid.available",), "PIDsBelowThreshold", "PIDsSufficient"),
+# condition -> (reason while True, reason while False, message while False): the
+# kubelet's reasons. Whether a pressure condition holds is the eviction manager's word.
+_PRESSURE = {
+    "MemoryPressure": ("KubeletHasInsufficientMemory", "KubeletHasSufficientMemory",
+                       "the node has sufficient memory available"),
+    "DiskPressure": ("KubeletHasDiskPressure", "KubeletHasNoDiskPressure",
+                     "the node has no disk pressure"),
+    "PIDPressure": ("KubeletHasInsufficientPID", "KubeletHasSufficientPID",
+                    "the node has sufficient PID available"),
 }
-
-
-def crossed(readings: HostReadings, thresholds: Sequence[Threshold]) -> list[Threshold]:
-    out = []
-    for t in thresholds:
-        available, capacity = _signal(readings, t.signal)
-        if available < t.limit(capacity):
-            out.append(t)
-    return out
 
 
 class _Kept:
@@ -129,10 +108,13 @@ def _make_images(images: Sequence[Mapping[str, Any]], limit: int) -> list[dict[s
 
 def compute_status(readings: HostReadings | HostReadError, settings: StatusSettings,
                    images: Sequence[Mapping[str, Any]], now: dt.datetime,
-                   previous: Status | None = None, not_ready: str | None = None) -> Status:
+                   previous: Status | None = None, not_ready: str | None = None,
+                   pressure: Mapping[str, str] | None = None) -> Status:
     """The full NodeStatus. `previous` supplies lastTransitionTime for conditions whose
     status has not changed, and the last good values when the host cannot be read.
-    `not_ready` is a reason from elsewhere (e.g. the runtime) to report Ready=False."""
+    `not_ready` is a reason from elsewhere (e.g. the runtime) to report Ready=False;
+    `pressure` the pressure conditions that hold (the eviction manager's), each with
+    why."""
     stamp = api_time(now)
     prev_conditions = {c["type"]: c for c in (previous or {}).get("conditions", [])}
     status: Status = {}
@@ -148,14 +130,12 @@ def compute_status(readings: HostReadings | HostReadError, settings: StatusSetti
         r = readings
         for key, part in _host_parts(r, settings).items():
             status[key] = part
-        hit = crossed(r, settings.thresholds)
-        for ctype, (signals, yes, no) in _PRESSURE.items():
-            mine = [t for t in hit if t.signal in signals]
-            if mine:
-                statuses[ctype] = ("True", yes, "below eviction threshold: "
-                                   + ",".join(t.text() for t in mine))
+        pressure = pressure or {}
+        for ctype, (yes, no, fine) in _PRESSURE.items():
+            if ctype in pressure:
+                statuses[ctype] = ("True", yes, pressure[ctype])
             else:
-                statuses[ctype] = ("False", no, "above eviction thresholds")
+                statuses[ctype] = ("False", no, fine)
         if not_ready:
             statuses["Ready"] = ("False", "AgentNotReady", not_ready)
         else:

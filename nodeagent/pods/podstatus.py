@@ -204,19 +204,22 @@ def compute_pod_status(pod: Pod, rs: PodRuntimeStatus, *, host_ip: str, scheme: 
                        previous: Status | None = None, terminal: bool = False,
                        probed: Mapping[str, Probed] | None = None,
                        messages: Mapping[str, str] | None = None,
-                       reason: str | None = None, message: str | None = None) -> Status:
+                       reason: str | None = None, message: str | None = None,
+                       disruption: str = "") -> Status:
     """The pod's status in API JSON form. `previous` is the last status we (or the API)
     had, for startTime, transition times and terminal phases. `terminal`: the worker
     has stopped the pod for good (deleted, or finished), so no container will restart.
     `probed`: started/ready by container id for containers with probes; `messages`:
     termination messages by container id; `reason`/`message`: the pod's own (e.g.
-    DeadlineExceeded), kept once the phase is terminal."""
+    DeadlineExceeded, Evicted), kept once the phase is terminal; `disruption`: the
+    reason of a DisruptionTarget condition the agent adds (an eviction's)."""
     spec = pod.get("spec") or {}
     previous = previous or {}
     waiting = waiting or {}
-    if previous.get("phase") in TERMINAL and not previous.get("containerStatuses") \
-            and not rs.containers:
-        # ended before any container ran (e.g. rejected by admission): it stays as it was
+    if previous.get("phase") in TERMINAL and not rs.containers:
+        # ended, and the runtime holds nothing of it (it never ran: rejected by
+        # admission; or what ran was removed since: evicted, collected): it stays as it
+        # was
         return {k: previous[k] for k in OWNED if k in previous}
     stamp = rfc3339(now)
     assert stamp is not None
@@ -328,6 +331,12 @@ def compute_pod_status(pod: Pod, rs: PodRuntimeStatus, *, host_ip: str, scheme: 
         _condition("ContainersReady", containers_ready, prev_cond, stamp, cr_reason, cr_msg),
         _condition("Ready", ready, prev_cond, stamp, ready_reason, ready_msg),
     ]
+    if disruption:  # not one of ours to compare (CONDITION_TYPES), but written with them
+        conditions.append({"type": "DisruptionTarget", "status": "True",
+                           "lastProbeTime": None,
+                           "lastTransitionTime": (prev_cond.get("DisruptionTarget") or {}).get(
+                               "lastTransitionTime") or stamp,
+                           "reason": disruption, "message": message})
     if generation is not None:
         for c in conditions:
             c["observedGeneration"] = generation

@@ -9,13 +9,14 @@ order:
     3. duplicate sandboxes stopped; a new sandbox made when none is ready
     4. containers killed (a changed definition, a failed probe)
     5. containers started: ephemeral, then the next init container, then the regular ones
-    6. old exited attempts and empty stopped sandboxes removed
-    7. the status computed from what the runtime now holds, and handed to the
+    6. the status computed from what the runtime now holds, and handed to the
        StatusManager
 
 It also stops a pod within its grace period (terminate_pod), writes its final status
-(sync_terminated) and removes what the runtime holds of a pod that is gone
-(cleanup_pod). It keeps no per-pod state; the pod workers (workers.py) say when it runs.
+(sync_terminated), removes what the node holds of a pod that was evicted
+(remove_content) or is gone (cleanup_pod). Dead containers of running pods are the
+garbage collector's (gc.py). It keeps no per-pod state; the pod workers (workers.py)
+say when it runs.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Awaitable, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +63,17 @@ from nodeagent.runtime.base import (
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class FinalStatus:
+    """How a pod the agent itself stops ends (an eviction): phase Failed with this
+    reason and message, a DisruptionTarget condition saying why, and, once stopped,
+    its containers and volumes removed (`remove_content`)."""
+    reason: str
+    message: str
+    disruption: str = ""  # the DisruptionTarget condition's reason ("": none)
+    remove_content: bool = False
+
+
 @dataclass
 class SyncResult:
     terminal: bool = False              # nothing will run again: move to terminating
@@ -82,9 +94,12 @@ class PodSyncer:
     def __init__(self, calls: RuntimeCalls, status: StatusManager, sandboxes: Sandboxes,
                  containers: Containers, volumes: VolumeManager | None,
                  probes: ProbeManager | None, events: Events | None,
-                 settings: NodePodSettings) -> None:
+                 settings: NodePodSettings,
+                 pressure: Callable[[], frozenset[str]] | None = None) -> None:
         """`volumes` None: pods with volumes are refused (its ObjectCache: the ConfigMaps
-        and Secrets pods use, watched); `probes` None: a pod with a probe is refused."""
+        and Secrets pods use, watched); `probes` None: a pod with a probe is refused;
+        `pressure`: the node's pressure conditions now (the eviction manager's), which
+        may refuse a new pod."""
         self.calls = calls
         self.runtime = calls.runtime
         self.clock = calls.clock
@@ -96,6 +111,7 @@ class PodSyncer:
         self.probes = probes
         self.events = events
         self.settings = settings
+        self.pressure = pressure
         self.node = NodeAbilities(admission=settings.admission,
                                   can_mount=self.runtime.can_mount,
                                   runtime=self.runtime.scheme, probes=probes is not None)
@@ -125,11 +141,13 @@ class PodSyncer:
             if (wait := backoff.remaining(key)) > 0:
                 left[key] = (wait, backoff.delay(key))
         running = [c for c in rs.containers if c.state == ContainerState.RUNNING]
+        pressure = self.pressure() if self.pressure is not None else frozenset()
         if self.probes is None:
-            return Verdicts(left, {}, frozenset(c.id for c in running))
+            return Verdicts(left, {}, frozenset(c.id for c in running), pressure)
         probes = self.probes
         return Verdicts(left, {c.id: k for c in running if (k := probes.kill_reason(c.id))},
-                        frozenset(c.id for c in running if probes.started(uid, c)))
+                        frozenset(c.id for c in running if probes.started(uid, c)),
+                        pressure)
 
     # --- acting ---------------------------------------------------------------------
 
@@ -187,10 +205,6 @@ class PodSyncer:
         progress.waiting.update(self._refuse(pod, refuse))
         for s in starts:
             await self.containers.start(pod, s, place, progress)
-        for cid in act.prune_containers:
-            await self.calls(self.runtime.remove_container(cid), "remove_container")
-        for sid in act.prune_sandboxes:
-            await self.calls(self.runtime.remove_sandbox(sid), "remove_sandbox")
 
         fresh = None
         if progress.started:
@@ -280,14 +294,14 @@ class PodSyncer:
 
     def _publish(self, pod: Pod, rs: PodRuntimeStatus, waiting: Mapping[str, Waiting],
                  terminal: bool = False, reason: str | None = None,
-                 message: str | None = None) -> None:
+                 message: str | None = None, disruption: str = "") -> None:
         st = compute_pod_status(pod, rs, host_ip=self.settings.host_ip,
                                 scheme=self.runtime.scheme, now=self.clock.now(),
                                 waiting=waiting, previous=self.status.previous(pod),
                                 terminal=terminal,
                                 probed=self.probes.readiness(pod, rs) if self.probes else None,
                                 messages=self.containers.messages(pod, rs),
-                                reason=reason, message=message)
+                                reason=reason, message=message, disruption=disruption)
         self.status.set_status(pod, st)
 
     def _event(self, pod: Pod, type_: str, reason: str, message: str) -> None:
@@ -323,22 +337,38 @@ class PodSyncer:
             if s.state == SandboxState.READY:
                 await self.calls(self.runtime.stop_sandbox(s.id), "stop_sandbox")
 
-    def sync_terminated(self, pod: Pod, entry: CacheEntry) -> None:
-        """Final status; a gracefully deleted API pod is then deleted for good."""
+    def sync_terminated(self, pod: Pod, entry: CacheEntry,
+                        final: FinalStatus | None = None) -> None:
+        """Final status (`final`: the agent's own ending of it); a gracefully deleted API
+        pod is then deleted for good."""
         if self.objects is not None:  # nothing will read its objects again
             self.objects.release(str(pod["metadata"]["uid"]))
         if self.probes is not None:
             self.probes.remove(pod["metadata"]["uid"])
-        self._publish(pod, entry.status, {}, terminal=True)
+        if final is None:
+            self._publish(pod, entry.status, {}, terminal=True)
+        else:
+            self._publish(pod, entry.status, {}, terminal=True, reason=final.reason,
+                          message=final.message, disruption=final.disruption)
         if (pod.get("metadata") or {}).get("deletionTimestamp"):
             self.status.finish_deletion(pod)
 
     async def cleanup_pod(self, uid: str) -> None:
-        """The pod is gone from every source: remove all its runtime objects. Each
-        removal is tried even after one failed: a container the runtime will not remove
-        (containerd 1.6 refuses one whose start was cut short while its task exists, and
-        then its sandbox too) holds back no other container, and every sandbox is still
-        stopped. The failures are raised together, for the worker to retry."""
+        """The pod is gone from every source: remove all its runtime objects and its
+        volumes, and forget it."""
+        await self.remove_content(uid)
+        self.containers.forget(uid)
+        self.status.forget(uid)
+        if self.probes is not None:
+            self.probes.remove(uid)
+
+    async def remove_content(self, uid: str) -> None:
+        """Remove what the node holds of a stopped pod: its containers, sandboxes and
+        volumes. Each removal is tried even after one failed: a container the runtime
+        will not remove (containerd 1.6 refuses one whose start was cut short while its
+        task exists, and then its sandbox too) holds back no other container, and every
+        sandbox is still stopped. The failures are raised together, for the worker to
+        retry."""
         rs = await self.calls(self.runtime.pod_status(uid), "pod_status")
         failures: list[str] = []
 
@@ -358,10 +388,6 @@ class PodSyncer:
             self.objects.release(uid)
         if self.volumes is not None:
             await self.volumes.teardown(uid)
-        self.containers.forget(uid)
-        self.status.forget(uid)
-        if self.probes is not None:
-            self.probes.remove(uid)
 
 
 def _all_running(pod: Pod, rs: PodRuntimeStatus, sandbox_id: str) -> frozenset[str]:

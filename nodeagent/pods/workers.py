@@ -30,7 +30,7 @@ from nodeagent.pods.decide import grace_of
 from nodeagent.pods.pleg import CacheEntry, PodCache
 from nodeagent.pods.podupdate import Pod, pod_full_name
 from nodeagent.pods.settings import PodTiming
-from nodeagent.pods.syncer import PodSyncer
+from nodeagent.pods.syncer import FinalStatus, PodSyncer
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +89,8 @@ class _Worker:
     kill: bool = False
     removed: bool = False
     grace: float | None = None
+    final: FinalStatus | None = None  # how the agent ends it (an eviction), if it does
+    content_removed: bool = False     # its containers and volumes are gone (final's)
     task: asyncio.Task[None] | None = None
     last_sync: float = -math.inf  # monotonic start of the last sync
     due: float = math.inf         # when a periodic or retry sync is due
@@ -169,6 +171,17 @@ class PodWorkers:
         w = self._w.get(uid)
         return w.syncs if w else 0
 
+    def active(self, uid: str) -> bool:
+        """Syncing, with no stop asked for."""
+        w = self._w.get(uid)
+        return w is not None and w.phase == Phase.SYNCING and not w.kill
+
+    def cleaned_up(self, uid: str) -> bool:
+        """Stopped, with what its final status said to remove removed (or forgotten)."""
+        w = self._w.get(uid)
+        return w is None or (w.phase == Phase.TERMINATED and (
+            w.final is None or not w.final.remove_content or w.content_removed))
+
     def saw_running(self, uid: str, container_id: str) -> bool:
         """Whether the pod's last sync ended on this sandbox or container running,
         with nothing left to do: an event saying it started needs no sync (ids are
@@ -192,7 +205,9 @@ class PodWorkers:
     # --- updates --------------------------------------------------------------------
 
     def update(self, pod: Pod, kind: UpdateKind = UpdateKind.SYNC,
-               grace: float | None = None) -> None:
+               grace: float | None = None, final: FinalStatus | None = None) -> None:
+        """`grace`: a KILL's or REMOVE's (the shortest asked for wins); `final`: a KILL's
+        final status, when the agent itself ends the pod (the first one asked for)."""
         uid = pod["metadata"]["uid"]
         w = self._w.get(uid)
         if w is None:
@@ -207,6 +222,8 @@ class PodWorkers:
             w.killed.set()
             if grace is not None:
                 w.grace = grace if w.grace is None else min(w.grace, grace)
+            if final is not None and w.final is None:
+                w.final = final
         if kind == UpdateKind.REMOVE:
             w.removed = True
         w.pending = True
@@ -320,7 +337,11 @@ class PodWorkers:
                 w.pending = True  # one more pass with fresh state for the final status
             elif w.phase == Phase.TERMINATED:
                 if not w.removed:  # a removed pod has no API object to write to
-                    self.syncer.sync_terminated(w.pod, entry)
+                    self.syncer.sync_terminated(w.pod, entry, w.final)
+                    if w.final is not None and w.final.remove_content \
+                            and not w.content_removed:
+                        await self.syncer.remove_content(w.uid)
+                        w.content_removed = True
                 if w.removed:
                     await self.syncer.cleanup_pod(w.uid)
                     self.cache.delete(w.uid)
