@@ -231,10 +231,12 @@ class LoopRig:
     def __init__(self, rt: FakeRuntime, clock: FakeClock, ready: bool = True,
                  nodes: Sequence[str] = ("n1",),
                  pod_settings: NodePodSettings | None = None,
-                 volumes: Path | None = None, first_loop: bool = True) -> None:
+                 volumes: Path | None = None, first_loop: bool = True,
+                 pressure: Callable[[str], frozenset[str]] | None = None) -> None:
         """`volumes`: the agent's root dir, to run with volumes, ConfigMaps, Secrets,
         Services and tokens from the in-memory API (a FakeMounter for tmpfs);
-        `first_loop`: make the first node's loop now (else: when it first has a pod)."""
+        `first_loop`: make the first node's loop now (else: when it first has a pod);
+        `pressure`: the nodes' pressure conditions (an eviction manager's)."""
         self.rt = rt
         self.clock = clock
         self.updates: asyncio.Queue[PodUpdate] = asyncio.Queue()
@@ -268,7 +270,7 @@ class LoopRig:
                               answered=ApiAnswered(clock), events=self.events,
                               registry=self.registry, settings=settings, cache=pleg.cache,
                               images=self.images, due_times=DueTimes(), env=env,
-                              volumes=self.volumes)
+                              volumes=self.volumes, pressure=pressure)
         self.loops = NodeLoops(NodeLoopsConfig(tuple(nodes)),
                                functools.partial(build_node_loop, shared=self.parts), pleg,
                                self.updates, self.ready, clock, self.parts.due_times,
@@ -333,6 +335,9 @@ async def started(clock: FakeClock, rt: FakeRuntime | None = None,
     return a
 
 
+HERMETIC_FS = "{fsTotal: 100Gi, fsAvailable: 50Gi, inodesTotal: 1000000, inodesFree: 900000}"
+
+
 class AgentRig:
     """The agent as its composition root builds it, on the in-memory API, the fake
     runtime and FakeClock (blocking work inline): pods reach it through the API source,
@@ -341,8 +346,10 @@ class AgentRig:
     def __init__(self, tmp_path: Path, *argv: str, health: str = "",
                  images: Sequence[str] = ("localhost/busybox:1", "localhost/pause:1"),
                  image_size: int = 5_000_000) -> None:
+        # the filesystem as measured nowhere: a full disk under the test run must not
+        # put the node under pressure (its eviction manager would refuse pods)
         self.flags = agent_flags(tmp_path, "--node-name", "n1", "--healthz-bind-address",
-                                 health, *argv)
+                                 health, "--host-overrides", HERMETIC_FS, *argv)
         # no kubelet API here (tests/test_server_*.py test it): nothing listens on 10250
         self.cfg = dataclasses.replace(config.load(self.flags, {}), port=None)
         self.clock = FakeClock()

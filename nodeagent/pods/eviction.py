@@ -583,36 +583,38 @@ class EvictionManager:
             st.last_observed[cond] = now
             st.messages[cond] = "below eviction threshold: " + ",".join(
                 u.text() for u in met if CONDITION[u.signal] == cond)
+        # observed now, or within the transition period (the kubelet's rule; a period
+        # of zero: while observed)
         st.conditions = frozenset(c for c, at in st.last_observed.items()
-                                  if now - at < s.pressure_transition_period)
+                                  if at == now or now - at < s.pressure_transition_period)
         st.met = [t for t, at in st.first_observed.items() if now - at >= t.grace_period]
-        if node is None or not st.met:
-            if node is None and st.met:
-                log.info("eviction manager: nodes without pods: %s met; nothing to evict",
-                         ",".join(t.text() for t in st.met))
+        if not st.met:
             return
-        if st.waiting is not None:
+        if node is not None and st.waiting is not None:
             uid, until = st.waiting
             if not (self.pods is None or self.pods.cleaned_up(node, uid)) and now < until:
                 return  # the last pod evicted is still being cleaned up
             st.waiting = None
         await self._act(node, st, obs, signals, usage)
 
-    async def _act(self, node: str, st: _NodeState, obs: Observations,
+    async def _act(self, node: str | None, st: _NodeState, obs: Observations,
                    signals: HostSignals, usage: Mapping[str, tuple[Pod, PodUsage]]) -> None:
         threshold = by_eviction_priority(st.met)[0]
         resource = RESOURCE[threshold.signal]
-        log.info("eviction manager: node %s: attempting to reclaim %s (%s)", node, resource,
+        who = node or "(nodes without pods)"
+        log.info("eviction manager: node %s: attempting to reclaim %s (%s)", who, resource,
                  threshold.text())
         if self.events is not None:
             self.events.warning("EvictionThresholdMet", f"Attempting to reclaim {resource}")
         if await self._reclaim_node(threshold.signal, signals):
-            obs2 = await self._observe_again(node, signals, usage)
+            obs2 = await self._observe_again(usage)
             if obs2 is not None and not thresholds_met(self.settings.thresholds, obs2,
                                                          min_reclaim=True):
                 log.info("eviction manager: node %s: reclaimed %s without evicting pods",
-                         node, resource)
+                         who, resource)
                 return
+        if node is None:
+            return  # no pod to evict
         assert self.pods is not None
         active = self.pods.active_pods(node)
         if not active:
@@ -663,8 +665,9 @@ class EvictionManager:
                 log.warning("eviction manager: node-level reclaim: %s", e)
         return True
 
-    async def _observe_again(self, node: str, signals: HostSignals,
-                             usage: Mapping[str, tuple[Pod, PodUsage]]) -> Observations | None:
+    async def _observe_again(self, usage: Mapping[str, tuple[Pod, PodUsage]]
+                             ) -> Observations | None:
+        """The signals read again after node-level reclaim (the pods' use as it was)."""
         try:
             fresh = await self.read_signals()
         except Exception as e:  # noqa: BLE001

@@ -149,14 +149,15 @@ def parse_grace_periods(spec: Any, parse_duration: Any,
                                                          "memory.available=1m30s")}
 
 
-def combine(hard: Mapping[str, Amount], soft: Mapping[str, Amount] = {},  # noqa: B006
-            grace: Mapping[str, float] = {},  # noqa: B006
-            reclaim: Mapping[str, Amount] = {},  # noqa: B006
+def combine(hard: Mapping[str, Amount], soft: Mapping[str, Amount] | None = None,
+            grace: Mapping[str, float] | None = None,
+            reclaim: Mapping[str, Amount] | None = None,
             grace_flag: str = "--eviction-soft-grace-period") -> tuple[Threshold, ...]:
     """The thresholds the eviction manager enforces: the hard ones, then the soft ones
     with their grace periods, each with its signal's minimum reclaim."""
+    grace, reclaim = grace or {}, reclaim or {}
     out = [Threshold(s, a, 0.0, reclaim.get(s)) for s, a in hard.items()]
-    for s, a in soft.items():
+    for s, a in (soft or {}).items():
         if s not in grace:
             raise ThresholdError(f"{grace_flag}: grace period must be specified for the "
                                  f"soft eviction threshold {s}")
