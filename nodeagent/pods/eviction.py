@@ -407,6 +407,8 @@ class PodsView(Protocol):
     """What the manager reads of the pod half and does through it (the sync loops,
     nodeagent.pods.loops.NodeLoops)."""
 
+    node_names: frozenset[str]  # every node of the process
+
     def nodes_with_pods(self) -> Iterable[str]: ...
 
     def pods_of(self, node: str) -> list[Pod]:
@@ -511,8 +513,8 @@ class EvictionManager:
             if node not in self.states:
                 self.states[node] = self.idle.copy()
         usage = await self._usage(signals, nodes)
-        idle_obs = self._observations(signals, {})
-        await self._node(None, self.idle, idle_obs, signals, {})
+        if self.pods is None or len(nodes) < len(self.pods.node_names):
+            await self._node(None, self.idle, self._observations(signals, {}), signals, {})
         for node in nodes:
             pods = usage.get(node, {})
             await self._node(node, self.states[node],
