@@ -153,6 +153,43 @@ def pod_usage_of(signal: str, usage: PodUsage, dedicated: bool) -> float:
 Observations = Mapping[str, tuple[float, float]]  # signal -> (available, capacity)
 
 
+@dataclasses.dataclass
+class Totals:
+    """What a node's pods use, summed, for the signals that count it (a virtual node's
+    pods write no files: their disk is their writable layers)."""
+    memory: float = 0.0
+    rootfs: float = 0.0
+    rootfs_inodes: float = 0.0
+    processes: float = 0.0
+
+    def add(self, s: ContainerStats) -> None:
+        self.memory += s.memory_working_set_bytes or 0
+        self.rootfs += s.writable_layer_bytes or 0
+        self.rootfs_inodes += s.writable_layer_inodes or 0
+        self.processes += s.processes or 0
+
+    def of(self, signal: str) -> float:
+        if signal == MEMORY:
+            return self.memory
+        if signal == PIDS:
+            return self.processes
+        return self.rootfs_inodes if signal in COUNTED else self.rootfs
+
+
+def observations(signals: HostSignals, totals: Totals) -> dict[str, tuple[float, float]]:
+    """Each signal's (available, capacity) for one node."""
+    return {signal: (r.available if r.available is not None
+                     else r.capacity - totals.of(signal), r.capacity)
+            for signal, r in signals.readings.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Round:
+    """What a round read once for all nodes."""
+    signals: HostSignals
+    measured: Mapping[str, ContainerStats] | None  # the runtime's stats, when read
+
+
 def thresholds_met(thresholds: Iterable[Threshold], obs: Observations,
                    min_reclaim: bool = False) -> list[Threshold]:
     """The thresholds whose signal is below them; with `min_reclaim`, below them plus
@@ -512,36 +549,28 @@ class EvictionManager:
         for node in nodes:
             if node not in self.states:
                 self.states[node] = self.idle.copy()
-        usage = await self._usage(signals, nodes)
+        # the runtime's stats, once for all nodes, when a signal counts the pods' use
+        counted = any(r.available is None for r in signals.readings.values())
+        measured = await self._container_stats() if counted and nodes else None
+        round_ = _Round(signals, measured)
         if self.pods is None or len(nodes) < len(self.pods.node_names):
-            await self._node(None, self.idle, self._observations(signals, {}), signals, {})
-        for node in nodes:
-            pods = usage.get(node, {})
-            await self._node(node, self.states[node],
-                             self._observations(signals, pods), signals, pods)
+            await self._node(None, self.idle, round_, Totals())
+        for i, node in enumerate(nodes):
+            totals = self._totals(node, measured) if counted else Totals()
+            await self._node(node, self.states[node], round_, totals)
+            if i % 100 == 99:
+                await asyncio.sleep(0)  # thousands of nodes: the event loop runs between
 
-    def _observations(self, signals: HostSignals,
-                      pods: Mapping[str, tuple[Pod, PodUsage]]) -> dict[str, tuple[float, float]]:
-        obs = {}
-        for signal, r in signals.readings.items():
-            if r.available is not None:
-                obs[signal] = (r.available, r.capacity)
-            else:
-                used = sum(pod_usage_of(signal, u, signals.imagefs_dedicated)
-                           for _, u in pods.values())
-                obs[signal] = (r.capacity - used, r.capacity)
-        return obs
-
-    async def _usage(self, signals: HostSignals, nodes: Sequence[str]
-                     ) -> dict[str, dict[str, tuple[Pod, PodUsage]]]:
-        """node -> uid -> (pod, what it uses, from the runtime's stats): read only when
-        a signal counts the pods (once for all nodes)."""
-        if self.pods is None or all(r.available is not None
-                                    for r in signals.readings.values()):
-            return {}
-        measured = await self._container_stats()
-        return {node: {str(p["metadata"]["uid"]): (p, self._stats_usage(p, measured or {}))
-                       for p in self.pods.pods_of(node)} for node in nodes}
+    def _totals(self, node: str, measured: Mapping[str, ContainerStats] | None) -> Totals:
+        """What the node's pods use, summed from the runtime's stats."""
+        assert self.pods is not None
+        t = Totals()
+        for pod in self.pods.pods_of(node):
+            for cid, _ in self.pods.running_containers(pod):
+                st = (measured or {}).get(cid)
+                if st is not None:
+                    t.add(st)
+        return t
 
     async def _container_stats(self) -> dict[str, ContainerStats] | None:
         """The runtime's stats by container id; None when it cannot measure."""
@@ -571,11 +600,12 @@ class EvictionManager:
             processes += s.processes or 0
         return PodUsage(containers, processes=processes)
 
-    async def _node(self, node: str | None, st: _NodeState, obs: Observations,
-                    signals: HostSignals, usage: Mapping[str, tuple[Pod, PodUsage]]) -> None:
+    async def _node(self, node: str | None, st: _NodeState, round_: _Round,
+                    totals: Totals) -> None:
         """One node's round (`node` None: the nodes without pods, which share `st`)."""
         s = self.settings
         now = self.clock.monotonic()
+        obs = observations(round_.signals, totals)
         met = thresholds_met(s.thresholds, obs)
         if st.met:  # met before, and not yet reclaimed beyond their minimum
             met += [t for t in thresholds_met(st.met, obs, min_reclaim=True) if t not in met]
@@ -597,10 +627,11 @@ class EvictionManager:
             if not (self.pods is None or self.pods.cleaned_up(node, uid)) and now < until:
                 return  # the last pod evicted is still being cleaned up
             st.waiting = None
-        await self._act(node, st, obs, signals, usage)
+        await self._act(node, st, obs, round_, totals)
 
     async def _act(self, node: str | None, st: _NodeState, obs: Observations,
-                   signals: HostSignals, usage: Mapping[str, tuple[Pod, PodUsage]]) -> None:
+                   round_: _Round, totals: Totals) -> None:
+        signals = round_.signals
         threshold = by_eviction_priority(st.met)[0]
         resource = RESOURCE[threshold.signal]
         who = node or "(nodes without pods)"
@@ -609,7 +640,7 @@ class EvictionManager:
         if self.events is not None:
             self.events.warning("EvictionThresholdMet", f"Attempting to reclaim {resource}")
         if await self._reclaim_node(threshold.signal, signals):
-            obs2 = await self._observe_again(usage)
+            obs2 = await self._observe_again(totals)
             if obs2 is not None and not thresholds_met(self.settings.thresholds, obs2,
                                                          min_reclaim=True):
                 log.info("eviction manager: node %s: reclaimed %s without evicting pods",
@@ -623,7 +654,7 @@ class EvictionManager:
             log.warning("eviction manager: node %s: thresholds met, but no pods are active "
                         "to evict", node)
             return
-        candidates = await self._candidates(threshold.signal, active, signals, usage)
+        candidates = await self._candidates(threshold.signal, active, round_)
         for c in rank(threshold.signal, candidates, signals.imagefs_dedicated):
             if is_critical(c.pod):
                 log.warning("eviction manager: cannot evict a critical pod %s",
@@ -667,33 +698,29 @@ class EvictionManager:
                 log.warning("eviction manager: node-level reclaim: %s", e)
         return True
 
-    async def _observe_again(self, usage: Mapping[str, tuple[Pod, PodUsage]]
-                             ) -> Observations | None:
+    async def _observe_again(self, totals: Totals) -> Observations | None:
         """The signals read again after node-level reclaim (the pods' use as it was)."""
         try:
             fresh = await self.read_signals()
         except Exception as e:  # noqa: BLE001
             log.warning("eviction manager: cannot read the host after reclaim: %s", e)
             return None
-        return self._observations(fresh, usage)
+        return observations(fresh, totals)
 
-    async def _candidates(self, signal: str, pods: Sequence[Pod], signals: HostSignals,
-                          usage: Mapping[str, tuple[Pod, PodUsage]]) -> list[Candidate]:
+    async def _candidates(self, signal: str, pods: Sequence[Pod],
+                          round_: _Round) -> list[Candidate]:
         """The pods with what they use of the signal's resource: the runtime's stats,
         and for disk their files on nodefs (walked off the event loop)."""
         assert self.pods is not None
         pv = self.pods
-        if usage:
-            measured_ok = not self._stats_unsupported
-            base = {uid: u for uid, (_, u) in usage.items()}
-        else:
+        measured = round_.measured
+        if measured is None:  # not read this round: no signal counted the pods
             measured = await self._container_stats()
-            measured_ok = measured is not None
-            base = {str(p["metadata"]["uid"]): self._stats_usage(p, measured or {})
-                    for p in pods}
+        base = {str(p["metadata"]["uid"]): self._stats_usage(p, measured or {})
+                for p in pods}
         if signal in (MEMORY, PIDS):
-            return [Candidate(p, base.get(str(p["metadata"]["uid"]), PodUsage())
-                              if measured_ok else None) for p in pods]
+            return [Candidate(p, base[str(p["metadata"]["uid"])] if measured is not None
+                              else None) for p in pods]
         files = [(p, self.files(p), [n for _, n in pv.running_containers(p)]) for p in pods]
 
         def measure() -> list[tuple[dict[str, tuple[float, float]], tuple[float, float]]]:
@@ -701,7 +728,7 @@ class EvictionManager:
         walked = await asyncio.to_thread(measure)
         out = []
         for (p, _, names), (logs, (vol, vol_inodes)) in zip(files, walked, strict=True):
-            u = base.get(str(p["metadata"]["uid"]), PodUsage())
+            u = base[str(p["metadata"]["uid"])]
             containers = {}
             for name in set(names) | set(u.containers):
                 c = u.containers.get(name, ContainerUsage())

@@ -114,6 +114,8 @@ class FakeRuntime(Runtime):
         self._ips = itertools.count(2)
         self._log_dirs: dict[str, str] = {}  # sandbox id -> its log directory
         self.scripts: dict[str, Script] = {}  # container id -> its pod's script for it
+        # running container id -> its scripted usage, constant while it runs
+        self._usage: dict[str, ContainerStats] = {}
         self._exits: list[tuple[float, str]] = []  # (monotonic time, container id) heap
         # open event streams; None in one wakes it (a new scripted exit to wait for)
         self._streams: list[asyncio.Queue[ContainerEvent | BaseException | None]] = []
@@ -183,6 +185,7 @@ class FakeRuntime(Runtime):
 
     def _finish(self, c: Container, code: int, reason: str,
                 at: dt.datetime | None = None) -> None:
+        self._usage.pop(c.id, None)
         c.state = ContainerState.EXITED
         c.exit_code = code
         c.reason = reason
@@ -314,6 +317,7 @@ class FakeRuntime(Runtime):
             if c.sandbox_id == sandbox_id:
                 self._forget(uid, cid)
                 del self.containers[cid]
+                self._usage.pop(cid, None)
                 self._event(ContainerEventType.REMOVED, uid, cid)
         del self.sandboxes[sandbox_id]
         self._event(ContainerEventType.REMOVED, uid, sandbox_id)
@@ -378,6 +382,10 @@ class FakeRuntime(Runtime):
             raise ContainerRuntimeError(f"fake: start_container {c.name}: {script.fail_start}")
         c.state = ContainerState.RUNNING
         c.started_at = self.clock.now()
+        self._usage[c.id] = ContainerStats(
+            container_id=c.id, timestamp=c.started_at, memory_working_set_bytes=script.memory,
+            memory_usage_bytes=script.memory, writable_layer_bytes=script.disk,
+            writable_layer_inodes=1 if script.disk else 0, processes=script.processes)
         self._event(ContainerEventType.STARTED, c.pod_uid, c.id, c.started_at)
         self.write_log(c.id, f"fake runtime: container {c.name} started (image {c.image}); "
                              "nothing runs in a fake container")
@@ -411,6 +419,7 @@ class FakeRuntime(Runtime):
         c = self.containers.pop(container_id, None)
         self.configs.pop(container_id, None)
         self.scripts.pop(container_id, None)
+        self._usage.pop(container_id, None)
         if c is not None:
             self._forget(c.pod_uid, container_id)
             self._event(ContainerEventType.REMOVED, c.pod_uid, container_id)
@@ -514,20 +523,11 @@ class FakeRuntime(Runtime):
 
     async def container_stats(self) -> list[ContainerStats]:
         """The usage the pods' annotations script (runtime/script.py): memory, disk,
-        processes; none scripted, a container uses no memory, no disk, one process."""
+        processes, the same from the container's start (its stats are stamped then);
+        none scripted, a container uses no memory, no disk, one process."""
         self._call("container_stats")
         self._scripted_exits()
-        now = self.clock.now()
-        idle = Script()
-        out = []
-        for c in self.containers.values():
-            if c.state == ContainerState.RUNNING:
-                s = self.scripts.get(c.id, idle)
-                out.append(ContainerStats(
-                    container_id=c.id, timestamp=now, memory_working_set_bytes=s.memory,
-                    memory_usage_bytes=s.memory, writable_layer_bytes=s.disk,
-                    writable_layer_inodes=1 if s.disk else 0, processes=s.processes))
-        return out
+        return list(self._usage.values())
 
 
 def _image_id(ref: str) -> str:
