@@ -269,12 +269,13 @@ class GarbageCollector:
             containers, sandboxes = plan_containers(result, states, self.clock.now(),
                                                     self.settings, reclaim)
             failures = []
+            removed = 0
             for c in containers:
                 try:
                     if c.state == ContainerState.UNKNOWN:  # stopped first, as the kubelet
                         await self.runtime.stop_container(c.id, 0)
                     await self.runtime.remove_container(c.id)
-                    self.removed_containers += 1
+                    removed += 1
                 except ContainerRuntimeError as e:
                     failures.append(f"container {c.id}: {e}")
             for sid in sandboxes:
@@ -283,12 +284,13 @@ class GarbageCollector:
                     await self.runtime.remove_sandbox(sid)
                 except ContainerRuntimeError as e:
                     failures.append(f"sandbox {sid}: {e}")
+            self.removed_containers += removed
             if containers or sandboxes:
-                log.info("garbage collection: removed %d dead container(s), %d sandbox(es)",
-                         len(containers) - len(failures), len(sandboxes))
+                log.info("garbage collection: removed %d dead container(s) and %d stopped "
+                         "sandbox(es)", removed, len(sandboxes))
             if failures:
                 raise ContainerRuntimeError("; ".join(failures))
-            return len(containers)
+            return removed
 
     async def remove_dead_containers(self) -> None:
         """Node-level reclaim: every dead container the policy allows and those of
