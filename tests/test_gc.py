@@ -134,6 +134,9 @@ class ImageRig:
     def pod_states(self) -> dict[str, str]:
         return self.pods
 
+    def last_relist(self) -> RelistResult | None:
+        return None  # images only here
+
     async def listed(self) -> None:
         """The periodic image list the node status reads, seen by the collector."""
         self.gc.images_listed(await self.rt.list_images())

@@ -71,9 +71,11 @@ async def test_crash_restarts_with_doubling_backoff() -> None:
     # old attempts stay until the garbage collector's round; then the running one and
     # the newest exited one (its lastState, `logs --previous`) remain
     assert len(a.rt.find("u1", "c")) == 5
+    relists = a.rt.calls["relist"]
     assert await GarbageCollector(a.rt, clock, GcSettings(), pods=a.loops
                                   ).collect_containers() == 3
     assert [c.attempt for c in a.rt.find("u1", "c")] == [3, 4]
+    assert a.rt.calls["relist"] == relists  # the PLEG's last relist did
     await a.loops.stop()
 
 

@@ -201,6 +201,9 @@ class PodStates(Protocol):
     def pod_states(self) -> dict[str, str]:
         """uid -> ACTIVE or TERMINATED."""
 
+    def last_relist(self) -> RelistResult | None:
+        """What the PLEG's last relist found (None: none yet)."""
+
 
 ImageFs = Callable[[], Awaitable[tuple[float, float] | None]]  # (capacity, available)
 
@@ -264,7 +267,11 @@ class GarbageCollector:
         if self.pods is None:
             return 0
         async with self._lock:
-            result = await self.runtime.relist()
+            # the PLEG's last relist will do for the periodic collection (what died
+            # since waits for the next one); node-level reclaim wants what is there now
+            result = await self.runtime.relist() if reclaim else self.pods.last_relist()
+            if result is None:
+                return 0
             states = self.pods.pod_states()
             containers, sandboxes = plan_containers(result, states, self.clock.now(),
                                                     self.settings, reclaim)

@@ -264,6 +264,9 @@ class NodeLoops:
         loop = self.loops.get(node)
         return loop is None or loop.workers.cleaned_up(uid)
 
+    def last_relist(self) -> RelistResult | None:
+        return self.pleg.last_result
+
     def pod_states(self) -> dict[str, str]:
         """uid -> ACTIVE or TERMINATED for every pod a loop knows."""
         out = {}
