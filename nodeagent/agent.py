@@ -41,7 +41,7 @@ from nodeagent.config import VIRTUAL_LABEL, AgentConfig, ConfigError, load
 from nodeagent.events import Events
 from nodeagent.node.controller import NodeController, NodeControllerConfig, NodeSpec
 from nodeagent.node.heartbeatmetrics import node_metrics
-from nodeagent.node.host import HostProbe, HostReadError, HostReadings
+from nodeagent.node.host import FsUsage, HostProbe, HostReadError, HostReadings, filesystem
 from nodeagent.node.lease import LeaseRenewer
 from nodeagent.node.nodewatch import NodeWatch
 from nodeagent.node.scheduler import Blocking, DueScheduler, inline
@@ -60,6 +60,14 @@ from nodeagent.pods.cgroups import (
 from nodeagent.pods.containers import Containers
 from nodeagent.pods.dns import DnsSettings
 from nodeagent.pods.env import EnvResolver
+from nodeagent.pods.eviction import (
+    EvictionManager,
+    EvictionSettings,
+    HostSignals,
+    Reading,
+    pod_files,
+)
+from nodeagent.pods.gc import GarbageCollector, GcSettings
 from nodeagent.pods.handlers import Actions
 from nodeagent.pods.hooks import Hooks
 from nodeagent.pods.images import ImageManager, PullSettings
@@ -80,6 +88,14 @@ from nodeagent.pods.sources.merge import Merge
 from nodeagent.pods.sources.mirror import MirrorManager
 from nodeagent.pods.sources.problems import Problems
 from nodeagent.pods.syncer import PodSyncer
+from nodeagent.pods.thresholds import (
+    IMAGEFS,
+    IMAGEFS_INODES,
+    MEMORY,
+    NODEFS,
+    NODEFS_INODES,
+    PIDS,
+)
 from nodeagent.pods.volumes import HostMounter, TokenManager, VolumeManager
 from nodeagent.pods.workers import DueTimes, PodWorkers
 from nodeagent.runtime import ContainerRuntimeError, Runtime, make_runtime, socket_path
@@ -104,10 +120,56 @@ TICKS_PER_STATUS_TURN = 16
 
 
 def status_settings(cfg: AgentConfig) -> StatusSettings:
-    return StatusSettings(max_pods=cfg.max_pods, thresholds=cfg.eviction_hard,
+    # what the hard eviction thresholds hold back of allocatable, as the kubelet's
+    held = {resource: (amount.value or 0.0, amount.percent or 0.0)
+            for signal, resource in (("memory.available", "memory"),
+                                     ("nodefs.available", "ephemeral-storage"))
+            if (amount := cfg.eviction_hard.get(signal)) is not None}
+    return StatusSettings(max_pods=cfg.max_pods, eviction_held=held,
                           system_reserved=dict(cfg.system_reserved),
                           max_images=cfg.heartbeat.maxImagesInStatus,
                           agent_version=f"v{__version__}-nodepulse")  # semver: tools parse it
+
+
+def eviction_settings(cfg: AgentConfig) -> EvictionSettings:
+    return EvictionSettings(thresholds=cfg.eviction_thresholds,
+                            max_pod_grace_period=cfg.eviction_max_pod_grace_period,
+                            pressure_transition_period=cfg.eviction_pressure_transition_period)
+
+
+def gc_settings(cfg: AgentConfig) -> GcSettings:
+    return GcSettings(image_high_percent=cfg.image_gc_high_threshold,
+                      image_low_percent=cfg.image_gc_low_threshold,
+                      image_min_age=cfg.image_minimum_gc_age,
+                      container_min_age=cfg.minimum_container_ttl_duration,
+                      max_per_container=cfg.maximum_dead_containers_per_container,
+                      max_containers=cfg.maximum_dead_containers)
+
+
+def host_signals(r: HostReadings, cfg: AgentConfig, nodefs: FsUsage,
+                 imagefs: FsUsage | None) -> HostSignals:
+    """The eviction manager's signals from one host reading. A node whose resource is
+    not the host's own counts its pods' use of it instead (Reading.available None):
+    virtual nodes, for all of them; a node given its memory in hostOverrides (and not
+    what is available of it), for memory. `imagefs`: the runtime's image filesystem
+    (None: it keeps none; the signals are then nodefs')."""
+    own = not cfg.virtual
+    o = cfg.host_overrides
+    own_memory = own and ("memoryTotal" not in o or "memoryAvailable" in o)
+    readings = {
+        MEMORY: Reading(r.memoryTotal, r.memoryAvailable if own_memory else None),
+        NODEFS: Reading(r.fsTotal, r.fsAvailable if own else None),
+        NODEFS_INODES: Reading(r.inodesTotal, r.inodesFree if own else None),
+        PIDS: Reading(r.pidMax, max(0, r.pidMax - r.pidsRunning) if own else None),
+    }
+    dedicated = own and imagefs is not None and imagefs.device != nodefs.device
+    if dedicated:
+        assert imagefs is not None
+        readings[IMAGEFS] = Reading(imagefs.total, imagefs.available)
+        readings[IMAGEFS_INODES] = Reading(imagefs.inodes, imagefs.inodes_free)
+    else:
+        readings[IMAGEFS], readings[IMAGEFS_INODES] = readings[NODEFS], readings[NODEFS_INODES]
+    return HostSignals(readings, imagefs_dedicated=dedicated)
 
 
 class SharedReadings:
@@ -137,6 +199,14 @@ class SharedReadings:
         if isinstance(value, HostReadError):
             raise value
         return value
+
+
+async def image_fs(read_signals: Callable[[], Awaitable[HostSignals]]
+                   ) -> tuple[float, float] | None:
+    """(capacity, available) of the image filesystem, for the image collector; None for
+    virtual nodes (their images are not the host's)."""
+    r = (await read_signals()).readings[IMAGEFS]
+    return None if r.available is None else (r.capacity, r.available)
 
 
 def node_specs(cfg: AgentConfig) -> list[NodeSpec]:
@@ -289,6 +359,8 @@ class PodParts:
     # Secrets pods use
     volumes: VolumeManager | None = None
     timing: PodTiming = PodTiming()
+    # node -> its pressure conditions now (the eviction manager's; None: never any)
+    pressure: Callable[[str], frozenset[str]] | None = None
 
 
 def build_node_loop(node: str, shared: PodParts) -> SyncLoop:
@@ -297,7 +369,8 @@ def build_node_loop(node: str, shared: PodParts) -> SyncLoop:
     p, t = shared, shared.timing
     settings = dataclasses.replace(p.settings, node_name=node)
     admission = NodeAdmission(node, settings.admission, functools.partial(p.node_info, node),
-                              p.runs, p.events)
+                              p.runs, p.events,
+                              functools.partial(p.pressure, node) if p.pressure else None)
     calls = RuntimeCalls(p.runtime, p.clock, t.call_timeout)
     status = StatusManager(p.kube, p.clock, answered=p.answered, node=node,
                            registry=p.registry)
@@ -408,7 +481,8 @@ class Agent:
             status_call=inline if cfg.virtual else Blocking(self.pools.status),
             renewals=self.renewals,
             ticker=self.ticker, answered=self.answered, uids=self.uids,
-            images=self.pods.images, readiness=self.pods.readiness, legacy=cfg.legacy,
+            images=self.pods.images, readiness=self.pods.readiness,
+            pressure=self.eviction.pressure, legacy=cfg.legacy,
             started_together=cfg.virtual)
         self.watch: NodeWatch | None = None
         self.health: HealthServer | None = None
@@ -484,24 +558,55 @@ class Agent:
                               settings=PullSettings(serialize=cfg.serialize_image_pulls,
                                                     max_parallel=cfg.max_parallel_image_pulls,
                                                     present_events=workloads))
+        # eviction and garbage collection: the host read once a round for every node
+        read_signals = self._signals_reader(runtime)
+        self.gc = GarbageCollector(runtime, clock, gc_settings(cfg),
+                                   image_fs=functools.partial(image_fs, read_signals),
+                                   events=events)
+        self.eviction = EvictionManager(
+            eviction_settings(cfg), clock, read_signals,
+            runtime.container_stats, reclaimer=self.gc, events=events,
+            files=functools.partial(pod_files, log_root=settings.log_root,
+                                    pods_dir=settings.pods_dir))
         shared = PodParts(runtime=runtime, clock=clock, kube=kube, answered=self.answered,
                           events=events, registry=registry, settings=settings, cache=cache,
                           runs=pleg.runs,
                           images=images, due_times=DueTimes(), volumes=volumes,
                           env=EnvResolver(objects, services, allocatable),
                           node_info=node_info, cgroups=self.cgroups,
+                          pressure=self.eviction.conditions,
                           timing=PodTiming(sync_frequency=cfg.sync_frequency))
         loops = NodeLoops(NodeLoopsConfig(cfg.node_names),
                           functools.partial(build_node_loop, shared=shared), pleg,
                           merge.updates, merge.ready, clock, shared.due_times, volumes,
                           self.cgroups)
         objects.on_change = loops.objects_changed
+        self.eviction.pods = self.gc.pods = loops
         rotation = LogRotation(runtime, functools.partial(running_logs, cache), clock,
                                max_size=cfg.container_log_max_size,
                                max_files=cfg.container_log_max_files)
         # every container's environment has the `kubernetes` Service: watched from the start
-        return Pods(runtime, clock, loops, sources, background=(services, rotation),
-                    shared=(images, objects, services))
+        return Pods(runtime, clock, loops, sources,
+                    background=(services, rotation, self.eviction, self.gc),
+                    shared=(images, objects, services), on_images=self.gc.images_listed)
+
+    def _signals_reader(self, runtime: Runtime) -> Callable[[], Awaitable[HostSignals]]:
+        """The eviction manager's reading of the host: the runtime's image filesystem,
+        then the host itself and the filesystems, on a thread."""
+        async def read() -> HostSignals:
+            try:
+                info = await runtime.image_fs_info()
+                where = info.mountpoint or None
+            except ContainerRuntimeError:  # it keeps none, or cannot say now: nodefs
+                where = None
+
+            def blocking() -> HostSignals:
+                nodefs = filesystem(self.cfg.root_dir)
+                imagefs = filesystem(where) if where else None
+                return host_signals(self.probe.read(), self.cfg, nodefs, imagefs)
+            return await asyncio.get_running_loop().run_in_executor(self.pools.status,
+                                                                    blocking)
+        return read
 
     # -- nodes --
     def add_node(self, spec: NodeSpec,
@@ -559,7 +664,12 @@ class Agent:
         except ConfigError as e:
             log.warning("config file changed but was refused; keeping the last good one: %s", e)
             return
-        live = ("eviction_hard", "host_overrides", "system_reserved", "max_pods")
+        live = ("eviction_hard", "eviction_soft", "eviction_soft_grace_period",
+                "eviction_minimum_reclaim", "eviction_max_pod_grace_period",
+                "eviction_pressure_transition_period", "image_gc_high_threshold",
+                "image_gc_low_threshold", "image_minimum_gc_age",
+                "minimum_container_ttl_duration", "maximum_dead_containers_per_container",
+                "maximum_dead_containers", "host_overrides", "system_reserved", "max_pods")
         # Every other setting is read once at start.
         changed = [f.name for f in dataclasses.fields(cfg)
                    if f.name not in live and getattr(cfg, f.name) != getattr(self.cfg, f.name)]
@@ -571,8 +681,13 @@ class Agent:
                                             runtime_version=self.settings.runtime_version)
         for node in self.nodes.values():
             node.settings = self.settings
+        # the new thresholds act now, not a period later
+        self.eviction.settings = eviction_settings(self.cfg)
+        self.eviction.kick()
+        self.gc.settings = gc_settings(self.cfg)
+        self.gc.kick()
         log.info("config file reloaded: eviction thresholds %s",
-                 ",".join(t.text() for t in self.cfg.eviction_hard))
+                 ",".join(t.text() for t in self.cfg.eviction_thresholds) or "none")
 
     # -- run --
     async def run(self, stop: asyncio.Event) -> None:

@@ -28,12 +28,20 @@ from nodeagent import kubeletconfig
 from nodeagent.api.policy import Heartbeat, PolicyError, parse_heartbeat
 from nodeagent.api.quantity import QuantityError, parse_quantity
 from nodeagent.node.host import parse_overrides
-from nodeagent.node.thresholds import Threshold, parse_thresholds
 from nodeagent.pods.admission import check_unsafe_sysctls
+from nodeagent.pods.thresholds import (
+    DEFAULT_HARD,
+    Amount,
+    Threshold,
+    ThresholdError,
+    combine,
+    parse_grace_periods,
+    parse_minimum_reclaims,
+    parse_thresholds,
+)
 from nodeagent.runtime import socket_path
 
 ENV_PREFIX = "NODEPULSE_"
-DEFAULT_EVICTION_HARD = "memory.available<100Mi,nodefs.available<10%,pid.available<5%"
 VIRTUAL_LABEL = "nodepulse.dev/virtual"
 VIRTUAL_TAINT = {"key": VIRTUAL_LABEL, "value": "true", "effect": "NoSchedule"}
 MAX_VIRTUAL_NODES = 100000
@@ -53,7 +61,20 @@ class AgentConfig:
     max_pods: int = 110
     heartbeat: Heartbeat = Heartbeat()
     heartbeat_mode: str = "efficient"
-    eviction_hard: tuple[Threshold, ...] = ()
+    # eviction (nodeagent.pods.eviction): signal -> amount; grace periods in seconds
+    eviction_hard: Mapping[str, Amount] = dataclasses.field(default_factory=dict)
+    eviction_soft: Mapping[str, Amount] = dataclasses.field(default_factory=dict)
+    eviction_soft_grace_period: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    eviction_minimum_reclaim: Mapping[str, Amount] = dataclasses.field(default_factory=dict)
+    eviction_max_pod_grace_period: int = 0  # negative: the pod's own grace period
+    eviction_pressure_transition_period: float = 300.0
+    # garbage collection (nodeagent.pods.gc)
+    image_gc_high_threshold: int = 85  # percent of the image filesystem
+    image_gc_low_threshold: int = 80
+    image_minimum_gc_age: float = 120.0
+    minimum_container_ttl_duration: float = 0.0
+    maximum_dead_containers_per_container: int = 1
+    maximum_dead_containers: int = -1  # negative: no limit
     system_reserved: Mapping[str, float] = dataclasses.field(default_factory=dict)
     node_labels: Mapping[str, str] = dataclasses.field(default_factory=dict)
     node_ips: tuple[str, ...] = ()
@@ -126,6 +147,13 @@ class AgentConfig:
     @property
     def legacy(self) -> bool:
         return self.heartbeat_mode == "legacy"
+
+    @property
+    def eviction_thresholds(self) -> tuple[Threshold, ...]:
+        """The hard and soft thresholds, with their grace periods and minimum reclaims
+        (checked when the settings were loaded)."""
+        return combine(self.eviction_hard, self.eviction_soft,
+                       self.eviction_soft_grace_period, self.eviction_minimum_reclaim)
 
     @property
     def virtual(self) -> bool:
@@ -255,9 +283,23 @@ def _reserved(value: Any, where: str) -> dict[str, float]:
     return out
 
 
-def _thresholds(value: Any, where: str) -> tuple[Threshold, ...]:
+def _thresholds(value: Any, where: str) -> dict[str, Amount]:
     try:
         return parse_thresholds(value, where)
+    except QuantityError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _reclaims(value: Any, where: str) -> dict[str, Amount]:
+    try:
+        return parse_minimum_reclaims(value, where)
+    except QuantityError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _grace_periods(value: Any, where: str) -> dict[str, float]:
+    try:
+        return parse_grace_periods(value, parse_duration, where)
     except QuantityError as e:
         raise ConfigError(str(e)) from None
 
@@ -530,7 +572,40 @@ OPTIONS: tuple[Option, ...] = (
            "efficient (Lease + status on change) or legacy (full status every period, "
            "no Lease; for comparison only)"),
     Option("eviction_hard", "eviction-hard", "evictionHard", _thresholds,
-           f"pressure thresholds ({DEFAULT_EVICTION_HARD})"),
+           f"thresholds that, once met, evict pods at once ({DEFAULT_HARD}); 0%% and "
+           "100%% are ignored"),
+    Option("eviction_soft", "eviction-soft", "evictionSoft", _thresholds,
+           "thresholds that evict pods once met for their grace period, e.g. "
+           "memory.available<1.5Gi"),
+    Option("eviction_soft_grace_period", "eviction-soft-grace-period",
+           "evictionSoftGracePeriod", _grace_periods,
+           "how long each soft threshold must hold, e.g. memory.available=1m30s"),
+    Option("eviction_minimum_reclaim", "eviction-minimum-reclaim", "evictionMinimumReclaim",
+           _reclaims, "what is reclaimed beyond a threshold once it is met, e.g. "
+                      "imagefs.available=2Gi"),
+    Option("eviction_max_pod_grace_period", "eviction-max-pod-grace-period",
+           "evictionMaxPodGracePeriod", _int(-(2**31), 2**31 - 1),
+           "most seconds a pod evicted for a soft threshold is given to stop (0; "
+           "negative: its own terminationGracePeriodSeconds)"),
+    Option("eviction_pressure_transition_period", "eviction-pressure-transition-period",
+           "evictionPressureTransitionPeriod", parse_duration,
+           "how long a pressure condition stays True after its threshold was last met (5m)"),
+    Option("image_gc_high_threshold", "image-gc-high-threshold", "imageGCHighThresholdPercent",
+           _int(0, 100), "image filesystem usage (percent) at which unused images are "
+                         "removed (85; 100 turns image garbage collection off)"),
+    Option("image_gc_low_threshold", "image-gc-low-threshold", "imageGCLowThresholdPercent",
+           _int(0, 100), "... down to this usage (80)"),
+    Option("image_minimum_gc_age", "minimum-image-ttl-duration", "imageMinimumGCAge",
+           parse_duration, "an unused image younger than this is kept (2m)"),
+    Option("minimum_container_ttl_duration", "minimum-container-ttl-duration", None,
+           parse_duration, "a dead container younger than this is kept (0s)"),
+    Option("maximum_dead_containers_per_container", "maximum-dead-containers-per-container",
+           None, _int(-(2**31), 2**31 - 1),
+           "dead instances kept of each container (1: the one `kubectl logs --previous` "
+           "reads; negative: no limit)"),
+    Option("maximum_dead_containers", "maximum-dead-containers", None,
+           _int(-(2**31), 2**31 - 1),
+           "dead containers kept on the node in all (-1: no limit)"),
     Option("system_reserved", "system-reserved", "systemReserved", _reserved,
            "resources held back from allocatable for the system, e.g. "
            "cpu=100m,memory=256Mi,pid=1000"),
@@ -833,12 +908,11 @@ def load_with_notes(flags: Mapping[str, Any], env: Mapping[str, str] | None = No
             msg = msg.replace(f"heartbeat.{name}", where)
         raise ConfigError(msg.replace("heartbeat.", "setting ")) from None
     if "eviction_hard" not in values:
-        values["eviction_hard"] = parse_thresholds(DEFAULT_EVICTION_HARD)
+        values["eviction_hard"] = parse_thresholds(DEFAULT_HARD)
     elif values.pop("merge_default_eviction_settings", False):
-        named = {t.signal for t in values["eviction_hard"]}
-        values["eviction_hard"] += tuple(t for t in parse_thresholds(DEFAULT_EVICTION_HARD)
-                                         if t.signal not in named)
+        values["eviction_hard"] = {**parse_thresholds(DEFAULT_HARD), **values["eviction_hard"]}
     values.pop("merge_default_eviction_settings", None)
+    _check_eviction(values)
     _kubelet_settings(values, notes)
     count = values.pop("virtual_nodes", 0)
     prefix = values.pop("node_name_prefix", None)
@@ -942,6 +1016,20 @@ def _kubelet_settings(values: dict[str, Any], notes: list[str]) -> None:
                                if ip not in ("0.0.0.0", "::"))  # the kubelet's: detect
     values.setdefault("cert_dir", str(Path(values.get("root_dir") or
                                            AgentConfig.root_dir) / "pki"))
+
+
+def _check_eviction(values: Mapping[str, Any]) -> None:
+    try:
+        combine(values["eviction_hard"], values.get("eviction_soft", {}),
+                values.get("eviction_soft_grace_period", {}),
+                values.get("eviction_minimum_reclaim", {}))
+    except ThresholdError as e:
+        raise ConfigError(str(e)) from None
+    high = values.get("image_gc_high_threshold", 85)
+    low = values.get("image_gc_low_threshold", 80)
+    if low >= high:
+        raise ConfigError(f"--image-gc-low-threshold ({low}) must be less than "
+                          f"--image-gc-high-threshold ({high})")
 
 
 def _check_serving(values: Mapping[str, Any]) -> None:

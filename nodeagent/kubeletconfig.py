@@ -99,9 +99,6 @@ NO_CGROUPS = ("the agent puts no program of the node (itself, the runtime, the s
               "in a cgroup of its own")
 NO_RESERVED_CGROUPS = ("the system-reserved and kube-reserved cgroups are not limited: "
                        "enforceNodeAllocatable limits kubepods only")
-NO_EVICTION = ("the agent does not evict pods; evictionHard sets its pressure conditions "
-               "(the scheduler and the taint manager act on them)")
-NO_IMAGE_GC = "the agent removes no images (disk pressure shows in NodeStatus)"
 NO_LIMIT = "the agent does not rate-limit these requests"
 
 FIELDS: dict[str, Field] = {
@@ -164,19 +161,18 @@ FIELDS: dict[str, Field] = {
     "reservedSystemCPUs": I("str", "no CPUs are set apart (reserve cpu in systemReserved)",
                             None, "reserved-cpus"),
     "reservedMemory": I("list", "no memory manager", None, "reserved-memory"),
-    "evictionHard": H("map", "evictionHard", note=NO_EVICTION),
+    "evictionHard": H("map", "evictionHard"),
     "mergeDefaultEvictionSettings": H("*bool", "mergeDefaultEvictionSettings"),
-    "evictionSoft": I("map", NO_EVICTION, None, "eviction-soft"),
-    "evictionSoftGracePeriod": I("map", NO_EVICTION, None, "eviction-soft-grace-period"),
-    "evictionPressureTransitionPeriod": I("duration", "pressure conditions follow the "
-                                          "readings at once", None,
-                                          "eviction-pressure-transition-period"),
-    "evictionMaxPodGracePeriod": I("int", NO_EVICTION, None, "eviction-max-pod-grace-period"),
-    "evictionMinimumReclaim": I("map", NO_EVICTION, None, "eviction-minimum-reclaim"),
-    "imageMinimumGCAge": I("duration", NO_IMAGE_GC, None, "minimum-image-ttl-duration"),
-    "imageMaximumGCAge": I("duration", NO_IMAGE_GC, None),
-    "imageGCHighThresholdPercent": I("*int", NO_IMAGE_GC, 100, "image-gc-high-threshold"),
-    "imageGCLowThresholdPercent": I("*int", NO_IMAGE_GC, None, "image-gc-low-threshold"),
+    "evictionSoft": H("map", "evictionSoft"),
+    "evictionSoftGracePeriod": H("map", "evictionSoftGracePeriod"),
+    "evictionPressureTransitionPeriod": H("duration", "evictionPressureTransitionPeriod"),
+    "evictionMaxPodGracePeriod": H("int", "evictionMaxPodGracePeriod"),
+    "evictionMinimumReclaim": H("map", "evictionMinimumReclaim"),
+    "imageMinimumGCAge": H("duration", "imageMinimumGCAge"),
+    "imageMaximumGCAge": I("duration", "unused images are removed by disk use only, not by "
+                           "age", (0,)),
+    "imageGCHighThresholdPercent": H("*int", "imageGCHighThresholdPercent"),
+    "imageGCLowThresholdPercent": H("*int", "imageGCLowThresholdPercent"),
     "volumeStatsAggPeriod": I("duration", "the stats summary reports no volume usage", None,
                               "volume-stats-agg-period"),
     "localStorageCapacityIsolation": I("*bool", "ephemeral-storage limits are not "
@@ -322,11 +318,9 @@ FLAGS: dict[str, tuple[str, str]] = {
     "image-credential-provider-bin-dir": ("ignored", "no credential provider plugins"),
     "lock-file": ("ignored", "no lock file"),
     "exit-on-lock-contention": ("ignored", "no lock file"),
-    "minimum-container-ttl-duration": ("ignored", "deprecated container GC setting"),
-    "maximum-dead-containers-per-container": ("ignored", "deprecated container GC setting"),
-    "maximum-dead-containers": ("ignored", "deprecated container GC setting"),
     "experimental-mounter-path": ("ignored", "no mounter binary"),
-    "experimental-allocatable-ignore-eviction": ("ignored", NO_EVICTION),
+    "experimental-allocatable-ignore-eviction": ("ignored", "allocatable is always less "
+                                                 "the hard eviction thresholds"),
 }
 
 CLOUD_TAINT = {"key": "node.cloudprovider.kubernetes.io/uninitialized", "value": "true",

@@ -35,7 +35,6 @@ from nodeagent.api.kube import CERTIFICATE_SIGNING_REQUESTS, NODES, PODS
 from nodeagent.events import Events
 from nodeagent.node.host import HostReadings
 from nodeagent.node.status import StatusSettings
-from nodeagent.node.thresholds import parse_thresholds
 from nodeagent.pods.cgroups import CgroupSettings, MemoryCgroups, NodeResources, PodCgroups
 from nodeagent.pods.env import EnvResolver
 from nodeagent.pods.images import ImageManager, PullSettings
@@ -162,10 +161,11 @@ READINGS = HostReadings(
     kernelVersion="6.1.0", osImage="Debian GNU/Linux 12", operatingSystem="linux",
     architecture="amd64", hostname="h1",
     addresses=(("InternalIP", "10.0.0.5"), ("Hostname", "h1")), machineID="m", bootID="b")
-SETTINGS = StatusSettings(
-    max_pods=110, agent_version="v0.1.0",
-    thresholds=parse_thresholds("memory.available<100Mi,nodefs.available<10%,pid.available<5%"),
-    system_reserved={"cpu": 0.5, "memory": GI})
+SETTINGS = StatusSettings(max_pods=110, agent_version="v0.1.0",
+                          system_reserved={"cpu": 0.5, "memory": GI},
+                          # the default hard eviction thresholds of memory and nodefs
+                          eviction_held={"memory": (100 * 2**20, 0.0),
+                                         "ephemeral-storage": (0.0, 10.0)})
 
 
 def agent_flags(tmp_path: Path, *argv: str) -> dict[str, Any]:
@@ -254,11 +254,13 @@ class LoopRig:
                  nodes: Sequence[str] = ("n1",),
                  pod_settings: NodePodSettings | None = None,
                  volumes: Path | None = None, first_loop: bool = True,
-                 cgroups: PodCgroups | None = None) -> None:
+                 cgroups: PodCgroups | None = None,
+                 pressure: Callable[[str], frozenset[str]] | None = None) -> None:
         """`volumes`: the agent's root dir, to run with volumes, ConfigMaps, Secrets,
         Services and tokens from the in-memory API (a FakeMounter for tmpfs);
         `first_loop`: make the first node's loop now (else: when it first has a pod);
-        `cgroups`: the pods' cgroups (default: in memory, a node of 4 CPUs, 8Gi, started)."""
+        `cgroups`: the pods' cgroups (default: in memory, a node of 4 CPUs, 8Gi, started);
+        `pressure`: the nodes' pressure conditions (an eviction manager's)."""
         self.rt = rt
         self.clock = clock
         self.updates: asyncio.Queue[PodUpdate] = asyncio.Queue()
@@ -304,7 +306,7 @@ class LoopRig:
                               runs=pleg.runs,
                               images=self.images, due_times=DueTimes(), env=env,
                               volumes=self.volumes, node_info=self.node_view,
-                              cgroups=cgroups)
+                              cgroups=cgroups, pressure=pressure)
         self.loops = NodeLoops(NodeLoopsConfig(tuple(nodes)),
                                functools.partial(build_node_loop, shared=self.parts), pleg,
                                self.updates, self.ready, clock, self.parts.due_times,
@@ -401,6 +403,9 @@ def drain(q: asyncio.Queue[PodLifecycleEvent]) -> list[PodLifecycleEvent]:
     return out
 
 
+HERMETIC_FS = "{fsTotal: 100Gi, fsAvailable: 50Gi, inodesTotal: 1000000, inodesFree: 900000}"
+
+
 class AgentRig:
     """The agent as its composition root builds it, on the in-memory API, the fake
     runtime and FakeClock (blocking work inline): pods reach it through the API source,
@@ -409,8 +414,10 @@ class AgentRig:
     def __init__(self, tmp_path: Path, *argv: str, health: str = "",
                  images: Sequence[str] = ("localhost/busybox:1", "localhost/pause:1"),
                  image_size: int = 5_000_000) -> None:
+        # the filesystem as measured nowhere: a full disk under the test run must not
+        # put the node under pressure (its eviction manager would refuse pods)
         self.flags = agent_flags(tmp_path, "--node-name", "n1", "--healthz-bind-address",
-                                 health, *argv)
+                                 health, "--host-overrides", HERMETIC_FS, *argv)
         # no kubelet API here (tests/test_server_*.py test it): nothing listens on 10250
         self.cfg = dataclasses.replace(config.load(self.flags, {}), port=None)
         self.clock = FakeClock()

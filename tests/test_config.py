@@ -34,8 +34,16 @@ def test_defaults_follow_the_kubelet():
     assert cfg.max_pods == 110
     assert cfg.heartbeat == Heartbeat()  # 40 s lease, 10 s renew, 10 s update, 5 min report
     assert cfg.heartbeat_mode == "efficient" and not cfg.legacy
-    assert [t.text() for t in cfg.eviction_hard] == [
-        "memory.available<100Mi", "nodefs.available<10%", "pid.available<5%"]
+    assert [t.text() for t in cfg.eviction_thresholds] == [
+        "memory.available<100Mi", "nodefs.available<10%", "nodefs.inodesFree<5%",
+        "imagefs.available<15%", "imagefs.inodesFree<5%"]
+    assert all(t.hard and t.min_reclaim is None for t in cfg.eviction_thresholds)
+    assert cfg.eviction_max_pod_grace_period == 0
+    assert cfg.eviction_pressure_transition_period == 300
+    assert (cfg.image_gc_high_threshold, cfg.image_gc_low_threshold) == (85, 80)
+    assert cfg.image_minimum_gc_age == 120
+    assert (cfg.minimum_container_ttl_duration, cfg.maximum_dead_containers_per_container,
+            cfg.maximum_dead_containers) == (0, 1, -1)
     assert cfg.healthz_bind_address == ("127.0.0.1", 10248)
 
 
@@ -58,7 +66,8 @@ evictionHard:
     assert cfg.heartbeat.leaseDurationSeconds == 60
     assert cfg.heartbeat.renewIntervalSeconds == 15  # derived: a quarter
     assert cfg.heartbeat.maxImagesInStatus == 50  # default
-    assert cfg.eviction_hard[0].value == 2**30
+    assert cfg.eviction_hard["memory.available"].value == 2**30
+    assert list(cfg.eviction_hard) == ["memory.available"]  # given: no defaults beside it
     cfg = load(["--config", path, "--node-name", "n1"], env)
     assert cfg.max_pods == 40
     cfg = load(["--node-name", "n1"], {"NODEPULSE_CONFIG": path})
@@ -73,7 +82,7 @@ def test_flag_forms(tmp_path):
                 "--host-overrides", "{cpu: 2, memoryTotal: 4Gi, kernelVersion: k}",
                 "--node-lease-renew-interval", "2s"])
     assert cfg.legacy
-    assert cfg.eviction_hard[0].percent == 99
+    assert cfg.eviction_hard["nodefs.available"].percent == 99
     assert cfg.system_reserved == {"cpu": 0.25, "memory": 2**30}
     assert cfg.node_labels == {"pool": "a", "tier": "b"}
     assert cfg.node_ips == ("10.1.2.3",)
@@ -91,6 +100,20 @@ def test_flag_forms(tmp_path):
     (["--node-status-update-frequency", "1.5s"], {}, "whole number of seconds"),
     (["--heartbeat-mode", "fast"], {}, "--heartbeat-mode: must be one of efficient, legacy"),
     (["--eviction-hard", "memory.available>1"], {}, "--eviction-hard"),
+    (["--eviction-hard", "cpu.available<1"], {}, "--eviction-hard: unknown signal 'cpu"),
+    (["--eviction-hard", "memory.available<0"], {}, "must be more than zero"),
+    (["--eviction-hard", "nodefs.available<120%"], {}, "0-100%"),
+    (["--eviction-soft", "memory.available<1Gi"], {},
+     "--eviction-soft-grace-period: grace period must be specified for the soft eviction "
+     "threshold memory.available"),
+    (["--eviction-soft-grace-period", "memory.available=soon"], {},
+     "--eviction-soft-grace-period: memory.available: 'soon' is not a duration"),
+    (["--eviction-minimum-reclaim", "imagefs.available=0%"], {}, "more than zero"),
+    (["--eviction-minimum-reclaim", "imagefs.available"], {}, "signal=amount"),
+    (["--image-gc-high-threshold", "101"], {}, "--image-gc-high-threshold: must be between"),
+    (["--image-gc-high-threshold", "70"], {},
+     "--image-gc-low-threshold (80) must be less than --image-gc-high-threshold (70)"),
+    (["--minimum-image-ttl-duration=-1s"], {}, "--minimum-image-ttl-duration: '-1s' is not a duration"),
     (["--node-lease-duration-seconds", "40", "--node-lease-renew-interval", "40s"], {},
      "--node-lease-renew-interval must be less than --node-lease-duration-seconds"),
     (["--node-status-report-frequency", "5s"], {},
@@ -119,6 +142,45 @@ def test_bad_values_name_their_source(argv, env, words):
     with pytest.raises(ConfigError) as e:
         load(["--node-name", "n1", *argv], env)
     assert words in str(e.value)
+
+
+def test_eviction_and_gc_settings_in_both_forms(tmp_path):
+    cfg = load(["--node-name", "n1", "--eviction-hard", "memory.available<1Gi,nodefs.available<0%",
+                "--eviction-soft", "memory.available<2Gi,imagefs.available<20%",
+                "--eviction-soft-grace-period", "memory.available=1m30s,imagefs.available=10s",
+                "--eviction-minimum-reclaim", "memory.available=500Mi,imagefs.available=5%",
+                "--eviction-max-pod-grace-period", "-1",
+                "--eviction-pressure-transition-period", "30s",
+                "--image-gc-high-threshold", "90", "--image-gc-low-threshold", "50",
+                "--minimum-image-ttl-duration", "1m", "--minimum-container-ttl-duration", "10s",
+                "--maximum-dead-containers-per-container", "2",
+                "--maximum-dead-containers", "100"])
+    by = {(t.signal, t.hard): t for t in cfg.eviction_thresholds}
+    assert set(by) == {("memory.available", True), ("memory.available", False),
+                       ("imagefs.available", False)}  # 0% is ignored, as the kubelet does
+    assert by["memory.available", True].limit(0) == 2**30
+    assert by["memory.available", False].grace_period == 90
+    assert by["memory.available", False].min_reclaim.of(0) == 500 * 2**20  # type: ignore[union-attr]
+    assert by["imagefs.available", False].min_reclaim.of(200) == 10  # type: ignore[union-attr]
+    assert cfg.eviction_max_pod_grace_period == -1
+    assert cfg.eviction_pressure_transition_period == 30
+    assert (cfg.image_gc_high_threshold, cfg.image_gc_low_threshold,
+            cfg.image_minimum_gc_age) == (90, 50, 60)
+    assert (cfg.minimum_container_ttl_duration, cfg.maximum_dead_containers_per_container,
+            cfg.maximum_dead_containers) == (10, 2, 100)
+    path = write(tmp_path, """
+evictionSoft: {nodefs.available: 15%}
+evictionSoftGracePeriod: {nodefs.available: 2m}
+evictionMinimumReclaim: {nodefs.available: 1Gi}
+evictionPressureTransitionPeriod: 1s
+imageGCHighThresholdPercent: 100
+imageMinimumGCAge: 0s
+""")
+    cfg = load(["--config", path, "--node-name", "n1"])
+    soft = [t for t in cfg.eviction_thresholds if not t.hard]
+    assert [(t.text(), t.grace_period) for t in soft] == [("nodefs.available<15%", 120)]
+    assert cfg.eviction_pressure_transition_period == 1
+    assert (cfg.image_gc_high_threshold, cfg.image_minimum_gc_age) == (100, 0)
 
 
 def test_bad_file_names_path_and_key(tmp_path):

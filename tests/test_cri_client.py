@@ -213,10 +213,27 @@ class FakeCri(pb_grpc.RuntimeServiceServicer, pb_grpc.ImageServiceServicer):
 
     async def Status(self, req: Any, ctx: Any) -> pb.StatusResponse:
         await self._record("Status", req, ctx)
+        # containerd's verbose answer carries its configuration, the sandbox image in it
+        info = {"config": '{"sandboxImage": "localhost/pause:1"}'} if req.verbose else {}
         return pb.StatusResponse(status=pb.RuntimeStatus(conditions=[
             pb.RuntimeCondition(type="RuntimeReady", status=True),
             pb.RuntimeCondition(type="NetworkReady", status=False,
-                                reason="NetworkPluginNotReady")]))
+                                reason="NetworkPluginNotReady")]), info=info)
+
+    async def RemoveImage(self, req: Any, ctx: Any) -> pb.RemoveImageResponse:
+        await self._record("RemoveImage", req, ctx)
+        gone = [n for i, n in enumerate(sorted(self.images)) if f"sha256:{i}" ==
+                req.image.image]
+        if not gone:
+            await ctx.abort(grpc.StatusCode.NOT_FOUND, f"image {req.image.image}")
+        self.images -= set(gone)
+        return pb.RemoveImageResponse()
+
+    async def ImageFsInfo(self, req: Any, ctx: Any) -> pb.ImageFsInfoResponse:
+        await self._record("ImageFsInfo", req, ctx)
+        return pb.ImageFsInfoResponse(image_filesystems=[pb.FilesystemUsage(
+            timestamp=1, fs_id=pb.FilesystemIdentifier(mountpoint="/var/lib/containerd/x"),
+            used_bytes=pb.UInt64Value(value=4096), inodes_used=pb.UInt64Value(value=7))])
 
     async def ImageStatus(self, req: Any, ctx: Any) -> pb.ImageStatusResponse:
         await self._record("ImageStatus", req, ctx)
@@ -433,6 +450,24 @@ async def test_version_conditions_and_images(tmp_path: Path) -> None:
         imgs = await rt.list_images()
         assert [(i.names, i.size_bytes) for i in imgs] == [
             (["localhost/busybox:1"], 42), (["localhost/pause:1"], 42)]
+
+
+@aio
+async def test_image_removal_the_image_filesystem_and_the_pinned_sandbox_image(
+        tmp_path: Path) -> None:
+    async with served(tmp_path) as (fake, rt):
+        fake.images |= {"localhost/pause:1", "localhost/old:1"}
+        imgs = {i.names[0]: i for i in await rt.list_images()}
+        # containerd 1.6 pins nothing itself: the sandbox image of its config is pinned
+        assert {n: i.pinned for n, i in imgs.items()} == {
+            "localhost/busybox:1": False, "localhost/old:1": False, "localhost/pause:1": True}
+        await rt.remove_image(imgs["localhost/old:1"].id)
+        assert fake.images == {"localhost/busybox:1", "localhost/pause:1"}
+        await rt.remove_image("sha256:gone")  # idempotent: NOT_FOUND is fine
+        fs = await rt.image_fs_info()
+        assert (fs.mountpoint, fs.used_bytes, fs.inodes_used) == ("/var/lib/containerd/x",
+                                                                  4096, 7)
+        assert [n for n, _ in fake.requests].count("Status") == 1  # read once
 
 
 @aio

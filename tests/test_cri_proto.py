@@ -97,6 +97,10 @@ OFFICIAL: dict[str, dict[str, int]] = {
     "ListImagesResponse": {"images": 1},
     "ImageStatusRequest": {"image": 1, "verbose": 2},
     "ImageStatusResponse": {"image": 1, "info": 2},
+    "RemoveImageRequest": {"image": 1},
+    "RemoveImageResponse": {},
+    "ImageFsInfoRequest": {},
+    "ImageFsInfoResponse": {"image_filesystems": 1, "container_filesystems": 2},
     "ReopenContainerLogRequest": {"container_id": 1},
     "ExecSyncRequest": {"container_id": 1, "cmd": 2, "timeout": 3},
     "ExecSyncResponse": {"stdout": 1, "stderr": 2, "exit_code": 3},
@@ -164,7 +168,8 @@ def test_services_and_methods_are_the_official_names() -> None:
     assert (events.input_type.name, events.output_type.name) == ("GetEventsRequest",
                                                                  "ContainerEventResponse")
     assert events.server_streaming
-    assert {m.name for m in img.methods} == {"ListImages", "ImageStatus", "PullImage"}
+    assert {m.name for m in img.methods} == {"ListImages", "ImageStatus", "PullImage",
+                                             "RemoveImage", "ImageFsInfo"}
 
 
 def test_map_fields_have_string_keys_and_values() -> None:

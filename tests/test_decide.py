@@ -353,19 +353,6 @@ def test_an_ephemeral_container_waits_for_its_target_and_not_for_a_new_sandbox()
     assert starts(fresh) == [("c", 0, False)]
 
 
-# --- pruning ----------------------------------------------------------------------------
-
-def test_old_attempts_and_empty_stopped_sandboxes_are_pruned() -> None:
-    act = Case(mkpod("p"), sandboxes=[sb(0, ready=False), sb(1)],
-               containers=[c("c", EXITED, 0, code=1, sandbox="s1"),
-                           c("c", EXITED, 1, code=1, sandbox="s1"),
-                           c("c", EXITED, 2, code=1, sandbox="s1"),
-                           c("c", RUNNING, 3, sandbox="s1")]).decide()
-    # the running attempt and the newest exited one (its lastState) stay
-    assert sorted(act.prune_containers) == ["c-0", "c-1"]
-    assert act.prune_sandboxes == ("s0",)
-
-
 def test_the_decision_is_a_value() -> None:
     """The same inputs, the same decision: nothing is read but the arguments."""
     case = Case(mkpod("p", containers=("a", "b")), sandboxes=[sb()],

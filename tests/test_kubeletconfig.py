@@ -18,6 +18,7 @@ from e2e.cluster.build import cache_root, pinned_version
 from nodeagent import config, kubeletconfig
 from nodeagent.config import ConfigError
 from nodeagent.kubeletconfig import FIELDS, FLAGS, Honoured
+from nodeagent.pods.thresholds import Amount
 
 ROOT = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("kubelet_surface",
@@ -193,8 +194,9 @@ def test_kubeadm_and_kinds_kubelet_command_line_starts_the_agent(tmp_path: Path)
     assert cfg.heartbeat.statusUpdateFrequencySeconds == 10  # 0s: the default
     assert cfg.heartbeat.statusReportFrequencySeconds == 300
     assert cfg.sync_frequency == 60 and cfg.file_check_frequency == 20
-    assert sorted(t.text() for t in cfg.eviction_hard) == [
-        "imagefs.available<0%", "nodefs.available<0%", "nodefs.inodesFree<0%"]
+    # kind's evictionHard: all 0%, which the kubelet ignores; given, it replaces the
+    # defaults: no hard threshold at all
+    assert cfg.eviction_hard == {}
     assert not cfg.fail_swap_on and cfg.fail_cgroup_v1  # kind's, the kubelet's default
     assert cfg.container_runtime_endpoint == "unix:///run/containerd/containerd.sock"
     assert cfg.node_labels == {}
@@ -246,7 +248,18 @@ HONOURED: list[tuple[str, str, Any]] = [
      "system_reserved", {"cpu": 0.75, "memory": 2**30}),
     ("evictionHard: {memory.available: 1Gi}", "eviction_hard", ("memory.available<1Gi",)),
     ("evictionHard: {memory.available: 1Gi}\nmergeDefaultEvictionSettings: true",
-     "eviction_hard", ("memory.available<1Gi", "nodefs.available<10%", "pid.available<5%")),
+     "eviction_hard", ("imagefs.available<15%", "imagefs.inodesFree<5%", "memory.available<1Gi",
+                       "nodefs.available<10%", "nodefs.inodesFree<5%")),
+    ("evictionSoft: {memory.available: 2Gi}\nevictionSoftGracePeriod: {memory.available: 90s}",
+     "eviction_soft_grace_period", {"memory.available": 90.0}),
+    ("evictionPressureTransitionPeriod: 1m", "eviction_pressure_transition_period", 60.0),
+    ("evictionMaxPodGracePeriod: 20", "eviction_max_pod_grace_period", 20),
+    ("evictionMinimumReclaim: {memory.available: 500Mi}", "eviction_minimum_reclaim",
+     {"memory.available": Amount(value=500 * 2**20)}),
+    ("imageMinimumGCAge: 5m", "image_minimum_gc_age", 300.0),
+    ("imageGCHighThresholdPercent: 90\nimageGCLowThresholdPercent: 70",
+     "image_gc_low_threshold", 70),
+    ("imageGCHighThresholdPercent: 90", "image_gc_high_threshold", 90),
     ("cgroupDriver: systemd", "cgroup_driver", "systemd"),
     ("cgroupRoot: /kubelet", "cgroup_root", "/kubelet"),
     ("cgroupsPerQOS: false\nenforceNodeAllocatable: [none]", "cgroups_per_qos", False),
@@ -294,7 +307,7 @@ def test_each_honoured_field_sets_its_setting(tmp_path: Path, body: str, setting
     if setting == "heartbeat":
         got, expected = getattr(got, expected[0]), expected[1]
     elif setting == "eviction_hard":
-        got = tuple(t.text() for t in got)
+        got = tuple(sorted(f"{signal}<{a.text(signal)}" for signal, a in got.items()))
     assert got == expected
     assert notes == []
 
@@ -342,22 +355,22 @@ def test_refused_fields_and_bad_values_are_named(tmp_path: Path, body: str,
 
 def test_ignored_fields_are_noted_by_name_unless_the_agent_does_that_anyway(
         tmp_path: Path) -> None:
-    _, notes = with_file(tmp_path, "cpuManagerPolicy: static\nimageGCHighThresholdPercent: "
-                                   "85\nfeatureGates: {SomeGate: true}\nfooBar: 1\n"
+    _, notes = with_file(tmp_path, "cpuManagerPolicy: static\nimageMaximumGCAge: "
+                                   "1h\nfeatureGates: {SomeGate: true}\nfooBar: 1\n"
                                    "shutdownGracePeriod: 30s\n"
                                    "authentication: {x509: {clientCAFile: /ca}, extra: 1}")
     text = "\n".join(notes)
     assert "cpuManagerPolicy: 'static' is not supported, ignored: no exclusive CPUs" in text
-    assert "imageGCHighThresholdPercent: 85 is not supported, ignored: the agent removes " \
-           "no images" in text
+    assert "imageMaximumGCAge: '1h' is not supported, ignored: unused images are removed " \
+           "by disk use only" in text
     assert "featureGates: {'SomeGate': True} is not supported" in text
     assert "shutdownGracePeriod: '30s' is not supported, ignored: no graceful node " \
            "shutdown" in text
     assert "fooBar: not a field of kubelet.config.k8s.io/v1beta1" in text
     assert "authentication.extra: not a field" in text
     assert len(notes) == 6
-    _, notes = with_file(tmp_path, "cpuManagerPolicy: none\nimageGCHighThresholdPercent: "
-                                   "100\ncpuCFSQuota: true\nhairpinMode: none")
+    _, notes = with_file(tmp_path, "cpuManagerPolicy: none\nimageMaximumGCAge: 0s\n"
+                                   "cpuCFSQuota: true\nhairpinMode: none")
     assert notes == []
 
 
@@ -378,12 +391,12 @@ def test_the_agents_own_file_still_works_and_still_refuses_unknown_keys(
 def test_flags_win_over_the_file(tmp_path: Path) -> None:
     cfg, notes = with_file(tmp_path, "maxPods: 30\nfailSwapOn: true\ncgroupDriver: systemd",
                            "--max-pods=50", "--fail-swap-on=false", "--cgroup-driver=cgroupfs",
-                           "--eviction-soft=memory.available<1Gi", "--feature-gates=A=true,B=false",
+                           "--cpu-manager-policy=static", "--feature-gates=A=true,B=false",
                            "--register-node=true")
     assert cfg.max_pods == 50 and not cfg.fail_swap_on
     assert cfg.cgroup_driver == "cgroupfs"  # the flag replaced the file's value
     text = "\n".join(notes)
-    assert "--eviction-soft: {'memory.available': '1Gi'} is not supported" in text
+    assert "--cpu-manager-policy: 'static' is not supported" in text
     assert "--feature-gates: {'A': True, 'B': False} is not supported" in text
     with pytest.raises(ConfigError, match="--register-node: False is not supported"):
         load(["--node-name", "n1", "--register-node=false"])

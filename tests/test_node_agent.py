@@ -62,7 +62,7 @@ def test_condition_follows_config_file_threshold_change(tmp_path, caplog):
         disk = {c["type"]: c["status"] for c in kube.obj(NODES, "n1")["status"]["conditions"]}
         assert disk["DiskPressure"] == "False"
         await clock.advance(5)
-        path.write_text("evictionHard: {nodefs.available: '100%'}\n")  # any fs is below 100%
+        path.write_text("evictionHard: {nodefs.available: 1Pi}\n")  # any fs is below 1Pi
         os.utime(path, (1, 1))
         await clock.advance(10)
         disk = {c["type"]: c["status"] for c in kube.obj(NODES, "n1")["status"]["conditions"]}
@@ -70,9 +70,9 @@ def test_condition_follows_config_file_threshold_change(tmp_path, caplog):
         path.write_text("evictionHard: {nodefs.available: 'lots'}\n")  # refused, kept
         os.utime(path, (2, 2))
         await clock.advance(10)
-        assert agent.cfg.eviction_hard[0].percent == 100
+        assert agent.cfg.eviction_hard["nodefs.available"].value == 2**50
         # settings read once at start are kept, and the log says a restart applies them
-        path.write_text("evictionHard: {nodefs.available: '100%'}\nallowPrivileged: true\n")
+        path.write_text("evictionHard: {nodefs.available: 1Pi}\nallowPrivileged: true\n")
         os.utime(path, (3, 3))
         await clock.advance(10)
         assert not agent.cfg.allow_privileged

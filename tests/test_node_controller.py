@@ -46,6 +46,7 @@ class Rig:
         self.metrics = NodeMetrics(self.registry)
         self.readings = READINGS
         self.images: list[dict[str, Any]] = []
+        self.pressure: dict[str, str] = {}  # what the eviction manager says holds
         self.nodes: dict[str, NodeController] = {}
         self.renewals: DueScheduler[str] = DueScheduler(
             self.clock, lambda k: self.nodes[k].renew(), "renewals")
@@ -57,7 +58,7 @@ class Rig:
             heartbeat=hb, status=settings, probe=lambda: self.readings,
             status_call=status_call or Blocking(InlineExecutor()), renewals=self.renewals,
             ticker=self.ticker, answered=answered, uids={}, images=lambda: self.images,
-            legacy=legacy)
+            pressure=lambda node: self.pressure, legacy=legacy)
         self.node = build_node_controller(
             NodeSpec("n1", agent_id="agent-a", labels={"pool": "x"}), self.config,
             random.Random(3))
@@ -172,7 +173,7 @@ def test_condition_change_reported_within_one_update_period():
         rig = Rig()
         await rig.start(watch=False)
         await rig.clock.advance(13)
-        rig.readings = dataclasses.replace(READINGS, fsAvailable=1)
+        rig.pressure = {"DiskPressure": "below eviction threshold: nodefs.available<10%"}
         await rig.clock.advance(10)
         assert rig.reports("change") == 1
         body = rig.status_bodies()[-1]
@@ -296,7 +297,7 @@ def test_deleted_node_is_registered_again():
         rig = Rig()
         await rig.start(watch=False)
         rig.kube.remove(NODES, "n1")
-        rig.readings = dataclasses.replace(READINGS, fsAvailable=1)  # forces a patch
+        rig.pressure = {"DiskPressure": "d"}  # forces a patch
         await rig.clock.advance(10)
         await rig.clock.advance(10)
         assert rig.kube.count("create nodes") == 2 and rig.kube.has(NODES, "n1")

@@ -7,7 +7,6 @@ import datetime as dt
 
 import pytest
 
-from nodeagent.api.quantity import QuantityError, parse_quantity
 from nodeagent.node.host import HostReadError, HostReadings
 from nodeagent.node.status import (
     build_patch,
@@ -15,7 +14,6 @@ from nodeagent.node.status import (
     meaningful_changes,
     report_reason,
 )
-from nodeagent.node.thresholds import parse_thresholds
 from tests.conftest import GI, READINGS, SETTINGS
 from tests.fakekube import strategic_merge as merge_patch
 
@@ -26,9 +24,9 @@ IMAGES = [{"names": ["localhost/a:1"], "sizeBytes": 10},
 
 
 def status(readings: HostReadings | HostReadError = READINGS, images=IMAGES, at: float = 0,
-           previous=None, settings=SETTINGS, not_ready=None):
+           previous=None, settings=SETTINGS, not_ready=None, pressure=None):
     return compute_status(readings, settings, images, T0 + dt.timedelta(seconds=at),
-                          previous=previous, not_ready=not_ready)
+                          previous=previous, not_ready=not_ready, pressure=pressure)
 
 
 def test_allocatable_is_capacity_less_the_reservations_and_the_eviction_thresholds():
@@ -37,7 +35,8 @@ def test_allocatable_is_capacity_less_the_reservations_and_the_eviction_threshol
     settings = dataclasses.replace(
         SETTINGS, system_reserved={"cpu": 0.75, "memory": GI + 512 * 2**20,
                                    "ephemeral-storage": GI},
-        thresholds=parse_thresholds("memory.available<5%,nodefs.available<2Gi"))
+        # memory.available<5%, nodefs.available<2Gi
+        eviction_held={"memory": (0.0, 5.0), "ephemeral-storage": (2.0 * GI, 0.0)})
     st = compute_status(READINGS, settings, [], T0)
     # memory: 8Gi - 1Gi - 512Mi - 5% of 8Gi; disk: 100Gi - 1Gi - 2Gi; cpu: 4 - 0.5 - 0.25
     assert st["allocatable"] == {"cpu": "3250m", "memory": str(8 * GI - GI - 512 * 2**20
@@ -73,18 +72,22 @@ def test_images_largest_first_and_capped():
     assert status(images=[])["images"] == []
 
 
-@pytest.mark.parametrize("change, ctype", [
-    ({"memoryAvailable": 50 * 2**20}, "MemoryPressure"),
-    ({"fsAvailable": 9 * GI}, "DiskPressure"),
-    ({"pidsRunning": 4_194_304 - 1000}, "PIDPressure"),
+@pytest.mark.parametrize("ctype, reason", [
+    ("MemoryPressure", "KubeletHasInsufficientMemory"),
+    ("DiskPressure", "KubeletHasDiskPressure"),
+    ("PIDPressure", "KubeletHasInsufficientPID"),
 ])
-def test_thresholds_raise_pressure(change, ctype):
-    st = status(dataclasses.replace(READINGS, **change))
+def test_pressure_conditions_are_the_eviction_managers(ctype, reason):
+    why = "below eviction threshold: x<1"
+    st = status(pressure={ctype: why})
     c = cond(st, ctype)
-    assert c["status"] == "True"
-    assert "below eviction threshold" in c["message"]
+    assert (c["status"], c["reason"], c["message"]) == ("True", reason, why)
     others = [x["status"] for x in st["conditions"] if x["type"] not in (ctype, "Ready")]
     assert others == ["False", "False"]
+    # the host's readings alone decide none of them
+    low = status(dataclasses.replace(READINGS, memoryAvailable=1, fsAvailable=1))
+    assert {c["reason"] for c in low["conditions"] if c["type"] != "Ready"} == {
+        "KubeletHasSufficientMemory", "KubeletHasNoDiskPressure", "KubeletHasSufficientPID"}
 
 
 def test_host_read_failure_makes_not_ready_and_keeps_last_values():
@@ -120,16 +123,12 @@ CASES = [
     ("memory use moves, no threshold crossed", _variant(memoryAvailable=3 * GI), []),
     ("disk fills a little", _variant(fsAvailable=40 * GI), []),
     ("pids come and go", _variant(pidsRunning=900), []),
-    ("memory pressure", _variant(memoryAvailable=10), ["conditions/MemoryPressure"]),
-    ("disk pressure", _variant(fsAvailable=GI), ["conditions/DiskPressure"]),
-    ("inode pressure is disk pressure",
-     status(dataclasses.replace(READINGS, inodesFree=10), settings=dataclasses.replace(
-         # the same memory and disk thresholds: they take their part of allocatable
-         SETTINGS, thresholds=parse_thresholds(
-             "memory.available<100Mi,nodefs.available<10%,nodefs.inodesFree<5%")),
-         at=37, previous=BASE),
+    ("memory pressure", status(at=37, previous=BASE, pressure={"MemoryPressure": "m"}),
+     ["conditions/MemoryPressure"]),
+    ("disk pressure", status(at=37, previous=BASE, pressure={"DiskPressure": "d"}),
      ["conditions/DiskPressure"]),
-    ("pid pressure", _variant(pidsRunning=4_190_000), ["conditions/PIDPressure"]),
+    ("pid pressure", status(at=37, previous=BASE, pressure={"PIDPressure": "p"}),
+     ["conditions/PIDPressure"]),
     ("not ready", status(at=37, previous=BASE, not_ready="x"), ["conditions/Ready"]),
     ("cpu count", _variant(cpu=8), ["allocatable", "capacity"]),
     ("kernel upgrade", _variant(kernelVersion="6.2.0"), ["nodeInfo"]),
@@ -176,7 +175,7 @@ def test_report_period_20s_on_10s_ticks_with_jitter():
 
 
 def test_change_patch_carries_only_what_changed():
-    new = _variant(memoryAvailable=10)
+    new = status(at=37, previous=BASE, pressure={"MemoryPressure": "m"})
     body = build_patch(BASE, new, meaningful_changes(BASE, new), full=False)
     assert list(body["status"]) == ["conditions"]
     assert [c["type"] for c in body["status"]["conditions"]] == ["MemoryPressure"]
@@ -202,19 +201,6 @@ def test_patches_replace_addresses_and_drop_removed_resources():
     assert merged["addresses"] == [{"type": "Hostname", "address": "h1"}]
     assert "ephemeral-storage" not in merged["capacity"]
     assert merged["nodeInfo"]["kernelVersion"] == "6.2.0"
-
-
-def test_thresholds_parse_both_forms_and_refuse_bad_ones():
-    t = parse_thresholds("memory.available<100Mi, nodefs.available<10%")
-    assert t[0].limit(GI) == 100 * 2**20 and t[1].limit(200) == 20
-    assert parse_thresholds({"pid.available": "5%"})[0].percent == 5
-    for bad, words in [("memory.available>1Gi", "signal<value"),
-                       ("cpu.available<1", "unknown signal"),
-                       ("memory.available<lots", "not a quantity"),
-                       ("nodefs.available<120%", "0-100")]:
-        with pytest.raises(QuantityError, match=words):
-            parse_thresholds(bad)
-    assert parse_quantity("250m") == 0.25 and parse_quantity("1Ki") == 1024
 
 
 def test_statuses_from_one_reading_share_their_parts():

@@ -27,6 +27,7 @@ from nodeagent.runtime import (
     RelistResult,
     SandboxConfig,
     SandboxState,
+    Unsupported,
     make_runtime,
 )
 from nodeagent.runtime.base import LABEL_CONTAINER_NAME, LABEL_POD_UID
@@ -376,6 +377,28 @@ async def test_make_runtime_and_images_are_labels(tmp_path: Path) -> None:
         for sb in (await rt.relist()).sandboxes:
             await rt.remove_sandbox(sb.id)
         await rt.close()
+
+
+@aio
+async def test_usage_is_its_process_groups_and_images_are_not_removable(
+        tmp_path: Path) -> None:
+    """What the eviction manager ranks by: the resident memory and the processes of the
+    container's process group; and what the image collector is told: no images to
+    remove, no image filesystem."""
+    ready = tmp_path / "ready"
+    p = pod(["sh", "-c", f'sleep 600 & sleep 600 & echo up > "{ready}.tmp" && '
+                         f'mv "{ready}.tmp" "{ready}"; wait'])
+    async with runtime(tmp_path / "state") as rt:
+        _, cid = await start(rt, p)
+        _wait_file(ready)
+        (s,) = await rt.container_stats()
+        assert s.container_id == cid
+        assert s.processes == 4  # the wrapper, the shell and its two sleeps
+        assert s.memory_working_set_bytes and s.memory_working_set_bytes > 100_000
+        with pytest.raises(Unsupported, match="process runtime cannot remove images"):
+            await rt.remove_image("sha256:x")
+        with pytest.raises(Unsupported, match="process runtime keeps no image filesystem"):
+            await rt.image_fs_info()
 
 
 @aio

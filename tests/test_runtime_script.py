@@ -45,6 +45,8 @@ def test_annotations_pod_wide_and_per_container() -> None:
     ("exit-code", "x", "annotation fake.nodepulse.dev/exit-code: 'x' is not an exit code"),
     ("exit-code", "300", "'300' is not within 0..255"),
     ("exit-after", "3s", "annotation fake.nodepulse.dev/exit-after: unknown"),
+    ("memory", "lots", "annotation fake.nodepulse.dev/memory: 'lots' is not a quantity"),
+    ("disk.c", "-1Gi", "annotation fake.nodepulse.dev/disk.c: must not be negative"),
 ])
 def test_bad_annotations_are_named(key: str, value: str, says: str) -> None:
     with pytest.raises(ScriptError, match=says.replace(".", r"\.")):
@@ -70,6 +72,29 @@ async def test_the_fake_runtime_exits_a_container_at_its_time() -> None:
     c = (await rt.pod_status("u")).containers[0]
     assert (c.state, c.exit_code, c.reason) == (ContainerState.EXITED, 3, "Error")
     assert c.finished_at == started_at + dt.timedelta(seconds=30)
+
+
+@aio
+async def test_scripted_usage_is_what_the_runtime_measures() -> None:
+    clock = FakeClock()
+    rt = FakeRuntime(clock, images=["i"])
+    cid = await _one(rt, {P + "memory": "300Mi", P + "disk": "1Gi", P + "processes": "40"})
+    assert await rt.container_stats() == []  # created, not running: nothing used
+    await rt.start_container(cid)
+    quiet = await _one(rt, {})
+    await rt.start_container(quiet)
+    by_id = {s.container_id: s for s in await rt.container_stats()}
+    s = by_id[cid]
+    assert (s.memory_working_set_bytes, s.writable_layer_bytes, s.processes) == (
+        300 * 2**20, 2**30, 40)
+    q = by_id[quiet]
+    assert (q.memory_working_set_bytes, q.writable_layer_bytes, q.processes) == (0, 0, 1)
+    # the store: an image removed is gone, and pinned ones say so
+    rt.pinned.add("i:latest")
+    (img,) = await rt.list_images()
+    assert img.pinned and img.id == rt.containers[cid].image_id  # the id containers carry
+    await rt.remove_image(img.id)
+    assert await rt.list_images() == [] and not await rt.image_present("i")
 
 
 @aio

@@ -215,22 +215,6 @@ async def test_what_was_decided_to_wait_is_reported_and_synced_again() -> None:
 
 
 @aio
-async def test_pruning_removes_old_attempts_and_empty_sandboxes() -> None:
-    r = Rig()
-    pod = mkpod("p")
-    old = await r.sandbox(pod, 0)
-    await r.rt.stop_sandbox(old)
-    sid = await r.sandbox(pod, 1)
-    first = await r.container(pod, sid, attempt=0)
-    r.rt.exit_container(first, 1)
-    second = await r.container(pod, sid, attempt=1)
-    await r.act(pod, PodActions(Verdict.RUN, sandbox=r.rt.sandboxes[sid],
-                                prune_containers=(first,), prune_sandboxes=(old,)))
-    assert first not in r.rt.containers and second in r.rt.containers
-    assert old not in r.rt.sandboxes and sid in r.rt.sandboxes
-
-
-@aio
 async def test_terminal_is_passed_on() -> None:
     r = Rig()
     pod = mkpod("p", policy="OnFailure")

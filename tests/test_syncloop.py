@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from nodeagent.api.clock import FakeClock, settle
+from nodeagent.pods.gc import GarbageCollector, GcSettings
 from nodeagent.pods.podupdate import Op, PodUpdate, Source
 from nodeagent.pods.settings import NodePodSettings
 from nodeagent.runtime import (
@@ -67,8 +68,14 @@ async def test_crash_restarts_with_doubling_backoff() -> None:
     # back-off 10 s, 20 s, 40 s (each counted from the previous restart, seen ~1 s late)
     assert [round(t / 10) * 10 for t in restart_times] == [10, 20, 40]
     assert a.rt.running("u1")[0].restart_count == 4
-    # old attempts are pruned: the running one plus the newest exited one remain
-    assert len(a.rt.find("u1", "c")) == 2
+    # old attempts stay until the garbage collector's round; then the running one and
+    # the newest exited one (its lastState, `logs --previous`) remain
+    assert len(a.rt.find("u1", "c")) == 5
+    relists = a.rt.calls["relist"]
+    assert await GarbageCollector(a.rt, clock, GcSettings(), pods=a.loops
+                                  ).collect_containers() == 3
+    assert [c.attempt for c in a.rt.find("u1", "c")] == [3, 4]
+    assert a.rt.calls["relist"] == relists  # the PLEG's last relist did
     await a.loops.stop()
 
 

@@ -149,8 +149,9 @@ def efficient_heartbeats(cluster: Cluster, procs: list[AgentProcess], parts: Par
 
     t_cond = time.monotonic()
     if parts.cond_config is not None:
-        # the threshold moves so that any filesystem is under pressure
-        parts.cond_config.write_text("evictionHard:\n  nodefs.available: '100%'\n")
+        # the threshold moves so that any filesystem is under pressure (0% and 100% are
+        # ignored, as the kubelet ignores them)
+        parts.cond_config.write_text("evictionHard:\n  nodefs.available: 1Pi\n")
     # the operator's annotation says renew every 2 s
     core.patch_node(parts.policy, {"metadata": {"annotations": {
         HEARTBEAT_ANNOTATION: encode_heartbeat_annotation(

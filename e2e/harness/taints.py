@@ -170,7 +170,7 @@ def disk_pressure_taint_follows_the_condition(
         writes = op.writes()
 
         # The threshold moves: every filesystem is under pressure.
-        config.write_text("evictionHard:\n  nodefs.available: '100%'\n")
+        config.write_text("evictionHard:\n  nodefs.available: 1Pi\n")  # any fs is below
         node = eventually(lambda: DISK in noschedule(
             n := read(kube, name)) and n, "disk-pressure taint", 40)
         assert next(c.status for c in node.status.conditions

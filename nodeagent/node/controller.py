@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 
 ImageLister = Callable[[], Sequence[Mapping[str, Any]]]
 Readiness = Callable[[], str | None]
+Pressure = Callable[[str], Mapping[str, str]]  # node -> its pressure conditions that hold
 Blocking = Callable[..., Awaitable[Any]]  # runs a blocking call on a thread pool
 
 
@@ -77,6 +78,7 @@ class NodeControllerConfig:
     # Events point at the Node by UID: read here, not fetched again)
     images: ImageLister | None = None
     readiness: Readiness | None = None
+    pressure: Pressure | None = None  # the eviction manager's conditions (None: none)
     legacy: bool = False  # --heartbeat-mode=legacy: full status every period, no Lease
     started_together: bool = False  # virtual nodes: first renewals and ticks spread
 
@@ -107,6 +109,7 @@ class NodeController:
         self._spread_tick = c.started_together
         self.images = c.images
         self.readiness = c.readiness
+        self.pressure = c.pressure
         self.legacy = c.legacy
         self.status_call = c.status_call
         self.renewals = c.renewals
@@ -248,7 +251,7 @@ class NodeController:
         return self._next_tick
 
     def _compute(self) -> Status:
-        """Blocking: host readings, images, readiness -> a full NodeStatus."""
+        """Blocking: host readings, images, readiness, pressure -> a full NodeStatus."""
         readings: HostReadings | HostReadError
         try:
             readings = self.probe()
@@ -266,8 +269,9 @@ class NodeController:
             not_ready = self.readiness() or not_ready
         settings = dataclasses.replace(self.settings,
                                        max_images=self.heartbeat.maxImagesInStatus)
+        pressure = self.pressure(self.name) if self.pressure is not None else None
         return compute_status(readings, settings, images, self.clock.now(),
-                              previous=self.computed, not_ready=not_ready)
+                              previous=self.computed, not_ready=not_ready, pressure=pressure)
 
     async def _report(self) -> None:
         new = await self.status_call(self._compute)

@@ -1,7 +1,14 @@
-"""Host readings behind capacity, nodeInfo, addresses and the pressure conditions.
+"""Host readings behind capacity, nodeInfo and addresses, and the signals the eviction
+manager watches (nodeagent.pods.eviction).
 
-Each reading comes from the host (/proc, statvfs, uname) unless the config overrides it;
-tests hand in a HostReadings directly instead of a HostProbe.
+Each reading comes from the host (/proc, the root cgroup, statvfs, uname) unless the
+config overrides it; tests hand in a HostReadings directly instead of a HostProbe.
+
+Memory available is the kubelet's measure: the memory capacity less the working set of
+the root cgroup (its usage less its inactive page cache: cgroup v1 `memory.usage_in_bytes`
+less `total_inactive_file`; cgroup v2 `anon` + `file` less `inactive_file`), found
+through /proc/self/mountinfo. Without a memory cgroup mounted at its root, the kernel's
+MemAvailable stands in.
 """
 
 from __future__ import annotations
@@ -82,6 +89,31 @@ def parse_overrides(data: Mapping[str, Any] | None, what: str = "hostOverrides")
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class FsUsage:
+    """A filesystem's size, free space (for unprivileged users, as df shows it) and
+    inodes."""
+    total: int
+    available: int
+    inodes: int
+    inodes_free: int
+    device: int  # st_dev: two paths on one filesystem have the same
+
+
+def filesystem(path: str | os.PathLike[str]) -> FsUsage:
+    """The filesystem `path` is on (or would be: the nearest existing parent's)."""
+    p = Path(path)
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        fs = os.statvfs(p)
+        dev = os.stat(p).st_dev
+    except OSError as e:
+        raise HostReadError(f"statvfs {p}: {e.strerror}") from e
+    return FsUsage(total=fs.f_blocks * fs.f_frsize, available=fs.f_bavail * fs.f_frsize,
+                   inodes=fs.f_files, inodes_free=fs.f_favail, device=dev)
+
+
 class HostProbe:
     """Reads the host. `root_dir` is the filesystem whose space is nodefs; `proc` is
     where /proc is (a folder of fake files in tests)."""
@@ -94,19 +126,21 @@ class HostProbe:
         self.etc = Path(etc)
         self.node_ips = node_ips
         self.overrides = dict(overrides or {})
+        self._memory_cgroup: tuple[str, Path] | None = None
+        self._looked_for_cgroup = False
 
     def read(self) -> HostReadings:
         o = self.overrides
         mem_total, mem_avail = self._meminfo() if not {"memoryTotal", "memoryAvailable"} <= o.keys() \
             else (0, 0)
-        fs = self._statvfs()
+        fs = filesystem(self.root_dir)
         hostname = o.get("hostname") or socket.gethostname()
         readings = HostReadings(
             cpu=float(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                       else os.cpu_count() or 1),
             memoryTotal=mem_total, memoryAvailable=mem_avail,
-            fsTotal=fs.f_blocks * fs.f_frsize, fsAvailable=fs.f_bavail * fs.f_frsize,
-            inodesTotal=fs.f_files, inodesFree=fs.f_favail,
+            fsTotal=fs.total, fsAvailable=fs.available,
+            inodesTotal=fs.inodes, inodesFree=fs.inodes_free,
             pidMax=int(self._text(self.proc / "sys/kernel/pid_max")),
             pidsRunning=self._tasks(),
             kernelVersion=platform.release(),
@@ -142,16 +176,33 @@ class HostProbe:
                 fields[name] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
         if "MemTotal" not in fields or "MemAvailable" not in fields:
             raise HostReadError(f"{path}: no MemTotal/MemAvailable line")
-        return fields["MemTotal"], fields["MemAvailable"]
+        total = fields["MemTotal"]
+        working_set = self._root_working_set()
+        if working_set is None:
+            return total, fields["MemAvailable"]
+        return total, max(0, total - working_set)
 
-    def _statvfs(self) -> os.statvfs_result:
-        path = self.root_dir
-        while not path.exists() and path != path.parent:
-            path = path.parent  # the filesystem the root dir would live on
-        try:
-            return os.statvfs(path)
-        except OSError as e:
-            raise HostReadError(f"statvfs {path}: {e.strerror}") from e
+    def _root_working_set(self) -> int | None:
+        """The root memory cgroup's working set (the module docstring), None when no
+        memory cgroup is mounted at its root."""
+        if not self._looked_for_cgroup:
+            self._memory_cgroup = _memory_cgroup(self.proc / "self/mountinfo")
+            self._looked_for_cgroup = True
+        if self._memory_cgroup is None:
+            return None
+        version, path = self._memory_cgroup
+        stat: dict[str, int] = {}
+        for line in self._text(path / "memory.stat").splitlines():
+            key, _, value = line.partition(" ")
+            if value.strip().isdigit():
+                stat[key] = int(value)
+        if version == "v1":
+            usage = int(self._text(path / "memory.usage_in_bytes"))
+            inactive = stat.get("total_inactive_file", 0)
+        else:
+            usage = stat.get("anon", 0) + stat.get("file", 0)
+            inactive = stat.get("inactive_file", 0)
+        return max(0, usage - inactive)
 
     def _tasks(self) -> int:
         # /proc/loadavg's fourth field is running/total scheduling entities, the
@@ -172,6 +223,36 @@ class HostProbe:
     def _addresses(self, hostname: str) -> tuple[tuple[str, str], ...]:
         ips = list(self.node_ips) or [_primary_ip()]
         return (*(("InternalIP", ip) for ip in ips), ("Hostname", hostname))
+
+
+def _memory_cgroup(mountinfo: Path) -> tuple[str, Path] | None:
+    """("v1" or "v2", where) of the memory cgroup mounted at its root: the v1 memory
+    hierarchy where there is one (a hybrid host keeps memory there), else a v2
+    hierarchy whose root has the memory controller."""
+    try:
+        lines = mountinfo.read_text().splitlines()
+    except OSError:
+        return None
+    v2 = None
+    for line in lines:
+        fields = line.split()
+        if " - " not in line or len(fields) < 5 or fields[3] != "/":
+            continue  # a mount of a subtree does not show the root
+        fstype, _, options = line.split(" - ", 1)[1].partition(" ")
+        where = Path(fields[4])
+        if fstype == "cgroup" and "memory" in options.split()[-1].split(","):
+            return "v1", where
+        if fstype == "cgroup2" and "memory" in _optional_text(
+                where / "cgroup.controllers").split():
+            v2 = ("v2", where)
+    return v2
+
+
+def _optional_text(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
 
 
 def _primary_ip() -> str:

@@ -13,7 +13,6 @@ from typing import Any
 
 from nodeagent.api.quantity import format_bytes, format_cpu
 from nodeagent.node.host import HostReadError, HostReadings
-from nodeagent.node.thresholds import Threshold
 
 CONDITION_TYPES = ("MemoryPressure", "DiskPressure", "PIDPressure", "Ready")
 
@@ -33,7 +32,10 @@ def api_microtime(t: dt.datetime) -> str:
 @dataclasses.dataclass(frozen=True)
 class StatusSettings:
     max_pods: int = 110
-    thresholds: tuple[Threshold, ...] = ()
+    # resource name -> what its hard eviction threshold holds back from allocatable
+    # (memory: memory.available's; ephemeral-storage: nodefs.available's), as
+    # (bytes, percent of capacity)
+    eviction_held: Mapping[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
     # resource name -> amount held back from allocatable (cores for cpu, bytes otherwise):
     # --system-reserved and --kube-reserved together
     system_reserved: Mapping[str, float] = dataclasses.field(default_factory=dict)
@@ -43,35 +45,16 @@ class StatusSettings:
     kubelet_port: int = 0  # where the kubelet API listens; 0: not served
 
 
-def _signal(readings: HostReadings, signal: str) -> tuple[float, float]:
-    """(available, capacity) for an eviction signal."""
-    r = readings
-    if signal == "memory.available":
-        return r.memoryAvailable, r.memoryTotal
-    if signal in ("nodefs.available", "imagefs.available"):
-        return r.fsAvailable, r.fsTotal
-    if signal == "nodefs.inodesFree":
-        return r.inodesFree, r.inodesTotal
-    if signal == "pid.available":
-        return max(0, r.pidMax - r.pidsRunning), r.pidMax
-    raise ValueError(f"unknown signal {signal}")
-
-
-_PRESSURE = {  # condition -> (signals, reason when under pressure, reason when not)
-    "MemoryPressure": (("memory.available",), "MemoryBelowThreshold", "MemorySufficient"),
-    "DiskPressure": (("nodefs.available", "nodefs.inodesFree", "imagefs.available"),
-                     "DiskBelowThreshold", "DiskSufficient"),
-    "PIDPressure": (("pid.available",), "PIDsBelowThreshold", "PIDsSufficient"),
+# condition -> (reason while True, reason while False, message while False): the
+# kubelet's reasons. Whether a pressure condition holds is the eviction manager's word.
+_PRESSURE = {
+    "MemoryPressure": ("KubeletHasInsufficientMemory", "KubeletHasSufficientMemory",
+                       "the node has sufficient memory available"),
+    "DiskPressure": ("KubeletHasDiskPressure", "KubeletHasNoDiskPressure",
+                     "the node has no disk pressure"),
+    "PIDPressure": ("KubeletHasInsufficientPID", "KubeletHasSufficientPID",
+                    "the node has sufficient PID available"),
 }
-
-
-def crossed(readings: HostReadings, thresholds: Sequence[Threshold]) -> list[Threshold]:
-    out = []
-    for t in thresholds:
-        available, capacity = _signal(readings, t.signal)
-        if available < t.limit(capacity):
-            out.append(t)
-    return out
 
 
 class _Kept:
@@ -130,10 +113,13 @@ def _make_images(images: Sequence[Mapping[str, Any]], limit: int) -> list[dict[s
 
 def compute_status(readings: HostReadings | HostReadError, settings: StatusSettings,
                    images: Sequence[Mapping[str, Any]], now: dt.datetime,
-                   previous: Status | None = None, not_ready: str | None = None) -> Status:
+                   previous: Status | None = None, not_ready: str | None = None,
+                   pressure: Mapping[str, str] | None = None) -> Status:
     """The full NodeStatus. `previous` supplies lastTransitionTime for conditions whose
     status has not changed, and the last good values when the host cannot be read.
-    `not_ready` is a reason from elsewhere (e.g. the runtime) to report Ready=False."""
+    `not_ready` is a reason from elsewhere (e.g. the runtime) to report Ready=False;
+    `pressure` the pressure conditions that hold (the eviction manager's), each with
+    why."""
     stamp = api_time(now)
     prev_conditions = {c["type"]: c for c in (previous or {}).get("conditions", [])}
     status: Status = {}
@@ -149,14 +135,12 @@ def compute_status(readings: HostReadings | HostReadError, settings: StatusSetti
         r = readings
         for key, part in _host_parts(r, settings).items():
             status[key] = part
-        hit = crossed(r, settings.thresholds)
-        for ctype, (signals, yes, no) in _PRESSURE.items():
-            mine = [t for t in hit if t.signal in signals]
-            if mine:
-                statuses[ctype] = ("True", yes, "below eviction threshold: "
-                                   + ",".join(t.text() for t in mine))
+        pressure = pressure or {}
+        for ctype, (yes, no, fine) in _PRESSURE.items():
+            if ctype in pressure:
+                statuses[ctype] = ("True", yes, pressure[ctype])
             else:
-                statuses[ctype] = ("False", no, "above eviction thresholds")
+                statuses[ctype] = ("False", no, fine)
         if not_ready:
             statuses["Ready"] = ("False", "AgentNotReady", not_ready)
         else:
@@ -178,7 +162,7 @@ def compute_status(readings: HostReadings | HostReadError, settings: StatusSetti
 def _host_parts(r: HostReadings, settings: StatusSettings) -> dict[str, Any]:
     """capacity, allocatable, addresses and nodeInfo of a reading (kept: see _Kept)."""
     inputs = (r, settings.max_pods, tuple(settings.system_reserved.items()),
-              settings.thresholds,
+              tuple(settings.eviction_held.items()),
               settings.runtime_version, settings.agent_version)
     kept: dict[str, Any] = _kept.get(
         "host", inputs, lambda a, b: a[0] is b[0] and a[1:] == b[1:],
@@ -195,12 +179,12 @@ def allocatable(r: HostReadings, settings: StatusSettings) -> dict[str, str]:
     """What pods may be given of the node, as the kubelet's: its capacity less what is
     reserved and the hard eviction thresholds of memory and the node's filesystem."""
     capacity = _capacity(r, settings)
-    evicted = {"memory": ("memory.available", capacity["memory"]),
-               "ephemeral-storage": ("nodefs.available", capacity["ephemeral-storage"])}
-    held = {k: sum(int(t.limit(evicted[k][1])) for t in settings.thresholds
-                   if t.signal == evicted[k][0]) for k in evicted}
+
+    def held(k: str) -> float:
+        amount, percent = settings.eviction_held.get(k, (0.0, 0.0))
+        return float(int(amount + capacity[k] * percent / 100))
     return _format_resources({
-        k: max(0.0, v - settings.system_reserved.get(k, 0.0) - held.get(k, 0.0))
+        k: max(0.0, v - settings.system_reserved.get(k, 0.0) - held(k))
         for k, v in capacity.items()})
 
 

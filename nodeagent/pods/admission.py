@@ -37,7 +37,7 @@ from typing import Any
 
 from nodeagent.api.kube import describe
 from nodeagent.events import WARNING, Events
-from nodeagent.pods.podstatus import KillStatus, is_sidecar
+from nodeagent.pods.podstatus import Ending, is_sidecar
 from nodeagent.pods.podupdate import Pod, is_static
 from nodeagent.pods.resources import (
     CPU,
@@ -413,9 +413,8 @@ def general_predicates(pod: Pod, node: Node, others: Sequence[Held]) -> list[Fai
 
 # --- preemption: room for a critical pod --------------------------------------------
 
-PREEMPTED = KillStatus("Preempting", "Preempted in order to admit critical pod",
-                       ("DisruptionTarget", "TerminationByKubelet",
-                        "Pod was preempted by Kubelet to accommodate a critical pod."))
+PREEMPTED = Ending("Preempting", "Preempted in order to admit critical pod",
+                   disruption="Pod was preempted by Kubelet to accommodate a critical pod.")
 
 Needs = list[tuple[str, int]]  # resource -> how much more must be freed
 
@@ -518,16 +517,19 @@ class NodeAdmission:
 
     def __init__(self, node: str, settings: AdmissionSettings,
                  node_info: Callable[[], Node | None], running: Callable[[str], bool],
-                 events: Events | None = None) -> None:
+                 events: Events | None = None,
+                 pressure: Callable[[], frozenset[str]] | None = None) -> None:
         """`node_info`: the Node as admission reads it (None: unknown); `running(uid)`:
-        whether the runtime runs something of the pod."""
+        whether the runtime runs something of the pod; `pressure`: the node's pressure
+        conditions now (the eviction manager's), under which a new pod may be refused."""
         self.node = node
         self.settings = settings
         self.node_info = node_info
         self.running = running
         self.events = events
+        self._pressure = pressure
         # stop a preempted pod with this status (the pod loop's: a KILL to its worker)
-        self.on_preempt: Callable[[Pod, KillStatus], None] | None = None
+        self.on_preempt: Callable[[Pod, Ending], None] | None = None
         self.admitted: dict[str, Held] = {}
         # seen, undecided: uid -> (arrival, pod, to stop)
         self._pending: dict[str, tuple[int, Pod, bool]] = {}
@@ -537,6 +539,10 @@ class NodeAdmission:
         self._preemptor = ""
         self._turn: asyncio.Future[None] | None = None
         self._arrivals = itertools.count()
+
+    def pressure(self) -> frozenset[str]:
+        """The node's pressure conditions now (none without an eviction manager)."""
+        return self._pressure() if self._pressure is not None else frozenset()
 
     # -- what the pod loop reports --
 

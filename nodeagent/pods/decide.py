@@ -5,7 +5,7 @@ the pod and the status last written, with the few answers of the node it needs (
 admission says, which containers the agent cannot create, the crash back-offs still
 running, the probes' verdicts), it returns a `PodActions`: a value that says whether
 the pod runs at all, and if so which sandbox to stop or make, which containers to kill,
-start or prune, and what the status should say meanwhile. The syncer (syncer.py)
+start, and what the status should say meanwhile. The syncer (syncer.py)
 gathers the inputs, asks, and carries the actions out in order, as the kubelet's
 SyncPod carries out what its computePodActions decided.
 """
@@ -22,6 +22,8 @@ from typing import Any
 from nodeagent.pods import podspec
 from nodeagent.pods.admission import AdmissionSettings, Rejection, admit
 from nodeagent.pods.backoff import CrashKey, crash_key
+from nodeagent.pods.eviction import REASON as EVICTED
+from nodeagent.pods.eviction import pressure_refusal
 from nodeagent.pods.podstatus import Waiting, is_sidecar
 from nodeagent.pods.podupdate import Pod
 from nodeagent.pods.probes import Kind
@@ -85,6 +87,8 @@ class Verdicts:
     # it has not decided yet (pods stopping to make room for a critical one)
     rejection: Rejection | None = None
     admission_waits: bool = False
+    # the node's pressure conditions (the eviction manager's): a new pod may be refused
+    pressure: frozenset[str] = frozenset()
 
 
 def refusals(pod: Pod, node: NodeAbilities) -> tuple[dict[str, str], bool]:
@@ -164,8 +168,6 @@ class PodActions:
     kill: tuple[KillContainer, ...] = ()
     start: tuple[StartContainer, ...] = ()  # ephemeral, then init, then regular
     refuse: Mapping[str, str] = field(default_factory=dict)  # reported as refused now
-    prune_containers: tuple[str, ...] = ()  # exited attempts older than the last
-    prune_sandboxes: tuple[str, ...] = ()   # stopped sandboxes that hold no container
     # -- what the status says meanwhile
     waiting: Mapping[str, Waiting] = field(default_factory=dict)
     init_blocked: bool = False  # an init container is still to run or start
@@ -252,6 +254,9 @@ def compute_pod_actions(pod: Pod, rs: PodRuntimeStatus, previous: Mapping[str, A
     if previous.get("phase") in ("Succeeded", "Failed"):
         return PodActions(Verdict.FINISHED)
     rejection = admit(pod, node.admission) or verdicts.rejection
+    if rejection is None and verdicts.pressure and _new(rs, previous):
+        why = pressure_refusal(pod, verdicts.pressure)
+        rejection = Rejection(EVICTED, why) if why else None
     if rejection is not None:
         return PodActions(Verdict.REJECTED, rejection=rejection)
     if verdicts.admission_waits:
@@ -337,15 +342,19 @@ def compute_pod_actions(pod: Pod, rs: PodRuntimeStatus, previous: Mapping[str, A
                 if policy == "Always" or (policy == "OnFailure" and code != 0):
                     d.restart(c, cur)
 
-    prune_containers, prune_sandboxes = _prunable(rs)
     return PodActions(
         Verdict.RUN, requeue_after=None if math.isinf(d.requeue) else d.requeue,
         sandbox=sandbox, new_sandbox=new_sandbox, stop_first=stop_first,
         stop_sandboxes=tuple(s.id for s in ready[1:]),
-        kill=tuple(d.kill), start=tuple(d.start), refuse=d.refuse,
-        prune_containers=prune_containers, prune_sandboxes=prune_sandboxes,
-        waiting=d.waiting, init_blocked=init_blocked,
-        terminal=_all_done(spec, current, init_blocked))
+        kill=tuple(d.kill), start=tuple(d.start), refuse=d.refuse, waiting=d.waiting,
+        init_blocked=init_blocked, terminal=_all_done(spec, current, init_blocked))
+
+
+def _new(rs: PodRuntimeStatus, previous: Mapping[str, Any]) -> bool:
+    """Nothing of the pod has run yet: admission may still refuse it."""
+    return not rs.sandboxes and not rs.containers and not any(
+        s.get("containerID") for s in [*(previous.get("containerStatuses") or []),
+                                       *(previous.get("initContainerStatuses") or [])])
 
 
 def _ephemeral(d: _Decision, current: Sequence[Container]) -> None:
@@ -418,20 +427,3 @@ def _all_done(spec: Spec, current: Sequence[Container], init_blocked: bool) -> b
             return False
     return True
 
-
-def _prunable(rs: PodRuntimeStatus) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """Exited attempts older than the newest exited one of each container (that one is
-    its lastState; the newest attempt is kept whatever its state), and stopped
-    sandboxes no container is left in."""
-    by_name: dict[str, list[Container]] = {}
-    for c in rs.containers:
-        by_name.setdefault(c.name, []).append(c)
-    containers: list[str] = []
-    for cs in by_name.values():
-        cs.sort(key=lambda c: c.attempt, reverse=True)
-        exited = [c for c in cs if c.state == ContainerState.EXITED]
-        keep = {cs[0].id} | ({exited[0].id} if exited else set())
-        containers += [c.id for c in exited if c.id not in keep]
-    sandboxes = tuple(s.id for s in rs.sandboxes if s.state == SandboxState.NOTREADY
-                      and not any(c.sandbox_id == s.id for c in rs.containers))
-    return tuple(containers), sandboxes

@@ -33,13 +33,20 @@ from nodeagent.api.clock import Clock
 from nodeagent.api.kube import describe
 from nodeagent.metrics import per_registry
 from nodeagent.pods.cgroups import PodCgroups
+from nodeagent.pods.eviction import REASON
+from nodeagent.pods.gc import ACTIVE, TERMINATED
 from nodeagent.pods.pleg import EventType, Pleg, PodLifecycleEvent
-from nodeagent.pods.podstatus import KillStatus, StatusManager
+from nodeagent.pods.podstatus import Ending, StatusManager
 from nodeagent.pods.podupdate import Op, Pod, PodUpdate, SourcesReady, pod_node_name
 from nodeagent.pods.probes import ProbeManager
 from nodeagent.pods.volumes import VolumeManager
-from nodeagent.pods.workers import DueTimes, PodWorkers, UpdateKind
-from nodeagent.runtime.base import LABEL_POD_NAME, LABEL_POD_NAMESPACE, RelistResult
+from nodeagent.pods.workers import DueTimes, Phase, PodWorkers, UpdateKind
+from nodeagent.runtime.base import (
+    LABEL_POD_NAME,
+    LABEL_POD_NAMESPACE,
+    ContainerState,
+    RelistResult,
+)
 
 log = logging.getLogger(__name__)
 
@@ -134,10 +141,10 @@ class SyncLoop:
         self.workers.update(pod, UpdateKind.KILL,
                             grace=None if grace is None else float(grace))
 
-    def _preempt(self, pod: Pod, status: KillStatus) -> None:
+    def _preempt(self, pod: Pod, ending: Ending) -> None:
         """Admission stops the pod to make room for a critical one."""
         latest = self.pods.get(str(pod["metadata"]["uid"]), pod)
-        self.workers.update(latest, UpdateKind.KILL, status=status)
+        self.workers.update(latest, UpdateKind.KILL, ending=ending)
 
     def handle_event(self, ev: PodLifecycleEvent) -> None:
         if ev.type == EventType.CONTAINER_REMOVED:
@@ -239,6 +246,49 @@ class NodeLoops:
     def health(self) -> str | None:
         """None when healthy; a HealthServer check (PLEG's)."""
         return self.pleg.health()
+
+    # --- what the eviction manager and the garbage collector read and do -------------
+
+    def nodes_with_pods(self) -> list[str]:
+        return list(self.loops)
+
+    def pods_of(self, node: str) -> list[Pod]:
+        loop = self.loops.get(node)
+        return list(loop.pods.values()) if loop else []
+
+    def active_pods(self, node: str) -> list[Pod]:
+        loop = self.loops.get(node)
+        if loop is None:
+            return []
+        return [p for uid, p in loop.pods.items() if loop.workers.active(uid)
+                and not (p.get("metadata") or {}).get("deletionTimestamp")
+                and (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")]
+
+    def running_containers(self, pod: Pod) -> list[tuple[str, str]]:
+        rs = self.pleg.cache.get(str(pod["metadata"]["uid"])).status
+        return [(c.id, c.name) for c in rs.containers if c.state == ContainerState.RUNNING]
+
+    def evict(self, node: str, pod: Pod, grace: float, message: str) -> None:
+        """Stop the pod within `grace`; it ends Failed, Evicted, and what it held is
+        removed once it has stopped."""
+        self.loop(node).workers.update(pod, UpdateKind.KILL, grace=grace, ending=Ending(
+            REASON, message, disruption=message, remove_content=True))
+
+    def cleaned_up(self, node: str, uid: str) -> bool:
+        loop = self.loops.get(node)
+        return loop is None or loop.workers.cleaned_up(uid)
+
+    def last_relist(self) -> RelistResult | None:
+        return self.pleg.last_result
+
+    def pod_states(self) -> dict[str, str]:
+        """uid -> ACTIVE or TERMINATED for every pod a loop knows."""
+        out = {}
+        for loop in self.loops.values():
+            for uid in loop.pods.keys() | loop.workers.uids():
+                out[uid] = TERMINATED if loop.workers.phase(uid) == Phase.TERMINATED \
+                    else ACTIVE
+        return out
 
     def start(self) -> asyncio.Task[None]:
         self._task = asyncio.create_task(self.run(), name="syncloops")

@@ -14,13 +14,19 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 from nodeagent.api.clock import Clock
 from nodeagent.pods.loops import NodeLoops
 from nodeagent.pods.pleg import PodCache
-from nodeagent.runtime import ContainerRuntimeError, ContainerState, PodRuntimeStatus, Runtime
+from nodeagent.runtime import (
+    ContainerRuntimeError,
+    ContainerState,
+    ImageInfo,
+    PodRuntimeStatus,
+    Runtime,
+)
 
 log = logging.getLogger(__name__)
 
@@ -57,10 +63,12 @@ class PodsConfig:
 class Pods:
     def __init__(self, runtime: Runtime, clock: Clock, loops: NodeLoops,
                  sources: Sequence[Runnable] = (), background: Sequence[Runnable] = (),
-                 shared: Sequence[Closable] = (), config: PodsConfig = PodsConfig()) -> None:
+                 shared: Sequence[Closable] = (), config: PodsConfig = PodsConfig(),
+                 on_images: Callable[[list[ImageInfo]], None] | None = None) -> None:
         """`sources`: the pod sources and the mirror pod manager; `background`: other
-        parts that run beside the loops (log rotation, the Service watch); `shared`: what
-        the loops share, closed after them."""
+        parts that run beside the loops (log rotation, the Service watch, eviction,
+        garbage collection); `shared`: what the loops share, closed after them;
+        `on_images`: told each image list read (the image collector)."""
         self.runtime = runtime
         self.clock = clock
         self.loops = loops
@@ -68,6 +76,7 @@ class Pods:
         self.background = tuple(background)
         self.shared = tuple(shared)
         self.config = config
+        self.on_images = on_images
         self.runtime_version = ""   # "<name>://<version>", as nodeInfo shows it
         self.runtime_problem: str | None = None
         self._images: list[dict[str, Any]] = []
@@ -118,6 +127,8 @@ class Pods:
         self.runtime_version = f"{v.runtime_name}://{v.runtime_version}"
         self._images = [{"names": list(i.names), "sizeBytes": i.size_bytes}
                         for i in images if i.names]
+        if self.on_images is not None:
+            self.on_images(images)
 
     async def start(self) -> None:
         """First runtime reading (before the node reports), then the loops."""

@@ -55,14 +55,21 @@ class Waiting:
     message: str = ""
 
 
+DISRUPTED_BY_NODE = "TerminationByKubelet"  # the DisruptionTarget reason of an Ending
+
+
 @dataclass(frozen=True)
-class KillStatus:
-    """What the status of a pod the node itself stops says (e.g. preempted for a
-    critical pod): phase Failed with this reason and message, and a condition of its
-    own (type, reason, message; status True), written when the stop begins."""
+class Ending:
+    """How a pod the node itself stops ends (preempted for a critical pod, evicted,
+    stopped for a shutdown): phase Failed with this reason and message and, with
+    `disruption`, a DisruptionTarget condition (reason TerminationByKubelet) with that
+    message; written when the stop begins and kept as its final status.
+    `remove_content`: once stopped, its containers and volumes are removed (an
+    eviction's)."""
     reason: str
     message: str
-    condition: tuple[str, str, str] | None = None
+    disruption: str = ""
+    remove_content: bool = False
 
 
 @dataclass(frozen=True)
@@ -214,19 +221,23 @@ def compute_pod_status(pod: Pod, rs: PodRuntimeStatus, *, host_ip: str, scheme: 
                        previous: Status | None = None, terminal: bool = False,
                        probed: Mapping[str, Probed] | None = None,
                        messages: Mapping[str, str] | None = None,
-                       reason: str | None = None, message: str | None = None) -> Status:
+                       reason: str | None = None, message: str | None = None,
+                       disruption: str = "") -> Status:
     """The pod's status in API JSON form. `previous` is the last status we (or the API)
     had, for startTime, transition times and terminal phases. `terminal`: the worker
     has stopped the pod for good (deleted, or finished), so no container will restart.
     `probed`: started/ready by container id for containers with probes; `messages`:
     termination messages by container id; `reason`/`message`: the pod's own (e.g.
-    DeadlineExceeded), kept once the phase is terminal."""
+    DeadlineExceeded, Evicted), kept once the phase is terminal; `disruption`: the
+    message of a DisruptionTarget condition the node adds when it ends the pod itself
+    (an Ending's)."""
     spec = pod.get("spec") or {}
     previous = previous or {}
     waiting = waiting or {}
-    if previous.get("phase") in TERMINAL and not previous.get("containerStatuses") \
-            and not rs.containers:
-        # ended before any container ran (e.g. rejected by admission): it stays as it was
+    if previous.get("phase") in TERMINAL and not rs.containers:
+        # ended, and the runtime holds nothing of it (it never ran: rejected by
+        # admission; or what ran was removed since: evicted, collected): it stays as it
+        # was
         return {k: previous[k] for k in OWNED if k in previous}
     stamp = rfc3339(now)
     assert stamp is not None
@@ -338,6 +349,12 @@ def compute_pod_status(pod: Pod, rs: PodRuntimeStatus, *, host_ip: str, scheme: 
         _condition("ContainersReady", containers_ready, prev_cond, stamp, cr_reason, cr_msg),
         _condition("Ready", ready, prev_cond, stamp, ready_reason, ready_msg),
     ]
+    if disruption:  # not one of ours to compare (CONDITION_TYPES), but written with them
+        conditions.append({"type": "DisruptionTarget", "status": "True",
+                           "lastProbeTime": None,
+                           "lastTransitionTime": (prev_cond.get("DisruptionTarget") or {}).get(
+                               "lastTransitionTime") or stamp,
+                           "reason": DISRUPTED_BY_NODE, "message": disruption})
     if generation is not None:
         for c in conditions:
             c["observedGeneration"] = generation

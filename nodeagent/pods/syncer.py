@@ -11,14 +11,14 @@ acts, in the kubelet's order:
     4. duplicate sandboxes stopped; a new sandbox made when none is ready
     5. containers killed (a changed definition, a failed probe)
     6. containers started: ephemeral, then the next init container, then the regular ones
-    7. old exited attempts and empty stopped sandboxes removed
-    8. the status computed from what the runtime now holds, and handed to the
+    7. the status computed from what the runtime now holds, and handed to the
        StatusManager
 
 It also stops a pod within its grace period (terminate_pod), writes its final status
-and removes its cgroup (sync_terminated) and removes what the runtime holds of a pod
-that is gone, then its cgroup (cleanup_pod). It keeps no per-pod state; the pod workers
-(workers.py) say when it runs.
+and removes its cgroup (sync_terminated), removes what the node holds of a pod the
+node ended itself (remove_content: an eviction) or that is gone, then its cgroup
+(cleanup_pod). Dead containers of running pods are the garbage collector's (gc.py). It
+keeps no per-pod state; the pod workers (workers.py) say when it runs.
 """
 
 from __future__ import annotations
@@ -48,12 +48,11 @@ from nodeagent.pods.env import env_refs
 from nodeagent.pods.hooks import DEADLINE_MESSAGE, DEADLINE_REASON
 from nodeagent.pods.pleg import CacheEntry
 from nodeagent.pods.podstatus import (
-    KillStatus,
+    Ending,
     StatusManager,
     Waiting,
     compute_pod_status,
     is_sidecar,
-    rfc3339,
 )
 from nodeagent.pods.podupdate import Pod
 from nodeagent.pods.probes import ProbeManager
@@ -96,7 +95,8 @@ class PodSyncer:
                  settings: NodePodSettings, admission: NodeAdmission) -> None:
         """`volumes` None: pods with volumes are refused (its ObjectCache: the ConfigMaps
         and Secrets pods use, watched); `probes` None: a pod with a probe is refused;
-        `admission`: the node's, told when a pod's containers have stopped for good."""
+        `admission`: the node's (its verdicts, and the node's pressure conditions), told
+        when a pod's containers have stopped for good."""
         self.calls = calls
         self.admission = admission
         self.runtime = calls.runtime
@@ -141,7 +141,8 @@ class PodSyncer:
             {c.id: k for c in running if (k := probes.kill_reason(c.id))} if probes else {},
             frozenset(c.id for c in running if probes is None or probes.started(uid, c)),
             rejection=self.admission.rejection(uid),
-            admission_waits=self.admission.waiting(uid))
+            admission_waits=self.admission.waiting(uid),
+            pressure=self.admission.pressure())
 
     # --- acting ---------------------------------------------------------------------
 
@@ -212,10 +213,6 @@ class PodSyncer:
         progress.waiting.update(self._refuse(pod, refuse))
         for s in starts:
             await self.containers.start(pod, s, place, progress)
-        for cid in act.prune_containers:
-            await self.calls(self.runtime.remove_container(cid), "remove_container")
-        for sid in act.prune_sandboxes:
-            await self.calls(self.runtime.remove_sandbox(sid), "remove_sandbox")
 
         fresh = None
         if progress.started:
@@ -306,23 +303,14 @@ class PodSyncer:
 
     def _publish(self, pod: Pod, rs: PodRuntimeStatus, waiting: Mapping[str, Waiting],
                  terminal: bool = False, reason: str | None = None,
-                 message: str | None = None,
-                 condition: tuple[str, str, str] | None = None) -> None:
-        """The pod's status from the runtime's state `rs`; `condition` (type, reason,
-        message): one more, True (a status the node's own stop writes, KillStatus)."""
-        now = self.clock.now()
+                 message: str | None = None, disruption: str = "") -> None:
         st = compute_pod_status(pod, rs, host_ip=self.settings.host_ip,
-                                scheme=self.runtime.scheme, now=now,
+                                scheme=self.runtime.scheme, now=self.clock.now(),
                                 waiting=waiting, previous=self.status.previous(pod),
                                 terminal=terminal,
                                 probed=self.probes.readiness(pod, rs) if self.probes else None,
                                 messages=self.containers.messages(pod, rs),
-                                reason=reason, message=message)
-        if condition is not None:
-            ctype, creason, cmessage = condition
-            st["conditions"] = [*st["conditions"], {
-                "type": ctype, "status": "True", "reason": creason, "message": cmessage,
-                "lastProbeTime": None, "lastTransitionTime": rfc3339(now)}]
+                                reason=reason, message=message, disruption=disruption)
         self.status.set_status(pod, st)
 
     def _event(self, pod: Pod, type_: str, reason: str, message: str) -> None:
@@ -332,20 +320,20 @@ class PodSyncer:
     # --- stopping and forgetting ----------------------------------------------------
 
     async def terminate_pod(self, pod: Pod, grace: float,
-                            status: KillStatus | None = None) -> None:
+                            ending: Ending | None = None) -> None:
         """Stop every container (preStop hooks, SIGTERM, SIGKILL after `grace`): the
         regular ones together, then the sidecars one by one in reverse order, in the time
-        left; then the sandboxes. `status`: the node stops the pod of its own accord
-        (preemption): the pod's status says so first. Then the node's admission no
-        longer counts the pod."""
+        left; then the sandboxes. `ending`: the node stops the pod of its own accord
+        (preempted, evicted): the pod's status says so first. Then the node's admission
+        no longer counts the pod."""
         uid = pod["metadata"]["uid"]
         if self.probes is not None:
             self.probes.stop_liveness_and_startup(uid)
         rs = await self.calls(self.runtime.pod_status(uid), "pod_status")
-        if status is not None:
-            log.info("pod %s: stopping: %s: %s", describe(pod), status.reason, status.message)
-            self._publish(pod, rs, {}, reason=status.reason, message=status.message,
-                          condition=status.condition)
+        if ending is not None:
+            log.info("pod %s: stopping: %s: %s", describe(pod), ending.reason, ending.message)
+            self._publish(pod, rs, {}, reason=ending.reason, message=ending.message,
+                          disruption=ending.disruption)
         spec = pod.get("spec") or {}
         pod_ip = self.settings.pod_ip(bool(spec.get("hostNetwork")), rs.ip)
         sidecars = [c["name"] for c in spec.get("initContainers") or [] if is_sidecar(c)]
@@ -366,10 +354,12 @@ class PodSyncer:
                 await self.calls(self.runtime.stop_sandbox(s.id), "stop_sandbox")
         self.admission.release(uid)
 
-    def sync_terminated(self, pod: Pod, entry: CacheEntry) -> None:
-        """Final status; the pod's cgroup removed (nothing of it runs any more; one
-        that cannot be removed yet is tried again when the pod is cleaned up); a
-        gracefully deleted API pod is then deleted for good."""
+    def sync_terminated(self, pod: Pod, entry: CacheEntry, ending: Ending | None = None
+                        ) -> None:
+        """Final status (`ending`: the node ended the pod itself); the pod's cgroup
+        removed (nothing of it runs any more; one that cannot be removed yet is tried
+        again when the pod is cleaned up); a gracefully deleted API pod is then deleted
+        for good."""
         uid = str(pod["metadata"]["uid"])
         try:
             self.cgroups.release(uid)
@@ -379,17 +369,32 @@ class PodSyncer:
             self.objects.release(uid)
         if self.probes is not None:
             self.probes.remove(pod["metadata"]["uid"])
-        self._publish(pod, entry.status, {}, terminal=True)
+        if ending is None:
+            self._publish(pod, entry.status, {}, terminal=True)
+        else:
+            self._publish(pod, entry.status, {}, terminal=True, reason=ending.reason,
+                          message=ending.message, disruption=ending.disruption)
         if (pod.get("metadata") or {}).get("deletionTimestamp"):
             self.status.finish_deletion(pod)
 
     async def cleanup_pod(self, uid: str) -> None:
-        """The pod is gone from every source: remove all its runtime objects, then its
-        cgroup (CgroupError when it cannot be removed yet: retried). Each
-        removal is tried even after one failed: a container the runtime will not remove
-        (containerd 1.6 refuses one whose start was cut short while its task exists, and
-        then its sandbox too) holds back no other container, and every sandbox is still
-        stopped. The failures are raised together, for the worker to retry."""
+        """The pod is gone from every source: remove all its runtime objects and its
+        volumes, then its cgroup (CgroupError when it cannot be removed yet: retried),
+        and forget it."""
+        await self.remove_content(uid)
+        self.containers.forget(uid)
+        self.status.forget(uid)
+        self.admission.forget(uid)
+        if self.probes is not None:
+            self.probes.remove(uid)
+
+    async def remove_content(self, uid: str) -> None:
+        """Remove what the node holds of a stopped pod: its containers, sandboxes and
+        volumes. Each removal is tried even after one failed: a container the runtime
+        will not remove (containerd 1.6 refuses one whose start was cut short while its
+        task exists, and then its sandbox too) holds back no other container, and every
+        sandbox is still stopped. The failures are raised together, for the worker to
+        retry."""
         rs = await self.calls(self.runtime.pod_status(uid), "pod_status")
         failures: list[str] = []
 
@@ -410,11 +415,6 @@ class PodSyncer:
             self.objects.release(uid)
         if self.volumes is not None:
             await self.volumes.teardown(uid)
-        self.containers.forget(uid)
-        self.status.forget(uid)
-        self.admission.forget(uid)
-        if self.probes is not None:
-            self.probes.remove(uid)
 
 
 def _all_running(pod: Pod, rs: PodRuntimeStatus, sandbox_id: str) -> frozenset[str]:

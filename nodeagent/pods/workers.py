@@ -28,7 +28,7 @@ from nodeagent.api.kube import describe
 from nodeagent.metrics import per_registry
 from nodeagent.pods.decide import grace_of
 from nodeagent.pods.pleg import CacheEntry, PodCache
-from nodeagent.pods.podstatus import KillStatus
+from nodeagent.pods.podstatus import Ending
 from nodeagent.pods.podupdate import Pod, pod_full_name
 from nodeagent.pods.settings import PodTiming
 from nodeagent.pods.syncer import PodSyncer
@@ -90,7 +90,8 @@ class _Worker:
     kill: bool = False
     removed: bool = False
     grace: float | None = None
-    kill_status: KillStatus | None = None  # the node stops it of its own accord
+    ending: Ending | None = None     # the node ends it of its own accord (preempted, evicted)
+    content_removed: bool = False    # its containers and volumes are gone (the ending's)
     task: asyncio.Task[None] | None = None
     last_sync: float = -math.inf  # monotonic start of the last sync
     due: float = math.inf         # when a periodic or retry sync is due
@@ -171,6 +172,17 @@ class PodWorkers:
         w = self._w.get(uid)
         return w.syncs if w else 0
 
+    def active(self, uid: str) -> bool:
+        """Syncing, with no stop asked for."""
+        w = self._w.get(uid)
+        return w is not None and w.phase == Phase.SYNCING and not w.kill
+
+    def cleaned_up(self, uid: str) -> bool:
+        """Stopped, with what its final status said to remove removed (or forgotten)."""
+        w = self._w.get(uid)
+        return w is None or (w.phase == Phase.TERMINATED and (
+            w.ending is None or not w.ending.remove_content or w.content_removed))
+
     def saw_running(self, uid: str, container_id: str) -> bool:
         """Whether the pod's last sync ended on this sandbox or container running,
         with nothing left to do: an event saying it started needs no sync (ids are
@@ -194,10 +206,10 @@ class PodWorkers:
     # --- updates --------------------------------------------------------------------
 
     def update(self, pod: Pod, kind: UpdateKind = UpdateKind.SYNC,
-               grace: float | None = None, status: KillStatus | None = None) -> None:
+               grace: float | None = None, ending: Ending | None = None) -> None:
         """`grace`: a KILL's or REMOVE's grace period (the shortest one asked wins);
-        `status`: what a KILL the node decided (preemption) writes to the pod's status
-        as the stop begins."""
+        `ending`: a KILL the node itself decided (preemption, eviction): what the pod's
+        status says from the start of the stop on (the first one asked for wins)."""
         uid = pod["metadata"]["uid"]
         w = self._w.get(uid)
         if w is None:
@@ -212,8 +224,8 @@ class PodWorkers:
             w.killed.set()
             if grace is not None:
                 w.grace = grace if w.grace is None else min(w.grace, grace)
-            if status is not None and w.kill_status is None:
-                w.kill_status = status
+            if ending is not None and w.ending is None:
+                w.ending = ending
         if kind == UpdateKind.REMOVE:
             w.removed = True
         w.pending = True
@@ -321,14 +333,17 @@ class PodWorkers:
                 for f in res.wake:  # an image pull: sync again when it ends
                     f.add_done_callback(self._waker(w.uid))
             elif w.phase == Phase.TERMINATING:
-                await self.syncer.terminate_pod(w.pod, grace_of(w.pod, w.grace),
-                                                w.kill_status)
+                await self.syncer.terminate_pod(w.pod, grace_of(w.pod, w.grace), w.ending)
                 w.phase = Phase.TERMINATED
                 w.stopped.set()
                 w.pending = True  # one more pass with fresh state for the final status
             elif w.phase == Phase.TERMINATED:
                 if not w.removed:  # a removed pod has no API object to write to
-                    self.syncer.sync_terminated(w.pod, entry)
+                    self.syncer.sync_terminated(w.pod, entry, w.ending)
+                    if w.ending is not None and w.ending.remove_content \
+                            and not w.content_removed:
+                        await self.syncer.remove_content(w.uid)
+                        w.content_removed = True
                 if w.removed:
                     await self.syncer.cleanup_pod(w.uid)
                     self.cache.delete(w.uid)

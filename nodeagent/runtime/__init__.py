@@ -16,6 +16,7 @@ from nodeagent.runtime.base import (
     ContainerState,
     ContainerStats,
     ExecResult,
+    ImageFsInfo,
     ImageInfo,
     ImageNotPresent,
     NotFound,
@@ -37,7 +38,7 @@ from nodeagent.runtime.base import (
 __all__ = [
     "DEFAULT_CONTAINERD_SOCKET", "Container", "ContainerConfig", "ContainerEvent",
     "ContainerEventType", "ContainerRuntimeError",
-    "ContainerState", "ContainerStats", "ExecResult", "ImageInfo", "ImageNotPresent",
+    "ContainerState", "ContainerStats", "ExecResult", "ImageFsInfo", "ImageInfo", "ImageNotPresent",
     "NotFound", "PodRuntimeStatus", "PullFailed", "RegistryAuth", "RelistResult", "Runtime",
     "RuntimeTimeout", "RuntimeVersion", "Sandbox",
     "SandboxConfig", "SandboxState", "StreamRequest", "Unavailable", "Unsupported",

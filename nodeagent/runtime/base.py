@@ -374,6 +374,16 @@ class ImageInfo:
     id: str
     names: list[str]
     size_bytes: int
+    pinned: bool = False  # never garbage collected (CRI Image.pinned: the sandbox image)
+
+
+@dataclass(frozen=True)
+class ImageFsInfo:
+    """The filesystem the runtime keeps its images on (CRI ImageFsInfo): where it is
+    mounted, and what the images take of it (None: not measured)."""
+    mountpoint: str
+    used_bytes: int | None = None
+    inodes_used: int | None = None
 
 
 @dataclass(frozen=True)
@@ -401,6 +411,8 @@ class ContainerStats:
     memory_usage_bytes: int | None = None
     memory_rss_bytes: int | None = None
     writable_layer_bytes: int | None = None
+    writable_layer_inodes: int | None = None
+    processes: int | None = None  # processes (threads not counted) the container runs
 
 
 @dataclass(frozen=True)
@@ -499,7 +511,18 @@ class Runtime(ABC):
 
     @abstractmethod
     async def list_images(self) -> list[ImageInfo]:
-        """Images in the local store, for NodeStatus.images."""
+        """Images in the local store, for NodeStatus.images and image garbage
+        collection."""
+
+    async def remove_image(self, image_id: str) -> None:
+        """Remove an image from the local store (CRI RemoveImage). Idempotent: an image
+        already gone is fine."""
+        raise Unsupported(f"the {self.scheme} runtime cannot remove images")
+
+    async def image_fs_info(self) -> ImageFsInfo:
+        """The filesystem the images are on (CRI ImageFsInfo); Unsupported when the
+        runtime keeps no images on a filesystem of the node."""
+        raise Unsupported(f"the {self.scheme} runtime keeps no image filesystem")
 
     async def image_user(self, ref: str) -> tuple[int | None, str]:
         """The user a present image runs as by default: (uid, "") for a numeric user,

@@ -32,6 +32,7 @@ from nodeagent.runtime.base import (
     ContainerEventType,
     ContainerRuntimeError,
     ContainerState,
+    ContainerStats,
     ExecResult,
     ImageInfo,
     ImageNotPresent,
@@ -73,6 +74,7 @@ class FakeRuntime(Runtime):
         """`images`: refs present in the store; None means every image is present."""
         self.clock = clock or RealClock()
         self.images: set[str] | None = None if images is None else {_tagged(r) for r in images}
+        self.pinned: set[str] = set()  # refs the store says are pinned (never collected)
         self.image_size = image_size
         self.host_ip = host_ip
         self.sandboxes: dict[str, Sandbox] = {}
@@ -113,6 +115,8 @@ class FakeRuntime(Runtime):
         self._ips = itertools.count(2)
         self._log_dirs: dict[str, str] = {}  # sandbox id -> its log directory
         self.scripts: dict[str, Script] = {}  # container id -> its pod's script for it
+        # running container id -> its scripted usage, constant while it runs
+        self._usage: dict[str, ContainerStats] = {}
         self._exits: list[tuple[float, str]] = []  # (monotonic time, container id) heap
         # open event streams; None in one wakes it (a new scripted exit to wait for)
         self._streams: list[asyncio.Queue[ContainerEvent | BaseException | None]] = []
@@ -182,6 +186,7 @@ class FakeRuntime(Runtime):
 
     def _finish(self, c: Container, code: int, reason: str,
                 at: dt.datetime | None = None) -> None:
+        self._usage.pop(c.id, None)
         c.state = ContainerState.EXITED
         c.exit_code = code
         c.reason = reason
@@ -313,6 +318,7 @@ class FakeRuntime(Runtime):
             if c.sandbox_id == sandbox_id:
                 self._forget(uid, cid)
                 del self.containers[cid]
+                self._usage.pop(cid, None)
                 self._event(ContainerEventType.REMOVED, uid, cid)
         del self.sandboxes[sandbox_id]
         self._event(ContainerEventType.REMOVED, uid, sandbox_id)
@@ -351,7 +357,7 @@ class FakeRuntime(Runtime):
             id=cid, sandbox_id=sandbox_id, pod_uid=sb.pod_uid, name=config.name,
             image=config.image, state=ContainerState.CREATED, attempt=config.attempt,
             restart_count=config.restart_count, created_at=self.clock.now(),
-            image_id="sha256:" + hashlib.sha256(config.image.encode()).hexdigest(),
+            image_id=_image_id(config.image),
             spec_hash=config.spec_hash, init=config.init,
             labels=dict(config.labels), annotations=dict(config.annotations))
         log_dir = self._log_dirs.get(sandbox_id)
@@ -377,6 +383,10 @@ class FakeRuntime(Runtime):
             raise ContainerRuntimeError(f"fake: start_container {c.name}: {script.fail_start}")
         c.state = ContainerState.RUNNING
         c.started_at = self.clock.now()
+        self._usage[c.id] = ContainerStats(
+            container_id=c.id, timestamp=c.started_at, memory_working_set_bytes=script.memory,
+            memory_usage_bytes=script.memory, writable_layer_bytes=script.disk,
+            writable_layer_inodes=1 if script.disk else 0, processes=script.processes)
         self._event(ContainerEventType.STARTED, c.pod_uid, c.id, c.started_at)
         self.write_log(c.id, f"fake runtime: container {c.name} started (image {c.image}); "
                              "nothing runs in a fake container")
@@ -410,6 +420,7 @@ class FakeRuntime(Runtime):
         c = self.containers.pop(container_id, None)
         self.configs.pop(container_id, None)
         self.scripts.pop(container_id, None)
+        self._usage.pop(container_id, None)
         if c is not None:
             self._forget(c.pod_uid, container_id)
             self._event(ContainerEventType.REMOVED, c.pod_uid, container_id)
@@ -494,15 +505,35 @@ class FakeRuntime(Runtime):
                 raise PullFailed(f"fake PullImage {ref}: 401 Unauthorized")
         if self.images is not None:
             self.images.add(_tagged(ref))
-        return ImageInfo(id="sha256:" + hashlib.sha256(_tagged(ref).encode()).hexdigest(),
-                         names=[_tagged(ref)], size_bytes=self.image_size)
+        return ImageInfo(id=_image_id(ref), names=[_tagged(ref)], size_bytes=self.image_size)
 
     async def list_images(self) -> list[ImageInfo]:
         self._call("list_images")
-        refs = self.images if self.images is not None else {c.image for c in
+        refs = self.images if self.images is not None else {_tagged(c.image) for c in
                                                             self.containers.values()}
-        return [ImageInfo(id="sha256:" + hashlib.sha256(r.encode()).hexdigest(), names=[r],
-                          size_bytes=self.image_size) for r in sorted(refs)]
+        return [ImageInfo(id=_image_id(r), names=[r], size_bytes=self.image_size,
+                          pinned=r in self.pinned) for r in sorted(refs)]
+
+    async def remove_image(self, image_id: str) -> None:
+        self._call("remove_image")
+        if self.images is None:
+            raise Unsupported("the fake runtime was made with every image present; it "
+                              "has none to remove")
+        for ref in [r for r in self.images if _image_id(r) == image_id]:
+            self.images.discard(ref)
+
+    async def container_stats(self) -> list[ContainerStats]:
+        """The usage the pods' annotations script (runtime/script.py): memory, disk,
+        processes, the same from the container's start (its stats are stamped then);
+        none scripted, a container uses no memory, no disk, one process."""
+        self._call("container_stats")
+        self._scripted_exits()
+        return list(self._usage.values())
+
+
+def _image_id(ref: str) -> str:
+    """The id the fake store gives an image: a hash of its tagged name."""
+    return "sha256:" + hashlib.sha256(_tagged(ref).encode()).hexdigest()
 
 
 def _tagged(ref: str) -> str:

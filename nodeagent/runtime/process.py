@@ -61,6 +61,7 @@ from nodeagent.runtime.base import (
     ContainerEventType,
     ContainerRuntimeError,
     ContainerState,
+    ContainerStats,
     ExecResult,
     ImageInfo,
     NotFound,
@@ -935,6 +936,36 @@ class ProcessRuntime(Runtime):
             await proc.wait()
             raise RuntimeTimeout(f'command "{" ".join(cmd)}" timed out') from None
         return ExecResult(proc.returncode or 0, out, err)
+
+    async def container_stats(self) -> list[ContainerStats]:
+        """Each running container's processes (its wrapper's process group) and the
+        memory they hold resident (RSS): a process has no cgroup of its own here, so
+        its working set is its resident set. One pass over /proc for all of them."""
+        return await self._call(self._stats)
+
+    def _stats(self) -> list[ContainerStats]:
+        with self._lock:
+            running = {c.pid: c.id for c in self._containers.values()
+                       if c.state == ContainerState.RUNNING.value and c.pid is not None}
+        groups: dict[int, list[int]] = {}  # process group -> its processes
+        for entry in os.scandir("/proc"):
+            if entry.name.isdigit():
+                st = _proc_stat(int(entry.name))
+                if st is not None and st[1] in running:
+                    groups.setdefault(st[1], []).append(int(entry.name))
+        page = os.sysconf("SC_PAGE_SIZE")
+        now = self.clock.now()
+        out = []
+        for pgid, cid in running.items():
+            pids = groups.get(pgid, [])
+            rss = 0
+            for pid in pids:
+                with contextlib.suppress(OSError, ValueError, IndexError):
+                    rss += int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * page
+            out.append(ContainerStats(container_id=cid, timestamp=now,
+                                      memory_working_set_bytes=rss, memory_rss_bytes=rss,
+                                      processes=len(pids)))
+        return out
 
     async def rotate_container_log(self, container_id: str, path: str, rotated: str) -> None:
         """Copy, then truncate: the process keeps its file open in append mode, so its

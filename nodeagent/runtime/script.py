@@ -7,6 +7,10 @@ Nothing runs in a fake container, so what a program would do is written on the p
     fake.nodepulse.dev/exit-code: "1"        # ... with this code (default 0)
     fake.nodepulse.dev/fail-start: "no such file"   # StartContainer fails with this
     fake.nodepulse.dev/ready-after: 20s      # its probes fail for its first 20 s
+    fake.nodepulse.dev/memory: 300Mi         # the memory it uses (working set) while it
+                                             # runs, as the runtime's stats report it
+    fake.nodepulse.dev/disk: 1Gi             # what its writable layer holds
+    fake.nodepulse.dev/processes: "40"       # processes it runs (default 1)
     fake.nodepulse.dev/run-for.<container>: 5s      # one container only (wins over the
                                                     # pod-wide key)
 
@@ -17,7 +21,9 @@ that fails is RunContainerError, and the probes decide readiness (`ready-after`:
 probe of the container, of any kind and action, is answered as failed until it has run
 that long, as a program that takes that long to come up; give liveness probes an
 initialDelaySeconds or a startupProbe beyond it, as for such a program). Durations are
-Go's ('30s', '1m30s', '500ms'). A value that cannot be read, or an unknown key under the
+Go's ('30s', '1m30s', '500ms'), amounts are quantities ('300Mi'). The usage lets a
+virtual node come under memory, disk or PID pressure, and its eviction manager rank
+and evict pods as it would on a real node. A value that cannot be read, or an unknown key under the
 prefix, fails the container's creation with the annotation named.
 """
 
@@ -26,12 +32,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
+from nodeagent.api.quantity import QuantityError, parse_quantity
 from nodeagent.config import ConfigError, parse_duration
 
 PREFIX = "fake.nodepulse.dev/"
 RUN_FOR, EXIT_CODE, FAIL_START, READY_AFTER = "run-for", "exit-code", "fail-start", \
     "ready-after"
-KEYS = (RUN_FOR, EXIT_CODE, FAIL_START, READY_AFTER)
+MEMORY, DISK, PROCESSES = "memory", "disk", "processes"
+KEYS = (RUN_FOR, EXIT_CODE, FAIL_START, READY_AFTER, MEMORY, DISK, PROCESSES)
 
 
 class ScriptError(ValueError):
@@ -44,6 +52,9 @@ class Script:
     exit_code: int = 0
     fail_start: str | None = None  # StartContainer fails with this message
     ready_after: float = 0.0  # probes fail until the container has run this long
+    memory: int = 0       # bytes of memory it uses while running (working set)
+    disk: int = 0         # bytes its writable layer holds
+    processes: int = 1    # processes it runs
 
 
 def script_for(annotations: Mapping[str, str], container: str) -> Script:
@@ -73,7 +84,9 @@ def script_for(annotations: Mapping[str, str], container: str) -> Script:
     fail_start = values[FAIL_START][1] if FAIL_START in values else None
     return Script(run_for=run_for, exit_code=exit_code or 0,
                   fail_start=(fail_start or "fake: start failed") if fail_start is not None
-                  else None, ready_after=_duration(values, READY_AFTER) or 0.0)
+                  else None, ready_after=_duration(values, READY_AFTER) or 0.0,
+                  memory=_amount(values, MEMORY, 0), disk=_amount(values, DISK, 0),
+                  processes=_amount(values, PROCESSES, 1))
 
 
 def _duration(values: Mapping[str, tuple[str, str]], key: str) -> float | None:
@@ -83,4 +96,14 @@ def _duration(values: Mapping[str, tuple[str, str]], key: str) -> float | None:
     try:
         return parse_duration(value, f"annotation {name}")
     except ConfigError as e:  # names the annotation; negative ones too
+        raise ScriptError(str(e)) from None
+
+
+def _amount(values: Mapping[str, tuple[str, str]], key: str, default: int) -> int:
+    if key not in values:
+        return default
+    name, value = values[key]
+    try:
+        return int(parse_quantity(value, f"annotation {name}"))
+    except QuantityError as e:  # names the annotation; negative ones too
         raise ScriptError(str(e)) from None

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
+import json
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
@@ -39,6 +40,7 @@ from nodeagent.runtime.base import (
     ContainerState,
     ContainerStats,
     ExecResult,
+    ImageFsInfo,
     ImageInfo,
     ImageNotPresent,
     NotFound,
@@ -330,6 +332,7 @@ class CriRuntime(Runtime):
         self.pull_timeout = pull_timeout
         self.runtime_handler = runtime_handler
         self.calls = 0  # gRPC calls made, for tests and benchmarks
+        self._sandbox_image: str | None = None  # the runtime's, once read (list_images)
         self._channel: grpc.aio.Channel | None = None
         self._rt: pb_grpc.RuntimeServiceStub | None = None
         self._img: pb_grpc.ImageServiceStub | None = None
@@ -534,10 +537,48 @@ class CriRuntime(Runtime):
                          size_bytes=st.image.size)
 
     async def list_images(self) -> list[ImageInfo]:
+        """The store's images; the sandbox image is pinned also where the runtime does
+        not say so itself (containerd before 1.7 sets no Image.pinned)."""
         _, img = self._stubs()
         r = await self._call("ListImages", img.ListImages, pb.ListImagesRequest())
+        sandbox = await self._sandbox_image_ref()
         return [ImageInfo(id=i.id, names=list(i.repo_tags) or list(i.repo_digests),
-                          size_bytes=i.size) for i in r.images]
+                          size_bytes=i.size,
+                          pinned=i.pinned or bool(sandbox and sandbox in i.repo_tags))
+                for i in r.images]
+
+    async def _sandbox_image_ref(self) -> str:
+        """The sandbox ("pause") image the runtime's configuration names (its verbose
+        Status: containerd's `sandboxImage`); "" when it does not say."""
+        if self._sandbox_image is None:
+            rt, _ = self._stubs()
+            st = await self._call("Status", rt.Status, pb.StatusRequest(verbose=True))
+            try:
+                config = json.loads(st.info.get("config") or "{}")
+            except ValueError:
+                config = {}
+            self._sandbox_image = str(config.get("sandboxImage") or "") \
+                if isinstance(config, dict) else ""
+        return self._sandbox_image
+
+    async def remove_image(self, image_id: str) -> None:
+        _, img = self._stubs()
+        with contextlib.suppress(NotFound):  # idempotent: gone already
+            await self._call(f"RemoveImage {image_id}", img.RemoveImage,
+                             pb.RemoveImageRequest(image=pb.ImageSpec(image=image_id)),
+                             self.request_timeout)
+
+    async def image_fs_info(self) -> ImageFsInfo:
+        _, img = self._stubs()
+        r = await self._call("ImageFsInfo", img.ImageFsInfo, pb.ImageFsInfoRequest())
+        if not r.image_filesystems:
+            raise ContainerRuntimeError("cri ImageFsInfo: the runtime named no image "
+                                        "filesystem")
+        fs = r.image_filesystems[0]
+        return ImageFsInfo(
+            mountpoint=fs.fs_id.mountpoint,
+            used_bytes=fs.used_bytes.value if fs.HasField("used_bytes") else None,
+            inodes_used=fs.inodes_used.value if fs.HasField("inodes_used") else None)
 
 
     # --- the kubelet API ---------------------------------------------------------------
@@ -600,7 +641,8 @@ class CriRuntime(Runtime):
                 memory_working_set_bytes=value(mem, "working_set_bytes"),
                 memory_usage_bytes=value(mem, "usage_bytes"),
                 memory_rss_bytes=value(mem, "rss_bytes"),
-                writable_layer_bytes=value(st.writable_layer, "used_bytes")))
+                writable_layer_bytes=value(st.writable_layer, "used_bytes"),
+                writable_layer_inodes=value(st.writable_layer, "inodes_used")))
         return out
 
     async def rotate_container_log(self, container_id: str, path: str, rotated: str) -> None:

@@ -897,6 +897,28 @@ class PullImageResponse(_message.Message):
     image_ref: str
     def __init__(self, image_ref: _Optional[str] = ...) -> None: ...
 
+class RemoveImageRequest(_message.Message):
+    __slots__ = ("image",)
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    image: ImageSpec
+    def __init__(self, image: _Optional[_Union[ImageSpec, _Mapping]] = ...) -> None: ...
+
+class RemoveImageResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ImageFsInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ImageFsInfoResponse(_message.Message):
+    __slots__ = ("image_filesystems", "container_filesystems")
+    IMAGE_FILESYSTEMS_FIELD_NUMBER: _ClassVar[int]
+    CONTAINER_FILESYSTEMS_FIELD_NUMBER: _ClassVar[int]
+    image_filesystems: _containers.RepeatedCompositeFieldContainer[FilesystemUsage]
+    container_filesystems: _containers.RepeatedCompositeFieldContainer[FilesystemUsage]
+    def __init__(self, image_filesystems: _Optional[_Iterable[_Union[FilesystemUsage, _Mapping]]] = ..., container_filesystems: _Optional[_Iterable[_Union[FilesystemUsage, _Mapping]]] = ...) -> None: ...
+
 class ReopenContainerLogRequest(_message.Message):
     __slots__ = ("container_id",)
     CONTAINER_ID_FIELD_NUMBER: _ClassVar[int]

@@ -938,6 +938,16 @@ class ImageServiceStub:
                 request_serializer=nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.PullImageRequest.SerializeToString,
                 response_deserializer=nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.PullImageResponse.FromString,
                 _registered_method=True)
+        self.RemoveImage = channel.unary_unary(
+                '/runtime.v1.ImageService/RemoveImage',
+                request_serializer=nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.RemoveImageRequest.SerializeToString,
+                response_deserializer=nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.RemoveImageResponse.FromString,
+                _registered_method=True)
+        self.ImageFsInfo = channel.unary_unary(
+                '/runtime.v1.ImageService/ImageFsInfo',
+                request_serializer=nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.ImageFsInfoRequest.SerializeToString,
+                response_deserializer=nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.ImageFsInfoResponse.FromString,
+                _registered_method=True)
 
 
 class ImageServiceServicer:
@@ -961,6 +971,18 @@ class ImageServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RemoveImage(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ImageFsInfo(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ImageServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -978,6 +1000,16 @@ def add_ImageServiceServicer_to_server(servicer, server):
                     servicer.PullImage,
                     request_deserializer=nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.PullImageRequest.FromString,
                     response_serializer=nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.PullImageResponse.SerializeToString,
+            ),
+            'RemoveImage': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoveImage,
+                    request_deserializer=nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.RemoveImageRequest.FromString,
+                    response_serializer=nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.RemoveImageResponse.SerializeToString,
+            ),
+            'ImageFsInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.ImageFsInfo,
+                    request_deserializer=nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.ImageFsInfoRequest.FromString,
+                    response_serializer=nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.ImageFsInfoResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1061,6 +1093,60 @@ class ImageService:
             '/runtime.v1.ImageService/PullImage',
             nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.PullImageRequest.SerializeToString,
             nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.PullImageResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemoveImage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/runtime.v1.ImageService/RemoveImage',
+            nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.RemoveImageRequest.SerializeToString,
+            nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.RemoveImageResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ImageFsInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/runtime.v1.ImageService/ImageFsInfo',
+            nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.ImageFsInfoRequest.SerializeToString,
+            nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.ImageFsInfoResponse.FromString,
             options,
             channel_credentials,
             insecure,
