@@ -103,6 +103,10 @@ class Rejection:
     message: str
 
 
+# a pod that has not started yet while the node shuts down (nodeagent.shutdown)
+NODE_SHUTDOWN = Rejection("NodeShutdown", "Pod was rejected as the node is shutting down.")
+
+
 def _sysctl_refusal(name: str, allowed: Sequence[str], host_net: bool,
                     host_ipc: bool) -> str:
     name = normalize_sysctl(name)

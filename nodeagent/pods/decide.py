@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nodeagent.pods import podspec
-from nodeagent.pods.admission import AdmissionSettings, Rejection, admit
+from nodeagent.pods.admission import NODE_SHUTDOWN, AdmissionSettings, Rejection, admit
 from nodeagent.pods.backoff import CrashKey, crash_key
 from nodeagent.pods.podstatus import Waiting, is_sidecar
 from nodeagent.pods.podupdate import Pod
@@ -81,6 +81,7 @@ class Verdicts:
     probe_kills: Mapping[str, Kind] = field(default_factory=dict)
     # ids of the running sidecars whose startup probe (if any) has passed
     started: frozenset[str] = frozenset()
+    shutting_down: bool = False  # the node is shutting down: admit no new pod
 
 
 def refusals(pod: Pod, node: NodeAbilities) -> tuple[dict[str, str], bool]:
@@ -247,6 +248,9 @@ def compute_pod_actions(pod: Pod, rs: PodRuntimeStatus, previous: Mapping[str, A
     if previous.get("phase") in ("Succeeded", "Failed"):
         return PodActions(Verdict.FINISHED)
     rejection = admit(pod, node.admission)
+    if verdicts.shutting_down and not (rs.sandboxes or rs.containers) \
+            and previous.get("phase") in (None, "", "Pending"):
+        rejection = NODE_SHUTDOWN  # one that runs is stopped by the shutdown, in its turn
     if rejection is not None:
         return PodActions(Verdict.REJECTED, rejection=rejection)
     left = _deadline_left(pod, previous, now)

@@ -32,11 +32,11 @@ from nodeagent.api.clock import Clock
 from nodeagent.api.kube import describe
 from nodeagent.metrics import per_registry
 from nodeagent.pods.pleg import EventType, Pleg, PodLifecycleEvent
-from nodeagent.pods.podstatus import StatusManager
+from nodeagent.pods.podstatus import Ending, StatusManager
 from nodeagent.pods.podupdate import Op, Pod, PodUpdate, SourcesReady, pod_node_name
 from nodeagent.pods.probes import ProbeManager
 from nodeagent.pods.volumes import VolumeManager
-from nodeagent.pods.workers import DueTimes, PodWorkers, UpdateKind
+from nodeagent.pods.workers import DueTimes, Phase, PodWorkers, UpdateKind
 from nodeagent.runtime.base import LABEL_POD_NAME, LABEL_POD_NAMESPACE, RelistResult
 
 log = logging.getLogger(__name__)
@@ -113,6 +113,17 @@ class SyncLoop:
                 if (pod.get("spec") or {}).get("readinessGates"):
                     # someone else's condition may have changed a gate: Ready follows
                     self._probed(uid)
+
+    def active(self) -> list[Pod]:
+        """The pods that have not ended: those a worker still runs or is stopping."""
+        return [pod for uid, pod in self.pods.items()
+                if self.workers.phase(uid) in (Phase.SYNCING, Phase.TERMINATING)]
+
+    async def end(self, pod: Pod, grace: float, ending: Ending) -> None:
+        """Stop the pod as the node's own decision (PodWorkers.end); returns once its
+        final status is written."""
+        await self.workers.end(pod, grace, ending)
+        await self.status.written(pod["metadata"]["uid"])
 
     def _probed(self, uid: str) -> None:
         """A probe result (or a readiness gate) changed: the pod's worker syncs (its

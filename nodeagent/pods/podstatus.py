@@ -56,6 +56,19 @@ class Waiting:
 
 
 @dataclass(frozen=True)
+class Ending:
+    """Why the node itself stopped a pod that had not ended (graceful node shutdown):
+    its final status is Failed (a terminal phase stays) with this reason and message,
+    and a DisruptionTarget condition saying the node terminated it, as the kubelet's."""
+    reason: str
+    message: str
+
+
+# the reason of the DisruptionTarget condition of a pod the node terminated
+TERMINATION_BY_NODE = "TerminationByKubelet"
+
+
+@dataclass(frozen=True)
 class Probed:
     """A container's started and ready as its probes say (containers without probes
     are both as soon as they run)."""
@@ -204,13 +217,15 @@ def compute_pod_status(pod: Pod, rs: PodRuntimeStatus, *, host_ip: str, scheme: 
                        previous: Status | None = None, terminal: bool = False,
                        probed: Mapping[str, Probed] | None = None,
                        messages: Mapping[str, str] | None = None,
-                       reason: str | None = None, message: str | None = None) -> Status:
+                       reason: str | None = None, message: str | None = None,
+                       ending: Ending | None = None) -> Status:
     """The pod's status in API JSON form. `previous` is the last status we (or the API)
     had, for startTime, transition times and terminal phases. `terminal`: the worker
     has stopped the pod for good (deleted, or finished), so no container will restart.
     `probed`: started/ready by container id for containers with probes; `messages`:
     termination messages by container id; `reason`/`message`: the pod's own (e.g.
-    DeadlineExceeded), kept once the phase is terminal."""
+    DeadlineExceeded), kept once the phase is terminal; `ending`: the node stopped the
+    pod (see Ending)."""
     spec = pod.get("spec") or {}
     previous = previous or {}
     waiting = waiting or {}
@@ -282,6 +297,11 @@ def compute_pod_status(pod: Pod, rs: PodRuntimeStatus, *, host_ip: str, scheme: 
         phase = previous["phase"]  # terminal phases never change back
     elif reason is not None:
         phase = "Failed"  # the pod was failed as a whole (e.g. its deadline passed)
+    elif ending is not None:
+        # Failed even when its containers exited 0 on being stopped: it did not end by
+        # itself (the kubelet marks it when it starts stopping it)
+        phase = "Failed"
+        reason, message = ending.reason, ending.message
     if reason is None and phase in TERMINAL and previous.get("phase") in TERMINAL:
         reason, message = previous.get("reason"), previous.get("message")
 
@@ -328,6 +348,11 @@ def compute_pod_status(pod: Pod, rs: PodRuntimeStatus, *, host_ip: str, scheme: 
         _condition("ContainersReady", containers_ready, prev_cond, stamp, cr_reason, cr_msg),
         _condition("Ready", ready, prev_cond, stamp, ready_reason, ready_msg),
     ]
+    if ending is not None and previous.get("phase") not in TERMINAL:
+        # not one of CONDITION_TYPES: written with the final status, never compared
+        conditions.append({"type": "DisruptionTarget", "status": "True",
+                           "lastProbeTime": None, "lastTransitionTime": stamp,
+                           "reason": TERMINATION_BY_NODE, "message": ending.message})
     if generation is not None:
         for c in conditions:
             c["observedGeneration"] = generation
@@ -457,6 +482,12 @@ class StatusManager:
             return
         e.delete = True
         self._kick(uid, e)
+
+    async def written(self, uid: str) -> None:
+        """Until the pod's status as last set is written (or the pod found gone)."""
+        while (e := self._pods.get(uid)) is not None and e.task is not None \
+                and not e.task.done():
+            await asyncio.wait({e.task})
 
     def forget(self, uid: str) -> None:
         e = self._pods.pop(uid, None)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Awaitable, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +43,13 @@ from nodeagent.pods.dns import PodDnsError
 from nodeagent.pods.env import env_refs
 from nodeagent.pods.hooks import DEADLINE_MESSAGE, DEADLINE_REASON
 from nodeagent.pods.pleg import CacheEntry
-from nodeagent.pods.podstatus import StatusManager, Waiting, compute_pod_status, is_sidecar
+from nodeagent.pods.podstatus import (
+    Ending,
+    StatusManager,
+    Waiting,
+    compute_pod_status,
+    is_sidecar,
+)
 from nodeagent.pods.podupdate import Pod
 from nodeagent.pods.probes import ProbeManager
 from nodeagent.pods.runtimecalls import RuntimeCalls
@@ -82,9 +88,11 @@ class PodSyncer:
     def __init__(self, calls: RuntimeCalls, status: StatusManager, sandboxes: Sandboxes,
                  containers: Containers, volumes: VolumeManager | None,
                  probes: ProbeManager | None, events: Events | None,
-                 settings: NodePodSettings) -> None:
+                 settings: NodePodSettings,
+                 shutting_down: Callable[[], bool] | None = None) -> None:
         """`volumes` None: pods with volumes are refused (its ObjectCache: the ConfigMaps
-        and Secrets pods use, watched); `probes` None: a pod with a probe is refused."""
+        and Secrets pods use, watched); `probes` None: a pod with a probe is refused;
+        `shutting_down`: whether the node is shutting down (new pods are refused)."""
         self.calls = calls
         self.runtime = calls.runtime
         self.clock = calls.clock
@@ -96,6 +104,7 @@ class PodSyncer:
         self.probes = probes
         self.events = events
         self.settings = settings
+        self.shutting_down = shutting_down or (lambda: False)
         self.node = NodeAbilities(admission=settings.admission,
                                   can_mount=self.runtime.can_mount,
                                   runtime=self.runtime.scheme, probes=probes is not None)
@@ -125,11 +134,12 @@ class PodSyncer:
             if (wait := backoff.remaining(key)) > 0:
                 left[key] = (wait, backoff.delay(key))
         running = [c for c in rs.containers if c.state == ContainerState.RUNNING]
+        down = self.shutting_down()
         if self.probes is None:
-            return Verdicts(left, {}, frozenset(c.id for c in running))
+            return Verdicts(left, {}, frozenset(c.id for c in running), down)
         probes = self.probes
         return Verdicts(left, {c.id: k for c in running if (k := probes.kill_reason(c.id))},
-                        frozenset(c.id for c in running if probes.started(uid, c)))
+                        frozenset(c.id for c in running if probes.started(uid, c)), down)
 
     # --- acting ---------------------------------------------------------------------
 
@@ -280,14 +290,14 @@ class PodSyncer:
 
     def _publish(self, pod: Pod, rs: PodRuntimeStatus, waiting: Mapping[str, Waiting],
                  terminal: bool = False, reason: str | None = None,
-                 message: str | None = None) -> None:
+                 message: str | None = None, ending: Ending | None = None) -> None:
         st = compute_pod_status(pod, rs, host_ip=self.settings.host_ip,
                                 scheme=self.runtime.scheme, now=self.clock.now(),
                                 waiting=waiting, previous=self.status.previous(pod),
                                 terminal=terminal,
                                 probed=self.probes.readiness(pod, rs) if self.probes else None,
                                 messages=self.containers.messages(pod, rs),
-                                reason=reason, message=message)
+                                reason=reason, message=message, ending=ending)
         self.status.set_status(pod, st)
 
     def _event(self, pod: Pod, type_: str, reason: str, message: str) -> None:
@@ -323,13 +333,15 @@ class PodSyncer:
             if s.state == SandboxState.READY:
                 await self.calls(self.runtime.stop_sandbox(s.id), "stop_sandbox")
 
-    def sync_terminated(self, pod: Pod, entry: CacheEntry) -> None:
-        """Final status; a gracefully deleted API pod is then deleted for good."""
+    def sync_terminated(self, pod: Pod, entry: CacheEntry, ending: Ending | None = None
+                        ) -> None:
+        """Final status (`ending`: the node stopped the pod, see podstatus.Ending); a
+        gracefully deleted API pod is then deleted for good."""
         if self.objects is not None:  # nothing will read its objects again
             self.objects.release(str(pod["metadata"]["uid"]))
         if self.probes is not None:
             self.probes.remove(pod["metadata"]["uid"])
-        self._publish(pod, entry.status, {}, terminal=True)
+        self._publish(pod, entry.status, {}, terminal=True, ending=ending)
         if (pod.get("metadata") or {}).get("deletionTimestamp"):
             self.status.finish_deletion(pod)
 

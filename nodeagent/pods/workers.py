@@ -28,6 +28,7 @@ from nodeagent.api.kube import describe
 from nodeagent.metrics import per_registry
 from nodeagent.pods.decide import grace_of
 from nodeagent.pods.pleg import CacheEntry, PodCache
+from nodeagent.pods.podstatus import Ending
 from nodeagent.pods.podupdate import Pod, pod_full_name
 from nodeagent.pods.settings import PodTiming
 from nodeagent.pods.syncer import PodSyncer
@@ -99,6 +100,8 @@ class _Worker:
     # namespace/name (an edited static pod gets a new uid) waits for it
     stopped: asyncio.Event = field(default_factory=asyncio.Event)
     killed: asyncio.Event = field(default_factory=asyncio.Event)  # a kill arrived
+    ending: Ending | None = None  # the node stopped it (see podstatus.Ending)
+    ended: asyncio.Event = field(default_factory=asyncio.Event)  # final status handed on
 
 
 
@@ -192,7 +195,9 @@ class PodWorkers:
     # --- updates --------------------------------------------------------------------
 
     def update(self, pod: Pod, kind: UpdateKind = UpdateKind.SYNC,
-               grace: float | None = None) -> None:
+               grace: float | None = None, ending: Ending | None = None) -> None:
+        """`grace`: a kill's grace period, when shorter than the pod's; `ending`: a
+        kill by the node itself, and what the pod's final status says of it."""
         uid = pod["metadata"]["uid"]
         w = self._w.get(uid)
         if w is None:
@@ -207,11 +212,20 @@ class PodWorkers:
             w.killed.set()
             if grace is not None:
                 w.grace = grace if w.grace is None else min(w.grace, grace)
+            if ending is not None and w.phase != Phase.TERMINATED:
+                w.ending = ending
         if kind == UpdateKind.REMOVE:
             w.removed = True
         w.pending = True
         if w.task is None or w.task.done():
             w.task = asyncio.create_task(self._run(w), name=f"pod-worker-{uid}")
+
+    async def end(self, pod: Pod, grace: float, ending: Ending) -> None:
+        """Stop the pod as the node's own decision, within `grace` seconds (or its own
+        shorter grace period); returns once its final status is handed to the status
+        manager (at once for a pod that had already ended)."""
+        self.update(pod, UpdateKind.KILL, grace=grace, ending=ending)
+        await self._w[pod["metadata"]["uid"]].ended.wait()
 
     def _waker(self, uid: str) -> Callable[[object], None]:
         def wake(_: object) -> None:
@@ -320,7 +334,8 @@ class PodWorkers:
                 w.pending = True  # one more pass with fresh state for the final status
             elif w.phase == Phase.TERMINATED:
                 if not w.removed:  # a removed pod has no API object to write to
-                    self.syncer.sync_terminated(w.pod, entry)
+                    self.syncer.sync_terminated(w.pod, entry, w.ending)
+                w.ended.set()
                 if w.removed:
                     await self.syncer.cleanup_pod(w.uid)
                     self.cache.delete(w.uid)
