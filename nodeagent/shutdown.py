@@ -167,6 +167,8 @@ class ShutdownManager:
         self.conf_dir = conf_dir
         self.shutting_down = False
         self.lock: int | None = None  # the inhibitor lock's file descriptor, while held
+        self.closed = False  # the agent stops: no lock is taken any more
+        self._failure: str | None = None  # the last failure logged (once each)
         self._metrics = _metrics(registry)
         self._stops: set[asyncio.Task[None]] = set()  # pod stops past their budget
 
@@ -190,12 +192,13 @@ class ShutdownManager:
                 bus = await self.connect()
                 await self._start(bus)
                 wait = self.RECONNECT
+                self._failure = None
                 await self._watch(bus)
             except LogindError as e:
-                log.error("graceful node shutdown: %s; trying again in %.0fs", e, wait)
-                if self.events is not None:
-                    self.events.warning("NodeShutdownUnavailable",
-                                        f"Graceful node shutdown is not set up: {e}")
+                self._failed(str(e), wait)
+            except Exception as e:  # a bug here must not end the agent: logged, again
+                log.exception("graceful node shutdown failed")
+                self._failed(f"{type(e).__name__}: {e}", wait)
             finally:
                 self._release()
                 if bus is not None:
@@ -203,8 +206,19 @@ class ShutdownManager:
             await self.clock.sleep(wait)
             wait = min(wait * 2, self.RECONNECT_MAX)
 
+    def _failed(self, why: str, wait: float) -> None:
+        """Logged and told on the Node once per distinct failure (it is tried again)."""
+        if why != self._failure:
+            log.error("graceful node shutdown: %s; trying again in %.0fs, then less often",
+                      why, wait)
+            if self.events is not None:
+                self.events.warning("NodeShutdownUnavailable",
+                                    f"Graceful node shutdown is not set up: {why}")
+        self._failure = why
+
     async def close(self) -> None:
         """Release the lock (the agent stops: the host must not wait for it)."""
+        self.closed = True
         self._release()
         for t in self._stops:
             t.cancel()
@@ -245,6 +259,8 @@ class ShutdownManager:
         lock = await bus.inhibit("shutdown", WHO, WHY, "delay")
         self._release()
         self.lock = lock
+        if self.closed:
+            self._release()
 
     def _release(self) -> None:
         if self.lock is not None:

@@ -16,6 +16,7 @@ import pytest
 
 from nodeagent import config
 from nodeagent.api.kube import PODS
+from nodeagent.logind import LogindBus, system_bus_address
 from nodeagent.shutdown import (
     CRITICAL_PRIORITY,
     DROP_IN,
@@ -278,8 +279,10 @@ async def test_no_bus_is_an_error_named_and_tried_again(
     assert any(e[:2] == ("Warning", "NodeShutdownUnavailable") and "system bus" in e[2]
                for e in node_events(rig))
     assert rig.ready_condition()["status"] == "True"  # the node runs on without it
+    await rig.clock.advance(3)  # tried again after 1 s, then 2 s: logged once
+    assert caplog.text.count("cannot connect to the system bus") == 1
     logind.unreachable = None
-    await rig.clock.advance(3)  # tried again after 1 s, then 2 s
+    await rig.clock.advance(4)
     assert logind.connections == 1 and len(logind.held()) == 1
     await rig.finish()
     logind.dispose()
@@ -314,6 +317,16 @@ async def test_a_lost_bus_is_connected_again_and_the_lock_taken_again(
     assert logind.connections == 2 and len(logind.held()) == 1 and len(logind.locks) == 2
     await rig.finish()
     logind.dispose()
+
+
+@aio
+async def test_the_system_bus_is_found_as_the_kubelet_finds_it(tmp_path: Path) -> None:
+    assert system_bus_address({}) == "unix:path=/var/run/dbus/system_bus_socket"
+    assert system_bus_address({"DBUS_SYSTEM_BUS_ADDRESS": "unix:path=/x"}) == \
+        "unix:path=/x"
+    with pytest.raises(LogindError, match=f"cannot connect to the system bus at "
+                                          f"unix:path={tmp_path}/none: "):
+        await LogindBus.connect(f"unix:path={tmp_path}/none")
 
 
 # -- the budgets, as the kubelet reads its settings --
