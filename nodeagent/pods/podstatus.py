@@ -39,7 +39,8 @@ OWNED = ("phase", "conditions", "containerStatuses", "initContainerStatuses",
          "ephemeralContainerStatuses", "hostIP", "hostIPs", "podIP", "podIPs", "startTime",
          "reason", "message", "observedGeneration")
 # the conditions this agent writes (the kubelet's); any other type in a pod's status
-# (readiness gates, DisruptionTarget) belongs to someone else and is never written
+# (readiness gates, DisruptionTarget) belongs to someone else and is never written,
+# but for the DisruptionTarget of a pod the node itself stopped (Ending), written once
 CONDITION_TYPES = ("PodReadyToStartContainers", "PodScheduled", "Initialized",
                    "ContainersReady", "Ready")
 TERMINAL = ("Succeeded", "Failed")
