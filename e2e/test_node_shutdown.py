@@ -31,7 +31,7 @@ from kubernetes.client.exceptions import ApiException
 
 from e2e.cluster import Cluster
 from e2e.cluster.images import BUSYBOX_IMAGE
-from e2e.harness.logind import iter_stops, start_logind
+from e2e.harness.logind import Logind, iter_stops, start_logind
 from e2e.harness.nodeenv import TAINT_KEY, Env, all_running, node_env, start_agent
 from e2e.harness.waits import eventually
 
@@ -94,7 +94,7 @@ def test_pods_stop_by_priority_within_budget_and_the_node_comes_back(
         scheduling.api_client.close()
 
 
-def run(cluster: Cluster, env: Env, logind: Any, base: Path) -> None:
+def run(cluster: Cluster, env: Env, logind: Logind, base: Path) -> None:
     config = base / "kubelet.yaml"
     config.write_text(KUBELET_CONFIG)
     stops = base / "stops"
