@@ -100,6 +100,7 @@ from nodeagent.pods.volumes import HostMounter, TokenManager, VolumeManager
 from nodeagent.pods.workers import DueTimes, PodWorkers
 from nodeagent.runtime import ContainerRuntimeError, Runtime, make_runtime, socket_path
 from nodeagent.runtime.logrotation import LogRotation
+from nodeagent.shutdown import Logind, ShutdownManager, budgets
 
 if TYPE_CHECKING:
     from nodeagent.server.bundle import ServerBundle
@@ -334,6 +335,8 @@ class Externals:
     flags: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     env: Mapping[str, str] | None = None
     host_ip: str | None = None  # None: read from the host
+    # graceful node shutdown's way to logind (None: the system bus, nodeagent.logind)
+    logind: Callable[[], Awaitable[Logind]] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -361,6 +364,8 @@ class PodParts:
     timing: PodTiming = PodTiming()
     # node -> its pressure conditions now (the eviction manager's; None: never any)
     pressure: Callable[[str], frozenset[str]] | None = None
+    # whether the node is shutting down (graceful node shutdown): new pods are refused
+    shutting_down: Callable[[], bool] | None = None
 
 
 def build_node_loop(node: str, shared: PodParts) -> SyncLoop:
@@ -370,7 +375,8 @@ def build_node_loop(node: str, shared: PodParts) -> SyncLoop:
     settings = dataclasses.replace(p.settings, node_name=node)
     admission = NodeAdmission(node, settings.admission, functools.partial(p.node_info, node),
                               p.runs, p.events,
-                              functools.partial(p.pressure, node) if p.pressure else None)
+                              functools.partial(p.pressure, node) if p.pressure else None,
+                              p.shutting_down)
     calls = RuntimeCalls(p.runtime, p.clock, t.call_timeout)
     status = StatusManager(p.kube, p.clock, answered=p.answered, node=node,
                            registry=p.registry)
@@ -460,7 +466,11 @@ class Agent:
         # a Random is 2.5 KB, which a thousand virtual nodes would each hold
         self.rng = random.Random()
         self.uids: dict[str, str] = {}  # node name -> its Node's UID, once registered
-        self.pods = self._pods(cfg, ext)
+        # Events about the Node and its pods, on connections of their own
+        self.events = Events(kube.separate(EVENT_CONNECTIONS), cfg.node_name, clock,
+                             node_uid=lambda: self.uids.get(cfg.node_name))
+        self.pods = self._pods(cfg, ext, self.events)
+        self.node_shutdown = self._node_shutdown(cfg, ext) if cfg.graceful_shutdown else None
         self.metrics = node_metrics(ext.registry)
         # a renewal or tick may run up to TIMER_SLACK late, so one wake-up serves all
         # that are due within it: at most 20 a second for a thousand nodes, not 200
@@ -481,7 +491,7 @@ class Agent:
             status_call=inline if cfg.virtual else Blocking(self.pools.status),
             renewals=self.renewals,
             ticker=self.ticker, answered=self.answered, uids=self.uids,
-            images=self.pods.images, readiness=self.pods.readiness,
+            images=self.pods.images, readiness=self.readiness,
             pressure=self.eviction.pressure, legacy=cfg.legacy,
             started_together=cfg.virtual)
         self.watch: NodeWatch | None = None
@@ -489,7 +499,7 @@ class Agent:
         self._config_mtime = self._mtime()
         self.kubelet_api: ServerBundle | None = None  # nodeagent.server, when cfg.port is set
 
-    def _pods(self, cfg: AgentConfig, ext: Externals) -> Pods:
+    def _pods(self, cfg: AgentConfig, ext: Externals, events: Events) -> Pods:
         """The pod half: sources -> one merge -> NodeLoops (one PLEG, a SyncLoop per
         node, each built by build_node_loop) -> the runtime. Virtual nodes: one API pod
         watch for all names (static pods are refused by the config)."""
@@ -502,8 +512,6 @@ class Agent:
         configured = {s for s, on in ((Source.API, True),
                                       (Source.FILE, bool(cfg.pod_manifest_path)),
                                       (Source.HTTP, bool(cfg.manifest_url))) if on}
-        events = Events(kube.separate(EVENT_CONNECTIONS), cfg.node_name, clock,
-                        node_uid=node_uid)
         merge = Merge(configured, Problems(events))
         sources: list[Runnable] = [APISource(kube, cfg.node_names, merge, clock,
                                            answered=self.answered)]
@@ -575,7 +583,8 @@ class Agent:
                           env=EnvResolver(objects, services, allocatable),
                           node_info=node_info, cgroups=self.cgroups,
                           pressure=self.eviction.conditions,
-                          timing=PodTiming(sync_frequency=cfg.sync_frequency))
+                          timing=PodTiming(sync_frequency=cfg.sync_frequency),
+                          shutting_down=self.shutting_down)
         loops = NodeLoops(NodeLoopsConfig(cfg.node_names),
                           functools.partial(build_node_loop, shared=shared), pleg,
                           merge.updates, merge.ready, clock, shared.due_times, volumes,
@@ -607,6 +616,33 @@ class Agent:
             return await asyncio.get_running_loop().run_in_executor(self.pools.status,
                                                                     blocking)
         return read
+
+    def _node_shutdown(self, cfg: AgentConfig, ext: Externals) -> ShutdownManager:
+        """Graceful node shutdown: logind's lock and signal, the pods stopped by
+        priority (the host node's; virtual nodes have none, config.load refuses it)."""
+        connect = ext.logind
+        if connect is None:
+            from nodeagent.logind import LogindBus  # D-Bus: only with the setting
+            connect = LogindBus.connect
+        return ShutdownManager(
+            budgets(cfg.shutdown_grace_period, cfg.shutdown_grace_period_critical_pods,
+                    cfg.shutdown_grace_period_by_pod_priority),
+            connect, self.pods, ext.clock, status_now=self._status_now,
+            events=self.events, conf_dir=Path(cfg.logind_conf_dir),
+            registry=ext.registry)
+
+    def shutting_down(self) -> bool:
+        return self.node_shutdown is not None and self.node_shutdown.shutting_down
+
+    def readiness(self) -> str | None:
+        """Why the nodes are not Ready: the host shuts down, or the pod half's reason."""
+        down = self.node_shutdown.not_ready() if self.node_shutdown is not None else None
+        return down or self.pods.readiness()
+
+    def _status_now(self) -> None:
+        """Every node's status computed and written now, not at its next tick."""
+        for name in self.nodes:
+            self.ticker.schedule(name, self.clock.monotonic())
 
     # -- nodes --
     def add_node(self, spec: NodeSpec,
@@ -728,6 +764,8 @@ class Agent:
         tasks.append(asyncio.create_task(self.pods.wait(), name="pods"))
         for node in self.nodes.values():
             node.start()
+        if self.node_shutdown is not None:
+            tasks.append(asyncio.create_task(self.node_shutdown.run(), name="node-shutdown"))
         log.info("agent running: %d node(s), heartbeat mode %s", len(self.nodes),
                  self.cfg.heartbeat_mode)
         waiter = asyncio.create_task(stop.wait())
@@ -762,6 +800,9 @@ class Agent:
         deadline = self.clock.monotonic() + self.STOP_BUDGET
         if self.watch:
             self.watch.stop()
+        if self.node_shutdown is not None:  # its lock released: the host need not wait
+            await _within(self.clock, deadline, "graceful node shutdown",
+                          self.node_shutdown.close())
         if self.kubelet_api:
             await _within(self.clock, deadline, "the kubelet API", self.kubelet_api.stop())
         # pods keep running; a restarted agent adopts them

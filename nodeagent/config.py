@@ -143,6 +143,11 @@ class AgentConfig:
     authorization_webhook_cache_unauthorized_ttl: float = 30.0
     tls_min_version: str = "VersionTLS12"
     enable_debugging_handlers: bool = True
+    # graceful node shutdown (nodeagent.shutdown; none unless a grace period is given)
+    shutdown_grace_period: float = 0.0
+    shutdown_grace_period_critical_pods: float = 0.0
+    shutdown_grace_period_by_pod_priority: tuple[tuple[int, int], ...] = ()  # (priority, s)
+    logind_conf_dir: str = "/etc/systemd/logind.conf.d"
 
     @property
     def legacy(self) -> bool:
@@ -158,6 +163,10 @@ class AgentConfig:
     @property
     def virtual(self) -> bool:
         return bool(self.virtual_node_names)
+
+    @property
+    def graceful_shutdown(self) -> bool:
+        return self.shutdown_grace_period > 0 or bool(self.shutdown_grace_period_by_pod_priority)
 
     @property
     def node_names(self) -> tuple[str, ...]:
@@ -534,6 +543,38 @@ def _log_size(value: Any, where: str) -> int:
     return size
 
 
+def _shutdown_period(value: Any, where: str) -> float:
+    """The kubelet's rule: zero (off), or a second or more."""
+    seconds = parse_duration(value, where)
+    if 0 < seconds < 1:
+        raise ConfigError(f"{where}: must be 0 or at least 1s, got {value!r}")
+    return seconds
+
+
+INT32 = 2**31
+
+
+def _priority_periods(value: Any, where: str) -> tuple[tuple[int, int], ...]:
+    """shutdownGracePeriodByPodPriority: [{priority, shutdownGracePeriodSeconds}, ...]."""
+    if not isinstance(value, list):
+        raise ConfigError(f"{where}: expected a list of {{priority, "
+                          f"shutdownGracePeriodSeconds}}, got {value!r}")
+    out: dict[int, int] = {}
+    for i, item in enumerate(value):
+        at = f"{where}[{i}]"
+        if not isinstance(item, Mapping) or set(item) - {"priority",
+                                                         "shutdownGracePeriodSeconds"}:
+            raise ConfigError(f"{at}: expected {{priority, shutdownGracePeriodSeconds}}, "
+                              f"got {item!r}")
+        priority = _int(-INT32, INT32 - 1)(item.get("priority", 0), f"{at}.priority")
+        seconds = _int(0, 10**9)(item.get("shutdownGracePeriodSeconds", 0),
+                                 f"{at}.shutdownGracePeriodSeconds")
+        if priority in out:
+            raise ConfigError(f"{at}.priority: {priority} is listed twice")
+        out[priority] = seconds
+    return tuple(sorted(out.items()))
+
+
 def _taints_or_none(value: Any, where: str) -> tuple[dict[str, str], ...]:
     if value is None or (isinstance(value, str) and value.strip() in ("", "none")):
         return ()
@@ -797,6 +838,18 @@ OPTIONS: tuple[Option, ...] = (
     Option("image_service_endpoint", "image-service-endpoint", "imageServiceEndpoint",
            _opt_str, "must be unset or --container-runtime-endpoint: images are pulled "
                      "through the runtime's endpoint"),
+    Option("shutdown_grace_period", None, "shutdownGracePeriod", _shutdown_period,
+           "graceful node shutdown: how long the host's shutdown waits for the pods, "
+           "regular pods first (0: no graceful shutdown)"),
+    Option("shutdown_grace_period_critical_pods", None, "shutdownGracePeriodCriticalPods",
+           _shutdown_period, "the part of shutdownGracePeriod kept for critical pods, "
+           "stopped last"),
+    Option("shutdown_grace_period_by_pod_priority", None, "shutdownGracePeriodByPodPriority",
+           _priority_periods, "graceful node shutdown by pod priority: a list of "
+           "{priority, shutdownGracePeriodSeconds}, stopped from the lowest priority"),
+    Option("logind_conf_dir", "logind-conf-dir", "logindConfDir", _str,
+           "where the drop-in that raises logind's InhibitDelayMaxSec for graceful node "
+           "shutdown is written (/etc/systemd/logind.conf.d)"),
     Option("log_verbosity", "v", None, _int(0, 10),
            "the kubelet's log verbosity: 4 or more logs at debug (unless --log-level)"),
 )
@@ -948,6 +1001,7 @@ def load_with_notes(flags: Mapping[str, Any], env: Mapping[str, str] | None = No
         raise ConfigError("--cgroups-per-qos=false: kubepods, which "
                           "--enforce-node-allocatable=pods limits, is then not made; set "
                           "--enforce-node-allocatable=none too")
+    _check_shutdown(values)
     if values.get("serialize_image_pulls", True) and values.get("max_parallel_image_pulls",
                                                                  1) > 1:
         raise ConfigError(f"--max-parallel-image-pulls "
@@ -1045,6 +1099,25 @@ def _check_serving(values: Mapping[str, Any]) -> None:
         raise ConfigError("--rotate-server-certificates: not supported with "
                           "--virtual-nodes (a kubelet-serving certificate names one node); "
                           "use --tls-cert-file")
+
+
+def _check_shutdown(values: Mapping[str, Any]) -> None:
+    """The kubelet's rules for the graceful shutdown settings; none for virtual nodes."""
+    grace = values.get("shutdown_grace_period", 0.0)
+    critical = values.get("shutdown_grace_period_critical_pods", 0.0)
+    by_priority = values.get("shutdown_grace_period_by_pod_priority", ())
+    if by_priority and (grace or critical):
+        raise ConfigError("shutdownGracePeriodByPodPriority and shutdownGracePeriod"
+                          "(CriticalPods) cannot both be given: give the budgets of every "
+                          "priority in shutdownGracePeriodByPodPriority")
+    if critical > grace:
+        raise ConfigError(f"shutdownGracePeriodCriticalPods ({critical:g}s) must not be "
+                          f"more than shutdownGracePeriod ({grace:g}s), which includes it")
+    if values.get("virtual_node_names") and (grace or by_priority):
+        which = "shutdownGracePeriod" if grace else "shutdownGracePeriodByPodPriority"
+        raise ConfigError(f"{which}: not supported with --virtual-nodes: virtual nodes "
+                          "have no host whose shutdown could wait for their pods (no "
+                          "logind); leave it unset")
 
 
 def _check_virtual(values: Mapping[str, Any]) -> None:

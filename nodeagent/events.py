@@ -46,7 +46,11 @@ class Events:
 
     def warning(self, reason: str, message: str) -> None:
         """A Warning about the Node itself."""
-        self._record(None, WARNING, reason, message, self.node_name)
+        self.node(WARNING, reason, message)
+
+    def node(self, type_: str, reason: str, message: str) -> None:
+        """An event about the Node itself."""
+        self._record(None, type_, reason, message, self.node_name)
 
     def pod(self, pod: Mapping[str, Any], type_: str, reason: str, message: str, *,
             container: str = "") -> None:

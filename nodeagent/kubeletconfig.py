@@ -272,10 +272,11 @@ FIELDS: dict[str, Field] = {
                         "here; set seccompProfile in the pods instead", (False,),
                         "seccomp-default"),
     "runOnce": R("bool", "the agent runs as a service, not once", (False,), "runonce"),
-    "shutdownGracePeriod": I("duration", "no graceful node shutdown: pods keep running "
-                             "when the agent stops", None),
-    "shutdownGracePeriodCriticalPods": I("duration", "no graceful node shutdown", None),
-    "shutdownGracePeriodByPodPriority": I("list", "no graceful node shutdown", None),
+    "shutdownGracePeriod": H("duration", "shutdownGracePeriod",
+                             note="refused with virtual nodes"),
+    "shutdownGracePeriodCriticalPods": H("duration", "shutdownGracePeriodCriticalPods"),
+    "shutdownGracePeriodByPodPriority": H("list", "shutdownGracePeriodByPodPriority",
+                                          note="refused with virtual nodes"),
     "crashLoopBackOff.maxContainerRestartPeriod": I("*duration", "restarts back off up to "
                                                     "5 minutes", "5m"),
     "userNamespaces.idsPerPod": I("*int", "pods with hostUsers: false are refused", None),

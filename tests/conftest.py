@@ -17,7 +17,7 @@ import functools
 import os
 import socket
 import time
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +59,7 @@ from nodeagent.runtime.fake import FakeRuntime
 from nodeagent.server.auth import KubeletAuth
 from nodeagent.server.kubeletserver import KubeletServer
 from nodeagent.server.tls import ServingCert
+from nodeagent.shutdown import Logind
 from tests.fakekube import FakeKube
 
 # -- running and waiting ----------------------------------------------------------------
@@ -413,7 +414,9 @@ class AgentRig:
 
     def __init__(self, tmp_path: Path, *argv: str, health: str = "",
                  images: Sequence[str] = ("localhost/busybox:1", "localhost/pause:1"),
-                 image_size: int = 5_000_000) -> None:
+                 image_size: int = 5_000_000,
+                 logind: Callable[[], Awaitable[Logind]] | None = None) -> None:
+        """`logind`: graceful node shutdown's way to logind (a fake)."""
         # the filesystem as measured nowhere: a full disk under the test run must not
         # put the node under pressure (its eviction manager would refuse pods)
         self.flags = agent_flags(tmp_path, "--node-name", "n1", "--healthz-bind-address",
@@ -427,7 +430,7 @@ class AgentRig:
         self.agent = Agent(self.cfg, Externals(self.kube, self.clock, runtime=self.rt,
                                            pools=Pools(inline), host_ip="192.0.2.10",
                                            registry=CollectorRegistry(), flags=self.flags,
-                                           env={}))
+                                           env={}, logind=logind))
         self.pods = self.agent.pods
         self.stop = asyncio.Event()
         self.task: asyncio.Task[None] | None = None

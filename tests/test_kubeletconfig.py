@@ -296,6 +296,12 @@ HONOURED: list[tuple[str, str, Any]] = [
     ("imageServiceEndpoint: unix:///run/containerd/containerd.sock\n"
      "containerRuntimeEndpoint: unix:///run/containerd/containerd.sock",
      "container_runtime_endpoint", "unix:///run/containerd/containerd.sock"),
+    ("shutdownGracePeriod: 30s", "shutdown_grace_period", 30.0),
+    ("shutdownGracePeriod: 30s\nshutdownGracePeriodCriticalPods: 10s",
+     "shutdown_grace_period_critical_pods", 10.0),
+    ("shutdownGracePeriodByPodPriority: [{priority: 1000, shutdownGracePeriodSeconds: 5}, "
+     "{priority: 0, shutdownGracePeriodSeconds: 20}]",
+     "shutdown_grace_period_by_pod_priority", ((0, 20), (1000, 5))),
 ]
 
 
@@ -345,6 +351,19 @@ def test_honoured_fields_are_all_shown_changing_a_setting() -> None:
                                     "AlwaysAllow"),
     ("logging: {verbosity: loud}", "logging.verbosity: expected a whole number"),
     ("evictionHard: {memory.free: 1Gi}", "evictionHard: unknown signal 'memory.free'"),
+    ("shutdownGracePeriod: 500ms", "shutdownGracePeriod: must be 0 or at least 1s"),
+    ("shutdownGracePeriod: 10s\nshutdownGracePeriodCriticalPods: 20s",
+     "shutdownGracePeriodCriticalPods (20s) must not be more than shutdownGracePeriod (10s)"),
+    ("shutdownGracePeriod: 10s\nshutdownGracePeriodByPodPriority: "
+     "[{priority: 0, shutdownGracePeriodSeconds: 5}]",
+     "shutdownGracePeriodByPodPriority and shutdownGracePeriod(CriticalPods) cannot both"),
+    ("shutdownGracePeriodByPodPriority: [{priority: 0, shutdownGracePeriodSeconds: -1}]",
+     "shutdownGracePeriodByPodPriority[0].shutdownGracePeriodSeconds: must be between 0"),
+    ("shutdownGracePeriodByPodPriority: [{priority: 0, shutdownGracePeriodSeconds: 1}, "
+     "{priority: 0, shutdownGracePeriodSeconds: 2}]",
+     "shutdownGracePeriodByPodPriority[1].priority: 0 is listed twice"),
+    ("shutdownGracePeriodByPodPriority: [{priority: 0, graceSeconds: 1}]",
+     "shutdownGracePeriodByPodPriority[0]: expected {priority, shutdownGracePeriodSeconds}"),
 ])
 def test_refused_fields_and_bad_values_are_named(tmp_path: Path, body: str,
                                                  words: str) -> None:
@@ -357,15 +376,14 @@ def test_ignored_fields_are_noted_by_name_unless_the_agent_does_that_anyway(
         tmp_path: Path) -> None:
     _, notes = with_file(tmp_path, "cpuManagerPolicy: static\nimageMaximumGCAge: "
                                    "1h\nfeatureGates: {SomeGate: true}\nfooBar: 1\n"
-                                   "shutdownGracePeriod: 30s\n"
+                                   "podsPerCore: 10\n"
                                    "authentication: {x509: {clientCAFile: /ca}, extra: 1}")
     text = "\n".join(notes)
     assert "cpuManagerPolicy: 'static' is not supported, ignored: no exclusive CPUs" in text
     assert "imageMaximumGCAge: '1h' is not supported, ignored: unused images are removed " \
            "by disk use only" in text
     assert "featureGates: {'SomeGate': True} is not supported" in text
-    assert "shutdownGracePeriod: '30s' is not supported, ignored: no graceful node " \
-           "shutdown" in text
+    assert "podsPerCore: 10 is not supported, ignored: maxPods alone caps the pods" in text
     assert "fooBar: not a field of kubelet.config.k8s.io/v1beta1" in text
     assert "authentication.extra: not a field" in text
     assert len(notes) == 6

@@ -7,7 +7,10 @@ TYPE_CHECKING included:
 - nothing above nodeagent/runtime/ imports a concrete runtime (the composition root
   names one through nodeagent.runtime.make_runtime);
 - the pod half (nodeagent.pods) and the heartbeat half (nodeagent.node) do not import
-  each other, and neither imports the kubelet API's server.
+  each other, and neither imports the kubelet API's server;
+- graceful node shutdown (nodeagent.shutdown) imports neither half: the composition
+  root hands it what it uses of both;
+- only nodeagent.logind speaks D-Bus (imports dbus_fast).
 """
 
 from __future__ import annotations
@@ -75,6 +78,10 @@ def violations(module: str, imported: str) -> list[str]:
             out.append(f"{half} does not import {other}")
         if within(module, half) and within(imported, "nodeagent.server"):
             out.append(f"{half} does not import the kubelet API's server")
+        if within(module, "nodeagent.shutdown") and within(imported, half):
+            out.append(f"nodeagent.shutdown does not import {half}: the root hands it in")
+    if within(imported, "dbus_fast") and module != "nodeagent.logind":
+        out.append("only nodeagent.logind speaks D-Bus")
     return out
 
 
@@ -108,6 +115,9 @@ def test_each_rule_names_what_breaks_it() -> None:
         ("nodeagent.pods.loops", "nodeagent.node.status"): "nodeagent.pods does not import",
         ("nodeagent.node.status", "nodeagent.pods.images"): "nodeagent.node does not import",
         ("nodeagent.pods.hooks", "nodeagent.server.containerlogs"): "the kubelet API's server",
+        ("nodeagent.shutdown", "nodeagent.pods.podhalf"): "shutdown does not import",
+        ("nodeagent.shutdown", "nodeagent.node.controller"): "shutdown does not import",
+        ("nodeagent.agent", "dbus_fast.aio"): "only nodeagent.logind speaks D-Bus",
     }
     for (module, imported), rule in cases.items():
         assert any(rule in v for v in violations(module, imported)), (module, imported)
@@ -115,7 +125,9 @@ def test_each_rule_names_what_breaks_it() -> None:
     for module, imported in (("nodeoperator.writes", "nodeagent.api.kube"),
                              ("nodeagent.agent", "nodeagent.runtime"),
                              ("nodeagent.runtime.process", "nodeagent.runtime.execserver"),
-                             ("nodeagent.server.kubeletserver", "nodeagent.api.clock")):
+                             ("nodeagent.server.kubeletserver", "nodeagent.api.clock"),
+                             ("nodeagent.logind", "dbus_fast.aio"),
+                             ("nodeagent.agent", "nodeagent.shutdown")):
         assert violations(module, imported) == [], (module, imported)
 
 

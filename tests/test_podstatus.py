@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry
 from nodeagent.api.answered import ApiAnswered
 from nodeagent.api.clock import FakeClock, settle
 from nodeagent.api.kube import PODS
-from nodeagent.pods.podstatus import StatusManager, Waiting, compute_pod_status
+from nodeagent.pods.podstatus import Ending, StatusManager, Waiting, compute_pod_status, owned
 from nodeagent.runtime import (
     Container,
     ContainerState,
@@ -134,6 +134,28 @@ def test_init_containers() -> None:
     assert st["initContainerStatuses"][0]["ready"] is True
     st = status(web("Never", init=True), rs(ctr("i", ContainerState.EXITED, code=1)))
     assert st["phase"] == "Failed"
+
+
+def test_a_pod_the_node_stopped_is_failed_with_its_reason_and_a_disruption_target(
+        ) -> None:
+    why = "Pod was terminated in response to imminent node shutdown."
+    ending = Ending("Terminated", why, disruption=why)
+    exited = rs(ctr("a", ContainerState.EXITED, code=0), ctr("b", ContainerState.EXITED,
+                                                             code=0), ready=False)
+    for policy in ("Always", "Never"):  # exited 0 on SIGTERM: it did not end by itself
+        st = status(web(policy), exited, terminal=True, ending=ending)
+        assert (st["phase"], st["reason"], st["message"]) == ("Failed", ending.reason,
+                                                              ending.message)
+        [target] = [c for c in st["conditions"] if c["type"] == "DisruptionTarget"]
+        assert (target["status"], target["reason"], target["message"]) == (
+            "True", "TerminationByKubelet", ending.message)
+        # written with the final status, never compared (it is not the agent's own)
+        assert "DisruptionTarget" not in [c["type"] for c in owned(st)["conditions"]]
+    # a pod that had ended stays as it ended
+    done = status(web("Never"), exited, terminal=True)
+    st = status(web("Never"), exited, terminal=True, ending=ending, previous=done)
+    assert st["phase"] == "Succeeded" and st["reason"] is None
+    assert "DisruptionTarget" not in [c["type"] for c in st["conditions"]]
 
 
 def test_transition_times_kept_while_unchanged() -> None:

@@ -2,7 +2,8 @@
 runtime), its agent as a process with node credentials, its namespace; what the
 runtime holds, read from the runtime itself; and a teardown that stops everything by
 PID, sweeps what is left by the NP_E2E=<node> marker every container carries, and
-deletes the Node. Used by e2e/test_faults_runtime.py and e2e/test_pleg_cri_events.py.
+deletes the Node. Used by e2e/test_faults_runtime.py, e2e/test_pleg_cri_events.py and
+e2e/test_node_shutdown.py.
 
 The Node registers with a NoSchedule taint nobody else tolerates; pods are bound to it
 with spec.nodeName.
@@ -18,7 +19,7 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -161,9 +162,11 @@ class AgentProc:
     """nodepulse-agent as a real process with node credentials; start it again after
     a SIGKILL with the same flags and root dir (what a supervisor would do)."""
 
-    def __init__(self, name: str, root: Path, kubeconfig: Path, runtime_args: list[str]
-                 ) -> None:
+    def __init__(self, name: str, root: Path, kubeconfig: Path, runtime_args: list[str],
+                 environ: Mapping[str, str] | None = None) -> None:
+        """`environ`: variables added to the test's own for the agent."""
         self.name = name
+        self.environ = dict(environ or {})
         self.root = root
         self.port = free_port()
         self.argv = [str(AGENT), f"--node-name={name}", f"--kubeconfig={kubeconfig}",
@@ -178,7 +181,8 @@ class AgentProc:
             log.write(f"--- start {self.starts} ---\n".encode())
             log.flush()
             self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
+                                         stdin=subprocess.DEVNULL, start_new_session=True,
+                                         env={**os.environ, **self.environ})
         self.starts += 1
 
     def sigkill(self) -> None:
@@ -332,11 +336,13 @@ def _teardown(env: Env) -> None:
     assert cleaned, "the agent did not stop the containers of the deleted namespace"
 
 
-def start_agent(cluster: Cluster, env: Env, *extra: str) -> AgentProc:
+def start_agent(cluster: Cluster, env: Env, *extra: str,
+                environ: Mapping[str, str] | None = None) -> AgentProc:
     args: list[str] = (env.ctd.agent_flags if env.kind == "containerd"
                        else ["--runtime=process"])
     args += extra
-    env.agent = AgentProc(env.name, env.root, cluster.node_kubeconfig(env.name), args)
+    env.agent = AgentProc(env.name, env.root, cluster.node_kubeconfig(env.name), args,
+                          environ)
     env.agent.start()
     node_registered(env.core, env.name, lambda: env.agent is not None and env.agent.running())
     return env.agent

@@ -142,6 +142,10 @@ class Rejection:
     message: str
 
 
+# a pod that has not started yet while the node shuts down (nodeagent.shutdown)
+NODE_SHUTDOWN = Rejection("NodeShutdown", "Pod was rejected as the node is shutting down.")
+
+
 def _sysctl_refusal(name: str, allowed: Sequence[str], host_net: bool,
                     host_ipc: bool) -> str:
     name = normalize_sysctl(name)
@@ -518,16 +522,19 @@ class NodeAdmission:
     def __init__(self, node: str, settings: AdmissionSettings,
                  node_info: Callable[[], Node | None], running: Callable[[str], bool],
                  events: Events | None = None,
-                 pressure: Callable[[], frozenset[str]] | None = None) -> None:
+                 pressure: Callable[[], frozenset[str]] | None = None,
+                 shutting_down: Callable[[], bool] | None = None) -> None:
         """`node_info`: the Node as admission reads it (None: unknown); `running(uid)`:
         whether the runtime runs something of the pod; `pressure`: the node's pressure
-        conditions now (the eviction manager's), under which a new pod may be refused."""
+        conditions now (the eviction manager's), under which a new pod may be refused;
+        `shutting_down`: whether the node is shutting down (no new pod then)."""
         self.node = node
         self.settings = settings
         self.node_info = node_info
         self.running = running
         self.events = events
         self._pressure = pressure
+        self._shutting_down = shutting_down
         # stop a preempted pod with this status (the pod loop's: a KILL to its worker)
         self.on_preempt: Callable[[Pod, Ending], None] | None = None
         self.admitted: dict[str, Held] = {}
@@ -543,6 +550,9 @@ class NodeAdmission:
     def pressure(self) -> frozenset[str]:
         """The node's pressure conditions now (none without an eviction manager)."""
         return self._pressure() if self._pressure is not None else frozenset()
+
+    def shutting_down(self) -> bool:
+        return self._shutting_down is not None and self._shutting_down()
 
     # -- what the pod loop reports --
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nodeagent.pods import podspec
-from nodeagent.pods.admission import AdmissionSettings, Rejection, admit
+from nodeagent.pods.admission import NODE_SHUTDOWN, AdmissionSettings, Rejection, admit
 from nodeagent.pods.backoff import CrashKey, crash_key
 from nodeagent.pods.eviction import REASON as EVICTED
 from nodeagent.pods.eviction import pressure_refusal
@@ -89,6 +89,7 @@ class Verdicts:
     admission_waits: bool = False
     # the node's pressure conditions (the eviction manager's): a new pod may be refused
     pressure: frozenset[str] = frozenset()
+    shutting_down: bool = False  # the node is shutting down: admit no new pod
 
 
 def refusals(pod: Pod, node: NodeAbilities) -> tuple[dict[str, str], bool]:
@@ -257,6 +258,9 @@ def compute_pod_actions(pod: Pod, rs: PodRuntimeStatus, previous: Mapping[str, A
     if rejection is None and verdicts.pressure and _new(rs, previous):
         why = pressure_refusal(pod, verdicts.pressure)
         rejection = Rejection(EVICTED, why) if why else None
+    if verdicts.shutting_down and _new(rs, previous) \
+            and previous.get("phase") in (None, "", "Pending"):
+        rejection = NODE_SHUTDOWN  # one that runs is stopped by the shutdown, in its turn
     if rejection is not None:
         return PodActions(Verdict.REJECTED, rejection=rejection)
     if verdicts.admission_waits:

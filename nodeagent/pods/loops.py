@@ -128,6 +128,17 @@ class SyncLoop:
                     # someone else's condition may have changed a gate: Ready follows
                     self._probed(uid)
 
+    def active(self) -> list[Pod]:
+        """The pods that have not ended: those a worker still runs or is stopping."""
+        return [pod for uid, pod in self.pods.items()
+                if self.workers.phase(uid) in (Phase.SYNCING, Phase.TERMINATING)]
+
+    async def end(self, pod: Pod, grace: float, ending: Ending) -> None:
+        """Stop the pod as the node's own decision (PodWorkers.end); returns once its
+        final status is written."""
+        await self.workers.end(pod, grace, ending)
+        await self.status.written(pod["metadata"]["uid"])
+
     def _probed(self, uid: str) -> None:
         """A probe result (or a readiness gate) changed: the pod's worker syncs (its
         status, or a kill)."""

@@ -20,6 +20,8 @@ from typing import Any, Protocol
 from nodeagent.api.clock import Clock
 from nodeagent.pods.loops import NodeLoops
 from nodeagent.pods.pleg import PodCache
+from nodeagent.pods.podstatus import Ending
+from nodeagent.pods.podupdate import pod_node_name
 from nodeagent.runtime import (
     ContainerRuntimeError,
     ContainerState,
@@ -109,6 +111,19 @@ class Pods:
 
     def runtime_pod(self, uid: str) -> PodRuntimeStatus:
         return self.loops.pleg.cache.get(uid).status
+
+    # -- what graceful node shutdown uses (nodeagent.shutdown) --
+    def active_pods(self) -> list[dict[str, Any]]:
+        """Every node's pods that have not ended."""
+        return [pod for loop in self.loops.loops.values() for pod in loop.active()]
+
+    async def end_pod(self, pod: dict[str, Any], grace: float, reason: str,
+                      message: str) -> None:
+        """Stop a pod as the node's own decision, within `grace` seconds (or its own
+        shorter grace period): its final status is Failed with this reason and message
+        and a DisruptionTarget condition (podstatus.Ending); returns once it is written."""
+        loop = self.loops.loops[pod_node_name(pod)]
+        await loop.end(pod, grace, Ending(reason, message, disruption=message))
 
     # -- running --
     async def refresh(self) -> None:

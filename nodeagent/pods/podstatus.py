@@ -39,7 +39,8 @@ OWNED = ("phase", "conditions", "containerStatuses", "initContainerStatuses",
          "ephemeralContainerStatuses", "hostIP", "hostIPs", "podIP", "podIPs", "startTime",
          "reason", "message", "observedGeneration")
 # the conditions this agent writes (the kubelet's); any other type in a pod's status
-# (readiness gates, DisruptionTarget) belongs to someone else and is never written
+# (readiness gates, DisruptionTarget) belongs to someone else and is never written,
+# but for the DisruptionTarget of a pod the node itself stopped (Ending), written once
 CONDITION_TYPES = ("PodReadyToStartContainers", "PodScheduled", "Initialized",
                    "ContainersReady", "Ready")
 TERMINAL = ("Succeeded", "Failed")
@@ -222,15 +223,14 @@ def compute_pod_status(pod: Pod, rs: PodRuntimeStatus, *, host_ip: str, scheme: 
                        probed: Mapping[str, Probed] | None = None,
                        messages: Mapping[str, str] | None = None,
                        reason: str | None = None, message: str | None = None,
-                       disruption: str = "") -> Status:
+                       ending: Ending | None = None) -> Status:
     """The pod's status in API JSON form. `previous` is the last status we (or the API)
     had, for startTime, transition times and terminal phases. `terminal`: the worker
     has stopped the pod for good (deleted, or finished), so no container will restart.
     `probed`: started/ready by container id for containers with probes; `messages`:
     termination messages by container id; `reason`/`message`: the pod's own (e.g.
-    DeadlineExceeded, Evicted), kept once the phase is terminal; `disruption`: the
-    message of a DisruptionTarget condition the node adds when it ends the pod itself
-    (an Ending's)."""
+    DeadlineExceeded), kept once the phase is terminal; `ending`: the node itself stops
+    (or stopped) the pod: Failed with the Ending's reason, unless it had ended already."""
     spec = pod.get("spec") or {}
     previous = previous or {}
     waiting = waiting or {}
@@ -299,11 +299,20 @@ def compute_pod_status(pod: Pod, rs: PodRuntimeStatus, *, host_ip: str, scheme: 
 
     sidecars = [s for s in init_statuses if s["name"] in sidecar_names]
     phase = _phase(pod, init_done, statuses, terminal, init_failed, sidecars)
+    if ending is not None and previous.get("phase") in TERMINAL \
+            and previous.get("reason") != ending.reason:
+        ending = None  # it had ended by itself before the node stopped it
     if previous.get("phase") in TERMINAL:
         phase = previous["phase"]  # terminal phases never change back
+    elif ending is not None:
+        # Failed even when its containers exited 0 on being stopped: it did not end by
+        # itself (the kubelet marks it when it starts stopping it)
+        phase = "Failed"
     elif reason is not None:
         phase = "Failed"  # the pod was failed as a whole (e.g. its deadline passed)
-    if reason is None and phase in TERMINAL and previous.get("phase") in TERMINAL:
+    if ending is not None:
+        reason, message = ending.reason, ending.message
+    elif reason is None and phase in TERMINAL and previous.get("phase") in TERMINAL:
         reason, message = previous.get("reason"), previous.get("message")
 
     generation = (pod.get("metadata") or {}).get("generation")
@@ -349,12 +358,13 @@ def compute_pod_status(pod: Pod, rs: PodRuntimeStatus, *, host_ip: str, scheme: 
         _condition("ContainersReady", containers_ready, prev_cond, stamp, cr_reason, cr_msg),
         _condition("Ready", ready, prev_cond, stamp, ready_reason, ready_msg),
     ]
-    if disruption:  # not one of ours to compare (CONDITION_TYPES), but written with them
+    if ending is not None and ending.disruption:
+        # not one of ours to compare (CONDITION_TYPES), but written with them
         conditions.append({"type": "DisruptionTarget", "status": "True",
                            "lastProbeTime": None,
                            "lastTransitionTime": (prev_cond.get("DisruptionTarget") or {}).get(
                                "lastTransitionTime") or stamp,
-                           "reason": DISRUPTED_BY_NODE, "message": disruption})
+                           "reason": DISRUPTED_BY_NODE, "message": ending.disruption})
     if generation is not None:
         for c in conditions:
             c["observedGeneration"] = generation
@@ -484,6 +494,12 @@ class StatusManager:
             return
         e.delete = True
         self._kick(uid, e)
+
+    async def written(self, uid: str) -> None:
+        """Until the pod's status as last set is written (or the pod found gone)."""
+        while (e := self._pods.get(uid)) is not None and e.task is not None \
+                and not e.task.done():
+            await asyncio.wait({e.task})
 
     def forget(self, uid: str) -> None:
         e = self._pods.pop(uid, None)

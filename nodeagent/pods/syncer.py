@@ -142,7 +142,8 @@ class PodSyncer:
             frozenset(c.id for c in running if probes is None or probes.started(uid, c)),
             rejection=self.admission.rejection(uid),
             admission_waits=self.admission.waiting(uid),
-            pressure=self.admission.pressure())
+            pressure=self.admission.pressure(),
+            shutting_down=self.admission.shutting_down())
 
     # --- acting ---------------------------------------------------------------------
 
@@ -303,14 +304,14 @@ class PodSyncer:
 
     def _publish(self, pod: Pod, rs: PodRuntimeStatus, waiting: Mapping[str, Waiting],
                  terminal: bool = False, reason: str | None = None,
-                 message: str | None = None, disruption: str = "") -> None:
+                 message: str | None = None, ending: Ending | None = None) -> None:
         st = compute_pod_status(pod, rs, host_ip=self.settings.host_ip,
                                 scheme=self.runtime.scheme, now=self.clock.now(),
                                 waiting=waiting, previous=self.status.previous(pod),
                                 terminal=terminal,
                                 probed=self.probes.readiness(pod, rs) if self.probes else None,
                                 messages=self.containers.messages(pod, rs),
-                                reason=reason, message=message, disruption=disruption)
+                                reason=reason, message=message, ending=ending)
         self.status.set_status(pod, st)
 
     def _event(self, pod: Pod, type_: str, reason: str, message: str) -> None:
@@ -332,8 +333,7 @@ class PodSyncer:
         rs = await self.calls(self.runtime.pod_status(uid), "pod_status")
         if ending is not None:
             log.info("pod %s: stopping: %s: %s", describe(pod), ending.reason, ending.message)
-            self._publish(pod, rs, {}, reason=ending.reason, message=ending.message,
-                          disruption=ending.disruption)
+            self._publish(pod, rs, {}, ending=ending)
         spec = pod.get("spec") or {}
         pod_ip = self.settings.pod_ip(bool(spec.get("hostNetwork")), rs.ip)
         sidecars = [c["name"] for c in spec.get("initContainers") or [] if is_sidecar(c)]
@@ -369,11 +369,7 @@ class PodSyncer:
             self.objects.release(uid)
         if self.probes is not None:
             self.probes.remove(pod["metadata"]["uid"])
-        if ending is None:
-            self._publish(pod, entry.status, {}, terminal=True)
-        else:
-            self._publish(pod, entry.status, {}, terminal=True, reason=ending.reason,
-                          message=ending.message, disruption=ending.disruption)
+        self._publish(pod, entry.status, {}, terminal=True, ending=ending)
         if (pod.get("metadata") or {}).get("deletionTimestamp"):
             self.status.finish_deletion(pod)
 

@@ -90,7 +90,8 @@ class _Worker:
     kill: bool = False
     removed: bool = False
     grace: float | None = None
-    ending: Ending | None = None     # the node ends it of its own accord (preempted, evicted)
+    # the node ends it of its own accord (preempted, evicted, shut down)
+    ending: Ending | None = None
     content_removed: bool = False    # its containers and volumes are gone (the ending's)
     task: asyncio.Task[None] | None = None
     last_sync: float = -math.inf  # monotonic start of the last sync
@@ -102,6 +103,7 @@ class _Worker:
     # namespace/name (an edited static pod gets a new uid) waits for it
     stopped: asyncio.Event = field(default_factory=asyncio.Event)
     killed: asyncio.Event = field(default_factory=asyncio.Event)  # a kill arrived
+    ended: asyncio.Event = field(default_factory=asyncio.Event)  # final status handed on
 
 
 
@@ -208,8 +210,9 @@ class PodWorkers:
     def update(self, pod: Pod, kind: UpdateKind = UpdateKind.SYNC,
                grace: float | None = None, ending: Ending | None = None) -> None:
         """`grace`: a KILL's or REMOVE's grace period (the shortest one asked wins);
-        `ending`: a KILL the node itself decided (preemption, eviction): what the pod's
-        status says from the start of the stop on (the first one asked for wins)."""
+        `ending`: a KILL the node itself decided (preemption, eviction, shutdown): what
+        the pod's status says from the start of the stop on (the first one asked for
+        wins; none once the pod has stopped)."""
         uid = pod["metadata"]["uid"]
         w = self._w.get(uid)
         if w is None:
@@ -224,13 +227,20 @@ class PodWorkers:
             w.killed.set()
             if grace is not None:
                 w.grace = grace if w.grace is None else min(w.grace, grace)
-            if ending is not None and w.ending is None:
+            if ending is not None and w.ending is None and w.phase != Phase.TERMINATED:
                 w.ending = ending
         if kind == UpdateKind.REMOVE:
             w.removed = True
         w.pending = True
         if w.task is None or w.task.done():
             w.task = asyncio.create_task(self._run(w), name=f"pod-worker-{uid}")
+
+    async def end(self, pod: Pod, grace: float, ending: Ending) -> None:
+        """Stop the pod as the node's own decision, within `grace` seconds (or its own
+        shorter grace period); returns once its final status is handed to the status
+        manager (at once for a pod that had already ended)."""
+        self.update(pod, UpdateKind.KILL, grace=grace, ending=ending)
+        await self._w[pod["metadata"]["uid"]].ended.wait()
 
     def _waker(self, uid: str) -> Callable[[object], None]:
         def wake(_: object) -> None:
@@ -344,6 +354,7 @@ class PodWorkers:
                             and not w.content_removed:
                         await self.syncer.remove_content(w.uid)
                         w.content_removed = True
+                w.ended.set()
                 if w.removed:
                     await self.syncer.cleanup_pod(w.uid)
                     self.cache.delete(w.uid)
