@@ -69,6 +69,40 @@ class DueTimes:
             workers.sync_if_due(uid, due)
 
 
+class Latch:
+    """A flag set once that can be awaited, as asyncio.Event, but holding no list of
+    waiters until one waits: a pod worker has three, thousands of workers a process."""
+
+    __slots__ = ("_set", "_waiters")
+
+    def __init__(self) -> None:
+        self._set = False
+        self._waiters: list[asyncio.Future[None]] | None = None
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def set(self) -> None:
+        self._set = True
+        for f in self._waiters or ():
+            if not f.done():
+                f.set_result(None)
+        self._waiters = None
+
+    async def wait(self) -> None:
+        if self._set:
+            return
+        f = asyncio.get_running_loop().create_future()
+        if self._waiters is None:
+            self._waiters = []
+        self._waiters.append(f)
+        try:
+            await f
+        finally:
+            if self._waiters is not None and f in self._waiters:
+                self._waiters.remove(f)
+
+
 class UpdateKind(enum.StrEnum):
     SYNC = "sync"      # (re)sync the pod to its spec
     KILL = "kill"      # stop it: deleted gracefully, or ended
@@ -101,9 +135,9 @@ class _Worker:
     running: frozenset[str] = frozenset()  # see SyncResult.running, from the last step
     # set once its containers are stopped for good: a successor with the same
     # namespace/name (an edited static pod gets a new uid) waits for it
-    stopped: asyncio.Event = field(default_factory=asyncio.Event)
-    killed: asyncio.Event = field(default_factory=asyncio.Event)  # a kill arrived
-    ended: asyncio.Event = field(default_factory=asyncio.Event)  # final status handed on
+    stopped: Latch = field(default_factory=Latch)
+    killed: Latch = field(default_factory=Latch)  # a kill arrived
+    ended: Latch = field(default_factory=Latch)  # final status handed on
 
 
 
