@@ -10,14 +10,14 @@ run: setup
 
 # only the control plane, in the background (stop it with `make down`)
 up: setup
-	.venv/bin/python -m e2e.cluster up
+	.venv/bin/python -m nodepulse_dev up
 
 down:
-	.venv/bin/python -m e2e.cluster down
+	.venv/bin/python -m nodepulse_dev down
 
 lint: setup
 	.venv/bin/ruff check .
-	.venv/bin/mypy nodeagent operator e2e tests bench
+	.venv/bin/mypy nodeagent operator nodepulse_dev e2e tests bench
 
 test: lint
 	.venv/bin/pytest --durations=40 tests e2e

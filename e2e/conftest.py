@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from e2e.cluster import Cluster, LocalCluster
-from e2e.cluster.registry import Registry, start_registry
+from nodepulse_dev import Cluster, LocalCluster
+from nodepulse_dev.registry import Registry, start_registry
 
 _clusters: list[Cluster] = []
 

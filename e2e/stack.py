@@ -20,9 +20,9 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from e2e.cluster import LocalCluster
-from e2e.cluster.images import BUSYBOX_IMAGE
 from e2e.harness.processes import stop_process
+from nodepulse_dev import LocalCluster
+from nodepulse_dev.images import BUSYBOX_IMAGE
 
 ROOT = Path(__file__).resolve().parent.parent
 CRDS = ROOT / "charts" / "nodepulse" / "crds"
@@ -43,7 +43,7 @@ class Stack:
         self.require_containerd = require_containerd
         self.cluster = LocalCluster()
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        self.ctd: Any = None  # e2e.cluster.containerd.Containerd when containerd runs
+        self.ctd: Any = None  # nodepulse_dev.containerd.Containerd when containerd runs
         self.runtime = ""
 
     @property
@@ -67,7 +67,7 @@ class Stack:
         runtime = ["--runtime=process"]
         self.runtime = "the process runtime (containerd is not installed)"
         if shutil.which("containerd"):
-            from e2e.cluster.containerd import start_containerd
+            from nodepulse_dev.containerd import start_containerd
             try:
                 self.ctd = start_containerd()
             except RuntimeError as e:

@@ -33,12 +33,12 @@ import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from e2e.cluster import Cluster
-from e2e.cluster.images import BUSYBOX_IMAGE
 from e2e.harness.namespaces import create_namespace
 from e2e.harness.ports import free_port, listening
 from e2e.harness.processes import stop_process
 from e2e.harness.waits import eventually
+from nodepulse_dev import Cluster
+from nodepulse_dev.images import BUSYBOX_IMAGE
 
 AGENT = Path(sys.executable).parent / "nodepulse-agent"
 TAINT_KEY = "nodepulse.dev/e2e-kubelet-api"
@@ -131,7 +131,7 @@ def node(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     root = tmp_path_factory.mktemp(name)
     kubeconfig = cluster.node_kubeconfig(name)
     crt, key = cluster.node_serving_cert(name)
-    from e2e.cluster.containerd import start_containerd
+    from nodepulse_dev.containerd import start_containerd
     ctd = start_containerd()
     admin = cluster.api_client()
     core = client.CoreV1Api(admin)
@@ -552,7 +552,7 @@ def test_rotated_serving_certificate_and_process_runtime_logs(
     CSR (signer kubernetes.io/kubelet-serving); once an admin approves it the agent
     serves it, the API server verifies it, and `kubectl logs` works - here on the process
     runtime, whose raw logs refuse what they cannot answer."""
-    from e2e.cluster.cluster import approve_csr
+    from nodepulse_dev.cluster import approve_csr
     name = f"kapi-rot-{os.getpid() % 10000}"
     kubeconfig = cluster.node_kubeconfig(name)
     admin = cluster.api_client()

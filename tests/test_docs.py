@@ -282,7 +282,7 @@ def test_shown_commands_parse(page: Path) -> None:
     ("NODEPULSE_NO_SUCH=1 nodepulse-agent --node-name n1", "NODEPULSE_NO_SUCH"),
     ("nodepulse-operator --kubeconfig k --metrics-prot 8080", "--metrics-prot"),
     ("python -m bench.scale --nodes 10 --minuets 1", "--minuets"),
-    (".venv/bin/python -m e2e.cluster upp", "upp"),
+    (".venv/bin/python -m nodepulse_dev upp", "upp"),
     ("python -m e2e.conformance --onyl x", "--onyl"),
     ("python -m bench.nosuch --nodes 1", "bench.nosuch"),
     ("make run tset", "tset"),
@@ -302,7 +302,7 @@ def test_a_right_command_passes() -> None:
             "nodepulse-agent --not-a-command-but-yaml\n"
             "EOF\n"
             "python -m bench.scale --nodes 10 --minutes 1 && make run\n"
-            "python -m e2e.cluster up; nodepulse-operator --help\n"
+            "python -m nodepulse_dev up; nodepulse-operator --help\n"
             "nodepulse-agent --node-name-prefix <pod name>- --virtual-nodes 2 >log 2>&1\n"
             "```\n")
     assert command_problems_in(page, "page.md") == []

@@ -7,7 +7,9 @@ TYPE_CHECKING included:
 - nothing above nodeagent/runtime/ imports a concrete runtime (the composition root
   names one through nodeagent.runtime.make_runtime);
 - the pod half (nodeagent.pods) and the heartbeat half (nodeagent.node) do not import
-  each other, and neither imports the kubelet API's server.
+  each other, and neither imports the kubelet API's server;
+- neither program imports the local cluster (nodepulse_dev), nor the tests: the cluster
+  drives the programs, not the other way round.
 """
 
 from __future__ import annotations
@@ -75,6 +77,9 @@ def violations(module: str, imported: str) -> list[str]:
             out.append(f"{half} does not import {other}")
         if within(module, half) and within(imported, "nodeagent.server"):
             out.append(f"{half} does not import the kubelet API's server")
+    if (within(module, "nodeagent") or within(module, "nodeoperator")) and any(
+            within(imported, p) for p in ("nodepulse_dev", "e2e", "tests", "bench")):
+        out.append("the programs do not import the local cluster or the tests")
     return out
 
 
@@ -108,6 +113,9 @@ def test_each_rule_names_what_breaks_it() -> None:
         ("nodeagent.pods.loops", "nodeagent.node.status"): "nodeagent.pods does not import",
         ("nodeagent.node.status", "nodeagent.pods.images"): "nodeagent.node does not import",
         ("nodeagent.pods.hooks", "nodeagent.server.containerlogs"): "the kubelet API's server",
+        ("nodeagent.agent", "nodepulse_dev.cluster"): "the local cluster",
+        ("nodeoperator.cli", "nodepulse_dev"): "the local cluster",
+        ("nodeagent.server.stats", "e2e.harness.ports"): "the local cluster",
     }
     for (module, imported), rule in cases.items():
         assert any(rule in v for v in violations(module, imported)), (module, imported)
@@ -115,7 +123,8 @@ def test_each_rule_names_what_breaks_it() -> None:
     for module, imported in (("nodeoperator.writes", "nodeagent.api.kube"),
                              ("nodeagent.agent", "nodeagent.runtime"),
                              ("nodeagent.runtime.process", "nodeagent.runtime.execserver"),
-                             ("nodeagent.server.kubeletserver", "nodeagent.api.clock")):
+                             ("nodeagent.server.kubeletserver", "nodeagent.api.clock"),
+                             ("nodepulse_dev.cluster", "nodeagent.api.client")):
         assert violations(module, imported) == [], (module, imported)
 
 

@@ -1,7 +1,7 @@
 """Runs the upstream Kubernetes node e2e specs against one nodepulse agent and writes
 docs/conformance.md.
 
-e2e.test is built from the pinned k8s.io/kubernetes module (e2e/cluster/build.py). The
+e2e.test is built from the pinned k8s.io/kubernetes module (nodepulse_dev/build.py). The
 specs are those of specs.yaml's focus (the [NodeConformance] specs of
 test/e2e/common/node and test/e2e/common/storage, and NodeLease), listed by a ginkgo dry
 run; each one runs in an e2e.test process of its own (`--ginkgo.focus` naming exactly
@@ -31,7 +31,7 @@ from typing import Any
 
 import yaml
 
-from e2e.cluster import build
+from nodepulse_dev import build
 
 SPECS_FILE = Path(__file__).with_name("specs.yaml")
 DOC = Path(__file__).resolve().parents[2] / "docs" / "conformance.md"

@@ -21,6 +21,6 @@ from e2e/conftest.py), never from each other (tests/test_layout.py checks it).
 - nodeenv: one node for one test with its own runtime (containerd or the process
   runtime), agent process and namespace; what the runtime holds
 
-The control plane itself is e2e/cluster; kind clusters are e2e/kind; the upstream
+The control plane itself is nodepulse_dev; kind clusters are e2e/kind; the upstream
 conformance run is e2e/conformance.
 """

@@ -1,4 +1,4 @@
-"""python -m e2e.cluster up|down|env|build|node-kubeconfig NAME"""
+"""python -m nodepulse_dev up|down|env|build|node-kubeconfig NAME"""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from e2e.cluster import build
-from e2e.cluster.cluster import LocalCluster
+from nodepulse_dev import build
+from nodepulse_dev.cluster import LocalCluster
 
 # Remembers where the cluster that `up` started keeps its state, for `down` and `env`.
 POINTER = build.cache_root() / "current-cluster"
@@ -27,7 +27,7 @@ def print_env(cluster: LocalCluster) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m e2e.cluster",
+    parser = argparse.ArgumentParser(prog="nodepulse-dev",
                                      description="The local Kubernetes control plane.")
     sub = parser.add_subparsers(dest="cmd", required=True)
     sub.add_parser("up", help="build (once) and start etcd, kube-apiserver, "
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
             POINTER.write_text(str(running.workdir))
         print_env(running)
     elif running is None:
-        print("no local cluster is up (start one with `python -m e2e.cluster up`)",
+        print("no local cluster is up (start one with `python -m nodepulse_dev up`)",
               file=sys.stderr)
         return 0 if args.cmd == "down" else 1
     elif args.cmd == "down":

@@ -20,9 +20,9 @@ from typing import Any
 import yaml
 from kubernetes import client
 
-from e2e.cluster import build, pki
-from e2e.harness.ports import free_port
 from nodeagent.api.client import new_api_client
+from nodepulse_dev import build, pki
+from nodepulse_dev.ports import free_port
 
 SERVICE_CIDR = "10.96.0.0/16"
 KUBELET_CLIENT = "kube-apiserver-kubelet-client"
