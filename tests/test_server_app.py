@@ -19,7 +19,13 @@ from prometheus_client import CollectorRegistry
 from nodeagent.api.certificates import csr_pem, new_key
 from nodeagent.api.clock import FakeClock
 from nodeagent.node.status import StatusSettings, build_patch, compute_status, meaningful_changes
-from nodeagent.runtime.base import ContainerConfig, ContainerStats, PodRuntimeStatus, SandboxConfig
+from nodeagent.runtime.base import (
+    ContainerConfig,
+    ContainerStats,
+    PodRuntimeStatus,
+    SandboxConfig,
+    Unsupported,
+)
 from nodeagent.runtime.fake import FakeRuntime
 from nodeagent.server.auth import KubeletAuth, User, request_attributes, user_of_certificate
 from nodeagent.server.kubeletserver import KubeletServer, pick_container
@@ -273,6 +279,10 @@ async def test_stats_and_resource_metrics(tmp_path: Path) -> None:
 async def test_a_runtime_that_measures_nothing_says_so(tmp_path: Path) -> None:
     async with serving(tmp_path) as env:
         env.api.allowed = {("m", "metrics")}
+
+        async def unmeasured() -> list[ContainerStats]:
+            raise Unsupported("this runtime measures no container usage")
+        env.runtime.container_stats = unmeasured  # type: ignore[method-assign]
         text = await (await env.client.get("/metrics/resource", headers=bearer("m"))).text()
         assert "resource_scrape_error 1" in text
 

@@ -32,6 +32,7 @@ from nodeagent.runtime.base import (
     ContainerEventType,
     ContainerRuntimeError,
     ContainerState,
+    ContainerStats,
     ExecResult,
     ImageInfo,
     ImageNotPresent,
@@ -48,6 +49,7 @@ from nodeagent.runtime.base import (
     Unsupported,
 )
 from nodeagent.runtime.script import Script, ScriptError, script_for
+from nodeagent.runtime.usage import NONE, Usage
 
 R = TypeVar("R", Sandbox, Container)
 ExecAnswer = (ExecResult | BaseException
@@ -68,8 +70,11 @@ class FakeRuntime(Runtime):
     runs_workloads = False  # what the agent builds with it; its tests may say otherwise
 
     def __init__(self, clock: Clock | None = None, *, images: Iterable[str] | None = None,
-                 host_ip: str = "192.0.2.10", image_size: int = 5_000_000) -> None:
-        """`images`: refs present in the store; None means every image is present."""
+                 host_ip: str = "192.0.2.10", image_size: int = 5_000_000,
+                 default_cpu: Usage = NONE, default_memory: Usage = NONE) -> None:
+        """`images`: refs present in the store; None means every image is present.
+        `default_cpu`, `default_memory`: the usage a container reports whose pod has
+        no fake.nodepulse.dev/cpu or memory annotation."""
         self.clock = clock or RealClock()
         self.images: set[str] | None = None if images is None else {_tagged(r) for r in images}
         self.image_size = image_size
@@ -112,6 +117,7 @@ class FakeRuntime(Runtime):
         self._ips = itertools.count(2)
         self._log_dirs: dict[str, str] = {}  # sandbox id -> its log directory
         self.scripts: dict[str, Script] = {}  # container id -> its pod's script for it
+        self.default_cpu, self.default_memory = default_cpu, default_memory
         self._exits: list[tuple[float, str]] = []  # (monotonic time, container id) heap
         # open event streams; None in one wakes it (a new scripted exit to wait for)
         self._streams: list[asyncio.Queue[ContainerEvent | BaseException | None]] = []
@@ -455,6 +461,24 @@ class FakeRuntime(Runtime):
             return None
         return ExecResult(1, f"fake: container {c.name} is not up yet (ready after "
                              f"{script.ready_after:g}s)".encode())
+
+    async def container_stats(self) -> list[ContainerStats]:
+        """Each running container's simulated usage: its script's (or the defaults'),
+        CPU as core-seconds since it started, memory as the level now."""
+        self._scripted_exits()
+        now = self.clock.now()
+        out = []
+        for c in self.containers.values():
+            if c.state != ContainerState.RUNNING or c.started_at is None:
+                continue
+            script = self.scripts.get(c.id, Script())
+            t = (now - c.started_at).total_seconds()
+            memory = int((script.memory or self.default_memory).at(t))
+            out.append(ContainerStats(
+                container_id=c.id, timestamp=now,
+                cpu_usage_core_seconds=(script.cpu or self.default_cpu).integral(t),
+                memory_working_set_bytes=memory, memory_usage_bytes=memory))
+        return out
 
     async def rotate_container_log(self, container_id: str, path: str, rotated: str) -> None:
         self._call("rotate_container_log")

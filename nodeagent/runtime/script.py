@@ -7,6 +7,8 @@ Nothing runs in a fake container, so what a program would do is written on the p
     fake.nodepulse.dev/exit-code: "1"        # ... with this code (default 0)
     fake.nodepulse.dev/fail-start: "no such file"   # StartContainer fails with this
     fake.nodepulse.dev/ready-after: 20s      # its probes fail for its first 20 s
+    fake.nodepulse.dev/cpu: 250m             # the usage it reports (runtime/usage.py:
+    fake.nodepulse.dev/memory: 64Mi          # a quantity, ramp(...) or sine(...))
     fake.nodepulse.dev/run-for.<container>: 5s      # one container only (wins over the
                                                     # pod-wide key)
 
@@ -27,11 +29,13 @@ import dataclasses
 from collections.abc import Mapping
 
 from nodeagent.config import ConfigError, parse_duration
+from nodeagent.runtime.usage import Usage, UsageError, parse_usage
 
 PREFIX = "fake.nodepulse.dev/"
 RUN_FOR, EXIT_CODE, FAIL_START, READY_AFTER = "run-for", "exit-code", "fail-start", \
     "ready-after"
-KEYS = (RUN_FOR, EXIT_CODE, FAIL_START, READY_AFTER)
+CPU, MEMORY = "cpu", "memory"
+KEYS = (RUN_FOR, EXIT_CODE, FAIL_START, READY_AFTER, CPU, MEMORY)
 
 
 class ScriptError(ValueError):
@@ -44,6 +48,8 @@ class Script:
     exit_code: int = 0
     fail_start: str | None = None  # StartContainer fails with this message
     ready_after: float = 0.0  # probes fail until the container has run this long
+    cpu: Usage | None = None  # cores over time; None: the runtime's default
+    memory: Usage | None = None  # bytes over time; None: the runtime's default
 
 
 def script_for(annotations: Mapping[str, str], container: str) -> Script:
@@ -73,7 +79,18 @@ def script_for(annotations: Mapping[str, str], container: str) -> Script:
     fail_start = values[FAIL_START][1] if FAIL_START in values else None
     return Script(run_for=run_for, exit_code=exit_code or 0,
                   fail_start=(fail_start or "fake: start failed") if fail_start is not None
-                  else None, ready_after=_duration(values, READY_AFTER) or 0.0)
+                  else None, ready_after=_duration(values, READY_AFTER) or 0.0,
+                  cpu=_usage(values, CPU), memory=_usage(values, MEMORY))
+
+
+def _usage(values: Mapping[str, tuple[str, str]], key: str) -> Usage | None:
+    if key not in values:
+        return None
+    name, value = values[key]
+    try:
+        return parse_usage(value, f"annotation {name}")
+    except UsageError as e:
+        raise ScriptError(str(e)) from None
 
 
 def _duration(values: Mapping[str, tuple[str, str]], key: str) -> float | None:

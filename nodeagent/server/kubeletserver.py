@@ -9,8 +9,11 @@ for `kubectl logs`, `exec`, `attach`, `port-forward` and what metrics-server scr
     /metrics, /healthz                      the agent's own
 
 Every request is authenticated and authorized first (auth.py). One server serves every
-Node of the process: with virtual nodes they all advertise its one port, and a request
-naming a pod is checked against the Node that pod is bound to.
+Node of the process, and a request naming a pod is checked against the Node that pod is
+bound to. With virtual nodes (`per_node_ports`) each Node also has a port of its own
+(a free one, in its daemonEndpoints), where the server answers as that node alone: its
+pods, its usage; so metrics-server and `kubectl get --raw /api/v1/nodes/N/proxy/...`
+see each virtual node as a kubelet of its own. The shared port answers for all of them.
 """
 
 from __future__ import annotations
@@ -116,7 +119,8 @@ class KubeletServer:
                  address: str = "0.0.0.0", port: int = 10250,
                  health_checks: Mapping[str, HealthCheck] | None = None,
                  node_reader: Callable[[], dict[str, float]] | None = None,
-                 debugging_handlers: bool = True) -> None:
+                 debugging_handlers: bool = True, per_node_ports: bool = False,
+                 simulated: stats.SimulatedNode | None = None) -> None:
         self.host = host
         self.runtime = host.runtime
         self.auth = auth
@@ -131,7 +135,10 @@ class KubeletServer:
         self.debugging_handlers = debugging_handlers
         self.watch = containerlogs.FileWatch()
         self.metrics = server_metrics(registry)
-        self.stats = stats.StatsProvider(host, self.runtime, clock, node_reader)
+        self.stats = stats.StatsProvider(host, self.runtime, clock, node_reader, simulated)
+        self.per_node_ports = per_node_ports
+        self.node_ports: dict[str, int] = {}  # node -> its own port (per_node_ports)
+        self._node_by_port: dict[int, str] = {}
         self._runner: web.AppRunner | None = None
 
     # -- lifecycle --
@@ -153,6 +160,16 @@ class KubeletServer:
             self.port = int(server.sockets[0].getsockname()[1])
         log.info("kubelet API: serving on https://%s:%d for %d node(s)", self.address,
                  self.port, len(self.node_names))
+        if self.per_node_ports:
+            _allow_open_files(len(self.node_names) + 1024)
+            for name in self.node_names:
+                own = web.TCPSite(self._runner, self.address, 0, ssl_context=self.cert.context)
+                await own.start()
+                port = int(own._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
+                self.node_ports[name] = port
+                self._node_by_port[port] = name
+            log.info("kubelet API: each node on a port of its own as well (%d ports)",
+                     len(self.node_ports))
         return self.port
 
     async def stop(self) -> None:
@@ -162,16 +179,27 @@ class KubeletServer:
         self.watch.close()
 
     # -- request handling --
-    def _node_of(self, parts: list[str]) -> tuple[str, tuple[str, Pod] | None]:
-        """The Node a request is about: the one its pod is bound to, or the only one.
-        "" (every Node) when the path names no pod and the process has several."""
+    def _node_of(self, parts: list[str], own: str | None
+                 ) -> tuple[str, tuple[str, Pod] | None]:
+        """The Node a request is about: the one its pod is bound to, the one whose own
+        port it came in on, or the only one. "" (every Node) when the path names no pod
+        and the process has several."""
         found = None
         if parts and parts[0] in ("containerLogs", "exec", "attach", "portForward",
                                   "run") and len(parts) >= 3:
             found = self.host.find_pod(parts[1], parts[2])
         if found is not None:
             return found[0], found
+        if own is not None:
+            return own, None
         return (self.node_names[0] if len(self.node_names) == 1 else ""), None
+
+    def _own_node(self, request: web.Request) -> str | None:
+        """The node whose own port the request came in on (None: the shared port)."""
+        if not self._node_by_port or request.transport is None:
+            return None
+        sockname = request.transport.get_extra_info("sockname")
+        return self._node_by_port.get(sockname[1]) if sockname else None
 
     async def _dispatch(self, request: web.Request) -> web.StreamResponse:
         parts = [p for p in request.path.split("/") if p]
@@ -183,9 +211,10 @@ class KubeletServer:
                 peercert = request.transport.get_extra_info("peercert")
             user = await self.auth.authenticate(request.headers.get("Authorization"),
                                                 peercert)
-            node, found = self._node_of(parts)
+            own = self._own_node(request)
+            node, found = self._node_of(parts, own)
             await self.auth.authorize(user, request.method, request.path, node)
-            resp = await self._route(request, endpoint, parts, found)
+            resp = await self._route(request, endpoint, parts, found, own)
             code = resp.status
             return resp
         except Unauthorized:
@@ -219,24 +248,27 @@ class KubeletServer:
             self.metrics.requests.labels(endpoint=endpoint or "/", code=str(code)).inc()
 
     async def _route(self, request: web.Request, endpoint: str, parts: list[str],
-                     found: tuple[str, Pod] | None) -> web.StreamResponse:
+                     found: tuple[str, Pod] | None, own: str | None) -> web.StreamResponse:
+        """`own`: the node whose own port the request came in on; its pods only."""
         method = request.method
         if endpoint == "healthz" and method == "GET":
             return self._healthz()
         if endpoint == "pods" and len(parts) == 1 and method == "GET":
+            pods = [p for p in self.host.all_pods()
+                    if own is None or (p.get("spec") or {}).get("nodeName") == own]
             return web.json_response({"kind": "PodList", "apiVersion": "v1",
-                                      "metadata": {}, "items": self.host.all_pods()})
+                                      "metadata": {}, "items": pods})
         if endpoint == "metrics" and method == "GET":
             if len(parts) == 1:
                 return web.Response(body=generate_latest(self.registry),
                                     headers={"Content-Type": CONTENT_TYPE_LATEST})
             if parts[1:] == ["resource"]:
-                text = await self.stats.resource_metrics()
+                text = await self.stats.resource_metrics(own)
                 return web.Response(text=text, content_type="text/plain",
                                     charset="utf-8")
         if endpoint == "stats" and parts[1:] in ([], ["summary"]) and method == "GET":
             only_cpu_mem = request.query.get("only_cpu_and_memory") in ("true", "1")
-            summary = await self.stats.summary(self.node_names, only_cpu_mem)
+            summary = await self.stats.summary(self.node_names, only_cpu_mem, own)
             return web.json_response(summary)
         if endpoint in DEBUGGING and not self.debugging_handlers:
             raise RequestError(404, f"{method} {request.path}: not served "
@@ -362,3 +394,12 @@ class KubeletServer:
         finally:
             gauge.dec()
 
+
+def _allow_open_files(wanted: int) -> None:
+    """Raise the soft limit on open files toward `wanted` (within the hard limit): a
+    port per virtual node is a socket each."""
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
