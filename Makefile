@@ -4,16 +4,18 @@
 setup:
 	@scripts/setup.sh
 
-# the whole system in the foreground: control plane, CRDs, operator, agent
+# the whole system in the foreground (docs/dev-cluster.md): control plane, CRDs,
+# policies, operator, metrics-server, this machine's node on containerd and a pool of
+# virtual nodes; it prints what to try (e2e/test_dev_cluster.py runs every line)
 run: setup
-	.venv/bin/python -m e2e.stack
+	.venv/bin/nodepulse-dev up --foreground --runtime cri --virtual-nodes 5
 
 # only the control plane, in the background (stop it with `make down`)
 up: setup
-	.venv/bin/python -m nodepulse_dev up
+	.venv/bin/nodepulse-dev up --control-plane-only
 
 down:
-	.venv/bin/python -m nodepulse_dev down
+	.venv/bin/nodepulse-dev down
 
 lint: setup
 	.venv/bin/ruff check .

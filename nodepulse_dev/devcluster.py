@@ -381,8 +381,9 @@ class DevCluster:
         out += [f"curl -s http://127.0.0.1:{o.operator_metrics_port}/metrics | grep "
                 "^nodepulse_operator_ | head   # the operator's metrics"]
         if o.virtual_nodes:
-            out += [f"nodepulse-dev scale --virtual-nodes {o.virtual_nodes + 2}   "
-                    "# more virtual nodes"]
+            program = Path(sys.executable).parent / "nodepulse-dev"
+            out += [f"{program} scale --virtual-nodes {o.virtual_nodes + 2}   "
+                    "# more virtual nodes (and back: the same with fewer)"]
         return out
 
 

@@ -35,4 +35,4 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 
-.venv/bin/python -m nodepulse_dev build >/dev/null
+.venv/bin/nodepulse-dev build >/dev/null
