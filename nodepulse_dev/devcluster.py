@@ -28,7 +28,7 @@ from typing import Any
 import yaml
 from kubernetes import client
 
-from nodepulse_dev.cluster import LocalCluster
+from nodepulse_dev.cluster import Cluster, LocalCluster
 from nodepulse_dev.images import BUSYBOX_IMAGE
 from nodepulse_dev.ports import free_port
 
@@ -273,17 +273,7 @@ class DevCluster:
     def _start_metrics_server(self) -> None:
         c = self.cluster
         port = free_port()
-        admin = str(c.kubeconfig)
-        self._spawn("metrics-server", [
-            str(c.binary("metrics-server")), f"--kubeconfig={admin}",
-            f"--authentication-kubeconfig={admin}", f"--authorization-kubeconfig={admin}",
-            "--bind-address=127.0.0.1", f"--secure-port={port}",
-            f"--cert-dir={self.workdir / 'metrics-server'}",
-            # each node at the port in its daemonEndpoints (a virtual node's own)
-            "--kubelet-use-node-status-port", "--kubelet-preferred-address-types=InternalIP",
-            f"--kubelet-certificate-authority={c.ca_file()}",
-            # its shortest resolution; it must exceed the kubelet request timeout
-            "--metric-resolution=10s", "--kubelet-request-timeout=5s", "-v=1"])
+        self._spawn("metrics-server", metrics_server_argv(c, port, self.workdir / "metrics-server"))
         register_metrics_api(c.api_client(), port)
 
     def _start_host_agent(self) -> None:
@@ -389,6 +379,19 @@ class DevCluster:
 
 def agent_program() -> str:
     return str(Path(sys.executable).parent / "nodepulse-agent")
+
+
+def metrics_server_argv(cluster: Cluster, port: int, cert_dir: Path) -> list[str]:
+    """metrics-server on loopback `port`, scraping every node at its InternalIP and the
+    port in its daemonEndpoints (a virtual node's own), verifying its certificate."""
+    admin = str(cluster.kubeconfig)
+    return [str(cluster.binary("metrics-server")), f"--kubeconfig={admin}",
+            f"--authentication-kubeconfig={admin}", f"--authorization-kubeconfig={admin}",
+            "--bind-address=127.0.0.1", f"--secure-port={port}", f"--cert-dir={cert_dir}",
+            "--kubelet-use-node-status-port", "--kubelet-preferred-address-types=InternalIP",
+            f"--kubelet-certificate-authority={cluster.ca_file()}",
+            # its shortest resolution; it must exceed the kubelet request timeout
+            "--metric-resolution=10s", "--kubelet-request-timeout=5s", "-v=1"]
 
 
 def register_metrics_api(api: client.ApiClient, port: int) -> None:
