@@ -72,35 +72,36 @@ EXAMPLE = {
 
 
 def node_address() -> str:
-    """An IPv4 address of this machine the API server will proxy to: the one of the
-    interface of the default route, else the first global one. Traffic to it stays on
-    this machine (the kernel's local table), like traffic to loopback."""
-    def global_v4(out: str) -> list[tuple[str, str]]:
-        found = []
-        for link in json.loads(out or "[]"):
-            for a in link.get("addr_info", []):
-                ip = ipaddress.ip_address(a.get("local", "0.0.0.0"))
-                if ip.version == 4 and not (ip.is_loopback or ip.is_link_local
-                                            or ip.is_unspecified or ip.is_multicast):
-                    found.append((link.get("ifname", ""), str(ip)))
-        return found
-
+    """An IPv4 address of this machine the API server will proxy to (pick_address), from
+    `ip`. Traffic to it stays on this machine (the kernel's local table), like traffic
+    to loopback."""
     try:
-        addrs = global_v4(subprocess.run(["ip", "-j", "-4", "addr", "show"], check=True,
-                                         capture_output=True, text=True).stdout)
-        routes = json.loads(subprocess.run(["ip", "-j", "-4", "route", "show", "default"],
-                                           check=True, capture_output=True, text=True).stdout
-                            or "[]")
+        addrs, routes = (subprocess.run(["ip", "-j", "-4", *what], check=True,
+                                        capture_output=True, text=True).stdout
+                         for what in (["addr", "show"], ["route", "show", "default"]))
+        return pick_address(json.loads(addrs or "[]"), json.loads(routes or "[]"))
     except (OSError, subprocess.CalledProcessError, ValueError) as e:
         raise RuntimeError(f"cannot list this machine's addresses with `ip` (iproute2): {e}; "
                            "give one with --node-ip") from None
-    default_devs = [r.get("dev") for r in routes]
-    for dev in default_devs:
-        for ifname, ip in addrs:
+
+
+def pick_address(links: list[dict[str, Any]], default_routes: list[dict[str, Any]]) -> str:
+    """From `ip -j addr` and `ip -j route show default`: the address of the default
+    route's interface, else the first other one; never loopback, link-local, multicast
+    (the API server does not proxy to those)."""
+    found = []
+    for link in links:
+        for a in link.get("addr_info", []):
+            address = ipaddress.ip_address(a.get("local", "0.0.0.0"))
+            if address.version == 4 and not (address.is_loopback or address.is_link_local
+                                             or address.is_unspecified or address.is_multicast):
+                found.append((link.get("ifname", ""), str(address)))
+    for dev in [r.get("dev") for r in default_routes]:
+        for ifname, ip in found:
             if ifname == dev:
                 return ip
-    if addrs:
-        return addrs[0][1]
+    if found:
+        return found[0][1]
     raise RuntimeError("this machine has no IPv4 address but loopback and link-local ones, "
                        "which the API server does not proxy to; add one (as root: ip link "
                        "add np0 type dummy && ip addr add 198.18.0.1/32 dev np0 && ip link "
