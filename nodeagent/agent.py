@@ -299,7 +299,9 @@ def build_kubelet_api(cfg: AgentConfig, host: PodHost, kube: Kube, *, clock: Clo
     if host.runtime.scheme == "fake":  # its containers' usage is simulated: its nodes' too
         simulated = SimulatedNode(cpu=parse_usage(cfg.fake_node_cpu, "--fake-node-cpu"),
                                   memory=parse_usage(cfg.fake_node_memory, "--fake-node-memory"),
-                                  memory_capacity=read_node()["memory_total"])
+                                  # the memory its Node says it has
+                                  memory_capacity=float(cfg.host_overrides.get(
+                                      "memoryTotal", read_node()["memory_total"])))
     server = KubeletServer(host, auth, cert, node_names=cfg.node_names, clock=clock,
                            registry=registry, address=cfg.address, port=cfg.port,
                            health_checks=health_checks,
