@@ -95,7 +95,7 @@ def test_every_suggestion_of_make_run_works(make_run: Running) -> None:
     commands = suggestions(make_run.text)
     exports = [c for c in commands if c.startswith("export ")]
     assert len(exports) == 2 and len(commands) > 10, commands
-    wanted = {"kubectl top node", "kubectl get nsp", "/proxy/stats/summary",
+    wanted = {"kubectl top node", "kubectl get nodes,nsp", "/proxy/stats/summary",
               "/proxy/metrics/resource", "kubectl logs demo", "scale --virtual-nodes"}
     assert all(any(w in c for c in commands) for w in wanted), commands
     for command in commands:
@@ -108,7 +108,7 @@ def test_every_suggestion_of_make_run_works(make_run: Running) -> None:
             return r.stdout if r.returncode == 0 and r.stdout.strip() else None
         # metrics-server has a pod's usage a scrape or two (10 s each) after it runs
         out = eventually(works, f"`{command}` works as printed", 90, every=3)
-        if "kubectl get nsp" in command:
+        if "nsp" in command:
             assert "virtual-pool" in out and "default" in out, out
         if command.startswith("kubectl top node"):
             assert "vn-0" in out, out

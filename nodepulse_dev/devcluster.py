@@ -246,14 +246,16 @@ class DevCluster:
         while time.monotonic() < deadline:
             if (gone := self.exited()) is not None:
                 raise RuntimeError(f"{gone} exited; see {self.cluster.log_dir / (gone + '.log')}")
-            # the raw list: the client's models of a thousand Nodes cost seconds of CPU
-            nodes = json.loads(core.list_node(_preload_content=False).data)["items"]
+            # the raw list, from the API server's cache: the client's models of a
+            # thousand Nodes, or a read of them all from etcd, cost seconds of CPU
+            raw = core.list_node(resource_version="0", _preload_content=False).data
+            nodes = json.loads(raw)["items"]
             ready = {n["metadata"]["name"] for n in nodes
                      if any(c["type"] == "Ready" and c["status"] == "True"
                             for c in (n.get("status") or {}).get("conditions") or [])}
             if want <= ready:
                 return
-            time.sleep(1)
+            time.sleep(1 if len(want) < 100 else 2)
         raise TimeoutError(f"{len(want - ready)} of {len(want)} node(s) not Ready within "
                            f"{timeout:.0f} s (e.g. {sorted(want - ready)[:3]})")
 
@@ -341,9 +343,13 @@ class DevCluster:
         kubectl = str(self.cluster.binary("kubectl"))
         out = [f"export KUBECONFIG={self.cluster.kubeconfig}",
                f"export PATH={Path(kubectl).parent}:$PATH",
-               f"kubectl get nodes -L {POOL_LABEL},{VIRTUAL_LABEL}   # the pools",
-               "kubectl get nsp                          # their policies "
-               "(NodeStatusPolicy), each pool's heartbeat",
+               f"kubectl get nodes,nsp -L {POOL_LABEL}   # the pools and their "
+               "policies (NodeStatusPolicy)",
+               "kubectl get nsp -o custom-columns=NAME:.metadata.name,NODES:.status.nodes,"
+               "LEASE:.spec.heartbeat.leaseDurationSeconds,"
+               "RENEW:.spec.heartbeat.renewIntervalSeconds,"
+               "STATUS-EVERY:.spec.heartbeat.statusUpdateFrequencySeconds   "
+               "# each pool's heartbeat",
                "kubectl get leases -n kube-node-lease    # one Lease per node"]
         if o.metrics_server:
             out += ["kubectl top node                         # usage, through metrics-server"]
