@@ -137,16 +137,26 @@ def summary(dev: DevCluster, foreground: bool) -> str:
 def run_foreground(args: argparse.Namespace) -> int:
     """Start, serve `scale` requests (SIGHUP), stop on SIGINT or SIGTERM."""
     dev = DevCluster(options(args), args.workdir)
+
+    def interrupt(*_: object) -> None:
+        raise KeyboardInterrupt
+    # while starting, SIGTERM (a `down` meanwhile) interrupts as Ctrl-C does; a failed
+    # or interrupted start stops what it started, keeps the logs and raises
+    signal.signal(signal.SIGTERM, interrupt)
+    (dev.workdir / "supervisor.pid").write_text(str(os.getpid()))
+    pointer().parent.mkdir(parents=True, exist_ok=True)
+    pointer().write_text(str(dev.workdir))  # `down` finds it while it starts too
+    try:
+        dev.start()
+    except BaseException:
+        forget(dev)
+        raise
     stopping = threading.Event()
     rescale = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.set())
     signal.signal(signal.SIGHUP, lambda *_: rescale.set())
     try:
-        dev.start()
-        (dev.workdir / "supervisor.pid").write_text(str(os.getpid()))
-        pointer().parent.mkdir(parents=True, exist_ok=True)
-        pointer().write_text(str(dev.workdir))
         text = summary(dev, foreground=args.workdir is None)
         print(text, flush=True)
         (dev.workdir / "ready").write_text(text)
@@ -165,8 +175,13 @@ def run_foreground(args: argparse.Namespace) -> int:
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the stop runs to its end
         dev.stop()
-        if pointer().exists() and pointer().read_text().strip() == str(dev.workdir):
-            pointer().unlink()
+        forget(dev)
+
+
+def forget(dev: DevCluster) -> None:
+    """The pointer no longer names this cluster."""
+    if pointer().exists() and pointer().read_text().strip() == str(dev.workdir):
+        pointer().unlink()
 
 
 def up(args: argparse.Namespace, argv: list[str]) -> int:

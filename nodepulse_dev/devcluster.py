@@ -238,8 +238,9 @@ class DevCluster:
             self.wait_ready(self.virtual_names())
         return time.monotonic() - started
 
-    def wait_ready(self, names: list[str], timeout: float = 300) -> None:
+    def wait_ready(self, names: list[str]) -> None:
         core = client.CoreV1Api(self.cluster.api_client())
+        timeout = 120 + 0.5 * len(names)  # a loaded machine registers a few nodes a second
         want = set(names)
         deadline = time.monotonic() + timeout
         ready: set[str] = set()
