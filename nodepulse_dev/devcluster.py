@@ -239,24 +239,39 @@ class DevCluster:
         return time.monotonic() - started
 
     def wait_ready(self, names: list[str]) -> None:
+        """Returns when every node in `names` is Ready. It watches the Nodes (raw JSON
+        lines: a list of a thousand Nodes every second, or the client's models of them,
+        would cost the API server and this process seconds of CPU each)."""
         core = client.CoreV1Api(self.cluster.api_client())
         timeout = 120 + 0.5 * len(names)  # a loaded machine registers a few nodes a second
         want = set(names)
         deadline = time.monotonic() + timeout
         ready: set[str] = set()
+        version = "0"  # from the API server's cache: every Node first, then changes
         while time.monotonic() < deadline:
             if (gone := self.exited()) is not None:
                 raise RuntimeError(f"{gone} exited; see {self.cluster.log_dir / (gone + '.log')}")
-            # the raw list, from the API server's cache: the client's models of a
-            # thousand Nodes, or a read of them all from etcd, cost seconds of CPU
-            raw = core.list_node(resource_version="0", _preload_content=False).data
-            nodes = json.loads(raw)["items"]
-            ready = {n["metadata"]["name"] for n in nodes
-                     if any(c["type"] == "Ready" and c["status"] == "True"
-                            for c in (n.get("status") or {}).get("conditions") or [])}
-            if want <= ready:
-                return
-            time.sleep(1 if len(want) < 100 else 2)
+            stream = core.list_node(watch=True, resource_version=version, timeout_seconds=5,
+                                    _preload_content=False)
+            try:
+                for line in stream:
+                    event = json.loads(line)
+                    if event["type"] == "ERROR":  # too old a version: from the start again
+                        version, ready = "0", set()
+                        break
+                    node = event["object"]
+                    version = node["metadata"]["resourceVersion"]
+                    name = node["metadata"]["name"]
+                    if event["type"] != "DELETED" and any(
+                            c["type"] == "Ready" and c["status"] == "True"
+                            for c in (node.get("status") or {}).get("conditions") or []):
+                        ready.add(name)
+                    else:
+                        ready.discard(name)
+                    if want <= ready:
+                        return
+            finally:
+                stream.release_conn()
         raise TimeoutError(f"{len(want - ready)} of {len(want)} node(s) not Ready within "
                            f"{timeout:.0f} s (e.g. {sorted(want - ready)[:3]})")
 
