@@ -213,7 +213,8 @@ class KubeletServer:
                                                 peercert)
             own = self._own_node(request)
             node, found = self._node_of(parts, own)
-            await self.auth.authorize(user, request.method, request.path, node)
+            await self.auth.authorize(user, request.method, request.path, node,
+                                      every_node_first=len(self.node_names) > 1)
             resp = await self._route(request, endpoint, parts, found, own)
             code = resp.status
             return resp
