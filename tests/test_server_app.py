@@ -70,6 +70,9 @@ class Host:
     def all_pods(self) -> list[dict[str, Any]]:
         return list(self.pods.values())
 
+    def node_pods(self, node: str) -> list[dict[str, Any]]:
+        return [p for p in self.pods.values() if p["spec"]["nodeName"] == node]
+
     def runtime_pod(self, uid: str) -> PodRuntimeStatus:
         ids = {i for i, c in self.runtime.containers.items() if c.pod_uid == uid}
         return PodRuntimeStatus(uid, sandboxes=[s for s in self.runtime.sandboxes.values()

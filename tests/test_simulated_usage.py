@@ -56,6 +56,9 @@ class Host:
     def all_pods(self) -> list[dict[str, Any]]:
         return list(self.pods.values())
 
+    def node_pods(self, node: str) -> list[dict[str, Any]]:
+        return [p for p in self.pods.values() if p["spec"]["nodeName"] == node]
+
     def runtime_pod(self, uid: str) -> PodRuntimeStatus:
         return PodRuntimeStatus(uid, sandboxes=[s for s in self.runtime.sandboxes.values()
                                                 if s.pod_uid == uid],
@@ -195,6 +198,8 @@ async def test_each_virtual_node_has_a_port_with_its_own_pods_and_usage(tmp_path
             text = await (await get("vn-1", "/metrics/resource")).text()
             assert 'pod_cpu_usage_seconds_total{namespace="ns",pod="b"} 20.0' in text
             assert "node_cpu_usage_seconds_total 21.0 " in text  # 2 cores and the base
+            # one measurement of the runtime served both nodes' requests of that second
+            assert runtime.calls["container_stats"] == 1
             # the shared port answers for every node
             r = await http.get(f"https://127.0.0.1:{server.port}/pods", headers=TOKEN,
                                ssl=tls)

@@ -465,6 +465,7 @@ class FakeRuntime(Runtime):
     async def container_stats(self) -> list[ContainerStats]:
         """Each running container's simulated usage: its script's (or the defaults'),
         CPU as core-seconds since it started, memory as the level now."""
+        self._call("container_stats")
         self._scripted_exits()
         now = self.clock.now()
         out = []

@@ -92,6 +92,7 @@ class StatsProvider:
         # containers that have gone used in all
         self._node_containers: dict[str, dict[str, float]] = {}
         self._retired_cpu: dict[str, float] = {}
+        self._measurement: tuple[float, dict[str, ContainerStats], bool] | None = None
 
     def _simulated_node(self, node: str, pods: list[PodUsage]) -> dict[str, float]:
         """The node's readings as read_node gives them: its pods' usage plus the base."""
@@ -125,19 +126,28 @@ class StatsProvider:
             return None
         return int((cpu - prev[1]) / (t - prev[0]) * 1e9)
 
-    async def _containers(self, node: str | None = None) -> tuple[list[PodUsage], bool]:
-        """[(pod, [(container, its stats or None)])] for every pod bound here (to
-        `node`, when named), and whether the runtime could measure."""
+    async def _measured(self) -> tuple[dict[str, ContainerStats], bool]:
+        """The runtime's measurements by container id, and whether it could measure;
+        one measurement serves the requests of the same second (metrics-server asks
+        every virtual node of a process, each at its own port, at about the same time)."""
+        now = self.clock.monotonic()
+        if self._measurement is not None and now - self._measurement[0] < 1.0:
+            return self._measurement[1], self._measurement[2]
         try:
             measured = {s.container_id: s for s in await self.runtime.container_stats()}
             ok = True
         except ContainerRuntimeError as e:
             log.debug("container stats: %s", e)
             measured, ok = {}, False
+        self._measurement = (now, measured, ok)
+        return measured, ok
+
+    async def _containers(self, node: str | None = None) -> tuple[list[PodUsage], bool]:
+        """[(pod, [(container, its stats or None)])] for every pod bound here (to
+        `node`, when named), and whether the runtime could measure."""
+        measured, ok = await self._measured()
         out = []
-        for pod in self.host.all_pods():
-            if node is not None and (pod.get("spec") or {}).get("nodeName") != node:
-                continue
+        for pod in self.host.all_pods() if node is None else self.host.node_pods(node):
             uid = (pod.get("metadata") or {}).get("uid", "")
             rs = self.host.runtime_pod(uid)
             latest: dict[str, Any] = {}
