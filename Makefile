@@ -4,20 +4,22 @@
 setup:
 	@scripts/setup.sh
 
-# the whole system in the foreground: control plane, CRDs, operator, agent
+# the whole system in the foreground (docs/dev-cluster.md): control plane, CRDs,
+# policies, operator, metrics-server, this machine's node on containerd and a pool of
+# virtual nodes; it prints what to try (e2e/test_dev_cluster.py runs every line)
 run: setup
-	.venv/bin/python -m e2e.stack
+	.venv/bin/nodepulse-dev up --foreground --runtime cri --virtual-nodes 5
 
 # only the control plane, in the background (stop it with `make down`)
 up: setup
-	.venv/bin/python -m e2e.cluster up
+	.venv/bin/nodepulse-dev up --control-plane-only
 
 down:
-	.venv/bin/python -m e2e.cluster down
+	.venv/bin/nodepulse-dev down
 
 lint: setup
 	.venv/bin/ruff check .
-	.venv/bin/mypy nodeagent operator e2e tests bench
+	.venv/bin/mypy nodeagent operator nodepulse_dev e2e tests bench
 
 test: lint
 	.venv/bin/pytest --durations=40 tests e2e

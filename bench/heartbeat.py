@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kubernetes import client, watch  # noqa: E402
 
-from e2e.cluster import LocalCluster  # noqa: E402
 from e2e.harness.promtext import samples  # noqa: E402
+from nodepulse_dev import LocalCluster  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 AGENT = ROOT / ".venv" / "bin" / "nodepulse-agent"

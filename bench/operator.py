@@ -66,11 +66,11 @@ import urllib3
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.scale import machine  # noqa: E402
-from e2e.cluster import LocalCluster, build  # noqa: E402
 from e2e.harness.ports import free_port  # noqa: E402
 from e2e.harness.promtext import samples  # noqa: E402
 from nodeagent.api.client import load_credentials  # noqa: E402
 from nodeagent.api.policy import GROUP, PLURAL, VERSION  # noqa: E402
+from nodepulse_dev import LocalCluster, build  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 OPERATOR = ROOT / ".venv" / "bin" / "nodepulse-operator"

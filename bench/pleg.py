@@ -163,9 +163,9 @@ async def fake_runs(sizes: list[int], containers: int, periods: int) -> None:
 
 
 async def containerd_run(pods: int, containers: int, periods: int) -> None:
-    from e2e.cluster.containerd import start_containerd
-    from e2e.cluster.images import BUSYBOX_IMAGE
     from nodeagent.runtime.cri import CriRuntime
+    from nodepulse_dev.containerd import start_containerd
+    from nodepulse_dev.images import BUSYBOX_IMAGE
 
     ctd = start_containerd(cni=False)
     try:

@@ -49,7 +49,7 @@ from kubernetes import client, watch
 
 from bench import measure
 from bench.heartbeat import OtherLeaseWrites, cpu_seconds
-from e2e.cluster import LocalCluster, build
+from nodepulse_dev import LocalCluster, build
 
 ROOT = Path(__file__).resolve().parents[1]
 AGENT = Path(sys.executable).parent / "nodepulse-agent"

@@ -11,7 +11,7 @@ File source (1000 manifests in a temp folder, real inotify):
   - write -> PodUpdate latency, p50/p99: via inotify (default 0.1 s debounce), and via
     the periodic rescan alone (inotify disabled; the period is shortened to --period so
     the run is short, and the latency scales with it: with the default 20 s, p50 ~10 s).
-API source (needs the local control plane from e2e.cluster, brought up here; or says
+API source (needs the local control plane from nodepulse_dev, brought up here; or says
 why it is skipped): 1000 pods bound to one node, then
   - the initial paginated list time;
   - events/s delivered for 1000 pod updates made while the watch was disconnected
@@ -148,9 +148,9 @@ async def bench_files(n: int, samples: int, period: float) -> None:
 async def bench_api(pods: int) -> None:
     print(f"== API source: {pods} pods bound to one node")
     try:
-        from e2e.cluster import LocalCluster
         from e2e.harness.apirequests import request, request_json
         from nodeagent.api.client import load_credentials, new_api_client
+        from nodepulse_dev import LocalCluster
         cluster = LocalCluster()
         cluster.up(log=lambda m: print(f"  {m}"))
     except Exception as e:  # noqa: BLE001

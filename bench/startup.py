@@ -94,9 +94,9 @@ async def run_process(sizes: list[int]) -> None:
 
 
 async def run_containerd(sizes: list[int], cni: bool) -> None:
-    from e2e.cluster.containerd import start_containerd
-    from e2e.cluster.images import BUSYBOX_IMAGE
     from nodeagent.runtime.cri import CriRuntime
+    from nodepulse_dev.containerd import start_containerd
+    from nodepulse_dev.images import BUSYBOX_IMAGE
     ctd = start_containerd(cni=cni)
     try:
         rt = CriRuntime(str(ctd.socket))
@@ -120,10 +120,10 @@ def api_run(runtime: str, sizes: list[int], timeout: float) -> None:
 
     from kubernetes import client, watch
 
-    from e2e.cluster import LocalCluster
-    from e2e.cluster.containerd import Containerd, start_containerd
-    from e2e.cluster.images import BUSYBOX_IMAGE
     from e2e.harness.ports import free_port
+    from nodepulse_dev import LocalCluster
+    from nodepulse_dev.containerd import Containerd, start_containerd
+    from nodepulse_dev.images import BUSYBOX_IMAGE
 
     node = f"startup-{uuid.uuid4().hex[:6]}"
     cluster = LocalCluster().up(log=lambda m: None)

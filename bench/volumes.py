@@ -36,10 +36,10 @@ def _status(pid: int, key: str) -> int:
 def run(runtime: str, n: int, timeout: float) -> None:
     from kubernetes import client
 
-    from e2e.cluster import LocalCluster
-    from e2e.cluster.containerd import Containerd, start_containerd
-    from e2e.cluster.images import BUSYBOX_IMAGE
     from e2e.harness.ports import free_port
+    from nodepulse_dev import LocalCluster
+    from nodepulse_dev.containerd import Containerd, start_containerd
+    from nodepulse_dev.images import BUSYBOX_IMAGE
 
     node = f"vols-{uuid.uuid4().hex[:6]}"
     cluster = LocalCluster().up(log=lambda m: None)

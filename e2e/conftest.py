@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from e2e.cluster import Cluster, LocalCluster
-from e2e.cluster.registry import Registry, start_registry
+from nodepulse_dev import Cluster
+from nodepulse_dev.devcluster import DevCluster, Options
+from nodepulse_dev.registry import Registry, start_registry
 
 _clusters: list[Cluster] = []
 
@@ -29,17 +30,16 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
         _clusters.append(c)
         yield c
         return
-    local = LocalCluster()
-    _clusters.append(local)
+    # `nodepulse-dev up --control-plane-only`: the tests start their own agents
+    dev = DevCluster(Options(control_plane_only=True), log=print)
+    _clusters.append(dev.cluster)
     try:
-        local.up()
-        yield local
+        yield dev.start().cluster
     finally:
-        local.down()  # every process, by PID
-        if request.session.testsfailed:
-            print(f"\ncontrol plane state and logs kept in {local.workdir}")
-        else:
-            local.remove()
+        failed = bool(request.session.testsfailed)
+        dev.stop(remove=not failed)  # every process, by PID
+        if failed:
+            print(f"\ncontrol plane state and logs kept in {dev.workdir}")
 
 
 @pytest.fixture(scope="session")

@@ -28,13 +28,13 @@ import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from e2e.cluster import Cluster
-from e2e.cluster.images import BUSYBOX_IMAGE
 from e2e.harness.namespaces import create_namespace
 from e2e.harness.ports import free_port
 from e2e.harness.processes import marked, stop_process
 from e2e.harness.waits import eventually, node_registered
 from nodeagent.api.quantity import parse_quantity
+from nodepulse_dev import Cluster
+from nodepulse_dev.images import BUSYBOX_IMAGE
 
 AGENT = Path(sys.executable).parent / "nodepulse-agent"
 TAINT_KEY = "nodepulse.dev/e2e-admission"
@@ -50,7 +50,7 @@ class Node:
     core: client.CoreV1Api
     namespace: str
     host_port: int
-    ctd: Any  # e2e.cluster.containerd.Containerd
+    ctd: Any  # nodepulse_dev.containerd.Containerd
 
     def pod(self, name: str) -> client.V1Pod:
         return self.core.read_namespaced_pod(name, self.namespace)
@@ -78,7 +78,7 @@ class Node:
 
 @pytest.fixture(scope="module")
 def node(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
-    from e2e.cluster.containerd import start_containerd  # says which package is missing
+    from nodepulse_dev.containerd import start_containerd  # says which package is missing
     name = f"admit-{os.getpid() % 10000}"
     root = tmp_path_factory.mktemp(name)
     kubeconfig = cluster.node_kubeconfig(name)

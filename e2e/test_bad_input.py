@@ -35,11 +35,11 @@ import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from e2e.cluster import Cluster
 from e2e.harness.ports import free_port
 from e2e.harness.processes import stop_process
 from e2e.harness.promtext import samples
 from e2e.harness.waits import eventually
+from nodepulse_dev import Cluster
 
 AGENT = Path(sys.executable).parent / "nodepulse-agent"
 TAINT_KEY = "nodepulse.dev/e2e-bad-input"

@@ -33,13 +33,13 @@ import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from e2e.cluster import Cluster
-from e2e.cluster.images import BUSYBOX_IMAGE
 from e2e.harness.namespaces import create_namespace
 from e2e.harness.ports import free_port
 from e2e.harness.processes import marked, stop_process
 from e2e.harness.waits import eventually, node_registered
 from nodeagent.pods.cgroupfs import CgroupFs
+from nodepulse_dev import Cluster
+from nodepulse_dev.images import BUSYBOX_IMAGE
 
 AGENT = Path(sys.executable).parent / "nodepulse-agent"
 TAINT_KEY = "nodepulse.dev/e2e-cgroups"
@@ -86,7 +86,7 @@ def value(folder: Path, file: str) -> int:
 
 @pytest.fixture(scope="module")
 def node(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
-    from e2e.cluster.containerd import start_containerd
+    from nodepulse_dev.containerd import start_containerd
     name = f"cg-{os.getpid() % 10000}"
     root = tmp_path_factory.mktemp(name)
     ctd = start_containerd(cni=False)

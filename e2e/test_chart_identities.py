@@ -27,7 +27,6 @@ from pathlib import Path
 import pytest
 from kubernetes import client
 
-from e2e.cluster import Cluster
 from e2e.harness.agents import clean_slate, kill_all, spawn
 from e2e.harness.heartbeats import Parts, efficient_heartbeats
 from e2e.harness.helm import (
@@ -59,6 +58,7 @@ from e2e.harness.taints import (
     node_env_fixture,  # noqa: F401 (a fixture)
     start_operator_fixture,  # noqa: F401 (a fixture)
 )
+from nodepulse_dev import Cluster
 
 
 # The scenarios' fixtures, imported above as test_operator(_taints) and test_rbac import

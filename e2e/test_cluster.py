@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from kubernetes import client
 
-from e2e.cluster import Cluster
 from e2e.harness.promtext import samples
 from nodeagent.api.client import new_api_client
+from nodepulse_dev import Cluster
 
 
 def test_namespace_and_configmap_round_trip(cluster: Cluster) -> None:
@@ -104,7 +104,7 @@ def test_node_identity_through_a_certificate_signing_request(
 
 def test_free_port_never_hands_out_a_port_twice(monkeypatch: pytest.MonkeyPatch) -> None:
     """The kernel may offer a port again once it is closed; free_port skips it."""
-    from e2e.cluster import cluster as cluster_mod
+    from nodepulse_dev import ports as ports_mod
 
     offered = iter([40001, 40001, 40002])
 
@@ -121,10 +121,10 @@ def test_free_port_never_hands_out_a_port_twice(monkeypatch: pytest.MonkeyPatch)
         def getsockname(self) -> tuple[str, int]:
             return "127.0.0.1", next(offered)
 
-    monkeypatch.setattr(cluster_mod, "_handed_out", set())
+    monkeypatch.setattr(ports_mod, "_handed_out", set())
     # only this module's name for socket: other threads keep the real one
-    monkeypatch.setattr(cluster_mod, "socket", types.SimpleNamespace(socket=Offering))
-    assert [cluster_mod.free_port(), cluster_mod.free_port()] == [40001, 40002]
+    monkeypatch.setattr(ports_mod, "socket", types.SimpleNamespace(socket=Offering))
+    assert [ports_mod.free_port(), ports_mod.free_port()] == [40001, 40002]
 
 
 def test_a_port_taken_before_it_is_bound_starts_again_elsewhere(
@@ -133,7 +133,7 @@ def test_a_port_taken_before_it_is_bound_starts_again_elsewhere(
     before kube-apiserver binds it: the control plane then starts on other ports."""
     import socket
 
-    from e2e.cluster import cluster as cluster_mod
+    from nodepulse_dev import cluster as cluster_mod
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
     taken.listen()

@@ -33,8 +33,6 @@ import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from e2e.cluster import Cluster
-from e2e.cluster.images import BUSYBOX_IMAGE, PAUSE_IMAGE, Rootfs, build_oci_tar
 from e2e.util import (
     create_namespace,
     eventually,
@@ -46,6 +44,8 @@ from e2e.util import (
 )
 from nodeagent.runtime.cri.gen import api_pb2 as pb
 from nodeagent.runtime.cri.gen import api_pb2_grpc as pb_grpc
+from nodepulse_dev import Cluster
+from nodepulse_dev.images import BUSYBOX_IMAGE, PAUSE_IMAGE, Rootfs, build_oci_tar
 
 AGENT = Path(sys.executable).parent / "nodepulse-agent"
 TAINT_KEY = "nodepulse.dev/e2e-eviction"
@@ -68,7 +68,7 @@ class Node:
     proc: subprocess.Popen[bytes]
     core: client.CoreV1Api
     namespace: str
-    ctd: Any  # e2e.cluster.containerd.Containerd
+    ctd: Any  # nodepulse_dev.containerd.Containerd
 
     def pod(self, name: str) -> client.V1Pod:
         return self.core.read_namespaced_pod(name, self.namespace)
@@ -89,7 +89,7 @@ class Node:
 
 @pytest.fixture(scope="module")
 def node(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
-    from e2e.cluster.containerd import start_containerd  # says which package is missing
+    from nodepulse_dev.containerd import start_containerd  # says which package is missing
     name = f"evict-{uuid.uuid4().hex[:5]}"
     base = tmp_path_factory.mktemp(name)
     root = Path(tempfile.mkdtemp(prefix="np-evict-", dir="/tmp"))

@@ -55,8 +55,6 @@ import yaml
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from e2e.cluster import Cluster
-from e2e.cluster.images import BUSYBOX_IMAGE
 from e2e.harness import waits
 from e2e.harness.ports import free_port
 from e2e.harness.processes import alive, marked, stop_process
@@ -67,6 +65,8 @@ from nodeagent.api.policy import GROUP, HEARTBEAT_ANNOTATION, PLURAL, VERSION
 from nodeagent.runtime.base import ANNOTATION_RESTART_COUNT, LABEL_POD_UID
 from nodeagent.runtime.cri.gen import api_pb2 as pb
 from nodeagent.runtime.cri.gen import api_pb2_grpc as pb_grpc
+from nodepulse_dev import Cluster
+from nodepulse_dev.images import BUSYBOX_IMAGE
 
 ROOT = Path(__file__).resolve().parent.parent
 CRDS = ROOT / "charts" / "nodepulse" / "crds"
@@ -179,7 +179,7 @@ class NodeAgent:
     proxy: TcpProxy
     port: int
     proc: subprocess.Popen[bytes]
-    ctd: Any = None  # e2e.cluster.containerd.Containerd
+    ctd: Any = None  # nodepulse_dev.containerd.Containerd
     log: Path = field(default_factory=Path)
 
     def metrics(self) -> str:
@@ -385,7 +385,7 @@ def agents(cluster: Cluster, core: client.CoreV1Api, ns: str,
     if not hasattr(cluster, "pids"):
         pytest.fail("these faults need the local control plane (NODEPULSE_E2E_KUBECONFIG "
                     "names a cluster whose processes are not ours to stop)")
-    from e2e.cluster.containerd import start_containerd  # says which package is missing
+    from nodepulse_dev.containerd import start_containerd  # says which package is missing
 
     api_port = int(cluster.server.rsplit(":", 1)[1])
     started: list[NodeAgent] = []

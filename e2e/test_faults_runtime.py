@@ -46,7 +46,6 @@ import pytest
 from kubernetes import client
 from prometheus_client import CollectorRegistry
 
-from e2e.cluster import Cluster
 from e2e.harness.nodeenv import (
     TAINT_KEY,
     Env,
@@ -64,6 +63,7 @@ from e2e.harness.waits import eventually, node_registered
 from nodeagent.api.kube import RestKube
 from nodeagent.runtime import PodRuntimeStatus
 from nodeagent.runtime.process import ProcessRuntime
+from nodepulse_dev import Cluster
 
 SEED = int(os.environ.get("NODEPULSE_FAULT_SEED", "9"))
 T = TypeVar("T")

@@ -28,7 +28,6 @@ from pathlib import Path
 
 from kubernetes import client
 
-from e2e.cluster import Cluster
 from e2e.harness.agents import (
     AgentProcess,
     agents_fixture,  # noqa: F401 (a fixture)
@@ -38,6 +37,7 @@ from e2e.harness.heartbeats import Parts, efficient_heartbeats, lease_exists, re
 from e2e.harness.promtext import samples
 from e2e.harness.waits import eventually
 from nodeagent.api.policy import HEARTBEAT_ANNOTATION, Heartbeat, encode_heartbeat_annotation
+from nodepulse_dev import Cluster
 
 
 def test_efficient_heartbeats(cluster: Cluster, agents: Callable[..., AgentProcess],

@@ -28,11 +28,12 @@ import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from e2e.cluster import Cluster
 from e2e.harness.kubeletagent import AGENT, TAINT_KEY, Node, admin_cert, kubelet_node
 from e2e.harness.namespaces import create_namespace
 from e2e.harness.ports import free_port, listening
 from e2e.harness.waits import eventually
+from nodepulse_dev import Cluster
+from nodepulse_dev.devcluster import METRICS_API, metrics_server_argv, register_metrics_api
 
 # some CPU, not a whole core of this shared machine: count a while, rest a while
 WORK = ["sh", "-c", "while true; do i=0; while [ $i -lt 3000 ]; do i=$((i+1)); done; "
@@ -363,31 +364,13 @@ def test_kubectl_top_through_metrics_server(node: Node, tmp_path: Path) -> None:
     node.pod("burner", WORK)
     node.wait_running("burner")
     port = free_port()
-    admin = str(node.cluster.kubeconfig)
-    argv = [str(node.cluster.binary("metrics-server")), f"--kubeconfig={admin}",
-            f"--authentication-kubeconfig={admin}", f"--authorization-kubeconfig={admin}",
-            "--bind-address=127.0.0.1", f"--secure-port={port}", f"--cert-dir={tmp_path}",
-            "--kubelet-use-node-status-port", "--kubelet-preferred-address-types=InternalIP",
-            f"--kubelet-certificate-authority={node.cluster.ca_file()}",
-            # its shortest resolution; it must exceed the kubelet request timeout
-            "--metric-resolution=10s", "--kubelet-request-timeout=5s", "-v=1"]
+    argv = metrics_server_argv(node.cluster, port, tmp_path)
     log = open(tmp_path / "metrics-server.log", "ab")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, start_new_session=True)
     api = client.ApiregistrationV1Api(node.core.api_client)
     try:
-        # the aggregator dials an ExternalName Service's name: the process on loopback
-        node.core.create_namespaced_service("kube-system", {
-            "metadata": {"name": "metrics-server"},
-            "spec": {"type": "ExternalName", "externalName": "localhost",
-                     "ports": [{"port": port}]}})
-        api.create_api_service({
-            "metadata": {"name": "v1beta1.metrics.k8s.io"},
-            "spec": {"group": "metrics.k8s.io", "version": "v1beta1",
-                     "insecureSkipTLSVerify": True, "groupPriorityMinimum": 100,
-                     "versionPriority": 100,
-                     "service": {"namespace": "kube-system", "name": "metrics-server",
-                                 "port": port}}})
+        register_metrics_api(node.core.api_client, port)
 
         def top() -> str | None:
             r = node.run_kubectl("top", "pod", "burner", "--no-headers")
@@ -406,7 +389,7 @@ def test_kubectl_top_through_metrics_server(node: Node, tmp_path: Path) -> None:
         with contextlib.suppress(ApiException):
             node.core.delete_namespaced_pod("burner", node.namespace)
         with contextlib.suppress(ApiException):
-            api.delete_api_service("v1beta1.metrics.k8s.io")
+            api.delete_api_service(METRICS_API)
         with contextlib.suppress(ApiException):
             node.core.delete_namespaced_service("metrics-server", "kube-system")
         proc.terminate()
@@ -424,7 +407,7 @@ def test_rotated_serving_certificate_and_process_runtime_logs(
     CSR (signer kubernetes.io/kubelet-serving); once an admin approves it the agent
     serves it, the API server verifies it, and `kubectl logs` works - here on the process
     runtime, whose raw logs refuse what they cannot answer."""
-    from e2e.cluster.cluster import approve_csr
+    from nodepulse_dev.cluster import approve_csr
     name = f"kapi-rot-{os.getpid() % 10000}"
     kubeconfig = cluster.node_kubeconfig(name)
     admin = cluster.api_client()
@@ -493,9 +476,9 @@ def test_rotated_serving_certificate_and_process_runtime_logs(
 
 
 def test_virtual_nodes_share_one_server(cluster: Cluster, tmp_path: Path) -> None:
-    """One agent process for 3 virtual nodes: one listening socket, every Node's
-    daemonEndpoints naming it, and `kubectl logs` of a pod on any of them shows what the
-    fake runtime recorded."""
+    """One agent process for 3 virtual nodes: one server, listening on the shared port
+    and on a port of each node's own, which its Node's daemonEndpoints name; `kubectl
+    logs` of a pod on any of them shows what the fake runtime recorded."""
     prefix = f"kapi-vn-{os.getpid() % 10000}"
     names = [f"{prefix}-{i}" for i in range(3)]
     crt, key = cluster.node_serving_cert(prefix)
@@ -520,9 +503,10 @@ def test_virtual_nodes_share_one_server(cluster: Cluster, tmp_path: Path) -> Non
                     return None
                 got.add(int(ep.kubelet_endpoint.port))
             return got
-        [port] = eventually(ports, "3 virtual nodes advertising their kubelet port", 60)
-        assert (("0.0.0.0", port) in listening(proc.pid)
-                and len([p for h, p in listening(proc.pid) if p == port]) == 1)
+        own = eventually(ports, "3 virtual nodes advertising their kubelet port", 60)
+        assert len(own) == 3
+        listened = {p for h, p in listening(proc.pid) if h == "0.0.0.0"}
+        assert own < listened and len(listened - own) == 1, (own, listened)
         create_namespace(core, ns)
         core.create_namespaced_pod(ns, {"metadata": {"name": "ghost"}, "spec": {
             "nodeName": names[1], "tolerations": [{"operator": "Exists"}],

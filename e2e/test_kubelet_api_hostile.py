@@ -33,12 +33,12 @@ import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from e2e.cluster import Cluster
-from e2e.cluster.pki import CertificateAuthority
 from e2e.harness.kubeletagent import Node, admin_cert, kubelet_node
 from e2e.harness.ports import free_port
 from e2e.harness.promtext import samples
 from e2e.harness.waits import eventually
+from nodepulse_dev import Cluster
+from nodepulse_dev.pki import CertificateAuthority
 
 CONNECTION_IDLE = 5.0  # --connection-idle-timeout
 STREAM_IDLE = 4.0      # --streaming-connection-idle-timeout

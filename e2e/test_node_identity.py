@@ -30,11 +30,11 @@ from typing import Any
 import pytest
 from kubernetes import client
 
-from e2e.cluster import Cluster
 from e2e.harness.ports import free_port, listening
 from e2e.harness.processes import stop_process
 from e2e.harness.waits import eventually
 from nodeagent.api.client import new_api_client
+from nodepulse_dev import Cluster
 
 AGENT = Path(sys.executable).parent / "nodepulse-agent"
 LEASES = "kube-node-lease"

@@ -29,11 +29,11 @@ import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from e2e.cluster import Cluster
-from e2e.cluster.images import BUSYBOX_IMAGE
 from e2e.harness.logind import Logind, iter_stops, start_logind
 from e2e.harness.nodeenv import TAINT_KEY, Env, all_running, node_env, start_agent
 from e2e.harness.waits import eventually
+from nodepulse_dev import Cluster
+from nodepulse_dev.images import BUSYBOX_IMAGE
 
 MESSAGE = "Pod was terminated in response to imminent node shutdown."
 WHY = "Kubelet needs time to handle node shutdown"

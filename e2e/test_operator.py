@@ -18,7 +18,6 @@ import pytest
 import yaml
 from kubernetes import client
 
-from e2e.cluster import Cluster
 from e2e.harness.operators import (
     RUN,
     Operator,
@@ -49,6 +48,7 @@ from e2e.harness.pools import (
 from e2e.harness.promtext import samples
 from e2e.harness.waits import eventually
 from nodeagent.api.policy import GROUP, PLURAL, VERSION
+from nodepulse_dev import Cluster
 
 
 # ---- scenarios

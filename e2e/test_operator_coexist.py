@@ -1,7 +1,7 @@
 """The operator in coexist mode, beside the controller manager's node-lifecycle
 controller, on the real control plane.
 
-This module starts the second configuration of e2e/cluster for itself (and stops it
+This module starts the second configuration of nodepulse_dev for itself (and stops it
 at the end): every default controller of kube-controller-manager runs, the
 node-lifecycle one with --node-monitor-grace-period=20s (50 s by default) so that the
 scenarios stay short, and the API server's audit log has every Node write with the
@@ -41,12 +41,12 @@ import pytest
 from kubernetes import client
 
 from e2e import conftest
-from e2e.cluster import LocalCluster
 from e2e.harness import operators as op
 from e2e.harness import pools as nodepools
 from e2e.harness.promtext import samples
 from e2e.harness.waits import eventually
 from nodeagent.api.policy import GROUP, HEARTBEAT_ANNOTATION, PLURAL
+from nodepulse_dev import LocalCluster
 
 GRACE = 20  # the controller manager's --node-monitor-grace-period here
 UNREACHABLE = nodepools.UNREACHABLE

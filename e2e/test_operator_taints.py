@@ -26,7 +26,6 @@ from typing import Any
 import pytest
 from kubernetes import client
 
-from e2e.cluster import Cluster
 from e2e.harness.namespaces import create_namespace
 from e2e.harness.operators import (
     CRDS,
@@ -46,6 +45,7 @@ from e2e.harness.taints import (
 )
 from e2e.harness.waits import eventually
 from nodeagent.api.policy import GROUP, PLURAL
+from nodepulse_dev import Cluster
 
 
 @pytest.fixture(scope="module")

@@ -29,8 +29,6 @@ import time
 import pytest
 from kubernetes import client
 
-from e2e.cluster import Cluster
-from e2e.cluster.containerd import BUILDS
 from e2e.harness.nodeenv import (
     AgentProc,
     Env,
@@ -42,6 +40,8 @@ from e2e.harness.nodeenv import (
 )
 from e2e.harness.processes import alive
 from e2e.harness.waits import eventually
+from nodepulse_dev import Cluster
+from nodepulse_dev.containerd import BUILDS
 
 LONG_RELIST = "--evented-pleg-relist-period=300s"
 RELISTS = "nodepulse_pleg_relist_duration_seconds_count"

@@ -42,8 +42,6 @@ import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from e2e.cluster import Cluster
-from e2e.cluster.images import BUSYBOX_IMAGE
 from e2e.harness.namespaces import create_namespace
 from e2e.harness.ports import free_port
 from e2e.harness.processes import alive, marked, stop_process
@@ -51,6 +49,8 @@ from e2e.harness.promtext import samples
 from e2e.harness.waits import eventually, node_registered
 from nodeagent.runtime.cri.gen import api_pb2 as pb
 from nodeagent.runtime.cri.gen import api_pb2_grpc as pb_grpc
+from nodepulse_dev import Cluster
+from nodepulse_dev.images import BUSYBOX_IMAGE
 
 AGENT = Path(sys.executable).parent / "nodepulse-agent"
 TAINT_KEY = "nodepulse.dev/e2e-pods"
@@ -72,7 +72,7 @@ class Node:
     core: client.CoreV1Api
     apps: client.AppsV1Api
     namespace: str
-    ctd: Any = None                # e2e.cluster.containerd.Containerd
+    ctd: Any = None                # nodepulse_dev.containerd.Containerd
 
     # -- the runtime's own records --
     def container_pid(self, container_id: str) -> int:
@@ -153,7 +153,7 @@ def pod_spec(node: str) -> dict[str, Any]:
 def start_runtime(kind: str, base: Path) -> tuple[Any, list[str]]:
     if kind == "process":
         return None, ["--runtime=process"]
-    from e2e.cluster.containerd import start_containerd  # says which package is missing
+    from nodepulse_dev.containerd import start_containerd  # says which package is missing
     ctd = start_containerd()
     return ctd, ctd.agent_flags
 

@@ -29,12 +29,12 @@ import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from e2e.cluster import Cluster
-from e2e.cluster.images import BUSYBOX_IMAGE
 from e2e.harness.namespaces import create_namespace
 from e2e.harness.ports import free_port
 from e2e.harness.processes import stop_process
 from e2e.harness.waits import eventually, node_registered
+from nodepulse_dev import Cluster
+from nodepulse_dev.images import BUSYBOX_IMAGE
 
 AGENT = Path(sys.executable).parent / "nodepulse-agent"
 TAINT_KEY = "nodepulse.dev/e2e-probes"
@@ -124,8 +124,8 @@ def agent(cluster: Cluster, root: Path, name: str, runtime: list[str],
 @pytest.fixture(scope="module")
 def node(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     name = f"probes-{os.getpid() % 10000}"
-    from e2e.cluster.containerd import start_containerd
     from e2e.conformance.images import import_all
+    from nodepulse_dev.containerd import start_containerd
     ctd = start_containerd()
     try:
         agnhost = import_all(ctd)["Agnhost"]

@@ -33,7 +33,6 @@ from typing import Any, TypeVar
 import pytest
 from kubernetes import client
 
-from e2e.cluster import Cluster
 from e2e.harness.helm import (
     Tools,
     tools_fixture,  # noqa: F401 (a fixture)
@@ -49,6 +48,7 @@ from e2e.harness.release import (
 )
 from nodeagent.api.client import new_api_client
 from nodeagent.api.policy import AGENT_LABEL, HEARTBEAT_ANNOTATION, decode_heartbeat_annotation
+from nodepulse_dev import Cluster
 
 T = TypeVar("T")
 BIN = Path(sys.executable).parent

@@ -1,4 +1,4 @@
-"""The image registry fixture (e2e/cluster/registry.py) is a real one: an image pushed
+"""The image registry fixture (nodepulse_dev/registry.py) is a real one: an image pushed
 to it by crane is pulled by a containerd through CRI PullImage only with the right
 credentials and only when containerd trusts the registry's CA (its certs.d names it).
 
@@ -14,11 +14,11 @@ from pathlib import Path
 import grpc
 import pytest
 
-from e2e.cluster import images, pki
-from e2e.cluster.containerd import Containerd, start_containerd
-from e2e.cluster.registry import Registry
 from nodeagent.runtime.cri.gen import api_pb2 as pb
 from nodeagent.runtime.cri.gen import api_pb2_grpc as pb_grpc
+from nodepulse_dev import images, pki
+from nodepulse_dev.containerd import Containerd, start_containerd
+from nodepulse_dev.registry import Registry
 
 
 @pytest.fixture

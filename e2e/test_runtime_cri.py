@@ -1,4 +1,4 @@
-"""CriRuntime against a real containerd, started privately by e2e.cluster.containerd
+"""CriRuntime against a real containerd, started privately by nodepulse_dev.containerd
 with locally built images: every test runs against both builds, Debian's containerd 1.6
 and the pinned 2.x built from source (both on Debian's runc). Each build's containerd is
 stopped by the last test of its group, which checks that it and every shim are gone."""
@@ -18,9 +18,6 @@ from pathlib import Path
 
 import pytest
 
-from e2e.cluster import build as gobuild
-from e2e.cluster.containerd import BUILDS, Containerd, start_containerd
-from e2e.cluster.images import BUSYBOX_IMAGE, PAUSE_IMAGE
 from nodeagent.runtime import (
     ContainerConfig,
     ContainerEventType,
@@ -43,6 +40,9 @@ from nodeagent.runtime.cri import CriRuntime
 from nodeagent.runtime.cri.criruntime import LABEL_ATTEMPT
 from nodeagent.runtime.cri.gen import api_pb2 as pb
 from nodeagent.runtime.cri.gen import api_pb2_grpc as pb_grpc
+from nodepulse_dev import build as gobuild
+from nodepulse_dev.containerd import BUILDS, Containerd, start_containerd
+from nodepulse_dev.images import BUSYBOX_IMAGE, PAUSE_IMAGE
 
 
 @pytest.fixture(scope="module", params=BUILDS)

@@ -28,7 +28,6 @@ import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from e2e.cluster import Cluster
 from e2e.harness.apirequests import request_json
 from nodeagent.api.client import load_credentials, new_api_client
 from nodeagent.api.clock import FakeClock, RealClock, settle
@@ -41,6 +40,7 @@ from nodeagent.pods.sources.merge import Merge
 from nodeagent.pods.sources.mirror import MirrorManager
 from nodeagent.pods.sources.problems import Problems
 from nodeagent.pods.sources.static import check_pod, make_static_pod, mirror_pod, mirror_problem
+from nodepulse_dev import Cluster
 
 WAIT = 30.0
 

@@ -30,12 +30,12 @@ from typing import Any
 import pytest
 from kubernetes import client
 
-from e2e.cluster import Cluster
 from e2e.harness.agents import AGENT, AgentProcess
 from e2e.harness.heartbeats import Recorder
 from e2e.harness.ports import free_port
 from e2e.harness.promtext import samples
 from e2e.harness.waits import eventually
+from nodepulse_dev import Cluster
 
 N = 50
 PREFIX = "e2e-vn"

@@ -37,13 +37,13 @@ import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from e2e.cluster import Cluster
-from e2e.cluster.images import BUSYBOX_IMAGE
 from e2e.harness.namespaces import create_namespace
 from e2e.harness.ports import free_port
 from e2e.harness.processes import marked, stop_process
 from e2e.harness.waits import eventually, node_registered
 from nodeagent.api.client import new_api_client
+from nodepulse_dev import Cluster
+from nodepulse_dev.images import BUSYBOX_IMAGE
 
 AGENT = Path(sys.executable).parent / "nodepulse-agent"
 TAINT_KEY = "nodepulse.dev/e2e-volumes"
@@ -109,7 +109,7 @@ def _unmount_under(base: Path) -> None:
 
 @pytest.fixture(scope="module")
 def node(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
-    from e2e.cluster.containerd import start_containerd
+    from nodepulse_dev.containerd import start_containerd
     name = f"vol-{uuid.uuid4().hex[:6]}"
     root = tmp_path_factory.mktemp(name)
     kubeconfig = cluster.node_kubeconfig(name)

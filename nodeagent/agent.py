@@ -100,6 +100,7 @@ from nodeagent.pods.volumes import HostMounter, TokenManager, VolumeManager
 from nodeagent.pods.workers import DueTimes, PodWorkers
 from nodeagent.runtime import ContainerRuntimeError, Runtime, make_runtime, socket_path
 from nodeagent.runtime.logrotation import LogRotation
+from nodeagent.runtime.usage import parse_usage
 from nodeagent.shutdown import Logind, ShutdownManager, budgets
 
 if TYPE_CHECKING:
@@ -254,7 +255,9 @@ def build_runtime(cfg: AgentConfig, host_ip: str = "") -> Runtime:
     if kind == "process":
         opts = {"state_dir": Path(cfg.root_dir) / "process", "host_ip": host_ip}
     elif kind == "fake":
-        opts = {"host_ip": host_ip or "192.0.2.10"}
+        opts = {"host_ip": host_ip or "192.0.2.10",
+                "default_cpu": parse_usage(cfg.fake_cpu, "--fake-cpu"),
+                "default_memory": parse_usage(cfg.fake_memory, "--fake-memory")}
     return make_runtime(kind, cfg.container_runtime_endpoint, **opts)
 
 
@@ -413,6 +416,7 @@ def build_kubelet_api(cfg: AgentConfig, host: PodHost, kube: Kube, *, clock: Clo
     from nodeagent.server.bundle import ServerBundle
     from nodeagent.server.kubeapi import RealServerApi
     from nodeagent.server.kubeletserver import KubeletServer
+    from nodeagent.server.stats import SimulatedNode, read_node
     from nodeagent.server.tls import CertError, ServingCert
     assert cfg.port is not None
     names = [*addresses, *cfg.node_names, socket.gethostname().lower()]
@@ -438,12 +442,20 @@ def build_kubelet_api(cfg: AgentConfig, host: PodHost, kube: Kube, *, clock: Clo
                        token_ttl=cfg.authentication_token_webhook_cache_ttl,
                        allowed_ttl=cfg.authorization_webhook_cache_authorized_ttl,
                        denied_ttl=cfg.authorization_webhook_cache_unauthorized_ttl)
+    simulated = None
+    if host.runtime.scheme == "fake":  # its containers' usage is simulated: its nodes' too
+        simulated = SimulatedNode(cpu=parse_usage(cfg.fake_node_cpu, "--fake-node-cpu"),
+                                  memory=parse_usage(cfg.fake_node_memory, "--fake-node-memory"),
+                                  # the memory its Node says it has
+                                  memory_capacity=float(cfg.host_overrides.get(
+                                      "memoryTotal", read_node()["memory_total"])))
     server = KubeletServer(host, auth, cert, node_names=cfg.node_names, clock=clock,
                            registry=registry, address=cfg.address, port=cfg.port,
                            health_checks=health_checks,
                            debugging_handlers=cfg.enable_debugging_handlers,
                            connection_idle_timeout=cfg.connection_idle_timeout,
-                           streaming_idle_timeout=cfg.streaming_connection_idle_timeout)
+                           streaming_idle_timeout=cfg.streaming_connection_idle_timeout,
+                           per_node_ports=cfg.virtual, simulated=simulated)
     # the serving certificate's CSRs, on a connection of their own
     return ServerBundle(server, cert, kube.separate(1), cfg.rotate_server_certificates)
 
@@ -714,9 +726,9 @@ class Agent:
         self.cfg = dataclasses.replace(self.cfg, **{f: getattr(cfg, f) for f in live})
         self.probe.overrides = dict(self.cfg.host_overrides)
         self.settings = dataclasses.replace(status_settings(self.cfg),
-                                            runtime_version=self.settings.runtime_version)
-        for node in self.nodes.values():
-            node.settings = self.settings
+                                            runtime_version=self.settings.runtime_version,
+                                            kubelet_port=self.settings.kubelet_port)
+        self._hand_settings()
         # the new thresholds act now, not a period later
         self.eviction.settings = eviction_settings(self.cfg)
         self.eviction.kick()
@@ -759,8 +771,7 @@ class Agent:
         api_port = await self._serve_kubelet_api()
         if api_port is not None:  # in the first NodeStatus too
             self.settings = dataclasses.replace(self.settings, kubelet_port=api_port)
-        for node in self.nodes.values():
-            node.settings = self.settings
+        self._hand_settings()
         tasks.append(asyncio.create_task(self.pods.wait(), name="pods"))
         for node in self.nodes.values():
             node.start()
@@ -774,6 +785,14 @@ class Agent:
             if t is not waiter and t.exception():
                 log.error("agent loop %s ended: %r", t.get_name(), t.exception())
         await self.shutdown(tasks + [waiter])
+
+    def _hand_settings(self) -> None:
+        """Every node gets the status settings; a virtual node with a kubelet API port of
+        its own says that one in its daemonEndpoints."""
+        own = self.kubelet_api.server.node_ports if self.kubelet_api is not None else {}
+        for name, node in self.nodes.items():
+            node.settings = dataclasses.replace(self.settings, kubelet_port=own[name]) \
+                if name in own else self.settings
 
     async def _serve_kubelet_api(self) -> int | None:
         """Start the kubelet API; its port, or None when it is not served."""

@@ -98,6 +98,12 @@ class AgentConfig:
     # virtual-node mode: these Nodes instead of node_name (empty: a host agent)
     virtual_node_names: tuple[str, ...] = ()
     virtual_node_taints: tuple[Mapping[str, str], ...] = (dict(VIRTUAL_TAINT),)
+    # the fake runtime's simulated usage (nodeagent.runtime.usage): each container's
+    # without fake.nodepulse.dev/cpu or memory annotations, and each node's own base
+    fake_cpu: str = "0"
+    fake_memory: str = "0"
+    fake_node_cpu: str = "0"
+    fake_node_memory: str = "0"
     # the kubelet API (nodeagent.server); None: not served (--enable-server=false; the
     # loader's default is 10250)
     port: int | None = None
@@ -581,6 +587,16 @@ def _taints_or_none(value: Any, where: str) -> tuple[dict[str, str], ...]:
     return _taints(value, where)
 
 
+def _usage(value: Any, where: str) -> str:
+    from nodeagent.runtime.usage import UsageError, parse_usage
+    text = _str(value, where)
+    try:
+        parse_usage(text, where)
+    except UsageError as e:
+        raise ConfigError(str(e)) from None
+    return text
+
+
 @dataclasses.dataclass(frozen=True)
 class Option:
     field: str  # AgentConfig field, or heartbeat.<name>
@@ -685,6 +701,18 @@ OPTIONS: tuple[Option, ...] = (
     Option("runtime", "runtime", "runtime", _choice("auto", "cri", "process", "fake"),
            "container runtime: cri, process, fake, or auto (cri when the endpoint's "
            "socket exists, else process; with --virtual-nodes: fake)"),
+    Option("fake_cpu", "fake-cpu", "fakeCpu", _usage,
+           "the fake runtime: CPU a container uses when its pod has no "
+           "fake.nodepulse.dev/cpu annotation (cores: 0, 250m; or ramp(from, to, duration), "
+           "sine(mean, amplitude, period); default 0)"),
+    Option("fake_memory", "fake-memory", "fakeMemory", _usage,
+           "the fake runtime: memory a container uses without a fake.nodepulse.dev/memory "
+           "annotation (64Mi, or an expression as for --fake-cpu; default 0)"),
+    Option("fake_node_cpu", "fake-node-cpu", "fakeNodeCpu", _usage,
+           "the fake runtime: CPU each node uses besides its pods (its own daemons; "
+           "default 0)"),
+    Option("fake_node_memory", "fake-node-memory", "fakeNodeMemory", _usage,
+           "the fake runtime: memory each node uses besides its pods (default 0)"),
     Option("container_runtime_endpoint", "container-runtime-endpoint",
            "containerRuntimeEndpoint", _opt_str,
            "CRI socket (unix:///run/containerd/containerd.sock)"),

@@ -83,7 +83,7 @@ def sources(gomod: Path, versions: dict[str, str]) -> tuple[str, str, str]:
 
 
 def pinned() -> dict[str, str]:
-    from e2e.cluster.build import pinned_version
+    from nodepulse_dev.build import pinned_version
     return {m: pinned_version("kubernetes", m)
             for m in ("k8s.io/kubelet", "k8s.io/kubernetes", "k8s.io/component-base")}
 
@@ -117,7 +117,7 @@ def main() -> None:
     if sys.argv[1:] == ["--docs"]:
         write_doc()
         return
-    from e2e.cluster.build import cache_root
+    from nodepulse_dev.build import cache_root
     versions = pinned()
     types_go, options_go, logs_go = sources(cache_root() / "gomod", versions)
     lines = [f"# {m}@{v}" for m, v in sorted(versions.items())]

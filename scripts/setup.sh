@@ -36,4 +36,4 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 
-.venv/bin/python -m e2e.cluster build >/dev/null
+.venv/bin/nodepulse-dev build >/dev/null

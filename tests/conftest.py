@@ -546,6 +546,9 @@ class OnePodHost:
     def all_pods(self) -> list[dict[str, Any]]:
         return [self.pod]
 
+    def node_pods(self, node: str) -> list[dict[str, Any]]:
+        return [self.pod] if node == "n1" else []
+
     def runtime_pod(self, uid: str) -> PodRuntimeStatus:
         if not self.running:
             return PodRuntimeStatus(uid)

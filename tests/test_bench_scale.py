@@ -383,7 +383,7 @@ def test_kwok_stages_missing_from_the_module_cache_are_named(
     from bench.scale import KWOK_STAGES, kwok_stages
 
     monkeypatch.setenv("NODEPULSE_CACHE", str(tmp_path))
-    monkeypatch.setattr("e2e.cluster.build.pinned_version", lambda gomod, module: "v0.8.0")
+    monkeypatch.setattr("nodepulse_dev.build.pinned_version", lambda gomod, module: "v0.8.0")
     stages = tmp_path / "gomod" / "sigs.k8s.io" / "kwok@v0.8.0" / "kustomize" / "stage"
     for rel in KWOK_STAGES[:-1]:
         (stages / rel).parent.mkdir(parents=True, exist_ok=True)

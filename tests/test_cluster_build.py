@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from e2e.cluster import build
+from nodepulse_dev import build
 
 
 def test_versions_come_from_the_go_modules() -> None:

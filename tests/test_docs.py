@@ -1,7 +1,7 @@
 """The README and every page under docs/ say only what holds: each relative link leads to
 a file (and an #anchor to a heading of it), and each command a ```sh block shows that
 runs one of the project's programs parses with that program's own argument parser
-(`nodepulse-agent`, `nodepulse-operator`, `python -m bench.X`, `python -m e2e.X`), or
+(`nodepulse-agent`, `nodepulse-operator`, `nodepulse-dev`, `python -m bench.X`, `python -m e2e.X`), or
 names Makefile targets that exist (`make X`). No network, nothing is run: a program's
 parser is the one its `main` builds, caught before it parses anything."""
 
@@ -160,6 +160,9 @@ def program_parser(name: str) -> argparse.ArgumentParser:
     if name == "nodepulse-agent":
         from nodeagent.cli import build_parser
         return build_parser()
+    if name == "nodepulse-dev":
+        from nodepulse_dev.__main__ import build_parser as dev_parser
+        return dev_parser()
     from nodeoperator.cli import build_parser as operator_parser
     return operator_parser()
 
@@ -230,7 +233,7 @@ def command_problem(words: list[str]) -> str | None:
     if not words:
         return None
     program, args = Path(words[0]).name, [w for w in words[1:] if w != "..."]
-    if program in ("nodepulse-agent", "nodepulse-operator"):
+    if program in ("nodepulse-agent", "nodepulse-operator", "nodepulse-dev"):
         if program == "nodepulse-agent":
             flags = {agent_config.env_name(o.flag) for o in agent_config.OPTIONS if o.flag}
             unknown = [v for v in env if v.startswith(agent_config.ENV_PREFIX)
@@ -239,7 +242,7 @@ def command_problem(words: list[str]) -> str | None:
                 return f"{', '.join(unknown)}: no agent flag of that name"
         return parse_problem(program_parser(program), args)
     if re.fullmatch(r"python(3(\.\d+)?)?", program) and args[:1] == ["-m"] and len(args) > 1 \
-            and re.match(r"^(bench|e2e)\.", args[1]):
+            and re.match(r"^(bench|e2e|nodepulse_dev)\b", args[1]):
         try:
             parser = main_parser(args[1])
         except (LookupError, ImportError) as e:
@@ -282,7 +285,8 @@ def test_shown_commands_parse(page: Path) -> None:
     ("NODEPULSE_NO_SUCH=1 nodepulse-agent --node-name n1", "NODEPULSE_NO_SUCH"),
     ("nodepulse-operator --kubeconfig k --metrics-prot 8080", "--metrics-prot"),
     ("python -m bench.scale --nodes 10 --minuets 1", "--minuets"),
-    (".venv/bin/python -m e2e.cluster upp", "upp"),
+    (".venv/bin/python -m nodepulse_dev upp", "upp"),
+    ("nodepulse-dev up --virtual-nodez 5", "--virtual-nodez"),
     ("python -m e2e.conformance --onyl x", "--onyl"),
     ("python -m bench.nosuch --nodes 1", "bench.nosuch"),
     ("make run tset", "tset"),
@@ -302,7 +306,7 @@ def test_a_right_command_passes() -> None:
             "nodepulse-agent --not-a-command-but-yaml\n"
             "EOF\n"
             "python -m bench.scale --nodes 10 --minutes 1 && make run\n"
-            "python -m e2e.cluster up; nodepulse-operator --help\n"
+            "python -m nodepulse_dev up; nodepulse-operator --help\n"
             "nodepulse-agent --node-name-prefix <pod name>- --virtual-nodes 2 >log 2>&1\n"
             "```\n")
     assert command_problems_in(page, "page.md") == []

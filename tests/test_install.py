@@ -36,7 +36,8 @@ def fresh_install(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[
 
 def repo_modules() -> list[str]:
     names = []
-    for pkg, folder in (("nodeagent", "nodeagent"), ("nodeoperator", "operator")):
+    for pkg, folder in (("nodeagent", "nodeagent"), ("nodeoperator", "operator"),
+                        ("nodepulse_dev", "nodepulse_dev")):
         names.append(pkg)
         for info in pkgutil.walk_packages([str(ROOT / folder)], prefix=pkg + "."):
             names.append(info.name)
@@ -60,7 +61,7 @@ def test_every_module_imports_from_the_wheel(fresh_install: tuple[Path, dict[str
     assert out.stdout.startswith("imported")
 
 
-@pytest.mark.parametrize("program", ["nodepulse-agent", "nodepulse-operator"])
+@pytest.mark.parametrize("program", ["nodepulse-agent", "nodepulse-operator", "nodepulse-dev"])
 def test_console_scripts_print_help(fresh_install: tuple[Path, dict[str, str]],
                                     program: str) -> None:
     env_dir, env = fresh_install

@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 import yaml
 
-from e2e.cluster.build import cache_root, pinned_version
 from nodeagent import config, kubeletconfig
 from nodeagent.config import ConfigError
 from nodeagent.kubeletconfig import FIELDS, FLAGS, Honoured
 from nodeagent.pods.thresholds import Amount
+from nodepulse_dev.build import cache_root, pinned_version
 
 ROOT = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("kubelet_surface",

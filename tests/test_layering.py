@@ -10,7 +10,9 @@ TYPE_CHECKING included:
   each other, and neither imports the kubelet API's server;
 - graceful node shutdown (nodeagent.shutdown) imports neither half: the composition
   root hands it what it uses of both;
-- only nodeagent.logind speaks D-Bus (imports dbus_fast).
+- only nodeagent.logind speaks D-Bus (imports dbus_fast);
+- neither program imports the local cluster (nodepulse_dev), nor the tests: the cluster
+  drives the programs, not the other way round.
 """
 
 from __future__ import annotations
@@ -82,6 +84,9 @@ def violations(module: str, imported: str) -> list[str]:
             out.append(f"nodeagent.shutdown does not import {half}: the root hands it in")
     if within(imported, "dbus_fast") and module != "nodeagent.logind":
         out.append("only nodeagent.logind speaks D-Bus")
+    if (within(module, "nodeagent") or within(module, "nodeoperator")) and any(
+            within(imported, p) for p in ("nodepulse_dev", "e2e", "tests", "bench")):
+        out.append("the programs do not import the local cluster or the tests")
     return out
 
 
@@ -118,6 +123,9 @@ def test_each_rule_names_what_breaks_it() -> None:
         ("nodeagent.shutdown", "nodeagent.pods.podhalf"): "shutdown does not import",
         ("nodeagent.shutdown", "nodeagent.node.controller"): "shutdown does not import",
         ("nodeagent.agent", "dbus_fast.aio"): "only nodeagent.logind speaks D-Bus",
+        ("nodeagent.agent", "nodepulse_dev.cluster"): "the local cluster",
+        ("nodeoperator.cli", "nodepulse_dev"): "the local cluster",
+        ("nodeagent.server.stats", "e2e.harness.ports"): "the local cluster",
     }
     for (module, imported), rule in cases.items():
         assert any(rule in v for v in violations(module, imported)), (module, imported)
@@ -127,7 +135,8 @@ def test_each_rule_names_what_breaks_it() -> None:
                              ("nodeagent.runtime.process", "nodeagent.runtime.execserver"),
                              ("nodeagent.server.kubeletserver", "nodeagent.api.clock"),
                              ("nodeagent.logind", "dbus_fast.aio"),
-                             ("nodeagent.agent", "nodeagent.shutdown")):
+                             ("nodeagent.agent", "nodeagent.shutdown"),
+                             ("nodepulse_dev.cluster", "nodeagent.api.client")):
         assert violations(module, imported) == [], (module, imported)
 
 

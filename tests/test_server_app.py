@@ -70,6 +70,9 @@ class Host:
     def all_pods(self) -> list[dict[str, Any]]:
         return list(self.pods.values())
 
+    def node_pods(self, node: str) -> list[dict[str, Any]]:
+        return [p for p in self.pods.values() if p["spec"]["nodeName"] == node]
+
     def runtime_pod(self, uid: str) -> PodRuntimeStatus:
         ids = {i for i, c in self.runtime.containers.items() if c.pod_uid == uid}
         return PodRuntimeStatus(uid, sandboxes=[s for s in self.runtime.sandboxes.values()
@@ -353,12 +356,33 @@ async def test_one_server_for_many_nodes_authorizes_against_the_pods_node(tmp_pa
         env.host.pods["u1"] = p
         env.host.find_pod = lambda ns, name: ("vn-1", p) if name == "web" else None  # type: ignore[method-assign,assignment]
         await start(env.runtime, env.host, p)
+        review = env.api.review_access
+
+        async def on_named_nodes_only(spec: dict[str, Any]) -> dict[str, Any]:
+            answer = await review(spec)
+            return answer if spec["resourceAttributes"]["name"] else {"allowed": False}
+        env.api.review_access = on_named_nodes_only  # type: ignore[method-assign]
         assert (await env.client.get("/containerLogs/ns/web/main",
                                      headers=bearer("alice"))).status == 200
-        assert env.api.access_reviews[-1]["resourceAttributes"]["name"] == "vn-1"
+        # every Node first (denied: alice may only on Nodes by name), then the pod's
+        assert [r["resourceAttributes"]["name"] for r in env.api.access_reviews] == ["", "vn-1"]
+        env.api.review_access = review  # type: ignore[method-assign]
         assert (await env.client.get("/stats/summary", headers=bearer("alice"))).status == 200
         # a path naming no node: checked against every Node of the process
         assert env.api.access_reviews[-1]["resourceAttributes"]["name"] == ""
+
+
+@aio
+async def test_one_review_for_every_node_covers_each_of_them(tmp_path: Path) -> None:
+    """metrics-server scraping a thousand virtual nodes, each at its own port: a user
+    allowed on every Node is asked about once, not once a node."""
+    async with serving(tmp_path) as env:
+        env.server.node_names = ["vn-0", "vn-1"]
+        env.api.allowed = {("alice", "stats")}
+        for node in ("vn-0", "vn-1", "vn-0"):
+            await env.server.auth.authorize(User("alice"), "GET", "/stats/summary", node,
+                                            every_node_first=True)
+        assert [r["resourceAttributes"]["name"] for r in env.api.access_reviews] == [""]
 
 
 @aio

@@ -4,7 +4,7 @@ and named as the tests expect them.
 The names come from the pinned module's test/utils/image/manifest.go, so they follow
 the Kubernetes pin. What each image holds:
 
-- busybox, pause: this project's own images (e2e/cluster/images.py), tagged with the
+- busybox, pause: this project's own images (nodepulse_dev/images.py), tagged with the
   upstream names; the upstream busybox is busybox too, the upstream pause a program
   that does what ours does.
 - agnhost: the agnhost program built from the same module (test/images/agnhost), in a
@@ -31,8 +31,8 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from e2e.cluster import build, images
-from e2e.cluster.images import CACHE, Rootfs, build_oci_tar, file_hash
+from nodepulse_dev import build, images
+from nodepulse_dev.images import CACHE, Rootfs, build_oci_tar, file_hash
 
 MODULE_DIR = "k8s.io/kubernetes@{version}"
 
@@ -205,7 +205,7 @@ def build_nginx_tar(tag: str, cache: Path = CACHE) -> Path:
 
 
 def import_all(ctd) -> dict[str, str]:
-    """Build (cached) and import into the containerd `ctd` (e2e.cluster.containerd) every
+    """Build (cached) and import into the containerd `ctd` (nodepulse_dev.containerd) every
     upstream image the node tests can have here; return ImageID -> name."""
     names = upstream_names()
     ctd.tag_image(images.BUSYBOX_IMAGE, names["BusyBox"])
@@ -222,13 +222,13 @@ def import_all(ctd) -> dict[str, str]:
 PULLED_FROM_UPSTREAM = ("Agnhost",)
 
 
-def serve_upstream_pulls(ctd, workdir: Path):  # -> e2e.cluster.registry.Registry
-    """A local registry (e2e/cluster/registry.py) holding the images the specs pull from
+def serve_upstream_pulls(ctd, workdir: Path):  # -> nodepulse_dev.registry.Registry
+    """A local registry (nodepulse_dev/registry.py) holding the images the specs pull from
     registry.k8s.io, under the same repository and tag, and containerd told to use it as
     that host's mirror (its certs.d hosts.toml): so such a pull really goes to a registry
     and back, here, where the internet is not reachable. Test setup only; the agent is
     not told. Stop the registry returned."""
-    from e2e.cluster.registry import start_registry
+    from nodepulse_dev.registry import start_registry
 
     names = upstream_names()
     reg = start_registry(workdir)

@@ -1,7 +1,7 @@
 """Runs the upstream Kubernetes node e2e specs against one nodepulse agent and writes
 docs/conformance.md.
 
-e2e.test is built from the pinned k8s.io/kubernetes module (e2e/cluster/build.py). The
+e2e.test is built from the pinned k8s.io/kubernetes module (nodepulse_dev/build.py). The
 specs are those of specs.yaml's focus (the [NodeConformance] specs of
 test/e2e/common/node and test/e2e/common/storage, and NodeLease), listed by a ginkgo dry
 run; each one runs in an e2e.test process of its own (`--ginkgo.focus` naming exactly
@@ -31,7 +31,7 @@ from typing import Any
 
 import yaml
 
-from e2e.cluster import build
+from nodepulse_dev import build
 
 SPECS_FILE = Path(__file__).with_name("specs.yaml")
 DOC = Path(__file__).resolve().parents[2] / "docs" / "conformance.md"
@@ -282,7 +282,7 @@ HOW_IT_RUNS = [
     "",
     "The specs of `test/e2e/common/storage` are the kubelet's own volume specs (ConfigMap, "
     "Secrets, Projected, Downward API, EmptyDir and HostPath volumes). The control plane, "
-    "the operator and the agent are the ones `make run` starts (`e2e/stack.py`), on a "
+    "the operator and the agent are the ones `make run` starts (`nodepulse-dev up`), on a "
     "control plane of their own. The specs' images are built here and tagged with the "
     "names the specs use (`e2e/conformance/images.py`: agnhost and nonewprivs from the "
     "pinned Kubernetes module, nginx from Debian's packages (downloaded with "
@@ -350,13 +350,16 @@ def measure(workdir: Path, only: str | None = None, plan: Plan | None = None,
     Logs of the run (each spec's e2e.log and report, the components' logs) stay in
     `workdir`."""
     from e2e.conformance.images import import_all, serve_upstream_pulls
-    from e2e.harness.ports import free_port
-    from e2e.stack import Stack
+    from nodepulse_dev.devcluster import DevCluster, Options
+    from nodepulse_dev.ports import free_port
 
     plan = plan or load_plan()
     build.ensure(["e2e.test", "kubectl"], log=log)  # before anything runs
-    stack = Stack(NODE_NAME, health_address=f"127.0.0.1:{free_port()}",
-                  operator_metrics_port=free_port(), require_containerd=True)
+    # `make run`'s system without its extras: one node on containerd, at 127.0.0.1
+    stack = DevCluster(Options(node_name=NODE_NAME, runtime="cri", node_ip="127.0.0.1",
+                               metrics_server=False, require_containerd=True,
+                               health_address=f"127.0.0.1:{free_port()}",
+                               operator_metrics_port=free_port()))
     mirror = None
     try:
         stack.start()

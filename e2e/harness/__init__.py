@@ -22,6 +22,6 @@ from e2e/conftest.py), never from each other (tests/test_layout.py checks it).
   runtime), agent process and namespace; what the runtime holds
 - logind: a private D-Bus with a stand-in systemd-logind on it (graceful node shutdown)
 
-The control plane itself is e2e/cluster; kind clusters are e2e/kind; the upstream
+The control plane itself is nodepulse_dev; kind clusters are e2e/kind; the upstream
 conformance run is e2e/conformance.
 """

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 from kubernetes import client
 
-from e2e.cluster import Cluster
 from e2e.harness.ports import free_port
+from nodepulse_dev import Cluster
 
 AGENT = Path(__file__).resolve().parents[2] / ".venv" / "bin" / "nodepulse-agent"
 

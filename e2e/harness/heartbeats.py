@@ -15,11 +15,11 @@ from typing import Any
 
 from kubernetes import client, watch
 
-from e2e.cluster import Cluster
 from e2e.harness.agents import AgentProcess
 from e2e.harness.promtext import samples
 from e2e.harness.waits import eventually
 from nodeagent.api.policy import HEARTBEAT_ANNOTATION, Heartbeat, encode_heartbeat_annotation
+from nodepulse_dev import Cluster
 
 WINDOW = 60.0
 

@@ -15,7 +15,7 @@ import pytest
 import yaml
 from kubernetes import client
 
-from e2e.cluster import Cluster
+from nodepulse_dev import Cluster
 
 CHART = Path(__file__).resolve().parents[2] / "charts" / "nodepulse"
 CRDS = CHART / "crds"

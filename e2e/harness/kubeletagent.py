@@ -28,12 +28,12 @@ import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from e2e.cluster import Cluster
-from e2e.cluster.images import BUSYBOX_IMAGE
 from e2e.harness.namespaces import create_namespace
 from e2e.harness.ports import free_port
 from e2e.harness.processes import stop_process
 from e2e.harness.waits import eventually
+from nodepulse_dev import Cluster
+from nodepulse_dev.images import BUSYBOX_IMAGE
 
 AGENT = Path(sys.executable).parent / "nodepulse-agent"
 TAINT_KEY = "nodepulse.dev/e2e-kubelet-api"
@@ -124,7 +124,7 @@ def kubelet_node(cluster: Cluster, root: Path, name: str,
     namespace `name`; everything stopped and deleted at the end."""
     kubeconfig = cluster.node_kubeconfig(name)
     crt, key = cluster.node_serving_cert(name)
-    from e2e.cluster.containerd import start_containerd
+    from nodepulse_dev.containerd import start_containerd
     ctd = start_containerd()
     admin = cluster.api_client()
     core = client.CoreV1Api(admin)

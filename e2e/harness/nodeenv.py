@@ -27,8 +27,6 @@ from typing import Any
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from e2e.cluster import Cluster
-from e2e.cluster.images import BUSYBOX_IMAGE
 from e2e.harness.namespaces import create_namespace
 from e2e.harness.ports import free_port
 from e2e.harness.processes import alive, environ, marked
@@ -36,6 +34,8 @@ from e2e.harness.promtext import samples
 from e2e.harness.waits import eventually, node_registered
 from nodeagent.runtime.cri.gen import api_pb2 as pb
 from nodeagent.runtime.cri.gen import api_pb2_grpc as pb_grpc
+from nodepulse_dev import Cluster
+from nodepulse_dev.images import BUSYBOX_IMAGE
 
 AGENT = Path(sys.executable).parent / "nodepulse-agent"
 TAINT_KEY = "nodepulse.dev/e2e-faults"
@@ -300,7 +300,7 @@ def node_env(cluster: Cluster, kind: str, tag: str, base: Path, build: str = "de
     env = Env(name, kind, root, core, name)
     try:
         if kind == "containerd":
-            from e2e.cluster.containerd import start_containerd  # names a missing package
+            from nodepulse_dev.containerd import start_containerd  # names a missing package
             # hostNetwork pods only: no CNI conf, no bridge
             env.ctd = start_containerd(build=build, cni=False)
         create_namespace(core, env.ns)

@@ -24,12 +24,12 @@ from typing import Any
 import pytest
 from kubernetes import client
 
-from e2e.cluster import Cluster
 from e2e.harness.ports import free_port
 from e2e.harness.promtext import samples
 from e2e.harness.waits import eventually
 from nodeagent.api.client import new_api_client
 from nodeagent.api.policy import GROUP, PLURAL, VERSION
+from nodepulse_dev import Cluster
 
 ROOT = Path(__file__).resolve().parents[2]
 CRDS = ROOT / "charts" / "nodepulse" / "crds"

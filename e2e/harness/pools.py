@@ -24,12 +24,12 @@ from typing import Any
 import pytest
 from kubernetes import client, watch
 
-from e2e.cluster import Cluster
 from e2e.harness.operators import AGENT, RUN, Operator, OperatorCredentials, Renewer, leader
 from e2e.harness.ports import free_port
 from e2e.harness.promtext import samples
 from e2e.harness.waits import eventually, first_seen
 from nodeagent.api.policy import GROUP, HEARTBEAT_ANNOTATION, PLURAL, VERSION
+from nodepulse_dev import Cluster
 
 UNREACHABLE = "node.kubernetes.io/unreachable"
 

@@ -20,9 +20,9 @@ import pytest
 import yaml
 from kubernetes import client
 
-from e2e.cluster import Cluster
 from e2e.harness.helm import CHART, Tools, values
 from nodeagent.api.client import new_api_client
+from nodepulse_dev import Cluster
 
 REFUSED = re.compile(r"[Ff]orbidden|\(403\)|status=403|\"code\": ?403")
 

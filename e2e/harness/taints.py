@@ -23,11 +23,11 @@ from typing import Any
 import pytest
 from kubernetes import client, watch
 
-from e2e.cluster import Cluster
 from e2e.harness.operators import AGENT, Operator, OperatorCredentials
 from e2e.harness.ports import free_port
 from e2e.harness.promtext import samples
 from e2e.harness.waits import eventually
+from nodepulse_dev import Cluster
 
 RUN = uuid.uuid4().hex[:5]
 NOT_READY = "node.kubernetes.io/not-ready"

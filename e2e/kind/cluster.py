@@ -23,9 +23,9 @@ from typing import Any
 
 import yaml
 
-from e2e.cluster import build
 from e2e.kind import node
 from e2e.kind.docker import Dockerd
+from nodepulse_dev import build
 
 CONFIG = Path(__file__).parent / "kind-config.yaml"
 
@@ -41,7 +41,7 @@ def load_config(path: Path = CONFIG) -> dict[str, Any]:
     patches = "\n".join(cfg.get("kubeadmConfigPatches", []))
     if f"imageTag: {node.ETCD_IMAGE_TAG}" not in patches:
         raise RuntimeError(f"{path}: the ClusterConfiguration patch must set etcd's "
-                           f"imageTag to {node.ETCD_IMAGE_TAG} (e2e/cluster/gomod/etcd)")
+                           f"imageTag to {node.ETCD_IMAGE_TAG} (nodepulse_dev/gomod/etcd)")
     return cfg
 
 

@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from e2e.cluster.containerd import _kill_pid, _stop_pid, _unmount_under
+from nodepulse_dev.containerd import _kill_pid, _stop_pid, _unmount_under
 
 # Debian's docker.io: the engine and a CLI of the same release. (Another `docker` on
 # PATH, e.g. a newer CLI without buildx, could not build with BuildKit.)

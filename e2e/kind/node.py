@@ -4,12 +4,12 @@ kind's own node images come from a registry, which is not reachable here. This o
 - Debian bookworm (debootstrap, e2e/kind/rootfs.py) with systemd, containerd, runc,
   the CNI plugins and iptables from Debian's packages;
 - kubelet, kubeadm and kubectl built from the k8s.io/kubernetes module, crictl from
-  sigs.k8s.io/cri-tools (`kind load` runs it), at the versions e2e/cluster/gomod pins;
+  sigs.k8s.io/cri-tools (`kind load` runs it), at the versions nodepulse_dev/gomod pins;
 - the images kubeadm runs, preloaded into the node's containerd: kube-apiserver,
   kube-controller-manager, kube-scheduler, etcd and CoreDNS each an image holding its
   static binary; kube-proxy its binary plus Debian's iptables and the libraries it
   needs, taken from the node's own root filesystem; pause the suite's own
-  (e2e/cluster/images.py);
+  (nodepulse_dev/images.py);
 - the few files that make it a node kind can drive: an entrypoint, a kubelet unit for
   kubeadm, a containerd configuration, /kind/version.
 
@@ -31,21 +31,21 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from e2e.cluster import build
-from e2e.cluster import images as cluster_images
-from e2e.cluster.containerd import _stop_pid, _unmount_under
 from e2e.kind import rootfs
 from e2e.kind.docker import Dockerd
+from nodepulse_dev import build
+from nodepulse_dev import images as cluster_images
+from nodepulse_dev.containerd import _stop_pid, _unmount_under
 
 NODE_PACKAGES = ["systemd", "systemd-sysv", "dbus", "containerd", "runc",
                  "containernetworking-plugins", "iptables", "iproute2", "kmod", "conntrack",
                  "procps", "ca-certificates"]
-# Built from Go modules (e2e/cluster/build.py) for the node: on its PATH, or in images.
+# Built from Go modules (nodepulse_dev/build.py) for the node: on its PATH, or in images.
 NODE_TOOLS = ["kubelet", "kubeadm", "kubectl", "crictl"]
 IMAGE_TOOLS = {"kube-apiserver": "kube-apiserver", "kube-controller-manager":
                "kube-controller-manager", "kube-scheduler": "kube-scheduler",
                "kube-proxy": "kube-proxy", "etcd": "etcd", "coredns": "coredns"}
-# kubeadm v1.35 names etcd 3.6.6; the suite's etcd is the one e2e/cluster/gomod/etcd
+# kubeadm v1.35 names etcd 3.6.6; the suite's etcd is the one nodepulse_dev/gomod/etcd
 # pins, so the cluster's kubeadm configuration names its real version as the tag.
 ETCD_IMAGE_TAG = build.TOOLS["etcd"].version
 

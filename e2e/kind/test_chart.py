@@ -22,12 +22,12 @@ from typing import Any
 import pytest
 from kubernetes import client
 
-from e2e.cluster import Cluster
 from e2e.harness.helm import CHART, Tools, sets
 from e2e.harness.waits import eventually
 from e2e.kind.cluster import KindCluster
 from e2e.kind.images import PROJECT_IMAGE
 from nodeagent.api.policy import HEARTBEAT_ANNOTATION, decode_heartbeat_annotation
+from nodepulse_dev import Cluster
 
 # The first test to use the engine or the cluster also waits for what is not cached yet
 # (Go builds, debootstrap, the image builds: about 10 minutes cold, e2e/kind/conftest.py).

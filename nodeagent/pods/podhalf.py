@@ -109,6 +109,10 @@ class Pods:
     def all_pods(self) -> list[dict[str, Any]]:
         return [pod for loop in self.loops.loops.values() for pod in loop.pods.values()]
 
+    def node_pods(self, node: str) -> list[dict[str, Any]]:
+        loop = self.loops.loops.get(node)
+        return list(loop.pods.values()) if loop is not None else []
+
     def runtime_pod(self, uid: str) -> PodRuntimeStatus:
         return self.loops.pleg.cache.get(uid).status
 

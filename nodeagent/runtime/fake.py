@@ -49,6 +49,7 @@ from nodeagent.runtime.base import (
     Unsupported,
 )
 from nodeagent.runtime.script import Script, ScriptError, script_for
+from nodeagent.runtime.usage import NONE, Usage
 
 R = TypeVar("R", Sandbox, Container)
 ExecAnswer = (ExecResult | BaseException
@@ -70,8 +71,11 @@ class FakeRuntime(Runtime):
     cgroups = "simulated"   # the sandboxes' cgroup parents and the limits are recorded
 
     def __init__(self, clock: Clock | None = None, *, images: Iterable[str] | None = None,
-                 host_ip: str = "192.0.2.10", image_size: int = 5_000_000) -> None:
-        """`images`: refs present in the store; None means every image is present."""
+                 host_ip: str = "192.0.2.10", image_size: int = 5_000_000,
+                 default_cpu: Usage = NONE, default_memory: Usage = NONE) -> None:
+        """`images`: refs present in the store; None means every image is present.
+        `default_cpu`, `default_memory`: the usage a container reports whose pod has
+        no fake.nodepulse.dev/cpu or memory annotation."""
         self.clock = clock or RealClock()
         self.images: set[str] | None = None if images is None else {_tagged(r) for r in images}
         self.pinned: set[str] = set()  # refs the store says are pinned (never collected)
@@ -115,8 +119,7 @@ class FakeRuntime(Runtime):
         self._ips = itertools.count(2)
         self._log_dirs: dict[str, str] = {}  # sandbox id -> its log directory
         self.scripts: dict[str, Script] = {}  # container id -> its pod's script for it
-        # running container id -> its scripted usage, constant while it runs
-        self._usage: dict[str, ContainerStats] = {}
+        self.default_cpu, self.default_memory = default_cpu, default_memory
         self._exits: list[tuple[float, str]] = []  # (monotonic time, container id) heap
         # open event streams; None in one wakes it (a new scripted exit to wait for)
         self._streams: list[asyncio.Queue[ContainerEvent | BaseException | None]] = []
@@ -186,7 +189,6 @@ class FakeRuntime(Runtime):
 
     def _finish(self, c: Container, code: int, reason: str,
                 at: dt.datetime | None = None) -> None:
-        self._usage.pop(c.id, None)
         c.state = ContainerState.EXITED
         c.exit_code = code
         c.reason = reason
@@ -318,7 +320,6 @@ class FakeRuntime(Runtime):
             if c.sandbox_id == sandbox_id:
                 self._forget(uid, cid)
                 del self.containers[cid]
-                self._usage.pop(cid, None)
                 self._event(ContainerEventType.REMOVED, uid, cid)
         del self.sandboxes[sandbox_id]
         self._event(ContainerEventType.REMOVED, uid, sandbox_id)
@@ -383,10 +384,6 @@ class FakeRuntime(Runtime):
             raise ContainerRuntimeError(f"fake: start_container {c.name}: {script.fail_start}")
         c.state = ContainerState.RUNNING
         c.started_at = self.clock.now()
-        self._usage[c.id] = ContainerStats(
-            container_id=c.id, timestamp=c.started_at, memory_working_set_bytes=script.memory,
-            memory_usage_bytes=script.memory, writable_layer_bytes=script.disk,
-            writable_layer_inodes=1 if script.disk else 0, processes=script.processes)
         self._event(ContainerEventType.STARTED, c.pod_uid, c.id, c.started_at)
         self.write_log(c.id, f"fake runtime: container {c.name} started (image {c.image}); "
                              "nothing runs in a fake container")
@@ -420,7 +417,6 @@ class FakeRuntime(Runtime):
         c = self.containers.pop(container_id, None)
         self.configs.pop(container_id, None)
         self.scripts.pop(container_id, None)
-        self._usage.pop(container_id, None)
         if c is not None:
             self._forget(c.pod_uid, container_id)
             self._event(ContainerEventType.REMOVED, c.pod_uid, container_id)
@@ -467,6 +463,28 @@ class FakeRuntime(Runtime):
             return None
         return ExecResult(1, f"fake: container {c.name} is not up yet (ready after "
                              f"{script.ready_after:g}s)".encode())
+
+    async def container_stats(self) -> list[ContainerStats]:
+        """Each running container's simulated usage: its script's (or the defaults'),
+        CPU as core-seconds since it started, memory as the level now, the disk its
+        writable layer holds and the processes it runs (runtime/script.py)."""
+        self._call("container_stats")
+        self._scripted_exits()
+        now = self.clock.now()
+        out = []
+        for c in self.containers.values():
+            if c.state != ContainerState.RUNNING or c.started_at is None:
+                continue
+            script = self.scripts.get(c.id, Script())
+            t = (now - c.started_at).total_seconds()
+            memory = int((script.memory or self.default_memory).at(t))
+            out.append(ContainerStats(
+                container_id=c.id, timestamp=now,
+                cpu_usage_core_seconds=(script.cpu or self.default_cpu).integral(t),
+                memory_working_set_bytes=memory, memory_usage_bytes=memory,
+                writable_layer_bytes=script.disk,
+                writable_layer_inodes=1 if script.disk else 0, processes=script.processes))
+        return out
 
     async def rotate_container_log(self, container_id: str, path: str, rotated: str) -> None:
         self._call("rotate_container_log")
@@ -521,14 +539,6 @@ class FakeRuntime(Runtime):
                               "has none to remove")
         for ref in [r for r in self.images if _image_id(r) == image_id]:
             self.images.discard(ref)
-
-    async def container_stats(self) -> list[ContainerStats]:
-        """The usage the pods' annotations script (runtime/script.py): memory, disk,
-        processes, the same from the container's start (its stats are stamped then);
-        none scripted, a container uses no memory, no disk, one process."""
-        self._call("container_stats")
-        self._scripted_exits()
-        return list(self._usage.values())
 
 
 def _image_id(ref: str) -> str:

@@ -7,8 +7,9 @@ Nothing runs in a fake container, so what a program would do is written on the p
     fake.nodepulse.dev/exit-code: "1"        # ... with this code (default 0)
     fake.nodepulse.dev/fail-start: "no such file"   # StartContainer fails with this
     fake.nodepulse.dev/ready-after: 20s      # its probes fail for its first 20 s
-    fake.nodepulse.dev/memory: 300Mi         # the memory it uses (working set) while it
-                                             # runs, as the runtime's stats report it
+    fake.nodepulse.dev/cpu: 250m             # the usage it reports (runtime/usage.py:
+    fake.nodepulse.dev/memory: 300Mi         # a quantity, ramp(...) or sine(...)): CPU
+                                             # and working set, as its stats report them
     fake.nodepulse.dev/disk: 1Gi             # what its writable layer holds
     fake.nodepulse.dev/processes: "40"       # processes it runs (default 1)
     fake.nodepulse.dev/run-for.<container>: 5s      # one container only (wins over the
@@ -34,12 +35,13 @@ from collections.abc import Mapping
 
 from nodeagent.api.quantity import QuantityError, parse_quantity
 from nodeagent.config import ConfigError, parse_duration
+from nodeagent.runtime.usage import Usage, UsageError, parse_usage
 
 PREFIX = "fake.nodepulse.dev/"
 RUN_FOR, EXIT_CODE, FAIL_START, READY_AFTER = "run-for", "exit-code", "fail-start", \
     "ready-after"
-MEMORY, DISK, PROCESSES = "memory", "disk", "processes"
-KEYS = (RUN_FOR, EXIT_CODE, FAIL_START, READY_AFTER, MEMORY, DISK, PROCESSES)
+CPU, MEMORY, DISK, PROCESSES = "cpu", "memory", "disk", "processes"
+KEYS = (RUN_FOR, EXIT_CODE, FAIL_START, READY_AFTER, CPU, MEMORY, DISK, PROCESSES)
 
 
 class ScriptError(ValueError):
@@ -52,7 +54,8 @@ class Script:
     exit_code: int = 0
     fail_start: str | None = None  # StartContainer fails with this message
     ready_after: float = 0.0  # probes fail until the container has run this long
-    memory: int = 0       # bytes of memory it uses while running (working set)
+    cpu: Usage | None = None  # cores over time; None: the runtime's default
+    memory: Usage | None = None  # bytes over time (working set); None: the default
     disk: int = 0         # bytes its writable layer holds
     processes: int = 1    # processes it runs
 
@@ -85,8 +88,18 @@ def script_for(annotations: Mapping[str, str], container: str) -> Script:
     return Script(run_for=run_for, exit_code=exit_code or 0,
                   fail_start=(fail_start or "fake: start failed") if fail_start is not None
                   else None, ready_after=_duration(values, READY_AFTER) or 0.0,
-                  memory=_amount(values, MEMORY, 0), disk=_amount(values, DISK, 0),
-                  processes=_amount(values, PROCESSES, 1))
+                  cpu=_usage(values, CPU), memory=_usage(values, MEMORY),
+                  disk=_amount(values, DISK, 0), processes=_amount(values, PROCESSES, 1))
+
+
+def _usage(values: Mapping[str, tuple[str, str]], key: str) -> Usage | None:
+    if key not in values:
+        return None
+    name, value = values[key]
+    try:
+        return parse_usage(value, f"annotation {name}")
+    except UsageError as e:
+        raise ScriptError(str(e)) from None
 
 
 def _duration(values: Mapping[str, tuple[str, str]], key: str) -> float | None:

@@ -9,8 +9,11 @@ for `kubectl logs`, `exec`, `attach`, `port-forward` and what metrics-server scr
     /metrics, /healthz                      the agent's own
 
 Every request is authenticated and authorized first (auth.py). One server serves every
-Node of the process: with virtual nodes they all advertise its one port, and a request
-naming a pod is checked against the Node that pod is bound to.
+Node of the process, and a request naming a pod is checked against the Node that pod is
+bound to. With virtual nodes (`per_node_ports`) each Node also has a port of its own
+(a free one, in its daemonEndpoints), where the server answers as that node alone: its
+pods, its usage; so metrics-server and `kubectl get --raw /api/v1/nodes/N/proxy/...`
+see each virtual node as a kubelet of its own. The shared port answers for all of them.
 
 Hostile clients (docs/kubelet-api.md): a connection must finish its TLS handshake, and
 send a whole request head, within the connection idle timeout of connecting or of its
@@ -146,7 +149,9 @@ class KubeletServer:
                  node_reader: Callable[[], dict[str, float]] | None = None,
                  debugging_handlers: bool = True,
                  connection_idle_timeout: float = CONNECTION_IDLE_TIMEOUT,
-                 streaming_idle_timeout: float = STREAMING_CONNECTION_IDLE_TIMEOUT) -> None:
+                 streaming_idle_timeout: float = STREAMING_CONNECTION_IDLE_TIMEOUT,
+                 per_node_ports: bool = False,
+                 simulated: stats.SimulatedNode | None = None) -> None:
         self.host = host
         self.runtime = host.runtime
         self.auth = auth
@@ -163,9 +168,12 @@ class KubeletServer:
         self.streaming_idle_timeout = streaming_idle_timeout
         self.watch = containerlogs.FileWatch()
         self.metrics = server_metrics(registry)
-        self.stats = stats.StatsProvider(host, self.runtime, clock, node_reader)
+        self.stats = stats.StatsProvider(host, self.runtime, clock, node_reader, simulated)
+        self.per_node_ports = per_node_ports
+        self.node_ports: dict[str, int] = {}  # node -> its own port (per_node_ports)
+        self._node_by_port: dict[int, str] = {}
         self._runner: web.AppRunner | None = None
-        self._listener: asyncio.Server | None = None
+        self._listeners: list[asyncio.Server] = []  # the shared port, then the nodes'
 
     # -- lifecycle --
     def app(self) -> web.Application:
@@ -186,36 +194,58 @@ class KubeletServer:
         self.metrics.connections.set_function(lambda: len(server.connections))
         loop = asyncio.get_running_loop()
         self.metrics.tasks.set_function(lambda: len(asyncio.all_tasks(loop)))
-        # our own listener, not a TCPSite: it has no bound on the TLS handshake
-        self._listener = await asyncio.get_running_loop().create_server(
-            server, self.address, self.port, ssl=self.cert.context, reuse_address=True,
-            ssl_handshake_timeout=self.connection_idle_timeout)
-        if self.port == 0 and self._listener.sockets:
-            self.port = int(self._listener.sockets[0].getsockname()[1])
+
+        async def listen(port: int) -> int:
+            # our own listener, not a TCPSite: it has no bound on the TLS handshake
+            listener = await loop.create_server(
+                server, self.address, port, ssl=self.cert.context, reuse_address=True,
+                ssl_handshake_timeout=self.connection_idle_timeout)
+            self._listeners.append(listener)
+            return int(listener.sockets[0].getsockname()[1])
+        self.port = await listen(self.port)
         log.info("kubelet API: serving on https://%s:%d for %d node(s)", self.address,
                  self.port, len(self.node_names))
+        if self.per_node_ports:
+            _allow_open_files(len(self.node_names) + 1024)
+            for name in self.node_names:
+                port = await listen(0)
+                self.node_ports[name] = port
+                self._node_by_port[port] = name
+            log.info("kubelet API: each node on a port of its own as well (%d ports)",
+                     len(self.node_ports))
         return self.port
 
     async def stop(self) -> None:
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
+        for listener in self._listeners:
+            listener.close()
+        self._listeners = []
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
         self.watch.close()
 
     # -- request handling --
-    def _node_of(self, parts: list[str]) -> tuple[str, tuple[str, Pod] | None]:
-        """The Node a request is about: the one its pod is bound to, or the only one.
-        "" (every Node) when the path names no pod and the process has several."""
+    def _node_of(self, parts: list[str], own: str | None
+                 ) -> tuple[str, tuple[str, Pod] | None]:
+        """The Node a request is about: the one its pod is bound to, the one whose own
+        port it came in on, or the only one. "" (every Node) when the path names no pod
+        and the process has several."""
         found = None
         if parts and parts[0] in ("containerLogs", "exec", "attach", "portForward",
                                   "run") and len(parts) >= 3:
             found = self.host.find_pod(parts[1], parts[2])
         if found is not None:
             return found[0], found
+        if own is not None:
+            return own, None
         return (self.node_names[0] if len(self.node_names) == 1 else ""), None
+
+    def _own_node(self, request: web.Request) -> str | None:
+        """The node whose own port the request came in on (None: the shared port)."""
+        if not self._node_by_port or request.transport is None:
+            return None
+        sockname = request.transport.get_extra_info("sockname")
+        return self._node_by_port.get(sockname[1]) if sockname else None
 
     async def _dispatch(self, request: web.Request) -> web.StreamResponse:
         parts = [p for p in request.path.split("/") if p]
@@ -227,9 +257,11 @@ class KubeletServer:
                 peercert = request.transport.get_extra_info("peercert")
             user = await self.auth.authenticate(request.headers.get("Authorization"),
                                                 peercert)
-            node, found = self._node_of(parts)
-            await self.auth.authorize(user, request.method, request.path, node)
-            resp = await self._route(request, endpoint, parts, found)
+            own = self._own_node(request)
+            node, found = self._node_of(parts, own)
+            await self.auth.authorize(user, request.method, request.path, node,
+                                      every_node_first=len(self.node_names) > 1)
+            resp = await self._route(request, endpoint, parts, found, own)
             code = resp.status
             return resp
         except Unauthorized:
@@ -263,24 +295,27 @@ class KubeletServer:
             self.metrics.requests.labels(endpoint=endpoint or "/", code=str(code)).inc()
 
     async def _route(self, request: web.Request, endpoint: str, parts: list[str],
-                     found: tuple[str, Pod] | None) -> web.StreamResponse:
+                     found: tuple[str, Pod] | None, own: str | None) -> web.StreamResponse:
+        """`own`: the node whose own port the request came in on; its pods only."""
         method = request.method
         if endpoint == "healthz" and method == "GET":
             return self._healthz()
         if endpoint == "pods" and len(parts) == 1 and method == "GET":
+            pods = [p for p in self.host.all_pods()
+                    if own is None or (p.get("spec") or {}).get("nodeName") == own]
             return web.json_response({"kind": "PodList", "apiVersion": "v1",
-                                      "metadata": {}, "items": self.host.all_pods()})
+                                      "metadata": {}, "items": pods})
         if endpoint == "metrics" and method == "GET":
             if len(parts) == 1:
                 return web.Response(body=generate_latest(self.registry),
                                     headers={"Content-Type": CONTENT_TYPE_LATEST})
             if parts[1:] == ["resource"]:
-                text = await self.stats.resource_metrics()
+                text = await self.stats.resource_metrics(own)
                 return web.Response(text=text, content_type="text/plain",
                                     charset="utf-8")
         if endpoint == "stats" and parts[1:] in ([], ["summary"]) and method == "GET":
             only_cpu_mem = request.query.get("only_cpu_and_memory") in ("true", "1")
-            summary = await self.stats.summary(self.node_names, only_cpu_mem)
+            summary = await self.stats.summary(self.node_names, only_cpu_mem, own)
             return web.json_response(summary)
         if endpoint in DEBUGGING and not self.debugging_handlers:
             raise RequestError(404, f"{method} {request.path}: not served "
@@ -407,3 +442,12 @@ class KubeletServer:
         finally:
             gauge.dec()
 
+
+def _allow_open_files(wanted: int) -> None:
+    """Raise the soft limit on open files toward `wanted` (within the hard limit): a
+    port per virtual node is a socket each."""
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))

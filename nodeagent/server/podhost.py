@@ -21,5 +21,8 @@ class PodHost(Protocol):
 
     def all_pods(self) -> list[Pod]: ...
 
+    def node_pods(self, node: str) -> list[Pod]:
+        """The pods bound to one of this process's nodes."""
+
     def runtime_pod(self, uid: str) -> PodRuntimeStatus:
         """The pod's containers and sandboxes as the last relist saw them."""

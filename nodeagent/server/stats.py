@@ -7,10 +7,17 @@ resource_scrape_error 1. The node: /proc/stat (CPU time, all CPUs, idle and iowa
 left out) and /proc/meminfo (working set: used memory less the inactive page cache,
 the same measure the kubelet takes from the root cgroup). Rates (usageNanoCores) come
 from the previous sample of the same container or node.
+
+A runtime whose containers are simulated (the fake runtime: virtual nodes) has nodes
+whose usage is simulated too (SimulatedNode): a node uses what its pods use plus a base
+(its own daemons), and its CPU counter keeps what pods that have gone used, so it never
+runs backwards. The host's readings stay the node conditions' source: simulated usage
+is never pressure.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import logging
 import os
@@ -19,6 +26,7 @@ from typing import Any
 
 from nodeagent.api.clock import Clock
 from nodeagent.runtime.base import ContainerRuntimeError, ContainerStats, Runtime
+from nodeagent.runtime.usage import NONE, Usage
 from nodeagent.server.podhost import PodHost
 
 log = logging.getLogger(__name__)
@@ -31,8 +39,8 @@ def _rfc3339(t: dt.datetime) -> str:
 
 
 def read_node(proc: str = "/proc") -> dict[str, float]:
-    """cpu_seconds (cumulative, busy), memory usage, working set and available bytes,
-    boot time (unix seconds)."""
+    """cpu_seconds (cumulative, busy), memory total, usage, working set and available
+    bytes, boot time (unix seconds)."""
     out: dict[str, float] = {}
     tick = os.sysconf("SC_CLK_TCK")
     with open(os.path.join(proc, "stat")) as f:
@@ -53,20 +61,60 @@ def read_node(proc: str = "/proc") -> dict[str, float]:
             if fields:
                 mem[key] = int(fields[0]) * 1024
     usage = mem.get("MemTotal", 0) - mem.get("MemFree", 0)
+    out["memory_total"] = mem.get("MemTotal", 0)
     out["memory_usage"] = usage
     out["memory_working_set"] = max(0, usage - mem.get("Inactive(file)", 0))
     out["memory_available"] = mem.get("MemAvailable", 0)
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class SimulatedNode:
+    """A node's own usage beyond its pods' (cores, bytes; time from the agent's start),
+    and the memory it has (what availableBytes is counted from)."""
+    cpu: Usage = NONE
+    memory: Usage = NONE
+    memory_capacity: float = 0.0
+
+
 class StatsProvider:
     def __init__(self, host: PodHost, runtime: Runtime, clock: Clock,
-                 node_reader: Callable[[], dict[str, float]] | None = None) -> None:
+                 node_reader: Callable[[], dict[str, float]] | None = None,
+                 simulated: SimulatedNode | None = None) -> None:
         self.host = host
         self.runtime = runtime
         self.clock = clock
         self.node_reader = node_reader or read_node
+        self.simulated = simulated
+        self.started = clock.now()
         self._last: dict[str, tuple[float, float]] = {}  # id -> (time, cpu seconds)
+        # simulated nodes: node -> {container id: its last CPU seconds}, and what the
+        # containers that have gone used in all
+        self._node_containers: dict[str, dict[str, float]] = {}
+        self._retired_cpu: dict[str, float] = {}
+        self._measurement: tuple[float, dict[str, ContainerStats], bool] | None = None
+
+    def _simulated_node(self, node: str, pods: list[PodUsage]) -> dict[str, float]:
+        """The node's readings as read_node gives them: its pods' usage plus the base."""
+        assert self.simulated is not None
+        t = (self.clock.now() - self.started).total_seconds()
+        current = {c.id: st for _, cs in pods for c, st in cs if st is not None}
+        seen = self._node_containers.setdefault(node, {})
+        for cid in [cid for cid in seen if cid not in current]:
+            self._retired_cpu[node] = self._retired_cpu.get(node, 0.0) + seen.pop(cid)
+        for cid, st in current.items():
+            seen[cid] = st.cpu_usage_core_seconds or 0.0
+        cpu = self.simulated.cpu.integral(t) + self._retired_cpu.get(node, 0.0) \
+            + sum(seen.values())
+        memory = self.simulated.memory.at(t) + sum(st.memory_working_set_bytes or 0
+                                                   for st in current.values())
+        return {"cpu_seconds": cpu, "memory_usage": memory, "memory_working_set": memory,
+                "memory_available": max(0.0, self.simulated.memory_capacity - memory),
+                "boot_time": self.started.timestamp()}
+
+    def _node(self, node: str, pods: list[PodUsage]) -> dict[str, float]:
+        return self.node_reader() if self.simulated is None else \
+            self._simulated_node(node, pods)
 
     def _rate(self, key: str, t: float, cpu: float | None) -> int | None:
         """Nano-cores since the previous sample of `key`."""
@@ -78,17 +126,28 @@ class StatsProvider:
             return None
         return int((cpu - prev[1]) / (t - prev[0]) * 1e9)
 
-    async def _containers(self) -> tuple[list[PodUsage], bool]:
-        """[(pod, [(container, its stats or None)])] for every pod bound here, and
-        whether the runtime could measure."""
+    async def _measured(self) -> tuple[dict[str, ContainerStats], bool]:
+        """The runtime's measurements by container id, and whether it could measure;
+        one measurement serves the requests of the same second (metrics-server asks
+        every virtual node of a process, each at its own port, at about the same time)."""
+        now = self.clock.monotonic()
+        if self._measurement is not None and now - self._measurement[0] < 1.0:
+            return self._measurement[1], self._measurement[2]
         try:
             measured = {s.container_id: s for s in await self.runtime.container_stats()}
             ok = True
         except ContainerRuntimeError as e:
             log.debug("container stats: %s", e)
             measured, ok = {}, False
+        self._measurement = (now, measured, ok)
+        return measured, ok
+
+    async def _containers(self, node: str | None = None) -> tuple[list[PodUsage], bool]:
+        """[(pod, [(container, its stats or None)])] for every pod bound here (to
+        `node`, when named), and whether the runtime could measure."""
+        measured, ok = await self._measured()
         out = []
-        for pod in self.host.all_pods():
+        for pod in self.host.all_pods() if node is None else self.host.node_pods(node):
             uid = (pod.get("metadata") or {}).get("uid", "")
             rs = self.host.runtime_pod(uid)
             latest: dict[str, Any] = {}
@@ -99,13 +158,16 @@ class StatsProvider:
             out.append((pod, [(c, measured.get(c.id)) for c in latest.values()]))
         return out, ok
 
-    async def summary(self, node_names: Sequence[str], only_cpu_and_memory: bool = False
-                      ) -> dict[str, Any]:
+    async def summary(self, node_names: Sequence[str], only_cpu_and_memory: bool = False,
+                      node_name: str | None = None) -> dict[str, Any]:
+        """The Summary of `node_name` and its pods (a virtual node's own port), else of
+        every pod here: the node is named when `node_names` has only one."""
         now = self.clock.now()
         t = now.timestamp()
         stamp = _rfc3339(now)
-        node = self.node_reader()
-        pods, _ = await self._containers()
+        one = node_name or (node_names[0] if len(node_names) == 1 else None)
+        pods, _ = await self._containers(node_name)
+        node = self._node(one or "", pods)
         out_pods = []
         seen: set[str] = set()
         for pod, containers in pods:
@@ -153,15 +215,15 @@ class StatsProvider:
                             "usageNanoCores": pod_rate}
                 p["memory"] = {"time": stamp, "workingSetBytes": int(pod_mem)}
             out_pods.append(p)
-        for key in [k for k in self._last if k not in seen and k != "node"]:
+        for key in [k for k in self._last if k not in seen and not k.startswith("node/")]:
             del self._last[key]
-        node_rate = self._rate("node", t, node.get("cpu_seconds"))
+        node_rate = self._rate(f"node/{one or ''}", t, node.get("cpu_seconds"))
         node_cpu: dict[str, Any] = {"time": stamp,
                                     "usageCoreNanoSeconds": int(node["cpu_seconds"] * 1e9)}
         if node_rate is not None:
             node_cpu["usageNanoCores"] = node_rate
         summary_node: dict[str, Any] = {
-            "nodeName": node_names[0] if len(node_names) == 1 else "",
+            "nodeName": one or "",
             "cpu": node_cpu,
             "memory": {"time": stamp, "availableBytes": int(node["memory_available"]),
                        "usageBytes": int(node["memory_usage"]),
@@ -171,11 +233,12 @@ class StatsProvider:
                                                                            dt.UTC))
         return {"node": summary_node, "pods": out_pods}
 
-    async def resource_metrics(self) -> str:
-        """The kubelet's /metrics/resource, in Prometheus text with sample times (ms)."""
+    async def resource_metrics(self, node_name: str | None = None) -> str:
+        """The kubelet's /metrics/resource, in Prometheus text with sample times (ms):
+        of `node_name` and its pods, or of every pod here."""
         now_ms = int(self.clock.now().timestamp() * 1000)
-        node = self.node_reader()
-        pods, ok = await self._containers()
+        pods, ok = await self._containers(node_name)
+        node = self._node(node_name or "", pods)
         lines: list[str] = []
 
         def family(name: str, kind: str, help_text: str, samples: list[tuple[str, float, int]]

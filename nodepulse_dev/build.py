@@ -68,12 +68,12 @@ TOOLS = {t.name: t for t in [
     Tool("agnhost", "kubernetes", "k8s.io/kubernetes/test/images/agnhost", "k8s.io/kubernetes"),
     Tool("nonewprivs", "kubernetes", "k8s.io/kubernetes/test/images/nonewprivs",
          "k8s.io/kubernetes"),
-    # an image registry and a client that pushes to it (e2e/cluster/registry.py)
+    # an image registry and a client that pushes to it (nodepulse_dev/registry.py)
     Tool("registry", "registry", "github.com/distribution/distribution/v3/cmd/registry",
          "github.com/distribution/distribution/v3"),
     Tool("crane", "registry", "github.com/google/go-containerregistry/cmd/crane",
          "github.com/google/go-containerregistry"),
-    # containerd 2.x, the CRI runtime with container events (e2e/cluster/containerd.py);
+    # containerd 2.x, the CRI runtime with container events (nodepulse_dev/containerd.py);
     # without cgo, so without the btrfs snapshotter (the only cgo plugin), and without the
     # zfs and devmapper snapshotters nobody here uses. The shim has no gRPC server (ttrpc
     # only), as containerd's own release build makes it.

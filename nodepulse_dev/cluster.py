@@ -20,9 +20,9 @@ from typing import Any
 import yaml
 from kubernetes import client
 
-from e2e.cluster import build, pki
-from e2e.harness.ports import free_port
 from nodeagent.api.client import new_api_client
+from nodepulse_dev import build, pki
+from nodepulse_dev.ports import free_port
 
 SERVICE_CIDR = "10.96.0.0/16"
 KUBELET_CLIENT = "kube-apiserver-kubelet-client"
@@ -37,6 +37,11 @@ CONTROLLERS = "*,-node-lifecycle-controller"
 # The second configuration (LocalCluster(node_grace=...)) runs every default controller,
 # the node-lifecycle one with a short grace, for the operator's coexist mode.
 ALL_CONTROLLERS = "*"
+# The HorizontalPodAutoscaler acts within seconds here (defaults: every 15 s, and 5 min
+# of stabilization before a scale-down), so trying one, or testing one on virtual nodes
+# whose pods say what they use, takes a minute or two.
+HPA_TIMING = ["--horizontal-pod-autoscaler-sync-period=5s",
+              "--horizontal-pod-autoscaler-downscale-stabilization=20s"]
 # The API server's metrics count requests, not who made them. Its audit log names the
 # user, so tests can tell a node agent's requests from the scheduler's or the controller
 # manager's. Only LISTs of pods and nodes and writes to pods are logged: not the Lease
@@ -516,7 +521,7 @@ class LocalCluster(Cluster):
         lifecycle = [] if self.node_grace is None else [
             f"--node-monitor-grace-period={self.node_grace:g}s"]
         return [f"--controllers={CONTROLLERS if self.node_grace is None else ALL_CONTROLLERS}",
-                *lifecycle,
+                *lifecycle, *HPA_TIMING,
                 f"--service-account-private-key-file={p / 'sa.key'}",
                 f"--root-ca-file={p / 'ca.crt'}",
                 f"--cluster-signing-cert-file={p / 'ca.crt'}",

@@ -5,13 +5,13 @@ containerd. Two builds, both on Debian's runc:
 - "debian": Debian's containerd 1.6 (config version 2). Its CRI has no container
   events (GetContainerEvents answers UNIMPLEMENTED): the agent relists only.
 - "built": containerd 2.x built from the Go module pinned in
-  e2e/cluster/gomod/containerd (config version 3, where the CRI settings are split
+  nodepulse_dev/gomod/containerd (config version 3, where the CRI settings are split
   over the plugins io.containerd.grpc.v1.cri (streaming), io.containerd.cri.v1.runtime
   and io.containerd.cri.v1.images). Its CRI streams container events. Its own runc
   shim is named by absolute path in the config, so Debian's shim is never used with it.
   Images go in through Debian's `ctr` for both (the containerd API it uses is the same).
 
-    from e2e.cluster.containerd import start_containerd
+    from nodepulse_dev.containerd import start_containerd
     ctd = start_containerd()            # returns when CRI answers; images imported
     ctd = start_containerd(build="built")
     ctd.endpoint                         # "unix:///tmp/np-ctd-.../containerd.sock"
@@ -50,12 +50,12 @@ from pathlib import Path
 
 import grpc
 
-from e2e.cluster import build as gobuild
-from e2e.cluster import images
 from nodeagent.pods.cgroupfs import CgroupFs
 from nodeagent.pods.cgroups import CgroupError, CgroupValues
 from nodeagent.runtime.cri.gen import api_pb2 as pb
 from nodeagent.runtime.cri.gen import api_pb2_grpc as pb_grpc
+from nodepulse_dev import build as gobuild
+from nodepulse_dev import images
 
 CNI_BIN_DIR = Path("/usr/lib/cni")
 
@@ -496,7 +496,7 @@ def _wait_ready(ctd: Containerd, timeout: float) -> None:
 
 
 def main() -> None:
-    """python -m e2e.cluster.containerd [--no-cni] [--build built]: a private
+    """python -m nodepulse_dev.containerd [--no-cni] [--build built]: a private
     containerd in the foreground with the images imported; Ctrl-C (or SIGTERM) tears
     it all down."""
     import argparse

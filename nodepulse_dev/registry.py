@@ -1,6 +1,6 @@
 """A real image registry on loopback for image-pull tests: distribution's `registry`
 program (built from its Go module, cached), serving TLS with a certificate from its own
-CA (e2e/cluster/pki.py) and asking for basic auth (htpasswd, bcrypt). Images are pushed
+CA (nodepulse_dev/pki.py) and asking for basic auth (htpasswd, bcrypt). Images are pushed
 to it with crane (from go-containerregistry, built the same way).
 
     reg = start_registry(workdir)          # returns when /v2/ answers (401: auth on)
@@ -28,12 +28,11 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-import bcrypt
 import yaml
 
-from e2e.cluster import build, pki
-from e2e.cluster.cluster import PortTaken
-from e2e.harness.ports import free_port
+from nodepulse_dev import build, pki
+from nodepulse_dev.cluster import PortTaken
+from nodepulse_dev.ports import free_port
 
 USERNAME = "nodepulse-e2e"
 
@@ -63,7 +62,7 @@ class Registry:
         return self.workdir / "registry.log"
 
     def push(self, oci_tar: Path, repo_tag: str) -> str:
-        """Push an OCI layout tar (e2e/cluster/images.py) as HOST/`repo_tag`; return
+        """Push an OCI layout tar (nodepulse_dev/images.py) as HOST/`repo_tag`; return
         the pushed reference by digest (HOST/repo@sha256:...)."""
         layout = Path(tempfile.mkdtemp(prefix="layout-", dir=self.workdir))
         try:
@@ -124,6 +123,7 @@ def start_registry(workdir: Path | None = None, ready_timeout: float = 30) -> Re
     crt, key = ca.issue("registry", "127.0.0.1", server_names=("127.0.0.1", "localhost"))
     password = secrets.token_urlsafe(16)
     htpasswd = workdir / "htpasswd"
+    import bcrypt  # a test tool ([test] extra): only the e2e registry needs it
     htpasswd.write_text(f"{USERNAME}:{bcrypt.hashpw(password.encode(), bcrypt.gensalt()).decode()}\n")
     (workdir / "docker").mkdir(exist_ok=True)
     for attempt in range(3):

@@ -123,7 +123,7 @@ def build_oci_tar(out: Path, rootfs: Rootfs, *, ref: str, entrypoint: list[str] 
             **({"Cmd": cmd} if cmd else {}),
         },
         "rootfs": {"type": "layers", "diff_ids": [_sha(layer)]},
-        "history": [{"created_by": "nodepulse e2e/cluster/images.py"}],
+        "history": [{"created_by": "nodepulse nodepulse_dev/images.py"}],
     }
     config_b = json.dumps(config, sort_keys=True).encode()
     manifest = {
@@ -215,7 +215,7 @@ def upstream_busybox(cache: Path = CACHE) -> Path:
     """Upstream busybox BUSYBOX_VERSION, static (its default config, with busybox's own
     passwd/group code, so no NSS library is needed in the image), built once and cached.
     About a minute on 2 cores; Go builds' lock keeps it from running beside one."""
-    from e2e.cluster import build  # the build lock; images is imported by build's users
+    from nodepulse_dev import build  # the build lock; images is imported by build's users
 
     out = cache / f"busybox-{BUSYBOX_VERSION}" / "busybox"
     if out.exists():
