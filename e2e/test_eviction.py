@@ -33,15 +33,10 @@ import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from e2e.util import (
-    create_namespace,
-    eventually,
-    first_seen,
-    free_port,
-    marked,
-    node_registered,
-    stop_process,
-)
+from e2e.harness.namespaces import create_namespace
+from e2e.harness.ports import free_port
+from e2e.harness.processes import marked, stop_process
+from e2e.harness.waits import eventually, first_seen, node_registered
 from nodeagent.runtime.cri.gen import api_pb2 as pb
 from nodeagent.runtime.cri.gen import api_pb2_grpc as pb_grpc
 from nodepulse_dev import Cluster
