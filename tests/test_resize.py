@@ -9,10 +9,11 @@ import copy
 from typing import Any
 
 from nodeagent.api.clock import FakeClock
+from nodeagent.api.kube import PODS
 from nodeagent.pods.admission import AdmissionSettings
 from nodeagent.pods.podupdate import Op, Pod
 from nodeagent.pods.settings import NodePodSettings
-from nodeagent.runtime.base import Resources
+from nodeagent.runtime.base import Resources, Runtime
 from nodeagent.runtime.fake import FakeRuntime
 from tests.conftest import LoopRig, aio, mkpod, settle
 
@@ -59,9 +60,9 @@ async def rig(clock: FakeClock, rt: FakeRuntime | None = None) -> LoopRig:
     return a
 
 
-def conditions(a: LoopRig, uid: str) -> dict[str, dict[str, Any]]:
-    """The pod's resize conditions as the API holds them."""
-    pod = a.kube.get_obj("pods", a.kube_name(uid))
+def conditions(a: LoopRig, name: str) -> dict[str, dict[str, Any]]:
+    """Pod `name`'s resize conditions as the API holds them."""
+    pod = a.kube.obj(PODS, name, "ns")
     return {c["type"]: c for c in (pod.get("status") or {}).get("conditions") or []
             if c["type"].startswith("PodResize")}
 
@@ -95,4 +96,112 @@ async def test_a_resize_is_applied_in_place_and_reported() -> None:
         '{"cpu":"200m","memory":"128Mi"},"requests":{"cpu":"200m","memory":"128Mi"}}}],'
         '"generation":2}']
     assert not [c for c in a.status("u1")["conditions"] if c["type"].startswith("PodResize")]
+    await a.loops.stop()
+
+
+def guaranteed(name: str, uid: str, cpu: str, memory: str = "64Mi", **meta: Any) -> Pod:
+    pod = mkpod(name, uid, containers=[box("c", cpu, memory)])
+    pod["metadata"].update({"generation": 1, **meta})
+    return pod
+
+
+@aio
+async def test_a_resize_that_does_not_fit_waits_for_room_and_one_that_never_can_is_infeasible(
+        ) -> None:
+    clock = FakeClock()
+    a = await rig(clock)  # a node of 4 CPUs
+    big, small = guaranteed("big", "u1", "2"), guaranteed("small", "u2", "1")
+    a.send(Op.ADD, big, small)
+    await a.run_for(3)
+    [c] = a.rt.running("u2")
+    a.send(Op.UPDATE, resized(small, "c", cpu="2500m"))
+    await a.run_for(2)
+    pending = conditions(a, "small")["PodResizePending"]
+    assert (pending["reason"], pending["message"], pending["observedGeneration"]) == (
+        "Deferred", "Node didn't have enough resource: cpu, requested: 2500, used: 2000, "
+        "capacity: 4000", 2)
+    assert a.rt.containers[c.id].resources == Resources(1000, 1000, 64 * MI, 64 * MI)
+    # allocated, as the node admitted it, until then
+    assert a.cstatus("u2")["allocatedResources"] == {"cpu": "1", "memory": "64Mi"}
+    await a.events.drain()
+    [msg] = a.events_of("ResizeDeferred")
+    assert msg.startswith('Pod resize Deferred: {"containers":[{"name":"c","resources":'
+                          '{"limits":{"cpu":"2500m"')
+    assert msg.endswith('"generation":2,"error":"Node didn\'t have enough resource: cpu, '
+                        'requested: 2500, used: 2000, capacity: 4000"}')
+    # the big pod goes: the deferred resize is allocated and carried out
+    a.send(Op.REMOVE, big)
+    await a.run_for(5)
+    assert a.rt.containers[c.id].resources == Resources(2500, 2500, 64 * MI, 64 * MI)
+    assert conditions(a, "small") == {}  # deleted from the API's status
+    assert a.cstatus("u2")["resources"]["limits"]["cpu"] == "2500m"
+    # more than the node has at all: Infeasible, and nothing changes
+    pod = resized(resized(small, "c", cpu="2500m"), "c", cpu="5")
+    a.send(Op.UPDATE, pod)
+    await a.run_for(2)
+    pending = conditions(a, "small")["PodResizePending"]
+    assert (pending["reason"], pending["message"]) == (
+        "Infeasible", "Node didn't have enough capacity: cpu, requested: 5000, capacity: 4000")
+    assert a.rt.containers[c.id].resources.cpu_limit_millis == 2500
+    await a.events.drain()
+    assert len(a.events_of("ResizeInfeasible")) == 1
+    # reverted: nothing is pending any more
+    a.send(Op.UPDATE, resized(pod, "c", cpu="2500m"))
+    await a.run_for(2)
+    assert conditions(a, "small") == {}
+    assert [c.id for c in a.rt.running("u2")] == [c.id]  # never restarted
+    await a.loops.stop()
+
+
+@aio
+async def test_a_resize_whose_policy_says_restart_restarts_the_container() -> None:
+    clock = FakeClock()
+    a = await rig(clock)
+    pod = mkpod("p", "u1", containers=[box("c", policy={"memory": "RestartContainer"})])
+    pod["metadata"]["generation"] = 1
+    a.send(Op.ADD, pod)
+    await a.run_for(3)
+    [old] = a.rt.running("u1")
+    a.send(Op.UPDATE, resized(pod, "c", cpu="150m"))  # cpu: NotRequired, in place
+    await a.run_for(2)
+    assert [c.id for c in a.rt.running("u1")] == [old.id]
+    a.send(Op.UPDATE, resized(resized(pod, "c", cpu="150m"), "c", memory="96Mi"))
+    await a.run_for(3)
+    [new] = a.rt.running("u1")
+    assert new.id != old.id and new.restart_count == 1
+    assert a.rt.configs[new.id].resources == Resources(150, 150, 96 * MI, 96 * MI)
+    assert a.cstatus("u1")["restartCount"] == 1
+    await a.events.drain()
+    assert "Container c resize requires restart" in a.events_of("Killing")
+    assert conditions(a, "p") == {}
+    await a.loops.stop()
+
+
+class Unresizable(FakeRuntime):
+    """A runtime that cannot change a container's resources in place (the interface's
+    own answer)."""
+
+    async def update_container_resources(self, container_id: str, resources: Resources,
+                                         oom_score_adj: int | None = None) -> None:
+        await Runtime.update_container_resources(self, container_id, resources,
+                                                 oom_score_adj)
+
+
+@aio
+async def test_a_runtime_that_cannot_resize_says_so_in_the_condition() -> None:
+    """A runtime without in-place updates (the process runtime's refusal is its own
+    message): the resize is allocated, PodResizeInProgress says why it is not applied."""
+    clock = FakeClock()
+    a = await rig(clock, Unresizable(clock))
+    pod = mkpod("p", "u1", containers=[box("c", memory=None, limits=False)])
+    pod["metadata"]["generation"] = 1
+    a.send(Op.ADD, pod)
+    await a.run_for(3)
+    a.send(Op.UPDATE, resized(pod, "c", cpu="200m", limits=False))
+    await a.run_for(2)
+    cond = conditions(a, "p")["PodResizeInProgress"]
+    assert (cond["reason"], cond["message"]) == (
+        "Error", "the fake runtime cannot change a container's resources in place")
+    assert a.cstatus("u1")["allocatedResources"] == {"cpu": "200m"}
+    assert a.cstatus("u1")["resources"] == {"requests": {"cpu": "100m"}}  # as applied
     await a.loops.stop()

@@ -311,13 +311,13 @@ def write_doc(results: list[Result], plan: Plan, wall: float, path: Path = DOC,
     lines = [
         "# Upstream node conformance",
         "",
-        f"The `[NodeConformance]` specs of `test/e2e/common/node` and `test/e2e/common/storage` "
-        f"(the kubelet's volume specs), the NodeLease specs and the in-place pod resize "
-        f"`[Conformance]` specs of Kubernetes {version}, run by `e2e.test` (built from the pinned module) against one "
-        "nodepulse agent on containerd, on the local control plane with the nodepulse "
-        "operator. Written by `e2e/test_conformance.py` (or `python -m e2e.conformance`); "
-        "what runs, what cannot run here and why, and which specs must pass are in "
-        "`e2e/conformance/specs.yaml`.",
+        f"The `[NodeConformance]` specs of `test/e2e/common/node` and "
+        "`test/e2e/common/storage` (the kubelet's volume specs), the NodeLease specs and "
+        f"the in-place pod resize `[Conformance]` specs of Kubernetes {version}, run by "
+        "`e2e.test` (built from the pinned module) against one nodepulse agent on "
+        "containerd, on the local control plane with the nodepulse operator. Written by "
+        "`e2e/test_conformance.py` (or `python -m e2e.conformance`); what runs, what cannot "
+        "run here and why, and which specs must pass are in `e2e/conformance/specs.yaml`.",
         "",
         f"**{counts[PASSED]} passed, {counts[FAILED]} failed, {counts[SKIPPED]} skipped by "
         f"the spec, {counts[NOT_RUN]} not run** of {len(results)}; "
