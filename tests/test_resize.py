@@ -142,7 +142,7 @@ async def test_a_resize_that_does_not_fit_waits_for_room_and_one_that_never_can_
     pending = conditions(a, "small")["PodResizePending"]
     assert (pending["reason"], pending["message"]) == (
         "Infeasible", "Node didn't have enough capacity: cpu, requested: 5000, capacity: 4000")
-    assert a.rt.containers[c.id].resources.cpu_limit_millis == 2500
+    assert a.rt.containers[c.id].resources == Resources(2500, 2500, 64 * MI, 64 * MI)
     await a.events.drain()
     assert len(a.events_of("ResizeInfeasible")) == 1
     # reverted: nothing is pending any more

@@ -12,7 +12,7 @@ import pytest
 from nodeagent.api.clock import FakeClock
 from nodeagent.api.kube import PODS
 from nodeagent.pods.admission import Rejection
-from nodeagent.pods.cgroups import CgroupValues
+from nodeagent.pods.cgroups import CgroupValues, MemoryCgroups
 from nodeagent.pods.decide import (
     KillContainer,
     PodActions,
@@ -277,6 +277,12 @@ def resize(r: Rig, pod: Pod, cid: str, want: Resources, have: Resources) -> Resi
 SMALL = Resources(100, 100, 64 * MI, 64 * MI)
 
 
+def backend(r: Rig) -> MemoryCgroups:
+    """Where the rig's pod cgroups are kept."""
+    assert isinstance(r.a.cgroups.backend, MemoryCgroups)
+    return r.a.cgroups.backend
+
+
 @aio
 async def test_a_resize_changes_the_container_and_its_pod_cgroup_in_place() -> None:
     r = Rig()
@@ -288,7 +294,7 @@ async def test_a_resize_changes_the_container_and_its_pod_cgroup_in_place() -> N
                                       resize=(resize(r, big, cid, want, SMALL),)))
     assert r.state(cid) == ContainerState.RUNNING and r.rt.containers[cid].resources == want
     assert r.rt.calls["update_container_resources"] == 2  # memory, then cpu
-    v = r.a.cgroups.backend.cgroups[path]  # type: ignore[union-attr]
+    v = backend(r).cgroups[path]
     assert (v.memory_limit, v.cpu_shares, v.cpu_quota) == (128 * MI, 204, 20000)
     cs = r.status()["containerStatuses"][0]
     assert cs["resources"] == {"limits": {"cpu": "200m", "memory": "128Mi"},
@@ -307,7 +313,7 @@ async def test_what_grows_is_set_before_the_containers_and_what_shrinks_after() 
     sid, cid = await running(r, sized())
     path = r.a.cgroups.tracked()["uid-p"]
     done: list[tuple[str, int | None, int | None]] = []
-    update, cg_update = r.rt.update_container_resources, r.a.cgroups.backend.update  # type: ignore[union-attr]
+    update, cg_update = r.rt.update_container_resources, backend(r).update
 
     async def container(cid: str, res: Resources, adj: int | None = None) -> None:
         done.append(("container", res.memory_limit_bytes, res.cpu_limit_millis))
@@ -317,8 +323,8 @@ async def test_what_grows_is_set_before_the_containers_and_what_shrinks_after() 
         if p == path:
             done.append(("pod", values.memory_limit, values.cpu_quota))
         cg_update(p, values)
-    r.rt.update_container_resources = container  # type: ignore[method-assign]
-    r.a.cgroups.backend.update = cgroup  # type: ignore[union-attr,method-assign]
+    setattr(r.rt, "update_container_resources", container)  # noqa: B010
+    setattr(r.a.cgroups.backend, "update", cgroup)  # noqa: B010
     pod = sized("200m", "32Mi", generation=2)
     await r.act(pod, PodActions(Verdict.RUN, sandbox=r.rt.sandboxes[sid], resize=(
         resize(r, pod, cid, Resources(200, 200, 32 * MI, 32 * MI), SMALL),)))
@@ -366,5 +372,4 @@ async def test_a_memory_limit_below_what_is_used_is_refused_before_anything_chan
         "below current usage (52428800), attempting to set container \"c\" memory limit "
         "(33554432) below current usage (52428800)]")
     assert r.rt.calls["update_container_resources"] == 0
-    assert r.a.cgroups.backend.cgroups[r.a.cgroups.tracked()["uid-p"]].memory_limit \
-        == 64 * MI  # type: ignore[union-attr]
+    assert backend(r).cgroups[r.a.cgroups.tracked()["uid-p"]].memory_limit == 64 * MI
