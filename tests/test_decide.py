@@ -181,6 +181,19 @@ def test_a_changed_definition_is_killed_and_started_again_without_back_off() -> 
     assert starts(act) == [("c", 3, False)] and act.start[0].backoff_key is None
 
 
+def test_a_container_made_before_in_place_resize_keeps_its_whole_spec_hash() -> None:
+    """An agent before in-place resize hashed the resources too and recorded none: its
+    containers are not restarted by an upgrade; a changed image still restarts them."""
+    spec = box("c", resources={"requests": {"cpu": "100m"}})
+    old = c("c", RUNNING)
+    old.spec_hash = container_spec_hash(spec, whole=True)
+    act = Case(mkpod("p", containers=[spec]), sandboxes=[sb()], containers=[old]).decide()
+    assert not act.kill and not act.start
+    newer = {**spec, "image": "localhost/busybox:2"}
+    act = Case(mkpod("p", containers=[newer]), sandboxes=[sb()], containers=[old]).decide()
+    assert kills(act) == [("c", "Container c definition changed, will be restarted", None)]
+
+
 @pytest.mark.parametrize("policy,message", [
     ("Always", "Container c failed liveness probe, will be restarted"),
     ("Never", "Container c failed liveness probe"),

@@ -30,6 +30,7 @@ from nodeagent.pods.podstatus import Waiting, is_sidecar
 from nodeagent.pods.podupdate import Pod, is_static
 from nodeagent.pods.probes import Kind
 from nodeagent.runtime.base import (
+    ANNOTATION_RESOURCES,
     Container,
     ContainerState,
     PodRuntimeStatus,
@@ -376,7 +377,7 @@ def compute_pod_actions(pod: Pod, rs: PodRuntimeStatus, previous: Mapping[str, A
             if cur is None:
                 d.new(c)
             elif cur.state == ContainerState.RUNNING:
-                if cur.spec_hash and cur.spec_hash != container_spec_hash(c):
+                if _definition_changed(cur, c):
                     d.kill.append(KillContainer(
                         cur, c, f"Container {c['name']} definition changed, will be "
                                 "restarted"))
@@ -456,7 +457,7 @@ def _sidecar(d: _Decision, ic: Spec, cur: Container | None) -> bool:
     if cur.state != ContainerState.RUNNING:
         d.restart(ic, cur, init=True)
         return False
-    if cur.spec_hash and cur.spec_hash != container_spec_hash(ic):
+    if _definition_changed(cur, ic):
         d.kill.append(KillContainer(cur, ic, f"Init container {name} definition changed"))
         return False
     kind = d.verdicts.probe_kills.get(cur.id)
@@ -468,6 +469,17 @@ def _sidecar(d: _Decision, ic: Spec, cur: Container | None) -> bool:
     if not d.resize_or_restart(ic, cur, init=True):
         return False
     return cur.id in d.verdicts.started
+
+
+def _definition_changed(cur: Container, spec: Spec) -> bool:
+    """Whether the running container was made from another definition than `spec`'s
+    (resources aside: a resize changes those in place). One made by an agent before
+    in-place resize (it recorded no resources) hashed them too: that hash is kept, so
+    an upgrade restarts nothing."""
+    if not cur.spec_hash or cur.spec_hash == container_spec_hash(spec):
+        return False
+    return ANNOTATION_RESOURCES in cur.annotations or \
+        cur.spec_hash != container_spec_hash(spec, whole=True)
 
 
 def _all_done(spec: Spec, current: Sequence[Container], init_blocked: bool) -> bool:

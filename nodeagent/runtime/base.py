@@ -678,10 +678,12 @@ def container_path(pod: Mapping[str, Any], name: str) -> str:
 RESIZABLE_FIELDS = ("resources", "resizePolicy")
 
 
-def container_spec_hash(container: Mapping[str, Any]) -> str:
+def container_spec_hash(container: Mapping[str, Any], *, whole: bool = False) -> str:
     """Stable hash of a container spec, its resources and resize policy left out (a
-    resize changes them in place); a change means the container must be replaced."""
-    kept = {k: v for k, v in container.items() if k not in RESIZABLE_FIELDS}
+    resize changes them in place); a change means the container must be replaced.
+    `whole`: of every field, as agents before in-place resize hashed it."""
+    kept = container if whole else {k: v for k, v in container.items()
+                                    if k not in RESIZABLE_FIELDS}
     blob = json.dumps(kept, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
