@@ -175,3 +175,53 @@ def test_pods_land_in_their_qos_cgroups_with_the_kubelets_values(node: Node) -> 
                "the deleted pod's cgroup gone from every hierarchy", 30)
     assert value(burstable, "cpu.shares") == 2
     assert n.cgroup("cpu", pod_cgroups["g"]).exists()  # the others stay
+
+
+def test_a_running_pod_is_resized_in_place(node: Node) -> None:
+    """In-place resize on containerd: the container's and the pod's cgroup values follow
+    a resize of CPU and memory without a restart, and the status says so; a resize
+    beyond the whole node is PodResizePending, Infeasible, and changes nothing."""
+    n = node
+    n.pod("r", {"requests": {"cpu": "100m", "memory": "32Mi"},
+                "limits": {"cpu": "200m", "memory": "64Mi"}})
+    before = n.running("r")
+    cid = before.status.container_statuses[0].container_id
+    parent = f"{n.ctd.cgroup_root}/kubepods/burstable/pod{before.metadata.uid}"
+    cpu, mem = n.cgroup("cpu", parent), n.cgroup("memory", parent)
+    assert value(cpu / cid.split("://")[1], "cpu.cfs_quota_us") == 20_000
+    n.core.patch_namespaced_pod_resize("r", n.name, {"spec": {"containers": [{
+        "name": "main", "resources": {"requests": {"cpu": "150m", "memory": "48Mi"},
+                                      "limits": {"cpu": "400m", "memory": "96Mi"}}}]}})
+
+    def resized() -> client.V1Pod | None:
+        p = n.core.read_namespaced_pod("r", n.name)
+        cs = p.status.container_statuses[0]
+        done = cs.resources.limits == {"cpu": "400m", "memory": "96Mi"} and not [
+            c for c in p.status.conditions if c.type.startswith("PodResize")]
+        return p if done else None
+    after = eventually(resized, "the resize applied and reported", 30)
+    cs = after.status.container_statuses[0]
+    assert (cs.container_id, cs.restart_count) == (cid, 0)  # the same container, running
+    assert cs.allocated_resources == {"cpu": "150m", "memory": "48Mi"}
+    assert cs.resources.requests == {"cpu": "150m", "memory": "48Mi"}
+    own = cid.split("://")[1]
+    assert (value(cpu / own, "cpu.cfs_quota_us"), value(cpu / own, "cpu.shares")) == \
+        (40_000, 153)
+    assert value(mem / own, "memory.limit_in_bytes") == 96 * MI
+    assert (value(cpu, "cpu.cfs_quota_us"), value(cpu, "cpu.shares")) == (40_000, 153)
+    assert value(mem, "memory.limit_in_bytes") == 96 * MI
+
+    n.core.patch_namespaced_pod_resize("r", n.name, {"spec": {"containers": [{
+        "name": "main", "resources": {"requests": {"cpu": "1000"},
+                                      "limits": {"cpu": "1000"}}}]}})
+
+    def pending() -> Any:
+        p = n.core.read_namespaced_pod("r", n.name)
+        return next((c for c in p.status.conditions or [] if c.type == "PodResizePending"),
+                    None)
+    cond = eventually(pending, "the infeasible resize reported", 30)
+    assert cond.reason == "Infeasible"
+    assert cond.message.startswith("Node didn't have enough capacity: cpu, requested: "
+                                   "1000000, capacity: ")
+    assert value(cpu / own, "cpu.cfs_quota_us") == 40_000  # nothing changed
+    n.core.delete_namespaced_pod("r", n.name, grace_period_seconds=0)

@@ -555,6 +555,9 @@ def strategic_merge(target: Obj, patch: Obj) -> Obj:
             mk = MERGE_KEYS[key]
             merged = {item[mk]: item for item in out.get(key) or []}
             for item in value:
+                if item.get("$patch") == "delete":  # the item of that key goes
+                    merged.pop(item[mk], None)
+                    continue
                 merged[item[mk]] = strategic_merge(merged.get(item[mk], {}), item)
             out[key] = list(merged.values())
         elif isinstance(value, dict):

@@ -180,6 +180,39 @@ def test_pods_go_under_their_qos_cgroup_and_burstable_shares_follow_them() -> No
     assert b.cgroups["/np-test/kubepods/burstable"].cpu_shares == 102
 
 
+def test_a_resize_sets_what_grows_first_and_what_shrinks_last_and_the_qos_follows() -> None:
+    m = manager()
+    b = m.backend
+    assert isinstance(b, MemoryCgroups)
+    pod = burstable("u1", "300m")  # cpu limit 1, no memory limit
+    m.ensure(pod)
+    path = "/kubepods/burstable/podu1"
+    assert (b.cgroups[path].cpu_shares, b.cgroups[path].cpu_quota) == (307, 100000)
+    # more shares, a smaller quota: the shares go with the growers, the quota after
+    more = mkpod("b", "u1", containers=[ctr("a", {"cpu": "600m", "memory": "32Mi"},
+                                            {"cpu": "800m"})])
+    m.resize(more, "cpu", grow=True)
+    assert (b.cgroups[path].cpu_shares, b.cgroups[path].cpu_quota) == (614, 100000)
+    m.resize(more, "cpu", grow=False)
+    assert (b.cgroups[path].cpu_shares, b.cgroups[path].cpu_quota) == (614, 80000)
+    # no memory limit in the pod's resources: the cgroup's stays as it is
+    m.resize(more, "memory", grow=True)
+    m.resize(more, "memory", grow=False)
+    assert b.cgroups[path].memory_limit is None and m.memory_limit_lowered(more) is None
+    assert b.cgroups["/kubepods/burstable"].cpu_shares == 307
+    m.recount(more)  # the QoS cgroup counts what the pod asks now
+    assert b.cgroups["/kubepods/burstable"].cpu_shares == 614
+    g = guaranteed("u2")  # 2 x 64Mi
+    m.ensure(g)
+    smaller = mkpod("g", "u2", containers=[ctr("a", limits={"cpu": "250m", "memory": "32Mi"}),
+                                           ctr("b", limits={"cpu": "250m", "memory": "64Mi"})])
+    assert m.memory_limit_lowered(smaller) == 96 * MI
+    m.resize(smaller, "memory", grow=True)
+    assert b.cgroups["/kubepods/podu2"].memory_limit == 128 * MI
+    m.resize(smaller, "memory", grow=False)
+    assert b.cgroups["/kubepods/podu2"].memory_limit == 96 * MI
+
+
 def test_qos_reserved_memory_holds_back_the_classes_above() -> None:
     m = manager(qos_reserved_memory=50)
     big = mkpod("g", "ug", containers=[ctr("a", limits={"cpu": "1", "memory": "1Gi"})])

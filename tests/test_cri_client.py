@@ -39,6 +39,7 @@ from nodeagent.runtime.base import (
     LABEL_POD_NAME,
     LABEL_POD_NAMESPACE,
     LABEL_POD_UID,
+    Resources,
 )
 from nodeagent.runtime.cri import CriRuntime
 from nodeagent.runtime.cri.criruntime import ANNOTATION_HOST_NETWORK, LABEL_ATTEMPT
@@ -156,7 +157,8 @@ class FakeCri(pb_grpc.RuntimeServiceServicer, pb_grpc.ImageServiceServicer):
         c = req.config
         self.containers[cid] = pb.ContainerStatus(
             id=cid, metadata=c.metadata, state=pb.CONTAINER_CREATED, created_at=2 * 10**18,
-            image=c.image, image_ref="sha256:abc", labels=c.labels, annotations=c.annotations)
+            image=c.image, image_ref="sha256:abc", labels=c.labels, annotations=c.annotations,
+            resources=pb.ContainerResources(linux=c.linux.resources))
         self.container_sandbox[cid] = req.pod_sandbox_id
         self.event(cid, pb.CONTAINER_CREATED_EVENT)
         return pb.CreateContainerResponse(container_id=cid)
@@ -185,6 +187,14 @@ class FakeCri(pb_grpc.RuntimeServiceServicer, pb_grpc.ImageServiceServicer):
             await ctx.abort(grpc.StatusCode.NOT_FOUND, f"container {req.container_id}")
         self.exit(req.container_id, 143, "Error")
         return pb.StopContainerResponse()
+
+    async def UpdateContainerResources(self, req: Any, ctx: Any
+                                       ) -> pb.UpdateContainerResourcesResponse:
+        await self._record("UpdateContainerResources", req, ctx)
+        if req.container_id not in self.containers:
+            await ctx.abort(grpc.StatusCode.NOT_FOUND, f"container {req.container_id}")
+        self.containers[req.container_id].resources.linux.CopyFrom(req.linux)
+        return pb.UpdateContainerResourcesResponse()
 
     async def RemoveContainer(self, req: Any, ctx: Any) -> pb.RemoveContainerResponse:
         await self._record("RemoveContainer", req, ctx)
@@ -378,6 +388,32 @@ async def test_pod_status_details_and_adoption_fields(tmp_path: Path) -> None:
         fake.vanish_on_status.add(c0)
         assert [c.id for c in (await rt.pod_status("u1")).containers] == [c1]
         assert (await rt.pod_status("unknown")).containers == []
+
+
+@aio
+async def test_a_resize_is_sent_and_what_the_runtime_applied_is_read_back(
+        tmp_path: Path) -> None:
+    """UpdateContainerResources carries the cgroup settings; the container's status
+    gives them back in the spec's units, the kubelet's way (the request from the shares,
+    rounded up; the limit from quota and period; no memory request)."""
+    p = pod()
+    p["spec"]["containers"][0]["resources"] = {"requests": {"cpu": "250m"},
+                                               "limits": {"cpu": "500m", "memory": "64Mi"}}
+    async with served(tmp_path) as (fake, rt):
+        _, cid = await start(rt, p)
+        [c] = (await rt.pod_status("u1")).containers
+        assert c.resources == Resources(250, 500, None, 64 * 2**20)
+        await rt.update_container_resources(cid, Resources(300, 600, 32 * 2**20, 128 * 2**20),
+                                            oom_score_adj=900)
+        sent = fake.last("UpdateContainerResources")
+        assert sent.container_id == cid
+        assert (sent.linux.cpu_shares, sent.linux.cpu_quota, sent.linux.cpu_period,
+                sent.linux.memory_limit_in_bytes, sent.linux.oom_score_adj) == (
+            307, 60000, 100000, 128 * 2**20, 900)
+        [c] = (await rt.pod_status("u1")).containers
+        assert c.resources == Resources(300, 600, None, 128 * 2**20)
+        with pytest.raises(NotFound):
+            await rt.update_container_resources("nope", Resources())
 
 
 @aio

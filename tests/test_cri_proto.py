@@ -88,7 +88,11 @@ OFFICIAL: dict[str, dict[str, int]] = {
     "ContainerStatus": {"id": 1, "metadata": 2, "state": 3, "created_at": 4,
                         "started_at": 5, "finished_at": 6, "exit_code": 7, "image": 8,
                         "image_ref": 9, "reason": 10, "message": 11, "labels": 12,
-                        "annotations": 13, "mounts": 14, "log_path": 15, "image_id": 17},
+                        "annotations": 13, "mounts": 14, "log_path": 15, "resources": 16,
+                        "image_id": 17},
+    "ContainerResources": {"linux": 1},
+    "UpdateContainerResourcesRequest": {"container_id": 1, "linux": 2},
+    "UpdateContainerResourcesResponse": {},
     "ContainerStatusResponse": {"status": 1, "info": 2},
     "Image": {"id": 1, "repo_tags": 2, "repo_digests": 3, "size": 4, "uid": 5,
               "username": 6, "spec": 7, "pinned": 8},
@@ -161,7 +165,8 @@ def test_services_and_methods_are_the_official_names() -> None:
     assert set(methods) == {"Version", "RunPodSandbox", "StopPodSandbox", "RemovePodSandbox",
                             "PodSandboxStatus", "ListPodSandbox", "CreateContainer",
                             "StartContainer", "StopContainer", "RemoveContainer",
-                            "ListContainers", "ContainerStatus", "Status",
+                            "ListContainers", "ContainerStatus", "UpdateContainerResources",
+                            "Status",
                             "ReopenContainerLog", "ExecSync", "Exec", "Attach", "PortForward",
                             "ListContainerStats", "GetContainerEvents"}
     events = rt.methods_by_name["GetContainerEvents"]

@@ -26,9 +26,11 @@ from nodeagent.pods.decide import (
 )
 from nodeagent.pods.probes import Kind
 from nodeagent.runtime.base import (
+    ANNOTATION_RESOURCES,
     Container,
     ContainerState,
     PodRuntimeStatus,
+    Resources,
     Sandbox,
     SandboxState,
     container_spec_hash,
@@ -179,6 +181,19 @@ def test_a_changed_definition_is_killed_and_started_again_without_back_off() -> 
     assert starts(act) == [("c", 3, False)] and act.start[0].backoff_key is None
 
 
+def test_a_container_made_before_in_place_resize_keeps_its_whole_spec_hash() -> None:
+    """An agent before in-place resize hashed the resources too and recorded none: its
+    containers are not restarted by an upgrade; a changed image still restarts them."""
+    spec = box("c", resources={"requests": {"cpu": "100m"}})
+    old = c("c", RUNNING)
+    old.spec_hash = container_spec_hash(spec, whole=True)
+    act = Case(mkpod("p", containers=[spec]), sandboxes=[sb()], containers=[old]).decide()
+    assert not act.kill and not act.start
+    newer = {**spec, "image": "localhost/busybox:2"}
+    act = Case(mkpod("p", containers=[newer]), sandboxes=[sb()], containers=[old]).decide()
+    assert kills(act) == [("c", "Container c definition changed, will be restarted", None)]
+
+
 @pytest.mark.parametrize("policy,message", [
     ("Always", "Container c failed liveness probe, will be restarted"),
     ("Never", "Container c failed liveness probe"),
@@ -322,6 +337,102 @@ def test_a_sidecars_failed_startup_probe_kills_it() -> None:
                verdicts=Verdicts(probe_kills={running.id: Kind.STARTUP})).decide()
     assert kills(act) == [("side", "Init container side failed startup probe", None)]
     assert act.init_blocked
+
+
+# --- in-place resize -------------------------------------------------------------------
+
+MI = 1024 * 1024
+GIVEN = Resources(100, 100, 64 * MI, 64 * MI)  # what the running container was made with
+
+
+def sized(name: str = "c", cpu: str = "100m", memory: str = "64Mi",
+          policy: dict[str, str] | None = None) -> dict[str, Any]:
+    """A Guaranteed container of these resources, with a resizePolicy per resource."""
+    res = {"cpu": cpu, "memory": memory}
+    return box(name, resources={"requests": res, "limits": dict(res)},
+               resizePolicy=[{"resourceName": k, "restartPolicy": v}
+                             for k, v in (policy or {}).items()])
+
+
+def made(spec: dict[str, Any], given: Resources | None = GIVEN, attempt: int = 0,
+         state: ContainerState = RUNNING) -> Container:
+    """The container running `spec`, made with `given` (None: no record of it)."""
+    out = c(str(spec["name"]), state, attempt, spec=spec)
+    if given is not None:
+        out.annotations[ANNOTATION_RESOURCES] = given.encode()
+    return out
+
+
+RESTART, NOT_REQUIRED = "RestartContainer", "NotRequired"
+RESIZE_CASES = [
+    # (allocated spec, applied, recorded updates) -> (in place: resources, restarted)
+    (sized(), GIVEN, {}, [], False),
+    (sized(cpu="200m"), GIVEN, {}, [("cpu",)], False),
+    (sized(memory="128Mi"), GIVEN, {}, [("memory",)], False),
+    (sized(cpu="200m", memory="32Mi"), GIVEN, {}, [("memory", "cpu")], False),
+    # "1" is 1000m: a value, not a string, is compared
+    (sized(cpu="1"), Resources(1000, 1000, 64 * MI, 64 * MI), {}, [], False),
+    # the policy of the resource that changes decides
+    (sized(cpu="200m", policy={"memory": RESTART}), GIVEN, {}, [("cpu",)], False),
+    (sized(memory="128Mi", policy={"memory": RESTART}), GIVEN, {}, [], True),
+    (sized(cpu="300m", memory="128Mi", policy={"cpu": RESTART, "memory": NOT_REQUIRED}),
+     GIVEN, {}, [], True),
+    # its last in-place update counts, not what it was made with
+    (sized(cpu="200m"), GIVEN, {"c-0": Resources(200, 200, 64 * MI, 64 * MI)}, [], False),
+    # made by an agent that kept no record: from nothing, as the kubelet without its own
+    (sized(), None, {}, [("memory", "cpu")], False),
+]
+
+
+@pytest.mark.parametrize("spec,given,updated,in_place,restarted", RESIZE_CASES,
+                         ids=["same", "cpu", "memory", "both", "equivalent",
+                              "other-policy", "memory-restart", "cpu-restart", "recorded",
+                              "no-record"])
+def test_a_running_container_follows_its_allocated_resources(
+        spec: dict[str, Any], given: Resources | None, updated: dict[str, Resources],
+        in_place: list[tuple[str, ...]], restarted: bool) -> None:
+    cur = made(spec, given)
+    act = Case(mkpod("p", containers=[spec]), sandboxes=[sb()], containers=[cur],
+               verdicts=Verdicts(resized=updated)).decide()
+    assert [r.resources for r in act.resize] == in_place
+    assert act.resize_restarts == restarted
+    if restarted:
+        assert kills(act) == [("c", "Container c resize requires restart", None)]
+        assert starts(act) == [("c", 1, False)] and act.start[0].backoff_key is None
+    else:
+        assert not act.kill and not act.start
+    for r in act.resize:  # from what it has now to what is allocated
+        assert r.container is cur and r.have == (given or Resources())
+        limits = spec["resources"]["limits"]
+        assert (r.want.cpu_limit_millis, r.want.memory_limit_bytes) == (
+            {"100m": 100, "200m": 200}[limits["cpu"]],
+            {"64Mi": 64 * MI, "32Mi": 32 * MI, "128Mi": 128 * MI}[limits["memory"]])
+
+
+def test_only_a_running_container_is_resized() -> None:
+    """One that exited starts again with what is allocated; a static pod's containers
+    are never resized in place."""
+    spec = sized(cpu="200m")
+    act = Case(mkpod("p", containers=[spec]), sandboxes=[sb()],
+               containers=[made(spec, state=EXITED)]).decide()
+    assert not act.resize and starts(act) == [("c", 1, False)]
+    static = mkpod("p", containers=[spec])
+    static["metadata"]["annotations"] = {"kubernetes.io/config.source": "file"}
+    act = Case(static, sandboxes=[sb()], containers=[made(spec)]).decide()
+    assert not act.resize and not act.kill
+
+
+def test_a_sidecar_is_resized_and_an_init_container_is_not() -> None:
+    side = {**sized("side", cpu="200m"), "restartPolicy": "Always"}
+    act = Case(mkpod("p", initContainers=[side], containers=[sized()]), sandboxes=[sb()],
+               containers=[made(side), made(sized())],
+               verdicts=Verdicts(started=frozenset({"side-0"}))).decide()
+    assert [(r.container.name, r.resources) for r in act.resize] == [("side", ("cpu",))]
+    side = {**side, "resizePolicy": [{"resourceName": "cpu", "restartPolicy": RESTART}]}
+    act = Case(mkpod("p", initContainers=[side], containers=[sized()]), sandboxes=[sb()],
+               containers=[made(side), made(sized())]).decide()
+    assert kills(act) == [("side", "Container side resize requires restart", None)]
+    assert starts(act) == [("side", 1, False)] and act.start[0].init
 
 
 # --- ephemeral containers --------------------------------------------------------------

@@ -5,12 +5,14 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 from nodeagent.api.answered import ApiAnswered
 from nodeagent.api.clock import FakeClock, settle
 from nodeagent.api.kube import PODS
 from nodeagent.pods.podstatus import Ending, StatusManager, Waiting, compute_pod_status, owned
+from nodeagent.pods.resize import ResizeCondition
 from nodeagent.runtime import (
     Container,
     ContainerState,
@@ -18,6 +20,7 @@ from nodeagent.runtime import (
     Sandbox,
     SandboxState,
 )
+from nodeagent.runtime.base import Resources
 from tests.conftest import aio, mkpod, pod_deletes, status_patches
 from tests.fakekube import FakeKube, api_error
 
@@ -172,6 +175,68 @@ def test_transition_times_kept_while_unchanged() -> None:
     assert ready["status"] == "False" and ready["lastTransitionTime"] == "2026-01-01T00:05:00Z"
     sched = next(c for c in changed["conditions"] if c["type"] == "PodScheduled")
     assert sched["lastTransitionTime"] == "2026-01-01T00:00:00Z"
+
+
+def sized(requests: dict[str, str], limits: dict[str, str] | None = None) -> dict:
+    pod = web()
+    pod["spec"]["containers"][0]["resources"] = {"requests": requests,
+                                                 **({"limits": limits} if limits else {})}
+    return pod
+
+
+RESOURCES_CASES = [
+    # (requests, limits, what the runtime applied) -> the status' requests and limits
+    ({"cpu": "25m", "memory": "20Mi"}, {"cpu": "35m", "memory": "30Mi"},
+     Resources(25, 35, 20 * 2**20, 30 * 2**20),
+     {"cpu": "25m", "memory": "20Mi"}, {"cpu": "35m", "memory": "30Mi"}),
+    # applied is not allocated yet (mid-resize): the runtime's values are reported
+    ({"cpu": "1", "memory": "1Gi"}, {"cpu": "2", "memory": "2Gi"},
+     Resources(500, 1500, 2**29, 2**30),
+     {"cpu": "500m", "memory": "512Mi"}, {"cpu": "1500m", "memory": "1Gi"}),
+    # below 2 shares and a 10m quota the cgroups cannot tell: as allocated
+    ({"cpu": "1m"}, {"cpu": "5m"}, Resources(2, 10, None, None),
+     {"cpu": "1m"}, {"cpu": "5m"}),
+    # no limit set: none reported
+    ({"cpu": "100m"}, None, Resources(100, None, None, None), {"cpu": "100m"}, None),
+]
+
+
+@pytest.mark.parametrize("requests,limits,applied,want_requests,want_limits",
+                         RESOURCES_CASES, ids=["same", "mid-resize", "equivalents", "requests"])
+def test_container_resources_are_what_the_runtime_applied(
+        requests: dict[str, str], limits: dict[str, str] | None, applied: Resources,
+        want_requests: dict[str, str], want_limits: dict[str, str] | None) -> None:
+    running = ctr("a", ContainerState.RUNNING)
+    st = status(sized(requests, limits), rs(running), applied={running.id: applied})
+    a = st["containerStatuses"][0]
+    assert a["resources"] == {"requests": want_requests,
+                              **({"limits": want_limits} if want_limits else {})}
+    assert a["allocatedResources"] == requests
+    b = st["containerStatuses"][1]  # no runtime container: neither is reported
+    assert "resources" not in b and "allocatedResources" not in b
+
+
+def test_an_exited_container_reports_what_is_allocated_and_resize_conditions_end_with_the_pod(
+        ) -> None:
+    pod = sized({"cpu": "200m"})
+    gone = ctr("a", ContainerState.EXITED, code=0)
+    pending = ResizeCondition("PodResizePending", "Deferred", "no room", 3)
+    st = status(pod, rs(gone, ctr("b", ContainerState.RUNNING)),
+                applied={gone.id: Resources(100)}, resize=[pending])
+    assert st["containerStatuses"][0]["resources"] == {"requests": {"cpu": "200m"}}
+    [c] = [c for c in st["conditions"] if c["type"] == "PodResizePending"]
+    assert (c["status"], c["reason"], c["message"], c["observedGeneration"]) == (
+        "True", "Deferred", "no room", 3)
+    later = compute_pod_status(pod, rs(gone, ctr("b", ContainerState.RUNNING)),
+                               host_ip="192.0.2.1", scheme="containerd",
+                               now=T0 + dt.timedelta(seconds=30), previous=st,
+                               resize=[pending])
+    [again] = [c for c in later["conditions"] if c["type"] == "PodResizePending"]
+    assert again["lastTransitionTime"] == again["lastProbeTime"] == c["lastTransitionTime"]
+    done = status(pod, rs(gone, ctr("b", ContainerState.EXITED, code=0)), terminal=True,
+                  resize=[pending])
+    assert done["phase"] == "Succeeded" and not [
+        c for c in done["conditions"] if c["type"].startswith("PodResize")]
 
 
 def api(*pods: dict) -> FakeKube:

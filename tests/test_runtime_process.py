@@ -30,7 +30,7 @@ from nodeagent.runtime import (
     Unsupported,
     make_runtime,
 )
-from nodeagent.runtime.base import LABEL_CONTAINER_NAME, LABEL_POD_UID
+from nodeagent.runtime.base import LABEL_CONTAINER_NAME, LABEL_POD_UID, Resources
 from nodeagent.runtime.process import ANNOTATION_PID, WRAPPER, ProcessRuntime
 from tests.conftest import aio, mkpod
 
@@ -555,3 +555,17 @@ async def test_an_ephemeral_container_joins_only_a_running_target(tmp_path: Path
         dbg.name, dbg.log_path = "debugger2", "debugger2/0.log"
         with pytest.raises(ContainerRuntimeError, match="targetContainerName"):
             await rt.create_container(sid, dbg, sc)
+
+
+@aio
+async def test_a_running_process_cannot_be_resized_and_says_why(tmp_path: Path) -> None:
+    """A process runs in the agent's own cgroup: an in-place resize is refused (the pod's
+    PodResizeInProgress condition carries this message) and the process runs on."""
+    async with runtime(tmp_path / "state") as rt:
+        _, cid = await start(rt, pod(["sleep", "600"], resources={"requests": {"cpu": "100m"}}))
+        with pytest.raises(Unsupported, match="the process runtime runs a process in the "
+                                              "agent's own cgroup and cannot change its CPU "
+                                              "or memory in place"):
+            await rt.update_container_resources(cid, Resources(cpu_request_millis=200))
+        assert (await one(rt, cid)).state == ContainerState.RUNNING
+        assert (await one(rt, cid)).resources is None  # it applies none

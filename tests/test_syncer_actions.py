@@ -12,7 +12,14 @@ import pytest
 from nodeagent.api.clock import FakeClock
 from nodeagent.api.kube import PODS
 from nodeagent.pods.admission import Rejection
-from nodeagent.pods.decide import KillContainer, PodActions, StartContainer, Verdict
+from nodeagent.pods.cgroups import CgroupValues, MemoryCgroups
+from nodeagent.pods.decide import (
+    KillContainer,
+    PodActions,
+    ResizeContainer,
+    StartContainer,
+    Verdict,
+)
 from nodeagent.pods.podstatus import Waiting
 from nodeagent.pods.podupdate import Pod
 from nodeagent.pods.syncer import PodSyncer, SyncResult
@@ -21,6 +28,7 @@ from nodeagent.runtime.base import (
     ContainerRuntimeError,
     ContainerState,
     PodRuntimeStatus,
+    Resources,
     SandboxConfig,
     SandboxState,
 )
@@ -237,3 +245,131 @@ async def test_the_runtime_state_it_reads_is_the_one_it_is_given() -> None:
     before = r.rt.calls["pod_status"]
     await r.syncer.act(pod, rs, PodActions(Verdict.RUN, sandbox=r.rt.sandboxes[sid]))
     assert r.rt.calls["pod_status"] == before
+
+
+# --- in-place resize ----------------------------------------------------------------
+
+MI = 1024 * 1024
+
+
+def sized(cpu: str = "100m", memory: str = "64Mi", **meta: Any) -> Pod:
+    """Pod p with one Guaranteed container c of these resources."""
+    res = {"cpu": cpu, "memory": memory}
+    pod = mkpod("p", containers=[{"name": "c", "image": "localhost/busybox:1",
+                                  "command": ["sleep", "3600"],
+                                  "resources": {"requests": res, "limits": dict(res)}}])
+    pod["metadata"].update(meta)
+    return pod
+
+
+async def running(r: Rig, pod: Pod) -> tuple[str, str]:
+    """Its sandbox and container made and its first sync done (the pod cgroup made)."""
+    sid = await r.sandbox(pod)
+    cid = await r.container(pod, sid)
+    await r.act(pod, PodActions(Verdict.RUN, sandbox=r.rt.sandboxes[sid]))
+    return sid, cid
+
+
+def resize(r: Rig, pod: Pod, cid: str, want: Resources, have: Resources) -> ResizeContainer:
+    return ResizeContainer(r.rt.containers[cid], spec(pod), want, have)
+
+
+SMALL = Resources(100, 100, 64 * MI, 64 * MI)
+
+
+def backend(r: Rig) -> MemoryCgroups:
+    """Where the rig's pod cgroups are kept."""
+    assert isinstance(r.a.cgroups.backend, MemoryCgroups)
+    return r.a.cgroups.backend
+
+
+@aio
+async def test_a_resize_changes_the_container_and_its_pod_cgroup_in_place() -> None:
+    r = Rig()
+    sid, cid = await running(r, sized())
+    path = r.a.cgroups.tracked()["uid-p"]
+    big = sized("200m", "128Mi", generation=2)
+    want = Resources(200, 200, 128 * MI, 128 * MI)
+    res = await r.act(big, PodActions(Verdict.RUN, sandbox=r.rt.sandboxes[sid],
+                                      resize=(resize(r, big, cid, want, SMALL),)))
+    assert r.state(cid) == ContainerState.RUNNING and r.rt.containers[cid].resources == want
+    assert r.rt.calls["update_container_resources"] == 2  # memory, then cpu
+    v = backend(r).cgroups[path]
+    assert (v.memory_limit, v.cpu_shares, v.cpu_quota) == (128 * MI, 204, 20000)
+    cs = r.status()["containerStatuses"][0]
+    assert cs["resources"] == {"limits": {"cpu": "200m", "memory": "128Mi"},
+                               "requests": {"cpu": "200m", "memory": "128Mi"}}
+    assert cs["allocatedResources"] == {"cpu": "200m", "memory": "128Mi"}
+    assert res.fresh is not None and res.requeue_after is None
+    # what it was given is what the next decision starts from
+    assert r.a.loop.syncer.containers.resized("uid-p") == {cid: want}
+
+
+@aio
+async def test_what_grows_is_set_before_the_containers_and_what_shrinks_after() -> None:
+    """The kubelet's order: memory, then CPU; the pod cgroup's larger values before the
+    containers are resized, its smaller ones after."""
+    r = Rig()
+    sid, cid = await running(r, sized())
+    path = r.a.cgroups.tracked()["uid-p"]
+    done: list[tuple[str, int | None, int | None]] = []
+    update, cg_update = r.rt.update_container_resources, backend(r).update
+
+    async def container(cid: str, res: Resources, adj: int | None = None) -> None:
+        done.append(("container", res.memory_limit_bytes, res.cpu_limit_millis))
+        await update(cid, res, adj)
+
+    def cgroup(p: str, values: CgroupValues) -> None:
+        if p == path:
+            done.append(("pod", values.memory_limit, values.cpu_quota))
+        cg_update(p, values)
+    setattr(r.rt, "update_container_resources", container)  # noqa: B010
+    setattr(r.a.cgroups.backend, "update", cgroup)  # noqa: B010
+    pod = sized("200m", "32Mi", generation=2)
+    await r.act(pod, PodActions(Verdict.RUN, sandbox=r.rt.sandboxes[sid], resize=(
+        resize(r, pod, cid, Resources(200, 200, 32 * MI, 32 * MI), SMALL),)))
+    assert done == [("container", 32 * MI, 100), ("pod", 32 * MI, None),
+                    ("pod", None, 20000), ("container", 32 * MI, 200)]
+
+
+@aio
+async def test_an_update_the_runtime_refuses_is_the_in_progress_conditions_error() -> None:
+    r = Rig()
+    sid, cid = await running(r, sized())
+    pod = sized("200m", generation=2)
+    r.rt.fail["update_container_resources"] = ContainerRuntimeError("cgroup says no")
+    act = PodActions(Verdict.RUN, sandbox=r.rt.sandboxes[sid], resize=(
+        resize(r, pod, cid, Resources(200, 200, 64 * MI, 64 * MI), SMALL),))
+    res = await r.act(pod, act)
+    assert res.requeue_after == 10.0  # tried again
+    [cond] = [c for c in r.status()["conditions"] if c["type"] == "PodResizeInProgress"]
+    assert (cond["status"], cond["reason"], cond["message"], cond["observedGeneration"]) \
+        == ("True", "Error", "cgroup says no", 2)
+    assert r.events()[-1]["reason"] == "ResizeError"
+    assert r.events()[-1]["message"].startswith('Pod resize error: {"containers":[{"name":"c"')
+    assert r.events()[-1]["message"].endswith('"generation":2,"error":"cgroup says no"}')
+    assert r.rt.containers[cid].resources == SMALL  # nothing changed
+    # the same error again is no new Event; once it goes through, the resize is done
+    await r.act(pod, act)
+    r.rt.fail.clear()
+    await r.act(pod, act)
+    assert r.reasons().count("ResizeError") == 1 and r.reasons()[-1] == "ResizeCompleted"
+    assert not [c for c in r.status()["conditions"]
+                if c["type"].startswith("PodResize") and "$patch" not in c]
+
+
+@aio
+async def test_a_memory_limit_below_what_is_used_is_refused_before_anything_changes() -> None:
+    r = Rig()
+    pod = sized(annotations={"fake.nodepulse.dev/memory": "50Mi"})
+    sid, cid = await running(r, pod)
+    small = sized("100m", "32Mi", generation=2)
+    await r.act(small, PodActions(Verdict.RUN, sandbox=r.rt.sandboxes[sid], resize=(
+        resize(r, small, cid, Resources(100, 100, 32 * MI, 32 * MI), SMALL),)))
+    [cond] = [c for c in r.status()["conditions"] if c["type"] == "PodResizeInProgress"]
+    assert cond["reason"] == "Error" and cond["message"] == (
+        "cannot decrease memory limits: [attempting to set pod memory limit (33554432) "
+        "below current usage (52428800), attempting to set container \"c\" memory limit "
+        "(33554432) below current usage (52428800)]")
+    assert r.rt.calls["update_container_resources"] == 0
+    assert backend(r).cgroups[r.a.cgroups.tracked()["uid-p"]].memory_limit == 64 * MI

@@ -3,7 +3,8 @@ docs/conformance.md.
 
 e2e.test is built from the pinned k8s.io/kubernetes module (nodepulse_dev/build.py). The
 specs are those of specs.yaml's focus (the [NodeConformance] specs of
-test/e2e/common/node and test/e2e/common/storage, and NodeLease), listed by a ginkgo dry
+test/e2e/common/node and test/e2e/common/storage, NodeLease, and the in-place pod resize
+[Conformance] specs), listed by a ginkgo dry
 run; each one runs in an e2e.test process of its own (`--ginkgo.focus` naming exactly
 that spec), `workers` of them at a time, so a spec
 that waits out a 5-minute timeout holds one worker, not the run; the specs that need the
@@ -310,13 +311,13 @@ def write_doc(results: list[Result], plan: Plan, wall: float, path: Path = DOC,
     lines = [
         "# Upstream node conformance",
         "",
-        f"The `[NodeConformance]` specs of `test/e2e/common/node` and `test/e2e/common/storage` "
-        f"(the kubelet's volume specs) and the NodeLease specs of "
-        f"Kubernetes {version}, run by `e2e.test` (built from the pinned module) against one "
-        "nodepulse agent on containerd, on the local control plane with the nodepulse "
-        "operator. Written by `e2e/test_conformance.py` (or `python -m e2e.conformance`); "
-        "what runs, what cannot run here and why, and which specs must pass are in "
-        "`e2e/conformance/specs.yaml`.",
+        f"The `[NodeConformance]` specs of `test/e2e/common/node` and "
+        "`test/e2e/common/storage` (the kubelet's volume specs), the NodeLease specs and "
+        f"the in-place pod resize `[Conformance]` specs of Kubernetes {version}, run by "
+        "`e2e.test` (built from the pinned module) against one nodepulse agent on "
+        "containerd, on the local control plane with the nodepulse operator. Written by "
+        "`e2e/test_conformance.py` (or `python -m e2e.conformance`); what runs, what cannot "
+        "run here and why, and which specs must pass are in `e2e/conformance/specs.yaml`.",
         "",
         f"**{counts[PASSED]} passed, {counts[FAILED]} failed, {counts[SKIPPED]} skipped by "
         f"the spec, {counts[NOT_RUN]} not run** of {len(results)}; "

@@ -22,6 +22,12 @@ Two parts:
   they are stopped with phase Failed, reason Preempting, and the critical pod starts
   once they have stopped. An admitted pod stays admitted: admission never stops a pod
   that runs.
+
+What an admitted pod holds is its allocation: its requests as admitted. An in-place
+resize (resize.py) changes it only once the new requests fit the node beside the other
+pods (`resize`, the kubelet's handlePodResourcesResize): one that never can is
+Infeasible, one that may later is Deferred and tried again when a pod leaves the node
+or another resize is allocated, in the kubelet's order.
 """
 
 from __future__ import annotations
@@ -36,7 +42,8 @@ from pathlib import Path
 from typing import Any
 
 from nodeagent.api.kube import describe
-from nodeagent.events import WARNING, Events
+from nodeagent.events import NORMAL, WARNING, Events
+from nodeagent.pods import resize as rz
 from nodeagent.pods.podstatus import Ending, is_sidecar
 from nodeagent.pods.podupdate import Pod, is_static
 from nodeagent.pods.resources import (
@@ -51,6 +58,7 @@ from nodeagent.pods.resources import (
     is_scalar,
     pod_requests,
     preemptable,
+    priority,
     qos_class,
     request_of,
 )
@@ -523,11 +531,13 @@ class NodeAdmission:
                  node_info: Callable[[], Node | None], running: Callable[[str], bool],
                  events: Events | None = None,
                  pressure: Callable[[], frozenset[str]] | None = None,
-                 shutting_down: Callable[[], bool] | None = None) -> None:
+                 shutting_down: Callable[[], bool] | None = None,
+                 resizes: rz.ResizeConditions | None = None) -> None:
         """`node_info`: the Node as admission reads it (None: unknown); `running(uid)`:
         whether the runtime runs something of the pod; `pressure`: the node's pressure
         conditions now (the eviction manager's), under which a new pod may be refused;
-        `shutting_down`: whether the node is shutting down (no new pod then)."""
+        `shutting_down`: whether the node is shutting down (no new pod then);
+        `resizes`: the pods' resize conditions, PodResizePending set here."""
         self.node = node
         self.settings = settings
         self.node_info = node_info
@@ -535,9 +545,14 @@ class NodeAdmission:
         self.events = events
         self._pressure = pressure
         self._shutting_down = shutting_down
+        self.resizes = resizes if resizes is not None else rz.ResizeConditions()
         # stop a preempted pod with this status (the pod loop's: a KILL to its worker)
         self.on_preempt: Callable[[Pod, Ending], None] | None = None
+        # sync a pod whose resize was allocated while another pod was being synced
+        self.on_resize: Callable[[Pod], None] | None = None
         self.admitted: dict[str, Held] = {}
+        # resizes not allocated yet (Deferred, or not decided): uid -> (since, the pod)
+        self._resizing: dict[str, tuple[int, Pod]] = {}
         # seen, undecided: uid -> (arrival, pod, to stop)
         self._pending: dict[str, tuple[int, Pod, bool]] = {}
         self._rejected: dict[str, Rejection] = {}
@@ -572,10 +587,14 @@ class NodeAdmission:
             self._pending[uid] = (arrival, pod, True)
 
     def release(self, uid: str) -> None:
-        """The pod's containers have stopped for good: what it held is free."""
-        self.admitted.pop(uid, None)
+        """The pod's containers have stopped for good: what it held is free (a deferred
+        resize may fit now)."""
+        held = self.admitted.pop(uid, None)
         self._pending.pop(uid, None)
+        self._resizing.pop(uid, None)
         self._ended.add(uid)
+        if held is not None and self._resizing:
+            self._retry_resizes()
         if uid in self._stopping:
             self._stopping.discard(uid)
             if not self._stopping:
@@ -591,6 +610,7 @@ class NodeAdmission:
         self.release(uid)
         self._ended.discard(uid)
         self._rejected.pop(uid, None)
+        self.resizes.forget(uid)
 
     # -- what the syncer asks --
 
@@ -625,6 +645,98 @@ class NodeAdmission:
         if self._turn is None:
             self._turn = asyncio.get_running_loop().create_future()
         return (self._turn,)
+
+    # -- resizes --
+
+    def allocated(self, pod: Pod) -> Pod:
+        """`pod` with its resizable containers' resources as allocated: a resize not
+        allocated (yet) is not in it. An admitted pod runs as this says."""
+        held = self.admitted.get(str(pod["metadata"]["uid"]))
+        return pod if held is None or held.pod is pod else rz.with_allocation(pod, held.pod)
+
+    def resize(self, pod: Pod) -> Pod:
+        """Allocate `pod`'s resize if it asks for one and it fits (then PodResizePending
+        is cleared, PodResizeInProgress set and a ResizeStarted Event written); else
+        PodResizePending says why. Every other pending resize is tried again with it, in
+        the kubelet's order. Returns the pod as allocated now."""
+        uid = str(pod["metadata"]["uid"])
+        if uid not in self.admitted:
+            return pod
+        now = self.allocated(pod)
+        if now is pod:  # nothing to allocate (or a pending resize was reverted)
+            self._resizing.pop(uid, None)
+            self.resizes.clear_pending(uid)
+            return pod
+        since = self._resizing.get(uid, (next(self._arrivals), pod))[0]
+        self._resizing[uid] = (since, pod)
+        self._retry_resizes(uid)
+        return self.allocated(pod)
+
+    def _retry_resizes(self, syncing: str = "") -> None:
+        """Try every pending resize: the ones that ask for no more first, then by
+        priority, Guaranteed before the others, the longest pending first. A pod whose
+        resize is allocated, or whose conditions changed, is synced (`on_resize`), but for
+        `syncing`, whose sync asked."""
+        def order(uid: str) -> tuple[bool, int, bool, bool, int]:
+            since, pod = self._resizing[uid]
+            held = self.admitted[uid]
+            more = pod_requests(pod)
+            grows = any(more.get(r, 0) > held.requests.get(r, 0) for r in (CPU, MEMORY))
+            return (grows, -(priority(pod) or 0), qos_class(pod) != "Guaranteed",
+                    self.resizes.get(uid, rz.PENDING) is None, since)
+        for uid in [u for u in self._resizing if u not in self.admitted]:
+            del self._resizing[uid]
+        for uid in sorted(self._resizing, key=order):
+            pod = self._resizing[uid][1]
+            before = self.resizes.of(uid)
+            if self._try_resize(uid, pod) != rz.DEFERRED:
+                del self._resizing[uid]
+            if uid != syncing and self.resizes.of(uid) != before \
+                    and self.on_resize is not None:
+                self.on_resize(pod)  # allocated, or its status says something new
+
+    def _try_resize(self, uid: str, pod: Pod) -> str:
+        """The kubelet's handlePodResourcesResize and canResizePod for one pod (desired
+        `pod`): "" when allocated or nothing to do, else the PodResizePending reason."""
+        held = self.admitted[uid]
+        if rz.with_allocation(pod, held.pod) is pod:
+            self.resizes.clear_pending(uid)
+            return ""
+        generation = int((pod.get("metadata") or {}).get("generation") or 0)
+        if is_static(pod):
+            return self._pend(pod, rz.INFEASIBLE, rz.STATIC_POD, generation)
+        node = self.node_info()
+        if node is None:
+            return self._pend(pod, rz.DEFERRED, INVALID_NODE_INFO.message, generation)
+        allocatable = amounts((node.get("status") or {}).get("allocatable"))
+        want = pod_requests(pod)
+        for name in (MEMORY, CPU):  # more than the whole node has: never
+            if want.get(name, 0) > allocatable.get(name, 0):
+                return self._pend(pod, rz.INFEASIBLE, f"Node didn't have enough capacity: "
+                                  f"{name}, requested: {want.get(name, 0)}, capacity: "
+                                  f"{allocatable.get(name, 0)}", generation)
+        others = [h for u, h in self.admitted.items() if u != uid]
+        failures = general_predicates(pod, node, others)
+        if failures:
+            return self._pend(pod, rz.DEFERRED, failures[0].rejection().message, generation)
+        self.admitted[uid] = hold(pod)
+        self.resizes.clear_pending(uid)
+        self.resizes.clear_in_progress(uid)
+        self.resizes.set_in_progress(uid, "", "", generation)
+        log.info("pod %s: resize allocated (generation %d)", describe(pod), generation)
+        if self.events is not None:
+            self.events.pod(pod, NORMAL, rz.STARTED,
+                            rz.event_message("Pod resize started", pod, generation))
+        return ""
+
+    def _pend(self, pod: Pod, reason: str, message: str, generation: int) -> str:
+        uid = str(pod["metadata"]["uid"])
+        if self.resizes.set_pending(uid, reason, message, generation):
+            log.info("pod %s: resize %s: %s", describe(pod), reason, message)
+            if self.events is not None:
+                self.events.pod(pod, WARNING, rz.PENDING_EVENTS[reason], rz.event_message(
+                    f"Pod resize {reason}", pod, generation, message))
+        return reason
 
     # -- deciding --
 

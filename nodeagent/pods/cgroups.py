@@ -255,6 +255,20 @@ class _Tracked:
     qos: QOSClass
     cpu_request: int     # millicores
     memory_request: int  # bytes
+    values: CgroupValues = CgroupValues()  # what its cgroup was given
+
+
+# the pod cgroup values of each resource an in-place resize changes
+RESIZED = {"memory": ("memory_limit",), "cpu": ("cpu_shares", "cpu_quota", "cpu_period")}
+
+
+def _larger(name: str, new: int, old: int | None) -> bool:
+    """Whether `new` gives more than `old` (a quota of 0 or less: no limit)."""
+    if old is None:
+        return True
+    if name == "cpu_quota":
+        return old > 0 and (new <= 0 or new > old)
+    return new > old
 
 
 class PodCgroups:
@@ -346,7 +360,8 @@ class PodCgroups:
         if t is None:
             qos, requests = qos_class(pod), pod_requests(pod)
             t = _Tracked(self._path_of(uid, qos), qos, requests.get("cpu", 0),
-                         requests.get("memory", 0))
+                         requests.get("memory", 0),
+                         pod_values(pod, self.settings.pod_pids_limit, qos))
             self._count(uid, t)
             self.update_qos()
         if self.backend.exists(t.path):
@@ -360,6 +375,63 @@ class PodCgroups:
             raise CgroupError(f"cannot make the cgroup {t.path} of pod {describe(pod)}: "
                               f"{e}") from e
         log.debug("pod %s: cgroup %s made (%s)", describe(pod), t.path, _brief(values))
+
+    def resize(self, pod: Pod, resource: str, grow: bool) -> None:
+        """Set the pod cgroup's values of `resource` ("memory": its limit; "cpu": its
+        shares and quota) to what the pod's resources, as allocated, give: with `grow`
+        those that increase (set before its containers are resized), else those that
+        decrease (after them). A value the resources leave unset stays as it is (a limit
+        is never removed). Raises CgroupError."""
+        uid = str(pod["metadata"]["uid"])
+        t = self._pods.get(uid)
+        if self.backend is None or t is None:
+            return
+        new = pod_values(pod, self.settings.pod_pids_limit, t.qos)
+        change = {}
+        for name in RESIZED[resource]:
+            value, old = getattr(new, name), getattr(t.values, name)
+            if value is not None and value != old and (
+                    name == "cpu_period" or _larger(name, value, old) == grow):
+                change[name] = value
+        if resource == "cpu" and "cpu_quota" not in change:
+            change.pop("cpu_period", None)  # the period goes with its quota
+        if not change:
+            return
+        values = CgroupValues(**change)
+        try:
+            self.backend.update(t.path, values)
+        except OSError as e:
+            raise CgroupError(f"cannot resize the cgroup {t.path} of pod {describe(pod)}: "
+                              f"{e}") from e
+        self._pods[uid] = dataclasses.replace(t, values=dataclasses.replace(t.values,
+                                                                            **change))
+        log.debug("pod %s: cgroup %s resized (%s)", describe(pod), t.path, _brief(values))
+
+    def memory_limit_lowered(self, pod: Pod) -> int | None:
+        """The pod cgroup's memory limit as the pod's resources now give it, when that
+        is lower than the one it has (or it has none); else None."""
+        t = self._pods.get(str(pod["metadata"]["uid"]))
+        if self.backend is None or t is None:
+            return None
+        new = pod_values(pod, self.settings.pod_pids_limit, t.qos).memory_limit
+        old = t.values.memory_limit
+        return new if new and (not old or new < old) else None
+
+    def recount(self, pod: Pod) -> None:
+        """The QoS cgroups count the pod's requests as they are now (after a resize).
+        Raises CgroupError."""
+        uid = str(pod["metadata"]["uid"])
+        t = self._pods.get(uid)
+        if self.backend is None or t is None:
+            return
+        requests = pod_requests(pod)
+        if (requests.get("cpu", 0), requests.get("memory", 0)) == (t.cpu_request,
+                                                                   t.memory_request):
+            return
+        self._uncount(uid)
+        self._count(uid, dataclasses.replace(t, cpu_request=requests.get("cpu", 0),
+                                             memory_request=requests.get("memory", 0)))
+        self.update_qos()
 
     def release(self, uid: str) -> None:
         """The pod runs no more: its cgroup is removed and the QoS cgroups no longer

@@ -5,8 +5,9 @@ Start: the image (images.py, a pull may still be under way), the container's con
 runAsNonRoot against the image's user, the OOM score adjustment of its QoS class),
 create, start, the postStart hook; a failure counts for the crash back-off. Stop: a
 `Killing` Event, the preStop hook within the grace period, then SIGTERM and SIGKILL
-after what is left. Also what an exited container leaves behind: its termination
-message, read once.
+after what is left. Resize: a running container's CPU or memory changed in place, and
+what each such update gave it remembered (resize.py). Also what an exited container
+leaves behind: its termination message, read once.
 """
 
 from __future__ import annotations
@@ -22,8 +23,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nodeagent.events import NORMAL, WARNING, Events
+from nodeagent.pods import resize as rz
 from nodeagent.pods.backoff import CrashBackoff, crash_key
-from nodeagent.pods.decide import RETRY, StartContainer, all_containers, grace_of
+from nodeagent.pods.decide import (
+    RETRY,
+    ResizeContainer,
+    StartContainer,
+    all_containers,
+    grace_of,
+)
 from nodeagent.pods.dns import hostname_and_domain, hosts_file
 from nodeagent.pods.env import EnvResolver, expand_command
 from nodeagent.pods.handlers import Target
@@ -43,6 +51,7 @@ from nodeagent.runtime.base import (
     ImageNotPresent,
     Mount,
     PodRuntimeStatus,
+    Resources,
     Sandbox,
     SandboxConfig,
 )
@@ -106,6 +115,8 @@ class Containers:
         # termination messages read, per pod uid and container id (read once: the file
         # of an exited container no longer changes)
         self._messages: dict[str, dict[str, str]] = {}
+        # what in-place resizes gave running containers: pod uid -> container id -> it
+        self._resized: dict[str, dict[str, Resources]] = {}
 
     # --- starting -------------------------------------------------------------------
 
@@ -289,6 +300,33 @@ class Containers:
             grace = await self.hooks.pre_stop(pod, spec, Target(spec, cur.id, pod_ip), grace)
         await self.calls(self.runtime.stop_container(cur.id, grace), "stop_container", grace)
 
+    # --- resizing --------------------------------------------------------------------
+
+    async def resize(self, pod: Pod, r: ResizeContainer, resource: str) -> None:
+        """Change one resource ("memory" or "cpu") of the running container in place to
+        what `r` wants, the other as last applied; remembered once the runtime took it.
+        Raises ContainerRuntimeError."""
+        uid = str(pod["metadata"]["uid"])
+        have = self._resized.get(uid, {}).get(r.container.id, r.have)
+        new = rz.with_resource(have, r.want, resource)
+        adj = oom_score_adj(pod, r.spec, self.settings.memory_capacity) \
+            if self.settings.memory_capacity else None
+        await self.calls(self.runtime.update_container_resources(r.container.id, new, adj),
+                         "update_container_resources")
+        self._resized.setdefault(uid, {})[r.container.id] = new
+
+    def resized(self, uid: str) -> dict[str, Resources]:
+        """What in-place resizes gave the pod's containers, by container id."""
+        return self._resized.get(uid, {})
+
+    def prune_resized(self, uid: str, rs: PodRuntimeStatus) -> None:
+        """Forget the resizes of containers that are no longer running."""
+        held = self._resized.get(uid)
+        if held:
+            running = {c.id for c in rs.containers if c.state == ContainerState.RUNNING}
+            for cid in held.keys() - running:
+                del held[cid]
+
     # --- what exited containers leave ----------------------------------------------
 
     def messages(self, pod: Pod, rs: PodRuntimeStatus) -> dict[str, str]:
@@ -310,6 +348,7 @@ class Containers:
         self.backoff.forget(uid)
         self.images.forget(uid)
         self._messages.pop(uid, None)
+        self._resized.pop(uid, None)
         if self.settings.pods_dir:  # the pod's files: termination messages, /etc/hosts
             remove_pod_files(self.settings.pods_dir, uid)
 

@@ -5,7 +5,8 @@ the pod and the status last written, with the few answers of the node it needs (
 admission says, which containers the agent cannot create, the crash back-offs still
 running, the probes' verdicts), it returns a `PodActions`: a value that says whether
 the pod runs at all, and if so which sandbox to stop or make, which containers to kill,
-start, and what the status should say meanwhile. The syncer (syncer.py)
+start, resize in place (resize.py), and what the status should say meanwhile. The
+syncer (syncer.py)
 gathers the inputs, asks, and carries the actions out in order, as the kubelet's
 SyncPod carries out what its computePodActions decided.
 """
@@ -20,17 +21,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nodeagent.pods import podspec
+from nodeagent.pods import resize as rz
 from nodeagent.pods.admission import NODE_SHUTDOWN, AdmissionSettings, Rejection, admit
 from nodeagent.pods.backoff import CrashKey, crash_key
 from nodeagent.pods.eviction import REASON as EVICTED
 from nodeagent.pods.eviction import pressure_refusal
 from nodeagent.pods.podstatus import Waiting, is_sidecar
-from nodeagent.pods.podupdate import Pod
+from nodeagent.pods.podupdate import Pod, is_static
 from nodeagent.pods.probes import Kind
 from nodeagent.runtime.base import (
+    ANNOTATION_RESOURCES,
     Container,
     ContainerState,
     PodRuntimeStatus,
+    Resources,
     Sandbox,
     SandboxState,
     container_spec_hash,
@@ -90,6 +94,8 @@ class Verdicts:
     # the node's pressure conditions (the eviction manager's): a new pod may be refused
     pressure: frozenset[str] = frozenset()
     shutting_down: bool = False  # the node is shutting down: admit no new pod
+    # container id -> the CPU and memory its last in-place resize gave it
+    resized: Mapping[str, Resources] = field(default_factory=dict)
 
 
 def refusals(pod: Pod, node: NodeAbilities) -> tuple[dict[str, str], bool]:
@@ -155,6 +161,21 @@ class KillContainer:
 
 
 @dataclass(frozen=True)
+class ResizeContainer:
+    """Change a running container's CPU and memory in place to what the pod's
+    allocation gives it (CRI UpdateContainerResources)."""
+    container: Container
+    spec: Spec
+    want: Resources  # as allocated
+    have: Resources  # as last applied
+
+    @property
+    def resources(self) -> tuple[str, ...]:
+        """What changes: "memory", "cpu"."""
+        return rz.changed(self.want, self.have)
+
+
+@dataclass(frozen=True)
 class PodActions:
     verdict: Verdict
     rejection: Rejection | None = None
@@ -169,6 +190,9 @@ class PodActions:
     kill: tuple[KillContainer, ...] = ()
     start: tuple[StartContainer, ...] = ()  # ephemeral, then init, then regular
     refuse: Mapping[str, str] = field(default_factory=dict)  # reported as refused now
+    # -- an in-place resize: between the kills and the starts
+    resize: tuple[ResizeContainer, ...] = ()
+    resize_restarts: bool = False  # a container restarts for one: the pod cgroup follows
     # -- what the status says meanwhile
     waiting: Mapping[str, Waiting] = field(default_factory=dict)
     init_blocked: bool = False  # an init container is still to run or start
@@ -193,6 +217,8 @@ class _Decision:
     start: list[StartContainer] = field(default_factory=list)
     refuse: dict[str, str] = field(default_factory=dict)
     waiting: dict[str, Waiting] = field(default_factory=dict)
+    resize: list[ResizeContainer] = field(default_factory=list)
+    resize_restarts: bool = False
 
     def again(self, seconds: float) -> None:
         self.requeue = min(self.requeue, seconds)
@@ -226,6 +252,28 @@ class _Decision:
             return
         self.run(StartContainer(spec, cur.attempt + 1, cur.restart_count + 1, init=init,
                                 backoff_key=key))
+
+    def resize_or_restart(self, spec: Spec, cur: Container, *, init: bool = False) -> bool:
+        """The running `cur` as its allocated resources say (the kubelet's
+        computePodResizeAction): resized in place, or restarted when its resizePolicy
+        says RestartContainer for a resource that changed; False when it restarts."""
+        if is_static(self.pod):  # never resized in place
+            return True
+        want = rz.wanted(spec)
+        # one made by an agent that did not record what it gave: from nothing, as the
+        # kubelet does without its record
+        have = rz.applied(cur, self.verdicts.resized) or Resources()
+        changed = rz.changed(want, have)
+        if not changed:
+            return True
+        if rz.restarts_for(spec, changed):
+            self.kill.append(KillContainer(cur, spec, f"Container {spec['name']} resize "
+                                                      "requires restart"))
+            self.run(StartContainer(spec, cur.attempt + 1, cur.restart_count + 1, init=init))
+            self.resize_restarts = True
+            return False
+        self.resize.append(ResizeContainer(cur, spec, want, have))
+        return True
 
 
 def _probe_grace(pod: Pod, container: Spec, kind: Kind) -> float | None:
@@ -329,7 +377,7 @@ def compute_pod_actions(pod: Pod, rs: PodRuntimeStatus, previous: Mapping[str, A
             if cur is None:
                 d.new(c)
             elif cur.state == ContainerState.RUNNING:
-                if cur.spec_hash and cur.spec_hash != container_spec_hash(c):
+                if _definition_changed(cur, c):
                     d.kill.append(KillContainer(
                         cur, c, f"Container {c['name']} definition changed, will be "
                                 "restarted"))
@@ -339,6 +387,8 @@ def compute_pod_actions(pod: Pod, rs: PodRuntimeStatus, previous: Mapping[str, A
                     d.kill.append(KillContainer(
                         cur, c, f"Container {c['name']} failed {kind.value.lower()} "
                                 f"probe{will}", _probe_grace(pod, c, kind)))
+                else:
+                    d.resize_or_restart(c, cur)
             elif cur.state == ContainerState.CREATED:
                 d.run(StartContainer(c, created=cur))
             elif cur.state == ContainerState.EXITED:
@@ -351,6 +401,7 @@ def compute_pod_actions(pod: Pod, rs: PodRuntimeStatus, previous: Mapping[str, A
         sandbox=sandbox, new_sandbox=new_sandbox, stop_first=stop_first,
         stop_sandboxes=tuple(s.id for s in ready[1:]),
         kill=tuple(d.kill), start=tuple(d.start), refuse=d.refuse, waiting=d.waiting,
+        resize=tuple(d.resize), resize_restarts=d.resize_restarts,
         init_blocked=init_blocked, terminal=_all_done(spec, current, init_blocked))
 
 
@@ -406,7 +457,7 @@ def _sidecar(d: _Decision, ic: Spec, cur: Container | None) -> bool:
     if cur.state != ContainerState.RUNNING:
         d.restart(ic, cur, init=True)
         return False
-    if cur.spec_hash and cur.spec_hash != container_spec_hash(ic):
+    if _definition_changed(cur, ic):
         d.kill.append(KillContainer(cur, ic, f"Init container {name} definition changed"))
         return False
     kind = d.verdicts.probe_kills.get(cur.id)
@@ -415,7 +466,20 @@ def _sidecar(d: _Decision, ic: Spec, cur: Container | None) -> bool:
                                              f"{kind.value.lower()} probe",
                                     _probe_grace(d.pod, ic, kind)))
         return False
+    if not d.resize_or_restart(ic, cur, init=True):
+        return False
     return cur.id in d.verdicts.started
+
+
+def _definition_changed(cur: Container, spec: Spec) -> bool:
+    """Whether the running container was made from another definition than `spec`'s
+    (resources aside: a resize changes those in place). One made by an agent before
+    in-place resize (it recorded no resources) hashed them too: that hash is kept, so
+    an upgrade restarts nothing."""
+    if not cur.spec_hash or cur.spec_hash == container_spec_hash(spec):
+        return False
+    return ANNOTATION_RESOURCES in cur.annotations or \
+        cur.spec_hash != container_spec_hash(spec, whole=True)
 
 
 def _all_done(spec: Spec, current: Sequence[Container], init_blocked: bool) -> bool:

@@ -81,6 +81,7 @@ class SyncLoop:
         self.admission = workers.syncer.admission
         probes.on_change = self._probed
         self.admission.on_preempt = self._preempt
+        self.admission.on_resize = self._resized
         self.pods: dict[str, Pod] = {}   # uid -> latest pod from the sources
         self._orphans = _housekeeping_counter(registry).labels(node=node_name)
 
@@ -109,6 +110,7 @@ class SyncLoop:
                 self.pods[uid] = pod
                 if u.op == Op.ADD:  # admitted or not when a first sync asks
                     self.admission.add(pod)
+                    self.admission.resizes.backfill(pod)
                 if (pod.get("metadata") or {}).get("deletionTimestamp"):
                     self._kill(pod)
                 else:
@@ -151,6 +153,11 @@ class SyncLoop:
         self.admission.withdraw(str(pod["metadata"]["uid"]))
         self.workers.update(pod, UpdateKind.KILL,
                             grace=None if grace is None else float(grace))
+
+    def _resized(self, pod: Pod) -> None:
+        """Admission allocated the pod's resize (room freed up), or its resize status
+        changed: its worker syncs."""
+        self._probed(str(pod["metadata"]["uid"]))
 
     def _preempt(self, pod: Pod, ending: Ending) -> None:
         """Admission stops the pod to make room for a critical one."""

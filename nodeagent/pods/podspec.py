@@ -93,10 +93,12 @@ CONTAINER_FIELDS: dict[str, Rule] = {
                                      # the kubelet
     "env": None,                     # the env code (runtime ContainerConfig.from_pod)
     "envFrom": None,                 # the env code
-    # requests: what admission fits (resources.py); cpu and memory also the runtime's
+    # requests: what admission fits (resources.py); cpu and memory also the runtime's,
+    # and resizable in place (resize.py)
     "resources": lambda v: "dynamic resource allocation (resources.claims) is not " \
         "supported by this agent" if (v or {}).get("claims") else None,
-    "resizePolicy": None,            # a changed resource restarts the container (syncer.py)
+    "resizePolicy": None,            # resize.py: per resource, an in-place resize restarts
+                                     # the container (RestartContainer) or not
     "restartPolicy": None,           # sidecar init containers (Always): the lifecycle
                                      # code; refused on the others (REGULAR_CONTAINER_FIELDS)
     "restartPolicyRules": refused("container restart rules are not supported by this "

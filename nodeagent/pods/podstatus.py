@@ -17,9 +17,9 @@ import datetime as dt
 import hashlib
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter
 
@@ -27,9 +27,19 @@ from nodeagent.api.answered import ApiAnswered
 from nodeagent.api.client import brief, is_retriable, status_of
 from nodeagent.api.clock import Clock
 from nodeagent.api.kube import PODS, Kube, describe
+from nodeagent.api.quantity import QuantityError, format_bytes, format_cpu, parse_quantity
 from nodeagent.metrics import per_registry
 from nodeagent.pods.podupdate import Pod, is_static
-from nodeagent.runtime.base import Container, ContainerState, PodRuntimeStatus, SandboxState
+from nodeagent.runtime.base import (
+    Container,
+    ContainerState,
+    PodRuntimeStatus,
+    Resources,
+    SandboxState,
+)
+
+if TYPE_CHECKING:  # resize.py imports this module
+    from nodeagent.pods.resize import ResizeCondition
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +54,13 @@ OWNED = ("phase", "conditions", "containerStatuses", "initContainerStatuses",
 # (readiness gates, DisruptionTarget) belongs to someone else and is never written,
 # but for the DisruptionTarget of a pod the node itself stopped (Ending), written once
 CONDITION_TYPES = ("PodReadyToStartContainers", "PodScheduled", "Initialized",
-                   "ContainersReady", "Ready")
+                   "ContainersReady", "Ready", "PodResizePending", "PodResizeInProgress")
+# ours that come and go: one no longer in the status is deleted from the API's
+TRANSIENT_CONDITIONS = ("PodResizePending", "PodResizeInProgress")
+# at or below these the runtime's CPU values are not told from the spec's (the least
+# CPU quota, 10m; the least CPU shares, 2): the spec's are reported
+MIN_CPU_LIMIT_MILLIS = 10
+MIN_CPU_REQUEST_MILLIS = 2
 TERMINAL = ("Succeeded", "Failed")
 # the state of a container that ran and that the runtime no longer knows
 GONE = {"exitCode": 137, "reason": "ContainerStatusUnknown",
@@ -108,11 +124,43 @@ def _terminated(c: Container, scheme: str, messages: Mapping[str, str]) -> dict[
     return out
 
 
+def _amount(value: Any, cpu: bool) -> int | None:
+    try:
+        q = parse_quantity(value)
+    except QuantityError:
+        return None
+    return round(q * 1000) if cpu else round(q)
+
+
+def _resources(spec: Mapping[str, Any], cur: Container,
+               applied: Resources | None) -> dict[str, Any]:
+    """A container's status `resources`, as the kubelet reports them: its allocated
+    requests and limits, and for one running what the runtime applied in their place
+    (`applied`; the CPU's only where it can be told from the allocated value)."""
+    res = spec.get("resources") or {}
+    out = {k: dict(res[k]) for k in ("limits", "requests") if res.get(k)}
+    if cur.state != ContainerState.RUNNING or applied is None:
+        return out
+
+    def put(kind: str, name: str, value: int | None, least: int = -1) -> None:
+        had = out.get(kind)
+        if had is None or value is None:
+            return
+        before = _amount(had.get(name, 0), name == "cpu")
+        if value != before and (value > least or (before or 0) > least):
+            had[name] = format_cpu(value / 1000) if name == "cpu" else format_bytes(value)
+    put("limits", "cpu", applied.cpu_limit_millis, MIN_CPU_LIMIT_MILLIS)
+    put("limits", "memory", applied.memory_limit_bytes)
+    put("requests", "cpu", applied.cpu_request_millis, MIN_CPU_REQUEST_MILLIS)
+    put("requests", "memory", applied.memory_request_bytes)
+    return out
+
+
 def _container_statuses(specs: list[Mapping[str, Any]], rs: PodRuntimeStatus, *,
                         scheme: str, waiting: Mapping[str, Waiting],
                         previous: Mapping[str, Any], default_reason: str,
-                        probed: Mapping[str, Probed], messages: Mapping[str, str]
-                        ) -> list[dict[str, Any]]:
+                        probed: Mapping[str, Probed], messages: Mapping[str, str],
+                        applied: Mapping[str, Resources]) -> list[dict[str, Any]]:
     out = []
     for spec in specs:
         name = spec["name"]
@@ -132,6 +180,10 @@ def _container_statuses(specs: list[Mapping[str, Any]], rs: PodRuntimeStatus, *,
             st["containerID"] = f"{scheme}://{cur.id}"
             st["imageID"] = cur.image_id
             st["restartCount"] = cur.restart_count
+            st["resources"] = _resources(spec, cur, applied.get(cur.id))
+            requests = (spec.get("resources") or {}).get("requests")
+            if requests:
+                st["allocatedResources"] = dict(requests)
             if cur.state == ContainerState.RUNNING:
                 st["state"] = {"running": {"startedAt": rfc3339(cur.started_at)}}
                 p = probed.get(cur.id, Probed(True, True))
@@ -219,20 +271,40 @@ def _condition(ctype: str, ok: bool, previous: Mapping[str, Mapping[str, Any]], 
     return c
 
 
+def _resize_condition(r: ResizeCondition, previous: Mapping[str, Mapping[str, Any]],
+                      now: str) -> dict[str, Any]:
+    """A resize condition with its times: the transition when its reason changed, the
+    probe when anything of it did."""
+    prev = previous.get(r.type) or {}
+    same = prev.get("status") == "True" and (prev.get("reason") or "") == r.reason
+    unchanged = same and (prev.get("message") or "") == r.message and \
+        int(prev.get("observedGeneration") or 0) == r.generation
+    return {"type": r.type, "status": "True",
+            "lastProbeTime": prev.get("lastProbeTime") if unchanged else now,
+            "lastTransitionTime": prev.get("lastTransitionTime") if same else now,
+            "observedGeneration": r.generation or None, "reason": r.reason or None,
+            "message": r.message or None}
+
+
 def compute_pod_status(pod: Pod, rs: PodRuntimeStatus, *, host_ip: str, scheme: str,
                        now: dt.datetime, waiting: Mapping[str, Waiting] | None = None,
                        previous: Status | None = None, terminal: bool = False,
                        probed: Mapping[str, Probed] | None = None,
                        messages: Mapping[str, str] | None = None,
                        reason: str | None = None, message: str | None = None,
-                       ending: Ending | None = None) -> Status:
+                       ending: Ending | None = None,
+                       applied: Mapping[str, Resources] | None = None,
+                       resize: Sequence[ResizeCondition] = ()) -> Status:
     """The pod's status in API JSON form. `previous` is the last status we (or the API)
     had, for startTime, transition times and terminal phases. `terminal`: the worker
     has stopped the pod for good (deleted, or finished), so no container will restart.
     `probed`: started/ready by container id for containers with probes; `messages`:
     termination messages by container id; `reason`/`message`: the pod's own (e.g.
     DeadlineExceeded), kept once the phase is terminal; `ending`: the node itself stops
-    (or stopped) the pod: Failed with the Ending's reason, unless it had ended already."""
+    (or stopped) the pod: Failed with the Ending's reason, unless it had ended already;
+    `applied`: the CPU and memory each running container was given, by container id
+    (its status `resources`; `pod` holds the allocated ones); `resize`: the pod's
+    resize conditions (left out once it ended)."""
     spec = pod.get("spec") or {}
     previous = previous or {}
     waiting = waiting or {}
@@ -250,10 +322,11 @@ def compute_pod_status(pod: Pod, rs: PodRuntimeStatus, *, host_ip: str, scheme: 
 
     probed = probed or {}
     messages = messages or {}
+    applied = applied or {}
     inits = spec.get("initContainers") or []
     init_statuses = _container_statuses(inits, rs, scheme=scheme, waiting=waiting,
                                         previous=prev_ics, default_reason="PodInitializing",
-                                        probed=probed, messages=messages)
+                                        probed=probed, messages=messages, applied=applied)
     sidecar_names = {c["name"] for c in inits if is_sidecar(c)}
     for s in init_statuses:
         if s["name"] not in sidecar_names:  # a finished init container is "ready"
@@ -262,14 +335,14 @@ def compute_pod_status(pod: Pod, rs: PodRuntimeStatus, *, host_ip: str, scheme: 
     statuses = _container_statuses(spec.get("containers") or [], rs, scheme=scheme,
                                    waiting=waiting, previous=prev_cs,
                                    default_reason="PodInitializing", probed=probed,
-                                   messages=messages)
+                                   messages=messages, applied=applied)
     ephemerals = spec.get("ephemeralContainers") or []
     # an ephemeral container is never restarted: once it ran, nothing keeps it waiting
     ran = {c.name for c in rs.containers}
     ephemeral_statuses = _container_statuses(
         ephemerals, rs, scheme=scheme, previous=prev_ecs,
         waiting={k: w for k, w in waiting.items() if k not in ran},
-        default_reason="PodInitializing", probed={}, messages=messages)
+        default_reason="PodInitializing", probed={}, messages=messages, applied=applied)
     for s in ephemeral_statuses:  # neither probed nor counted as ready (the kubelet's)
         s["ready"] = False
         del s["started"]
@@ -370,6 +443,8 @@ def compute_pod_status(pod: Pod, rs: PodRuntimeStatus, *, host_ip: str, scheme: 
     if generation is not None:
         for c in conditions:
             c["observedGeneration"] = generation
+    if phase not in TERMINAL:
+        conditions += [_resize_condition(r, prev_cond, stamp) for r in resize]
     pod_ip = host_ip if spec.get("hostNetwork") else rs.ip
     status: Status = {
         "phase": phase,
@@ -546,7 +621,7 @@ class StatusManager:
             kind = "delete" if want == e.sent and e.delete else "patch"
             try:
                 if kind == "patch":
-                    await self._patch(e.pod, e.status)
+                    await self._patch(e.pod, e.status, e.sent)
                     e.sent = want
                 else:
                     await self._delete(e.pod)
@@ -584,8 +659,16 @@ class StatusManager:
             back = await self.answered.wait(delay)  # the API server answers again
             delay = self.retry_initial if back else min(delay * 2, cap)
 
-    async def _patch(self, pod: Pod, status: Status) -> None:
+    async def _patch(self, pod: Pod, status: Status, sent: Status | None) -> None:
+        """A strategic merge patch of `status`; a condition of ours that the API holds
+        (`sent`) and `status` no longer has is deleted from the API's list by name."""
         meta = pod["metadata"]
+        now = {c.get("type") for c in status.get("conditions") or []}
+        gone = [{"type": c["type"], "$patch": "delete"}
+                for c in (sent or {}).get("conditions") or []
+                if c.get("type") in TRANSIENT_CONDITIONS and c["type"] not in now]
+        if gone:
+            status = {**status, "conditions": [*(status.get("conditions") or []), *gone]}
         body: dict[str, Any] = {"status": status}
         if not is_static(pod):
             # the uid makes the patch fail on a new pod that reuses the name; a static

@@ -9,10 +9,14 @@ acts, in the kubelet's order:
     2. the pod's volumes set up (a volume that cannot be: the pod waits, or is refused)
     3. the pod's cgroup made if it is not there (cgroups.py)
     4. duplicate sandboxes stopped; a new sandbox made when none is ready
-    5. containers killed (a changed definition, a failed probe)
-    6. containers started: ephemeral, then the next init container, then the regular ones
-    7. the status computed from what the runtime now holds, and handed to the
+    5. containers killed (a changed definition, a failed probe, a resize that restarts)
+    6. an in-place resize carried out (resize.py): the pod cgroup and the containers
+    7. containers started: ephemeral, then the next init container, then the regular ones
+    8. the status computed from what the runtime now holds, and handed to the
        StatusManager
+
+A pod is synced as the node allocated it: a resize the node has not allocated yet
+(admission.py) is not in the spec the sync sees.
 
 It also stops a pod within its grace period (terminate_pod), writes its final status
 and removes its cgroup (sync_terminated), removes what the node holds of a pod the
@@ -32,10 +36,12 @@ from typing import Any
 
 from nodeagent.api.kube import describe
 from nodeagent.events import NORMAL, WARNING, Events
+from nodeagent.pods import resize as rz
 from nodeagent.pods.admission import NodeAdmission
 from nodeagent.pods.cgroups import CgroupError
 from nodeagent.pods.containers import Containers, Place, Progress
 from nodeagent.pods.decide import (
+    RETRY,
     NodeAbilities,
     PodActions,
     Verdict,
@@ -65,6 +71,7 @@ from nodeagent.runtime.base import (
     ContainerRuntimeError,
     ContainerState,
     PodRuntimeStatus,
+    Resources,
     SandboxConfig,
     SandboxState,
 )
@@ -143,7 +150,8 @@ class PodSyncer:
             rejection=self.admission.rejection(uid),
             admission_waits=self.admission.waiting(uid),
             pressure=self.admission.pressure(),
-            shutting_down=self.admission.shutting_down())
+            shutting_down=self.admission.shutting_down(),
+            resized=self.containers.resized(uid))
 
     # --- acting ---------------------------------------------------------------------
 
@@ -151,6 +159,8 @@ class PodSyncer:
         """Make the runtime match the spec. Raises on a runtime failure (retried)."""
         if entry.error is not None:
             raise ContainerRuntimeError(f"runtime state of the pod is unknown: {entry.error}")
+        self.admission.settle(pod)
+        pod = self.admission.resize(pod)  # as allocated from here on
         return await self.act(pod, entry.status, self.decide(pod, entry.status))
 
     async def act(self, pod: Pod, rs: PodRuntimeStatus, act: PodActions) -> SyncResult:
@@ -206,6 +216,11 @@ class PodSyncer:
         for k in act.kill:
             await self.containers.kill(pod, k.spec, k.container, k.message, place.pod_ip,
                                        grace=k.grace)
+        resize_error = None
+        if act.resize or act.resize_restarts:
+            resize_error = await self._resize(pod, rs, act)
+            if resize_error is not None:
+                progress.again(RETRY)  # tried again, as the kubelet retries a failed sync
         refuse = dict(act.refuse)
         starts = act.start
         if unnamed is not None:  # nothing new can be created in the sandbox
@@ -216,12 +231,14 @@ class PodSyncer:
             await self.containers.start(pod, s, place, progress)
 
         fresh = None
-        if progress.started:
-            # what this sync started, in the status now rather than after the PLEG's
-            # next relist (up to a period later): one pod_status call
+        if progress.started or act.resize:
+            # what this sync started or resized, in the status now rather than after the
+            # PLEG's next relist (up to a period later; a resize changes no state it
+            # would see at all): one pod_status call
             read_at = self.clock.monotonic()
             rs = await self.calls(self.runtime.pod_status(place.config.uid), "pod_status")
             fresh = (rs, read_at)
+        self._resize_status(pod, rs, resize_error)
         self._publish(pod, rs, progress.waiting)
         idle = not (act.init_blocked or act.terminal or progress.waiting)
         return SyncResult(
@@ -229,6 +246,99 @@ class PodSyncer:
             requeue_after=None if math.isinf(progress.requeue) else progress.requeue,
             wake=tuple(progress.wake), fresh=fresh,
             running=_all_running(pod, rs, place.sandbox.id) if idle else frozenset())
+
+    async def _resize(self, pod: Pod, rs: PodRuntimeStatus, act: PodActions) -> str | None:
+        """Carry out an in-place resize, the kubelet's way: memory, then CPU; for each,
+        the pod cgroup's values that grow, then the containers (decreases first), then
+        the pod cgroup's values that shrink; then the QoS cgroups. A memory limit that
+        would go below what is used is refused first. Returns why it stopped (the rest
+        is tried again at a later sync), None when it is done."""
+        try:
+            await self._check_memory(pod, rs, act)
+            for resource in (rz.MEMORY, rz.CPU):
+                updates = [r for r in act.resize if resource in r.resources]
+                if not updates and not act.resize_restarts:
+                    continue
+                self.cgroups.resize(pod, resource, grow=True)
+                for r in sorted(updates, key=lambda r: rz.grows(r.want, r.have, resource)):
+                    await self.containers.resize(pod, r, resource)
+                self.cgroups.resize(pod, resource, grow=False)
+            self.cgroups.recount(pod)
+        except (ContainerRuntimeError, CgroupError, rz.ResizeRefused) as e:
+            log.info("pod %s: resize: %s", describe(pod), e)
+            return str(e)
+        return None
+
+    async def _check_memory(self, pod: Pod, rs: PodRuntimeStatus, act: PodActions) -> None:
+        """Refuse (ResizeRefused, the kubelet's message) a memory limit lowered to or
+        below what the pod or the container uses now."""
+        lowered = {r.container.id: (str(r.spec["name"]), want) for r in act.resize
+                   if (want := r.want.memory_limit_bytes)
+                   and (not r.have.memory_limit_bytes or want < r.have.memory_limit_bytes)}
+        pod_limit = self.cgroups.memory_limit_lowered(pod)
+        if not lowered and pod_limit is None:
+            return
+        meta = pod["metadata"]
+        try:
+            stats = await self.calls(self.runtime.container_stats(), "container_stats")
+        except ContainerRuntimeError as e:
+            raise rz.ResizeRefused(
+                f'unable to read memory usage for pod "{meta["name"]}_'
+                f'{meta.get("namespace", "default")}({meta["uid"]})"') from e
+        usage = {s.container_id: s.memory_usage_bytes for s in stats}
+        problems = []
+        if pod_limit is not None:
+            used = [usage.get(c.id) for c in rs.containers
+                    if c.state == ContainerState.RUNNING]
+            if not used or None in used:
+                problems.append("missing pod memory usage")
+            elif (total := sum(u for u in used if u is not None)) >= pod_limit:
+                problems.append(f"attempting to set pod memory limit ({pod_limit}) below "
+                                f"current usage ({total})")
+        for cid, (name, want) in lowered.items():
+            u = usage.get(cid)
+            if u is None:
+                problems.append(f'missing container "{name}" memory usage')
+            elif u >= want:
+                problems.append(f'attempting to set container "{name}" memory limit '
+                                f"({want}) below current usage ({u})")
+        if problems:
+            raise rz.ResizeRefused("cannot decrease memory limits: " + (
+                problems[0] if len(problems) == 1 else "[" + ", ".join(problems) + "]"))
+
+    def _resize_status(self, pod: Pod, rs: PodRuntimeStatus, error: str | None) -> None:
+        """PodResizeInProgress as the sync left the pod: Error with why, when the resize
+        stopped (a ResizeError Event when that is new); set while a running container
+        has not been given what is allocated; cleared once every one has (a
+        ResizeCompleted Event)."""
+        uid = str(pod["metadata"]["uid"])
+        generation = int(pod["metadata"].get("generation") or 0)
+        resizes = self.admission.resizes
+        self.containers.prune_resized(uid, rs)
+        if error is not None:
+            gen, changed = resizes.set_in_progress(uid, rz.ERROR, error, generation)
+            if changed:
+                self._event(pod, WARNING, rz.ERRORED,
+                            rz.event_message("Pod resize error", pod, gen, error))
+        elif self._resizing(pod, rs):
+            resizes.set_in_progress(uid, "", "", generation)
+        else:
+            gen, cleared = resizes.clear_in_progress(uid)
+            if cleared:
+                self._event(pod, NORMAL, rz.COMPLETED,
+                            rz.event_message("Pod resize completed", pod, gen))
+
+    def _resizing(self, pod: Pod, rs: PodRuntimeStatus) -> bool:
+        """Whether a running resizable container has not been given what the pod's
+        allocation says (the kubelet's IsPodResizeInProgress)."""
+        resized = self.containers.resized(str(pod["metadata"]["uid"]))
+        for spec in rz.resizable(pod):
+            cur = max((c for c in rs.containers if c.name == spec.get("name")),
+                      key=lambda c: c.attempt, default=None)
+            if cur is not None and cur.state == ContainerState.RUNNING and rz.changed(
+                    rz.wanted(spec), rz.applied(cur, resized) or Resources()):
+                return True
+        return False
 
     async def _place(self, pod: Pod, rs: PodRuntimeStatus, act: PodActions,
                      volumes: PodVolumes, progress: Progress) -> tuple[Place, str | None]:
@@ -305,13 +415,18 @@ class PodSyncer:
     def _publish(self, pod: Pod, rs: PodRuntimeStatus, waiting: Mapping[str, Waiting],
                  terminal: bool = False, reason: str | None = None,
                  message: str | None = None, ending: Ending | None = None) -> None:
+        uid = str(pod["metadata"]["uid"])
+        resized = self.containers.resized(uid)
+        applied = {c.id: r for c in rs.containers if c.state == ContainerState.RUNNING
+                   and (r := rz.reported(c, resized)) is not None}
         st = compute_pod_status(pod, rs, host_ip=self.settings.host_ip,
                                 scheme=self.runtime.scheme, now=self.clock.now(),
                                 waiting=waiting, previous=self.status.previous(pod),
                                 terminal=terminal,
                                 probed=self.probes.readiness(pod, rs) if self.probes else None,
                                 messages=self.containers.messages(pod, rs),
-                                reason=reason, message=message, ending=ending)
+                                reason=reason, message=message, ending=ending,
+                                applied=applied, resize=self.admission.resizes.of(uid))
         self.status.set_status(pod, st)
 
     def _event(self, pod: Pod, type_: str, reason: str, message: str) -> None:

@@ -52,6 +52,8 @@ ANNOTATION_RESTART_COUNT = "io.kubernetes.container.restartCount"
 ANNOTATION_SPEC_HASH = "io.kubernetes.container.hash"
 ANNOTATION_TERMINATION_GRACE = "io.kubernetes.pod.terminationGracePeriod"
 ANNOTATION_INIT = "nodepulse.dev/init-container"
+# the resources a container was made with (what an in-place resize starts from)
+ANNOTATION_RESOURCES = "nodepulse.dev/resources"
 
 DEFAULT_CONTAINERD_SOCKET = "/run/containerd/containerd.sock"
 
@@ -118,6 +120,25 @@ class Resources:
     cpu_limit_millis: int | None = None
     memory_request_bytes: int | None = None
     memory_limit_bytes: int | None = None
+
+    def encode(self) -> str:
+        """As a container annotation holds it: the four amounts, "" for one not set."""
+        return ",".join("" if v is None else str(v) for v in (
+            self.cpu_request_millis, self.cpu_limit_millis, self.memory_request_bytes,
+            self.memory_limit_bytes))
+
+    @classmethod
+    def decode(cls, text: str) -> Resources | None:
+        """What `encode` wrote; None when `text` is not that (the annotation is missing,
+        or was written by someone else)."""
+        parts = text.split(",")
+        if len(parts) != 4:
+            return None
+        try:
+            values = [int(p) if p else None for p in parts]
+        except ValueError:
+            return None
+        return cls(*values)
 
 
 @dataclass(frozen=True)
@@ -269,7 +290,9 @@ class ContainerConfig:
         labels = {LABEL_POD_UID: uid, LABEL_POD_NAME: name, LABEL_POD_NAMESPACE: namespace,
                   LABEL_CONTAINER_NAME: str(cname), LABEL_MANAGED: "true"}
         h = container_spec_hash(container)
-        annotations = {ANNOTATION_RESTART_COUNT: str(restart_count), ANNOTATION_SPEC_HASH: h}
+        resources = resources_of(container, where=f"pod {namespace}/{name} container {cname}")
+        annotations = {ANNOTATION_RESTART_COUNT: str(restart_count), ANNOTATION_SPEC_HASH: h,
+                       ANNOTATION_RESOURCES: resources.encode()}
         if init:
             annotations[ANNOTATION_INIT] = "true"
         return cls(
@@ -279,9 +302,7 @@ class ContainerConfig:
             args=[str(x) for x in container.get("args") or []],
             env=env, working_dir=str(container.get("workingDir") or ""),
             attempt=attempt, restart_count=restart_count, init=init,
-            resources=resources_of(container, where=f"pod {namespace}/{name} "
-                                                    f"container {cname}"),
-            spec_hash=h, log_path=f"{cname}/{attempt}.log",
+            resources=resources, spec_hash=h, log_path=f"{cname}/{attempt}.log",
             labels=labels, annotations=annotations,
             stdin=bool(container.get("stdin")), stdin_once=bool(container.get("stdinOnce")),
             tty=bool(container.get("tty")), mounts=list(mounts or []),
@@ -328,6 +349,9 @@ class Container:
     labels: dict[str, str] = field(default_factory=dict)
     annotations: dict[str, str] = field(default_factory=dict)
     log_path: str = ""  # absolute path of its log file; "" when it writes none (pod_status)
+    # the CPU and memory the runtime says it applied (pod_status; None: it says nothing):
+    # the request and limit as its cgroup settings give them back, no memory request
+    resources: Resources | None = None
 
 
 @dataclass
@@ -514,6 +538,14 @@ class Runtime(ABC):
         """Images in the local store, for NodeStatus.images and image garbage
         collection."""
 
+    async def update_container_resources(self, container_id: str, resources: Resources,
+                                         oom_score_adj: int | None = None) -> None:
+        """Change a running container's CPU and memory in place (CRI
+        UpdateContainerResources): what an in-place pod resize applies. NotFound when the
+        container is unknown; Unsupported when this runtime cannot change them."""
+        raise Unsupported(f"the {self.scheme} runtime cannot change a container's "
+                          "resources in place")
+
     async def remove_image(self, image_id: str) -> None:
         """Remove an image from the local store (CRI RemoveImage). Idempotent: an image
         already gone is fine."""
@@ -642,9 +674,17 @@ def container_path(pod: Mapping[str, Any], name: str) -> str:
     return f"container {name}"
 
 
-def container_spec_hash(container: Mapping[str, Any]) -> str:
-    """Stable hash of a container spec; a change means the container must be replaced."""
-    blob = json.dumps(container, sort_keys=True, separators=(",", ":"), default=str)
+# what may change in a running container without replacing it: an in-place resize
+RESIZABLE_FIELDS = ("resources", "resizePolicy")
+
+
+def container_spec_hash(container: Mapping[str, Any], *, whole: bool = False) -> str:
+    """Stable hash of a container spec, its resources and resize policy left out (a
+    resize changes them in place); a change means the container must be replaced.
+    `whole`: of every field, as agents before in-place resize hashed it."""
+    kept = container if whole else {k: v for k, v in container.items()
+                                    if k not in RESIZABLE_FIELDS}
+    blob = json.dumps(kept, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 

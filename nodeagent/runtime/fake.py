@@ -41,6 +41,7 @@ from nodeagent.runtime.base import (
     PullFailed,
     RegistryAuth,
     RelistResult,
+    Resources,
     Runtime,
     RuntimeVersion,
     Sandbox,
@@ -360,7 +361,8 @@ class FakeRuntime(Runtime):
             restart_count=config.restart_count, created_at=self.clock.now(),
             image_id=_image_id(config.image),
             spec_hash=config.spec_hash, init=config.init,
-            labels=dict(config.labels), annotations=dict(config.annotations))
+            labels=dict(config.labels), annotations=dict(config.annotations),
+            resources=config.resources)
         log_dir = self._log_dirs.get(sandbox_id)
         if log_dir and config.log_path:
             path = os.path.join(log_dir, config.log_path)
@@ -411,6 +413,28 @@ class FakeRuntime(Runtime):
                 self._finish(c, 137, "Killed")
             return
         self._finish(c, 143, "Stopped")
+
+    async def update_container_resources(self, container_id: str, resources: Resources,
+                                         oom_score_adj: int | None = None) -> None:
+        """Apply the new CPU and memory to the container (its record and its config say
+        so from then on); a memory limit below what the container uses is refused, as
+        the kernel refuses it."""
+        self._call("update_container_resources")
+        c = self.containers.get(container_id)
+        if c is None:
+            raise NotFound(f"update_container_resources: container {container_id} not found")
+        usage = self._usage.get(container_id)
+        used = usage.memory_usage_bytes if usage is not None else None
+        if resources.memory_limit_bytes and used and resources.memory_limit_bytes < used:
+            raise ContainerRuntimeError(
+                f"fake: update_container_resources {c.name}: memory limit "
+                f"{resources.memory_limit_bytes} is below the {used} bytes it uses")
+        c.resources = resources
+        config = self.configs.get(container_id)
+        if config is not None:
+            config.resources = resources
+            if oom_score_adj is not None:
+                config.oom_score_adj = oom_score_adj
 
     async def remove_container(self, container_id: str) -> None:
         self._call("remove_container")

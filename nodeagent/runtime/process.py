@@ -68,6 +68,7 @@ from nodeagent.runtime.base import (
     PodRuntimeStatus,
     RegistryAuth,
     RelistResult,
+    Resources,
     Runtime,
     RuntimeTimeout,
     RuntimeVersion,
@@ -860,6 +861,14 @@ class ProcessRuntime(Runtime):
             await self._call(self._kill, c)
             await self._await_exit(c, self.kill_wait)
         await self._call(self._settle, c)
+
+    async def update_container_resources(self, container_id: str, resources: Resources,
+                                         oom_score_adj: int | None = None) -> None:
+        """Refused: a process runs in the agent's own cgroup, so no CPU or memory of its
+        own can be set, at its start or later (an in-place resize says why)."""
+        raise Unsupported(f"process update_container_resources {container_id}: the process "
+                          "runtime runs a process in the agent's own cgroup and cannot "
+                          "change its CPU or memory in place")
 
     async def remove_container(self, container_id: str) -> None:
         await self.stop_container(container_id, 0)

@@ -140,6 +140,19 @@ def linux_resources(r: Resources, oom_score_adj: int | None = None
     return out
 
 
+def applied_resources(r: pb.LinuxContainerResources) -> Resources | None:
+    """The CPU and memory a container's status says the runtime applied, back in the
+    spec's units (the kubelet's conversion: the request from the shares, the limit from
+    quota and period); None when it says nothing. No memory request: cgroups have none."""
+    request = -(-r.cpu_shares * 1000 // 1024) if r.cpu_shares >= MIN_CPU_SHARES else 0
+    limit = r.cpu_quota * 1000 // r.cpu_period if r.cpu_period > 0 and r.cpu_quota > 0 else 0
+    memory = r.memory_limit_in_bytes
+    if not (request or limit or memory > 0):
+        return None
+    return Resources(cpu_request_millis=request or None, cpu_limit_millis=limit or None,
+                     memory_limit_bytes=memory if memory > 0 else None)
+
+
 def namespaces_pb(c: SandboxConfig, target_id: str = "") -> pb.NamespaceOption:
     """hostNetwork/hostPID/hostIPC share the node's; shareProcessNamespace makes one
     PID namespace for the pod, else each container has its own, or, with `target_id`
@@ -299,6 +312,8 @@ def _container(c: pb.Container, st: pb.ContainerStatus | None = None) -> Contain
         out.log_path = st.log_path
         if out.state == ContainerState.EXITED:
             out.exit_code = st.exit_code
+        if st.HasField("resources") and st.resources.HasField("linux"):
+            out.resources = applied_resources(st.resources.linux)
     return out
 
 
@@ -492,6 +507,16 @@ class CriRuntime(Runtime):
             await self._call(f"StopContainer {container_id}", rt.StopContainer,
                              pb.StopContainerRequest(container_id=container_id, timeout=secs),
                              secs + self.request_timeout)
+
+    async def update_container_resources(self, container_id: str, resources: Resources,
+                                         oom_score_adj: int | None = None) -> None:
+        rt, _ = self._stubs()
+        await self._call(f"UpdateContainerResources {container_id}",
+                         rt.UpdateContainerResources,
+                         pb.UpdateContainerResourcesRequest(
+                             container_id=container_id,
+                             linux=linux_resources(resources, oom_score_adj)),
+                         self.request_timeout)
 
     async def remove_container(self, container_id: str) -> None:
         rt, _ = self._stubs()

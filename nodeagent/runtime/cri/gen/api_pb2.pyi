@@ -740,7 +740,7 @@ class ContainerStatusRequest(_message.Message):
     def __init__(self, container_id: _Optional[str] = ..., verbose: _Optional[bool] = ...) -> None: ...
 
 class ContainerStatus(_message.Message):
-    __slots__ = ("id", "metadata", "state", "created_at", "started_at", "finished_at", "exit_code", "image", "image_ref", "reason", "message", "labels", "annotations", "mounts", "log_path", "image_id")
+    __slots__ = ("id", "metadata", "state", "created_at", "started_at", "finished_at", "exit_code", "image", "image_ref", "reason", "message", "labels", "annotations", "mounts", "log_path", "resources", "image_id")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -770,6 +770,7 @@ class ContainerStatus(_message.Message):
     ANNOTATIONS_FIELD_NUMBER: _ClassVar[int]
     MOUNTS_FIELD_NUMBER: _ClassVar[int]
     LOG_PATH_FIELD_NUMBER: _ClassVar[int]
+    RESOURCES_FIELD_NUMBER: _ClassVar[int]
     IMAGE_ID_FIELD_NUMBER: _ClassVar[int]
     id: str
     metadata: ContainerMetadata
@@ -786,8 +787,27 @@ class ContainerStatus(_message.Message):
     annotations: _containers.ScalarMap[str, str]
     mounts: _containers.RepeatedCompositeFieldContainer[Mount]
     log_path: str
+    resources: ContainerResources
     image_id: str
-    def __init__(self, id: _Optional[str] = ..., metadata: _Optional[_Union[ContainerMetadata, _Mapping]] = ..., state: _Optional[_Union[ContainerState, str]] = ..., created_at: _Optional[int] = ..., started_at: _Optional[int] = ..., finished_at: _Optional[int] = ..., exit_code: _Optional[int] = ..., image: _Optional[_Union[ImageSpec, _Mapping]] = ..., image_ref: _Optional[str] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., annotations: _Optional[_Mapping[str, str]] = ..., mounts: _Optional[_Iterable[_Union[Mount, _Mapping]]] = ..., log_path: _Optional[str] = ..., image_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, id: _Optional[str] = ..., metadata: _Optional[_Union[ContainerMetadata, _Mapping]] = ..., state: _Optional[_Union[ContainerState, str]] = ..., created_at: _Optional[int] = ..., started_at: _Optional[int] = ..., finished_at: _Optional[int] = ..., exit_code: _Optional[int] = ..., image: _Optional[_Union[ImageSpec, _Mapping]] = ..., image_ref: _Optional[str] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., annotations: _Optional[_Mapping[str, str]] = ..., mounts: _Optional[_Iterable[_Union[Mount, _Mapping]]] = ..., log_path: _Optional[str] = ..., resources: _Optional[_Union[ContainerResources, _Mapping]] = ..., image_id: _Optional[str] = ...) -> None: ...
+
+class ContainerResources(_message.Message):
+    __slots__ = ("linux",)
+    LINUX_FIELD_NUMBER: _ClassVar[int]
+    linux: LinuxContainerResources
+    def __init__(self, linux: _Optional[_Union[LinuxContainerResources, _Mapping]] = ...) -> None: ...
+
+class UpdateContainerResourcesRequest(_message.Message):
+    __slots__ = ("container_id", "linux")
+    CONTAINER_ID_FIELD_NUMBER: _ClassVar[int]
+    LINUX_FIELD_NUMBER: _ClassVar[int]
+    container_id: str
+    linux: LinuxContainerResources
+    def __init__(self, container_id: _Optional[str] = ..., linux: _Optional[_Union[LinuxContainerResources, _Mapping]] = ...) -> None: ...
+
+class UpdateContainerResourcesResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class ContainerStatusResponse(_message.Message):
     __slots__ = ("status", "info")

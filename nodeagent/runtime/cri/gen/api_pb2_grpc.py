@@ -94,6 +94,11 @@ class RuntimeServiceStub:
                 request_serializer=nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.ContainerStatusRequest.SerializeToString,
                 response_deserializer=nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.ContainerStatusResponse.FromString,
                 _registered_method=True)
+        self.UpdateContainerResources = channel.unary_unary(
+                '/runtime.v1.RuntimeService/UpdateContainerResources',
+                request_serializer=nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.UpdateContainerResourcesRequest.SerializeToString,
+                response_deserializer=nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.UpdateContainerResourcesResponse.FromString,
+                _registered_method=True)
         self.Status = channel.unary_unary(
                 '/runtime.v1.RuntimeService/Status',
                 request_serializer=nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.StatusRequest.SerializeToString,
@@ -211,6 +216,12 @@ class RuntimeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UpdateContainerResources(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Status(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -321,6 +332,11 @@ def add_RuntimeServiceServicer_to_server(servicer, server):
                     servicer.ContainerStatus,
                     request_deserializer=nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.ContainerStatusRequest.FromString,
                     response_serializer=nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.ContainerStatusResponse.SerializeToString,
+            ),
+            'UpdateContainerResources': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateContainerResources,
+                    request_deserializer=nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.UpdateContainerResourcesRequest.FromString,
+                    response_serializer=nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.UpdateContainerResourcesResponse.SerializeToString,
             ),
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
@@ -687,6 +703,33 @@ class RuntimeService:
             '/runtime.v1.RuntimeService/ContainerStatus',
             nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.ContainerStatusRequest.SerializeToString,
             nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.ContainerStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateContainerResources(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/runtime.v1.RuntimeService/UpdateContainerResources',
+            nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.UpdateContainerResourcesRequest.SerializeToString,
+            nodeagent_dot_runtime_dot_cri_dot_gen_dot_api__pb2.UpdateContainerResourcesResponse.FromString,
             options,
             channel_credentials,
             insecure,
