@@ -492,6 +492,12 @@ def owned(status: Mapping[str, Any] | None) -> Status:
 
 # --- writing to the API -------------------------------------------------------------
 
+def transient(status: Mapping[str, Any] | None) -> frozenset[str]:
+    """The transient conditions (TRANSIENT_CONDITIONS) a status has."""
+    return frozenset(c.get("type") for c in (status or {}).get("conditions") or []
+                     if c.get("type") in TRANSIENT_CONDITIONS)
+
+
 def owned_digest(status: Mapping[str, Any] | None) -> bytes:
     """A digest of a status's owned part: what the writes compare, so that a pod holds
     one copy of its status, not three (thousands of pods on virtual nodes)."""
@@ -506,6 +512,9 @@ class _Entry:
     want: bytes               # the digest of its owned part (what a write would make
     #                           the API hold)
     sent: bytes | None        # that of what the API holds as far as we know
+    # the transient conditions (resize) the API holds, as far as we know: one that goes
+    # away is deleted from its list by name
+    held: frozenset[str] = frozenset()
     task: asyncio.Task[None] | None = None
     delete: bool = False      # finish the graceful deletion once status is written
     deleted: bool = False
@@ -554,7 +563,8 @@ class StatusManager:
         e = self._pods.get(uid)
         want = owned_digest(status)
         if e is None:
-            e = self._pods[uid] = _Entry(pod, status, want, owned_digest(pod.get("status")))
+            api = pod.get("status")
+            e = self._pods[uid] = _Entry(pod, status, want, owned_digest(api), transient(api))
         e.pod, e.status, e.want = pod, status, want
         self._kick(uid, e)
 
@@ -563,7 +573,7 @@ class StatusManager:
         e = self._pods.get(pod["metadata"]["uid"])
         if e is None:
             return
-        e.sent = owned_digest(pod.get("status"))
+        e.sent, e.held = owned_digest(pod.get("status")), transient(pod.get("status"))
         e.pod = pod
         self._kick(pod["metadata"]["uid"], e)
 
@@ -621,8 +631,9 @@ class StatusManager:
             kind = "delete" if want == e.sent and e.delete else "patch"
             try:
                 if kind == "patch":
-                    await self._patch(e.pod, e.status, e.sent)
-                    e.sent = want
+                    status = e.status
+                    await self._patch(e.pod, status, e.held)
+                    e.sent, e.held = want, transient(status)
                 else:
                     await self._delete(e.pod)
                     e.deleted = True
@@ -659,14 +670,11 @@ class StatusManager:
             back = await self.answered.wait(delay)  # the API server answers again
             delay = self.retry_initial if back else min(delay * 2, cap)
 
-    async def _patch(self, pod: Pod, status: Status, sent: Status | None) -> None:
-        """A strategic merge patch of `status`; a condition of ours that the API holds
-        (`sent`) and `status` no longer has is deleted from the API's list by name."""
+    async def _patch(self, pod: Pod, status: Status, held: frozenset[str]) -> None:
+        """A strategic merge patch of `status`; a transient condition the API holds
+        (`held`) and `status` no longer has is deleted from the API's list by name."""
         meta = pod["metadata"]
-        now = {c.get("type") for c in status.get("conditions") or []}
-        gone = [{"type": c["type"], "$patch": "delete"}
-                for c in (sent or {}).get("conditions") or []
-                if c.get("type") in TRANSIENT_CONDITIONS and c["type"] not in now]
+        gone = [{"type": t, "$patch": "delete"} for t in sorted(held - transient(status))]
         if gone:
             status = {**status, "conditions": [*(status.get("conditions") or []), *gone]}
         body: dict[str, Any] = {"status": status}

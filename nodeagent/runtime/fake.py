@@ -423,8 +423,8 @@ class FakeRuntime(Runtime):
         c = self.containers.get(container_id)
         if c is None:
             raise NotFound(f"update_container_resources: container {container_id} not found")
-        usage = self._usage.get(container_id)
-        used = usage.memory_usage_bytes if usage is not None else None
+        used = self._usage(c, self.clock.now()).memory_usage_bytes \
+            if c.state == ContainerState.RUNNING else None
         if resources.memory_limit_bytes and used and resources.memory_limit_bytes < used:
             raise ContainerRuntimeError(
                 f"fake: update_container_resources {c.name}: memory limit "
@@ -489,26 +489,26 @@ class FakeRuntime(Runtime):
                              f"{script.ready_after:g}s)".encode())
 
     async def container_stats(self) -> list[ContainerStats]:
-        """Each running container's simulated usage: its script's (or the defaults'),
-        CPU as core-seconds since it started, memory as the level now, the disk its
-        writable layer holds and the processes it runs (runtime/script.py)."""
+        """Each running container's simulated usage (see _usage)."""
         self._call("container_stats")
         self._scripted_exits()
         now = self.clock.now()
-        out = []
-        for c in self.containers.values():
-            if c.state != ContainerState.RUNNING or c.started_at is None:
-                continue
-            script = self.scripts.get(c.id, Script())
-            t = (now - c.started_at).total_seconds()
-            memory = int((script.memory or self.default_memory).at(t))
-            out.append(ContainerStats(
-                container_id=c.id, timestamp=now,
-                cpu_usage_core_seconds=(script.cpu or self.default_cpu).integral(t),
-                memory_working_set_bytes=memory, memory_usage_bytes=memory,
-                writable_layer_bytes=script.disk,
-                writable_layer_inodes=1 if script.disk else 0, processes=script.processes))
-        return out
+        return [self._usage(c, now) for c in self.containers.values()
+                if c.state == ContainerState.RUNNING and c.started_at is not None]
+
+    def _usage(self, c: Container, now: dt.datetime) -> ContainerStats:
+        """A running container's usage: its script's (or the defaults'), CPU as
+        core-seconds since it started, memory as the level now, the disk its writable
+        layer holds and the processes it runs (runtime/script.py)."""
+        script = self.scripts.get(c.id, Script())
+        t = (now - c.started_at).total_seconds() if c.started_at else 0.0
+        memory = int((script.memory or self.default_memory).at(t))
+        return ContainerStats(
+            container_id=c.id, timestamp=now,
+            cpu_usage_core_seconds=(script.cpu or self.default_cpu).integral(t),
+            memory_working_set_bytes=memory, memory_usage_bytes=memory,
+            writable_layer_bytes=script.disk,
+            writable_layer_inodes=1 if script.disk else 0, processes=script.processes)
 
     async def rotate_container_log(self, container_id: str, path: str, rotated: str) -> None:
         self._call("rotate_container_log")
