@@ -61,6 +61,27 @@ async def test_pod_runs_and_node_status_carries_the_runtime(tmp_path: Path) -> N
 
 
 @aio
+async def test_a_started_pod_is_written_once_whatever_order_the_api_keeps(
+        tmp_path: Path) -> None:
+    """The scheduler's PodScheduled comes first in the API's list; our status, merged
+    into it, comes back by the watch with the conditions in the API's order: that is
+    not a change to write again (it was: two PATCHes a pod)."""
+    rig = AgentRig(tmp_path)
+    await rig.start()
+    pod = mkpod(uid="u1")
+    pod["status"]["conditions"] = [{"type": "PodScheduled", "status": "True",
+                                    "lastTransitionTime": "2026-01-01T00:00:00Z"}]
+    rig.kube.put(PODS, pod)
+    for _ in range(5):
+        await rig.clock.advance(1)
+    api = rig.kube.obj(PODS, "web", "ns")["status"]
+    assert api["phase"] == "Running" and api["conditions"][0]["type"] == "PodScheduled"
+    assert len([c for c in rig.kube.calls_of("patch pods/status", ok=True)
+                if c.name == "web"]) == 1
+    await rig.finish()
+
+
+@aio
 async def test_runtime_down_makes_node_not_ready_and_back(tmp_path: Path) -> None:
     rig = AgentRig(tmp_path)
     await rig.start()

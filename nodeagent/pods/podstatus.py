@@ -482,11 +482,14 @@ def _drop_nones(v: Any) -> Any:
 def owned(status: Mapping[str, Any] | None) -> Status:
     """The part of a status this agent writes, normalized for comparison: a null in
     our patch means "remove", so None and a missing key compare equal; conditions of
-    types others own are not ours to compare."""
+    types others own are not ours to compare, and their order is not."""
     status = status or {}
     out = {k: _drop_nones(status[k]) for k in OWNED if status.get(k) is not None}
     if "conditions" in out:
-        out["conditions"] = [c for c in out["conditions"] if c.get("type") in CONDITION_TYPES]
+        # by type: the API server's merge of our list into its own keeps its order
+        out["conditions"] = sorted((c for c in out["conditions"]
+                                    if c.get("type") in CONDITION_TYPES),
+                                   key=lambda c: str(c.get("type")))
     return out
 
 
