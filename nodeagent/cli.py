@@ -36,11 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 async def _serve(cfg: config.AgentConfig, flags: dict[str, object]) -> None:
     from nodeagent.agent import Agent, Externals  # the heavy imports only when running
-    from nodeagent.api.bootstrap import (
-        ClientCertRotation,
-        ClientCertSettings,
-        client_credentials,
-    )
+    from nodeagent.api.client import load_credentials
     from nodeagent.api.clock import RealClock
     from nodeagent.api.kube import RestKube
     from nodeagent.collector import Collector
@@ -50,26 +46,34 @@ async def _serve(cfg: config.AgentConfig, flags: dict[str, object]) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     clock = RealClock()
-    # the credentials first: --kubeconfig's, or a client certificate through TLS
-    # bootstrap (waits for its CSR to be signed; a stop ends the wait)
-    certs = ClientCertSettings(
-        node=cfg.node_name, kubeconfig=Path(cfg.kubeconfig) if cfg.kubeconfig else None,
-        bootstrap_kubeconfig=Path(cfg.bootstrap_kubeconfig) if cfg.bootstrap_kubeconfig
-        else None, cert_dir=Path(cfg.cert_dir), rotate=cfg.rotate_certificates)
-    getting = asyncio.ensure_future(client_credentials(certs, clock))
-    stopped = asyncio.ensure_future(stop.wait())
-    await asyncio.wait({getting, stopped}, return_when=asyncio.FIRST_COMPLETED)
-    stopped.cancel()
-    if not getting.done():
-        getting.cancel()
-        await asyncio.gather(getting, return_exceptions=True)
-        return
-    creds = getting.result()
+    rotation = None
+    if cfg.bootstrap_kubeconfig or cfg.rotate_certificates:
+        # a client certificate through TLS bootstrap (waits for its CSR to be signed; a
+        # stop ends the wait), or rotated: cryptography is imported only then
+        from nodeagent.api.bootstrap import (
+            ClientCertRotation,
+            ClientCertSettings,
+            client_credentials,
+        )
+        certs = ClientCertSettings(
+            node=cfg.node_name, kubeconfig=Path(cfg.kubeconfig) if cfg.kubeconfig else None,
+            bootstrap_kubeconfig=Path(cfg.bootstrap_kubeconfig) if cfg.bootstrap_kubeconfig
+            else None, cert_dir=Path(cfg.cert_dir), rotate=cfg.rotate_certificates)
+        getting = asyncio.ensure_future(client_credentials(certs, clock))
+        stopped = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({getting, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        if not getting.done():
+            getting.cancel()
+            await asyncio.gather(getting, return_exceptions=True)
+            return
+        creds = getting.result()
+    else:
+        creds = load_credentials(cfg.kubeconfig)
     # every caller retries with its own deadline (tenacity for the Lease); requests and
     # watches (a ConfigMap or Secret that pods use has a watch of its own) run on the
     # event loop over aiohttp connections (nodeagent/api/rest.py)
     kube = RestKube(creds, component="agent")
-    rotation = None
     if cfg.rotate_certificates:
         rotation = asyncio.create_task(ClientCertRotation(
             certs, creds, kube.separate(1), clock).run(stop), name="client-cert")

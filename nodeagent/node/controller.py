@@ -84,6 +84,13 @@ class NodeControllerConfig:
 
 
 class NodeController:
+    # thousands in a process: no __dict__ each
+    __slots__ = ("_next_tick", "_spread_tick", "base", "clock", "computed", "config",
+                 "heartbeat", "images", "kube", "last_full_report", "last_status_write",
+                 "lease", "legacy", "metrics", "name", "policy_name", "pressure", "probe",
+                 "readiness", "registered", "renewals", "reported", "reported_version",
+                 "rng", "seen", "settings", "spec", "started", "status_call", "ticker",
+                 "uid")
     REQUEST_TIMEOUT = 10.0
 
     def __init__(self, spec: NodeSpec, config: NodeControllerConfig, lease: LeaseRenewer,

@@ -43,6 +43,10 @@ def spread_before(now: float, due: float, rng: random.Random) -> float:
 
 
 class LeaseRenewer:
+    # thousands in a process: no __dict__ each
+    __slots__ = ("_counted", "_due", "_spread", "_u", "answered", "clock", "failing",
+                 "heartbeat", "jitter", "kube", "last_renewed", "lease", "metrics", "node",
+                 "owner_uid", "rng", "started")
     REQUEST_TIMEOUT = 10.0  # one attempt never waits longer than this
 
     def __init__(self, node: str, kube: Kube, clock: Clock, metrics: NodeMetrics,
