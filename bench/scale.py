@@ -117,24 +117,30 @@ class Subject(abc.ABC):
 
 class AgentSubject(Subject):
     def __init__(self, mode: str, virtual: bool, tag: str, n: int, workdir: Path,
-                 agent: Path = AGENT, name: str = "") -> None:
+                 agent: Path = AGENT, name: str = "", split: int = 1) -> None:
+        """`split`: virtual nodes across this many agent processes (the chart's
+        StatefulSet of agents), each with its share."""
         super().__init__(tag, n, workdir)
-        self.mode, self.virtual, self.agent = mode, virtual, agent
+        self.mode, self.virtual, self.agent, self.split = mode, virtual, agent, split
         self.name = name or ("nodepulse" if mode == "efficient" else mode)
         self.leases = mode != "legacy"
 
     def start(self, cluster: LocalCluster) -> None:
-        common = ["--heartbeat-mode", self.mode, "--agent-id", self.tag,
-                  "--node-labels", f"{BENCH_LABEL}={self.tag}",
+        common = ["--heartbeat-mode", self.mode, "--node-labels", f"{BENCH_LABEL}={self.tag}",
                   "--healthz-bind-address", "", *AGENT_RUNTIME, *AGENT_SERVER]
         if self.virtual:
-            # one process for all N; the admin kubeconfig, as the chart's RBAC would
-            # allow writes to exactly these Nodes and Leases
-            self._spawn([str(self.agent), "--virtual-nodes", str(self.n),
-                         "--node-name-prefix", self.tag,  # nodes <tag>-0 .. <tag>-(N-1)
-                         "--kubeconfig", str(cluster.kubeconfig),
-                         "--root-dir", str(self.workdir / self.tag), *common], self.tag)
+            # N nodes in `split` processes; the admin kubeconfig, as the chart's RBAC
+            # would allow writes to exactly these Nodes and Leases
+            for j in range(self.split):
+                share = self.n // self.split + (1 if j < self.n % self.split else 0)
+                # nodes <tag>-0 .. <tag>-(N-1) in one process; <tag>-p<j>-<i> in several
+                prefix = self.tag if self.split == 1 else f"{self.tag}-p{j}"
+                self._spawn([str(self.agent), "--virtual-nodes", str(share),
+                             "--node-name-prefix", prefix, "--agent-id", prefix,
+                             "--kubeconfig", str(cluster.kubeconfig),
+                             "--root-dir", str(self.workdir / prefix), *common], prefix)
             return
+        common += ["--agent-id", self.tag]
         for i in range(self.n):
             name = f"{self.tag}-{i}"
             self._spawn([str(self.agent), "--node-name", name,
@@ -808,6 +814,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--agent-processes", choices=("auto", "virtual", "separate"),
                         default="auto", help="nodepulse as one --virtual-nodes process, or "
                         "one process per node (auto: virtual when the agent has it)")
+    parser.add_argument("--split", type=int, default=1,
+                        help="virtual nodes across this many agent processes, each with "
+                        "its share (the chart's StatefulSet of agents)")
     parser.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
     parser.add_argument("--churn", action="store_true",
                         help="instead of the heartbeat phases: a Deployment of --churn-pods "
@@ -847,6 +856,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--before-agent: {args.before_agent} is not a file")
     if args.churn_pods <= 0:
         parser.error("--churn-pods must be > 0")
+    if args.split <= 0:
+        parser.error("--split must be > 0")
     if args.rounds is None:
         args.rounds = CHURN_ROUNDS if args.churn else 1
     if args.rounds <= 0:
@@ -867,7 +878,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.agent_processes == "virtual" and not virtual:
         parser.error("--agent-processes virtual: nodepulse-agent has no --virtual-nodes")
     virtual = virtual and args.agent_processes != "separate"
-    how = ("one process per subject (--virtual-nodes)" if virtual
+    if args.split > 1 and not virtual:
+        parser.error("--split goes with virtual nodes (--agent-processes virtual or auto)")
+    how = (f"{args.split} process(es) per subject (--virtual-nodes)" if virtual
            else "one agent process per node (no --virtual-nodes)")
     log(f"nodepulse: {how}")
 
@@ -889,10 +902,11 @@ def main(argv: list[str] | None = None) -> int:
                 subject = KwokSubject(tag, n, phase_dir)
             elif name == "before":  # the same settings as nodepulse, another build
                 subject = AgentSubject("efficient", virtual, tag, n, phase_dir,
-                                       agent=Path(args.before_agent), name="before")
+                                       agent=Path(args.before_agent), name="before",
+                                       split=args.split)
             else:
                 subject = AgentSubject("efficient" if name == "nodepulse" else "legacy",
-                                       virtual, tag, n, phase_dir)
+                                       virtual, tag, n, phase_dir, split=args.split)
             if args.churn:
                 log(f"-- churn: {name} round {seen[name]}, {n} nodes, {args.churn_pods} pods")
                 try:

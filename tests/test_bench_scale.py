@@ -359,6 +359,26 @@ def test_rounds_and_a_repeated_subject_are_for_the_churn(
     assert "--rounds must be > 0" in capsys.readouterr().err
 
 
+def test_split_shares_the_nodes_among_the_agent_processes(tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]
+                                                            ) -> None:
+    from bench import scale
+
+    subject = scale.AgentSubject("efficient", True, "nod-10", 10, tmp_path, split=4)
+    spawned: list[list[str]] = []
+    subject._spawn = lambda args, logname: spawned.append(args)  # type: ignore[method-assign]
+    subject.start(type("Cluster", (), {"kubeconfig": tmp_path / "admin"})())  # type: ignore[arg-type]
+    shares = [int(a[a.index("--virtual-nodes") + 1]) for a in spawned]
+    prefixes = [a[a.index("--node-name-prefix") + 1] for a in spawned]
+    assert shares == [3, 3, 2, 2] and sum(shares) == 10
+    assert prefixes == ["nod-10-p0", "nod-10-p1", "nod-10-p2", "nod-10-p3"]
+    assert all(a[a.index("--agent-id") + 1] == p for a, p in zip(spawned, prefixes, strict=True))
+    assert all(f"{scale.BENCH_LABEL}=nod-10" in a for a in spawned)  # one subject's nodes
+    with pytest.raises(SystemExit):
+        scale.main(["--split", "0"])
+    assert "--split must be > 0" in capsys.readouterr().err
+
+
 def test_window_takes_out_the_identity_lease_writes_and_their_bytes() -> None:
     from bench.scale import Snapshot, Window
 
