@@ -367,7 +367,7 @@ def test_split_shares_the_nodes_among_the_agent_processes(tmp_path: Path,
     subject = scale.AgentSubject("efficient", True, "nod-10", 10, tmp_path, split=4)
     spawned: list[list[str]] = []
     subject._spawn = lambda args, logname: spawned.append(args)  # type: ignore[method-assign]
-    subject.start(type("Cluster", (), {"kubeconfig": tmp_path / "admin"})())  # type: ignore[arg-type]
+    subject.start(type("Cluster", (), {"kubeconfig": tmp_path / "admin"})())
     shares = [int(a[a.index("--virtual-nodes") + 1]) for a in spawned]
     prefixes = [a[a.index("--node-name-prefix") + 1] for a in spawned]
     assert shares == [3, 3, 2, 2] and sum(shares) == 10
