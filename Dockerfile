@@ -16,6 +16,7 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY nodeagent ./nodeagent
 COPY operator ./operator
+COPY nodepulse_dev ./nodepulse_dev
 RUN pip wheel --wheel-dir /wheels .
 
 # ---- runtime: the wheels installed into a slim base, nothing else

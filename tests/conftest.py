@@ -564,6 +564,12 @@ class NoTls:
         return default
 
 
+# what read_node gives on a small machine
+NODE_READING = {"cpu_seconds": 12.5, "memory_total": 4 * 2**30, "memory_usage": 2**30,
+                "memory_working_set": 2**29, "memory_available": 3 * 2**30,
+                "boot_time": 1.7e9}
+
+
 def kubelet_server(tmp: Path, now: dt.datetime, runtime: Runtime | None = None, *,
                    clock: FakeClock | None = None, **settings: Any) -> KubeletServer:
     """A KubeletServer for node n1 serving OnePodHost; alice may use nodes/proxy, stan
@@ -574,5 +580,5 @@ def kubelet_server(tmp: Path, now: dt.datetime, runtime: Runtime | None = None, 
     cert.load_self_signed()
     host = OnePodHost(runtime or FakeRuntime(clock), running=runtime is not None)
     return KubeletServer(host, KubeletAuth(api, clock), cert, node_names=["n1"],
-                         clock=clock, registry=CollectorRegistry(), node_reader=lambda: {},
+                         clock=clock, registry=CollectorRegistry(), node_reader=lambda: dict(NODE_READING),
                          address="127.0.0.1", port=0, **settings)
