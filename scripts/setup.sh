@@ -6,9 +6,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # docker.io and debootstrap: the kind tests (e2e/kind) start a private dockerd and make
-# their base images from Debian's packages
+# their base images from Debian's packages; libfuse3-3: the soak's slow disk (FUSE)
 APT_PACKAGES=(containerd runc containernetworking-plugins busybox-static iptables iproute2
-              gcc libc6-dev make curl docker.io debootstrap)
+              gcc libc6-dev make curl docker.io debootstrap libfuse3-3)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")

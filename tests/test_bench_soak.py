@@ -1,0 +1,88 @@
+"""The soak's schedule (a pure function of seed and duration) and its rules (bench/soak/)."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.soak import rules
+from bench.soak.schedule import KINDS, LANES, kinds_of, schedule
+
+# the e2e short run's parameters (e2e/test_soak.py)
+SHORT = {"seed": 1, "duration": 150.0, "mean_gap": 15.0}
+
+
+def test_the_schedule_is_a_pure_function_of_seed_and_duration():
+    a = schedule(7, 3600)
+    assert a == schedule(7, 3600)
+    assert a != schedule(8, 3600)
+    assert a != schedule(7, 3000)
+    assert [f.at for f in a] == sorted(f.at for f in a)
+
+
+def test_faults_of_one_lane_follow_each_other_and_lanes_overlap():
+    faults = schedule(3, 3600)
+    for lane in LANES:
+        mine = [f for f in faults if f.lane == lane]
+        assert mine, lane
+        for before, after in zip(mine, mine[1:], strict=False):
+            assert after.at >= before.end + 5  # min_gap
+    assert all(f.at >= 0 and f.end <= 3600 for f in faults)
+    overlapping = [f for f in faults
+                   if any(g is not f and g.at < f.end and f.at < g.end for g in faults)]
+    assert len(overlapping) > len(faults) / 2
+
+
+def test_holds_within_each_kinds_range_and_slow_disk_has_a_delay():
+    for f in schedule(11, 3600):
+        _, low, high = KINDS[f.kind]
+        assert low <= f.hold <= high, f
+        assert (f.delay > 0) == (f.kind == "slow-disk"), f
+
+
+def test_the_short_run_injects_every_kind():
+    faults = schedule(SHORT["seed"], SHORT["duration"], mean_gap=SHORT["mean_gap"])
+    assert kinds_of(faults) == set(KINDS)
+
+
+def test_a_window_too_short_for_a_fault_gets_none_of_it():
+    assert kinds_of(schedule(1, 1)) == {"etcd-compact"}  # the one fault without a hold
+    with pytest.raises(ValueError, match="duration must be positive"):
+        schedule(1, 0)
+
+
+def test_uncovered_seconds_of_a_window():
+    assert rules.uncovered((0, 10), []) == 10
+    assert rules.uncovered((0, 10), [(2, 4), (3, 6)]) == 6
+    assert rules.uncovered((0, 10), [(-5, 20)]) == 0
+    assert rules.uncovered((0, 10), [(8, float("inf"))]) == 8
+    assert rules.uncovered((5, 5), [(0, 1)]) == 0
+
+
+def test_stale_periods_from_renewals_seen():
+    assert rules.stale_periods([0, 5, 10, 40, 45], 20, 50) == [(10, 40)]
+    assert rules.stale_periods([0, 5], 20, 30) == [(5, 30)]
+    assert rules.stale_periods([], 20, 30) == []
+
+
+def test_a_silence_is_excused_only_when_faults_cover_it():
+    agent_killed = [(100, 130)]  # already extended by the recovery
+    assert rules.excused((95, 140), agent_killed, 20)       # 15 s uncovered
+    assert not rules.excused((60, 140), agent_killed, 20)   # 50 s of a live agent
+
+
+def test_quiet_skips_the_faults_of_the_other_node():
+    tl = rules.Timeline(0, [rules.Injected("virtual-agent-kill", 100, 110),
+                            rules.Injected("agent-kill", 200, float("inf"))])
+    assert tl.quiet("cri", 150, 90)
+    assert not tl.quiet("virtual", 150, 90)
+    assert not tl.quiet("cri", 300, 90)  # still under way
+    assert tl.quiet("virtual", 300, 90)
+    assert tl.last_before(150) == ["virtual-agent-kill 100s-110s"]
+
+
+def test_slope_per_hour():
+    pts = [rules.Sample(t, 100 + t / 60) for t in range(0, 3600, 60)]
+    assert rules.slope_per_hour(pts) == pytest.approx(60)
+    assert rules.slope_per_hour(pts[:2]) is None
+    flat = [rules.Sample(t, 5) for t in range(3)]
+    assert rules.slope_per_hour(flat) == 0
