@@ -8,7 +8,7 @@ from bench.soak import rules
 from bench.soak.schedule import KINDS, LANES, kinds_of, schedule
 
 # the e2e short run's parameters (e2e/test_soak.py)
-SHORT = {"seed": 1, "duration": 150.0, "mean_gap": 15.0}
+SHORT_SEED, SHORT_SECONDS, SHORT_GAP = 1, 150.0, 15.0
 
 
 def test_the_schedule_is_a_pure_function_of_seed_and_duration():
@@ -40,7 +40,7 @@ def test_holds_within_each_kinds_range_and_slow_disk_has_a_delay():
 
 
 def test_the_short_run_injects_every_kind():
-    faults = schedule(SHORT["seed"], SHORT["duration"], mean_gap=SHORT["mean_gap"])
+    faults = schedule(SHORT_SEED, SHORT_SECONDS, mean_gap=SHORT_GAP)
     assert kinds_of(faults) == set(KINDS)
 
 
