@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-import pytest
+from typing import Any
 
-from bench.soak import rules
+import pytest
+from kubernetes import client
+
+from bench.soak import observe, rules
 from bench.soak.schedule import KINDS, LANES, kinds_of, schedule
+from e2e.harness.nodeenv import RtContainer, RtView
 
 # the e2e short run's parameters (e2e/test_soak.py)
 SHORT_SEED, SHORT_SECONDS, SHORT_GAP = 1, 150.0, 15.0
@@ -86,3 +90,49 @@ def test_slope_per_hour():
     assert rules.slope_per_hour(pts[:2]) is None
     flat = [rules.Sample(t, 5) for t in range(3)]
     assert rules.slope_per_hour(flat) == 0
+
+
+# ---- what a round finds wrong with a pod (observe.py)
+def _pod(kind: str, phase: str, *containers: tuple[str, str, bool, str]) -> Any:
+    """containers: (name, container id, ready, state) with state running/terminated/waiting."""
+    statuses = [client.V1ContainerStatus(
+        name=name, container_id=f"containerd://{cid}" if cid else None, ready=ready,
+        image="i", image_id="", restart_count=0,
+        state=client.V1ContainerState(**{state: {"running": client.V1ContainerStateRunning(),
+                                                 "terminated": client.V1ContainerStateTerminated(
+                                                     exit_code=0),
+                                                 "waiting": client.V1ContainerStateWaiting(
+                                                     reason="ContainerCreating")}[state]}))
+        for name, cid, ready, state in containers]
+    return client.V1Pod(metadata=client.V1ObjectMeta(name="p", uid="u1", labels={"soak": kind}),
+                        status=client.V1PodStatus(phase=phase, container_statuses=statuses))
+
+
+def test_a_web_pod_must_run_ready_and_a_jobs_pod_must_succeed_by_the_end():
+    assert observe.pod_problem(_pod("web-cri", "Running", ("web", "c1", True, "running"))) is None
+    assert "not ready" in str(observe.pod_problem(
+        _pod("web-cri", "Running", ("web", "c1", False, "running"))))
+    assert "phase Pending" in str(observe.pod_problem(
+        _pod("web-virtual", "Pending", ("web", "", False, "waiting"))))
+    running_job = _pod("job-cri", "Running", ("work", "c2", True, "running"))
+    assert observe.pod_problem(running_job) is None
+    assert "phase Running" in str(observe.pod_problem(running_job, final=True))
+    assert observe.pod_problem(_pod("job-virtual", "Succeeded",
+                                    ("work", "c3", False, "terminated")), final=True) is None
+    assert "phase Failed" in str(observe.pod_problem(_pod("job-cri", "Failed")))
+
+
+def test_the_apis_status_against_the_runtimes_records():
+    view = RtView([RtContainer("c1", "u1", "web", "RUNNING"),
+                   RtContainer("c0", "u1", "web", "EXITED")], {"u1": [("s1", True)]})
+    assert observe.status_mismatch(_pod("web-cri", "Running", ("web", "c1", True, "running")),
+                                   view) is None
+    wrong = observe.status_mismatch(_pod("web-cri", "Running", ("web", "c0", True, "running")),
+                                    view)
+    assert wrong and "API says running c0, runtime runs c1" in wrong
+    wrong = observe.status_mismatch(_pod("web-cri", "Running", ("web", "c1", False, "waiting")),
+                                    view)
+    assert wrong and "runtime runs c1" in wrong
+    wrong = observe.status_mismatch(_pod("job-cri", "Succeeded",
+                                         ("web", "c1", False, "terminated")), view)
+    assert wrong and "phase Succeeded but the runtime runs ['web']" in wrong
