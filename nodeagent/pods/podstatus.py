@@ -22,7 +22,7 @@ from typing import Any
 from prometheus_client import REGISTRY, CollectorRegistry, Counter
 
 from nodeagent.api.answered import ApiAnswered
-from nodeagent.api.client import brief, is_retriable, status_of
+from nodeagent.api.client import brief, invalid_fields, is_retriable, status_of
 from nodeagent.api.clock import Clock
 from nodeagent.api.kube import PODS, Kube, describe
 from nodeagent.metrics import per_registry
@@ -44,6 +44,8 @@ CONDITION_TYPES = ("PodReadyToStartContainers", "PodScheduled", "Initialized",
                    "ContainersReady", "Ready")
 TERMINAL = ("Succeeded", "Failed")
 # the state of a container that ran and that the runtime no longer knows
+# a strategic merge patch's directive: the list it heads replaces the one stored
+REPLACE = {"$patch": "replace"}
 GONE = {"exitCode": 137, "reason": "ContainerStatusUnknown",
         "message": "The container could not be located; it used to be running"}
 
@@ -515,14 +517,22 @@ class StatusManager:
                     log.info("pod %s: no mirror pod (yet) for its status (%s); retry in "
                              "%.0fs", describe(e.pod), code, delay)
                     cap = self.MIRROR_RETRY_MAX  # the mirror comes within seconds
-                elif code in (404, 409, 422):
+                elif code in (404, 409) or (code == 422 and
+                                            "metadata.uid" in invalid_fields(exc)):
                     # the pod is gone or was replaced by a new one with the same name
+                    # (the patch's uid no longer matches: the API calls that invalid)
                     log.info("pod %s: status %s gave %s; the pod is gone", describe(e.pod),
                              kind, code)
                     self._writes.labels(node=self.node, kind=kind, result="gone").inc()
                     e.sent = want
                     e.deleted = True
                     return
+                elif code == 422:
+                    # a status the API server refuses: say what it said, and try again
+                    # (the next status may pass; a pod is never left as if gone)
+                    self._writes.labels(node=self.node, kind=kind, result="invalid").inc()
+                    log.warning("pod %s: the API server refused its status (%s); retry in "
+                                "%.0fs", describe(e.pod), brief(exc), delay)
                 else:
                     self._writes.labels(node=self.node, kind=kind, result="error").inc()
                     log.warning("pod %s: status %s failed (%s), retry in %.0fs%s", describe(e.pod),
@@ -533,7 +543,12 @@ class StatusManager:
 
     async def _patch(self, pod: Pod, status: Status) -> None:
         meta = pod["metadata"]
-        body: dict[str, Any] = {"status": status}
+        # podIPs and hostIPs are replaced, not merged by address: a pod given a new
+        # sandbox (its runtime lost the old one) has a new address, and old and new
+        # together would be two of one family, which the API server refuses
+        body: dict[str, Any] = {"status": {
+            k: [REPLACE, *v] if k in ("podIPs", "hostIPs") and v else v
+            for k, v in status.items()}}
         if not is_static(pod):
             # the uid makes the patch fail on a new pod that reuses the name; a static
             # pod's status goes to its mirror pod, which has a uid of its own
