@@ -22,7 +22,7 @@ from typing import Any
 from nodeagent.pods import podspec
 from nodeagent.pods.admission import AdmissionSettings, Rejection, admit
 from nodeagent.pods.backoff import CrashKey, crash_key
-from nodeagent.pods.podstatus import Waiting, is_sidecar
+from nodeagent.pods.podstatus import Waiting, is_sidecar, ran_its_course
 from nodeagent.pods.podupdate import Pod
 from nodeagent.pods.probes import Kind
 from nodeagent.runtime.base import (
@@ -264,10 +264,14 @@ def compute_pod_actions(pod: Pod, rs: PodRuntimeStatus, previous: Mapping[str, A
     sandbox = ready[0] if ready else None
     new_sandbox: int | None = None
     stop_first: tuple[Container, ...] = ()
+    regular = [str(c["name"]) for c in spec.get("containers") or []]
     if sandbox is None:
         if rs.containers and policy == "Never" and any(
                 c.state == ContainerState.EXITED for c in rs.containers):
             # the sandbox died after containers ran; Never means no second run
+            return PodActions(Verdict.ENDED)
+        if regular and all(ran_its_course(previous, n, policy) for n in regular):
+            # the runtime lost a pod whose containers ran (the status says so)
             return PodActions(Verdict.ENDED)
         if pod_refused:  # a pod-level field we cannot honour: no sandbox either
             return PodActions(Verdict.REFUSED, refuse={
@@ -311,7 +315,8 @@ def compute_pod_actions(pod: Pod, rs: PodRuntimeStatus, previous: Mapping[str, A
         for c in spec.get("containers") or []:
             cur = _latest(str(c["name"]), current)
             if cur is None:
-                d.new(c)
+                if not ran_its_course(previous, str(c["name"]), policy):
+                    d.new(c)
             elif cur.state == ContainerState.RUNNING:
                 if cur.spec_hash and cur.spec_hash != container_spec_hash(c):
                     d.kill.append(KillContainer(
@@ -338,7 +343,7 @@ def compute_pod_actions(pod: Pod, rs: PodRuntimeStatus, previous: Mapping[str, A
         kill=tuple(d.kill), start=tuple(d.start), refuse=d.refuse,
         prune_containers=prune_containers, prune_sandboxes=prune_sandboxes,
         waiting=d.waiting, init_blocked=init_blocked,
-        terminal=_all_done(spec, current, init_blocked))
+        terminal=_all_done(spec, current, init_blocked, previous))
 
 
 def _ephemeral(d: _Decision, current: Sequence[Container]) -> None:
@@ -398,13 +403,17 @@ def _sidecar(d: _Decision, ic: Spec, cur: Container | None) -> bool:
     return cur.id in d.verdicts.started
 
 
-def _all_done(spec: Spec, current: Sequence[Container], init_blocked: bool) -> bool:
-    """Every container exited and none will be restarted."""
+def _all_done(spec: Spec, current: Sequence[Container], init_blocked: bool,
+              previous: Mapping[str, Any]) -> bool:
+    """Every container exited (or, lost by the runtime, ran its course) and none will
+    be restarted."""
     policy = spec.get("restartPolicy") or "Always"
     if policy == "Always" or init_blocked:
         return False
     for c in spec.get("containers") or []:
         cur = _latest(str(c["name"]), current)
+        if cur is None and ran_its_course(previous, str(c["name"]), policy):
+            continue
         if cur is None or cur.state != ContainerState.EXITED:
             return False
         if policy == "OnFailure" and (cur.exit_code or 0) != 0:

@@ -43,9 +43,9 @@ OWNED = ("phase", "conditions", "containerStatuses", "initContainerStatuses",
 CONDITION_TYPES = ("PodReadyToStartContainers", "PodScheduled", "Initialized",
                    "ContainersReady", "Ready")
 TERMINAL = ("Succeeded", "Failed")
-# the state of a container that ran and that the runtime no longer knows
 # a strategic merge patch's directive: the list it heads replaces the one stored
 REPLACE = {"$patch": "replace"}
+# the state of a container that ran and that the runtime no longer knows
 GONE = {"exitCode": 137, "reason": "ContainerStatusUnknown",
         "message": "The container could not be located; it used to be running"}
 
@@ -88,6 +88,22 @@ def _terminated(c: Container, scheme: str, messages: Mapping[str, str]) -> dict[
     if message:
         out["message"] = message
     return out
+
+
+def ran_its_course(previous: Mapping[str, Any], name: str, policy: str) -> bool:
+    """The status says the container ran, and by the restart policy it does not run
+    again: with Never, it started at all (it has a container id); with OnFailure, it
+    exited 0. For a container the runtime has no record of (a runtime that lost the
+    pod, a reboot): a run-once container that ran must not run twice (the kubelet's
+    rule too: "ran" is not "never ran"); its status says how it ended, or that it
+    could not be found."""
+    if policy == "Always":
+        return False
+    for s in previous.get("containerStatuses") or []:
+        if s.get("name") == name and s.get("containerID"):
+            ended = (s.get("state") or {}).get("terminated")
+            return policy == "Never" or (ended is not None and ended.get("exitCode") == 0)
+    return False
 
 
 def _container_statuses(specs: list[Mapping[str, Any]], rs: PodRuntimeStatus, *,
@@ -242,6 +258,17 @@ def compute_pod_status(pod: Pod, rs: PodRuntimeStatus, *, host_ip: str, scheme: 
                                    waiting=waiting, previous=prev_cs,
                                    default_reason="PodInitializing", probed=probed,
                                    messages=messages)
+    in_runtime = {c.name for c in rs.containers}
+    policy = spec.get("restartPolicy") or "Always"
+    for s in statuses:
+        before = prev_cs.get(s["name"]) or {}
+        if s["name"] not in in_runtime and ran_its_course(previous, s["name"], policy):
+            # it ran, the runtime lost it, and it will not run again: it ended as the
+            # status said, or (it was running) in a way nobody saw
+            s.update(containerID=before["containerID"], imageID=before.get("imageID", ""),
+                     restartCount=before.get("restartCount", 0),
+                     state=before["state"] if "terminated" in (before.get("state") or {})
+                     else {"terminated": GONE})
     ephemerals = spec.get("ephemeralContainers") or []
     # an ephemeral container is never restarted: once it ran, nothing keeps it waiting
     ran = {c.name for c in rs.containers}
