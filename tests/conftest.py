@@ -387,7 +387,7 @@ class AgentRig:
         self.rt = FakeRuntime(self.clock, images=images, image_size=image_size)
         inline = InlineExecutor()
         self.agent = Agent(self.cfg, Externals(self.kube, self.clock, runtime=self.rt,
-                                           pools=Pools(inline), host_ip="192.0.2.10",
+                                           pools=Pools(inline, inline), host_ip="192.0.2.10",
                                            registry=CollectorRegistry(), flags=self.flags,
                                            env={}))
         self.pods = self.agent.pods
