@@ -136,3 +136,24 @@ def test_the_apis_status_against_the_runtimes_records():
     wrong = observe.status_mismatch(_pod("job-cri", "Succeeded",
                                          ("web", "c1", False, "terminated")), view)
     assert wrong and "phase Succeeded but the runtime runs ['web']" in wrong
+
+
+def test_the_report_names_each_violation_and_says_the_run_failed():
+    from bench.soak.run import Report, SoakConfig
+    v = [observe.Violation("lease", f"lease n{i}", 100.0 + i, "not renewed for 50s",
+                           ["agent-kill 10s-20s"]) for i in range(10)]
+    r = Report(SoakConfig(seed=5, minutes=1), started=0.0,
+               injected=[rules.Injected("agent-kill", 10, 20)], violations=v,
+               checks={"lease": 3}, resources=[{
+                   "process": "agent-cri", "incarnations": 2, "samples": 4, "minutes": 3.0,
+                   "first": {"rss_mb": 70.0, "threads": 14, "fds": 30, "tasks": None},
+                   "last": {"rss_mb": 71.0, "threads": 14, "fds": 30, "tasks": None},
+                   "slope_per_hour": {"rss_mb": 20.0, "threads": 0.0, "fds": 0.0,
+                                      "tasks": None}}])
+    text = r.render(markdown=True)
+    assert not r.held and "VIOLATED" in text
+    assert "- [lease] lease n0 at +100s: not renewed for 50s; last faults before: " \
+           "agent-kill 10s-20s" in text
+    assert "... and 2 more" in text
+    assert "| agent-cri | 2 | 3 min, 4 samples | 70.0 -> 71.0 (+20.0/h) |" in text
+    assert "| agent-kill | 1 | 10 | 0 |" in text

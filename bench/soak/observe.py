@@ -183,7 +183,6 @@ class Observer:
         self.checks["restarted"] += 1
         for p in pods:
             uid = p.metadata.uid
-            created = p.metadata.creation_timestamp.timestamp()
             for cs in p.status.container_statuses or []:
                 key = (uid, cs.name)
                 prev = self._container_ids.get(key)
@@ -192,9 +191,7 @@ class Observer:
                 replaced = bool(prev and cs.container_id and cs.container_id != prev)
                 if not (cs.restart_count or replaced):
                     continue
-                if self.pool_of_pod(p) == "virtual" and any(
-                        f.kind == "virtual-agent-kill" and f.start >= created - 1
-                        for f in self.timeline.faults):
+                if self._rebooted(p):
                     continue  # the fake runtime's containers die with its agent (a reboot)
                 last = cs.last_state.terminated if cs.last_state else None
                 why = (f"last state: exit {last.exit_code} {last.reason} {last.message or ''}"
@@ -202,6 +199,23 @@ class Observer:
                 self.violate("restarted", f"pod {p.metadata.name} container {cs.name}",
                              f"restartCount {cs.restart_count}, container "
                              f"{prev} -> {cs.container_id}; {why}", t)
+
+    def _rebooted(self, p: Any) -> bool:
+        """A virtual node's pod that lived through its agent's SIGKILL: the fake runtime
+        lost its containers with the agent, as a node's reboot does."""
+        created = p.metadata.creation_timestamp.timestamp()
+        return self.pool_of_pod(p) == "virtual" and any(
+            f.kind == "virtual-agent-kill" and f.start >= created - 1
+            for f in self.timeline.faults)
+
+    def _expected_failure(self, p: Any) -> bool:
+        """A Job's pod of a rebooted virtual node ends Failed, its container lost
+        (ContainerStatusUnknown): a run-once pod does not run twice; its Job makes
+        another (the Job must still complete)."""
+        return p.status.phase == "Failed" and self._rebooted(p) and all(
+            cs.state and cs.state.terminated
+            and cs.state.terminated.reason == "ContainerStatusUnknown"
+            for cs in p.status.container_statuses or [])
 
     def _lost(self, pods: list[Any], t: float) -> None:
         self.checks["lost"] += 1
@@ -211,7 +225,7 @@ class Observer:
             if (p.metadata.deletion_timestamp or t - created < self.bound
                     or not self.timeline.quiet(pool, t, self.bound)):
                 continue
-            problem = pod_problem(p)
+            problem = None if self._expected_failure(p) else pod_problem(p)
             if self._twice(("lost", p.metadata.uid), problem is not None):
                 self.violate("lost", f"pod {p.metadata.name} ({pool})",
                              f"{problem}, {t - created:.0f}s after its creation and "
@@ -322,7 +336,8 @@ class Observer:
                                    f"{j.status.active or 0} active)")
         pods = self.core.list_namespaced_pod(NAMESPACE, _request_timeout=TIMEOUT).items
         for p in pods:
-            problem = None if p.metadata.deletion_timestamp else pod_problem(p, final=True)
+            problem = None if p.metadata.deletion_timestamp or self._expected_failure(p) \
+                else pod_problem(p, final=True)
             if problem:
                 out["lost"].append(f"pod {p.metadata.name}: {problem}")
         self._restarts(pods, time.time())

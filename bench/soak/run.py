@@ -172,6 +172,9 @@ def _load() -> float:
 
 
 # ---- the report
+SHOWN = 8  # violations listed per invariant
+
+
 def render(r: Report, markdown: bool = False) -> str:
     t0 = r.started
     lines: list[str] = []
@@ -215,10 +218,15 @@ def render(r: Report, markdown: bool = False) -> str:
                      f"first: {v.obj} at +{v.at - t0:.0f}s" if v else "held"])
     table(["invariant", "checks", "violations", "result"], rows)
     if r.violations:
-        lines.append("violations:")
-        for v in r.violations:
-            lines.append(f"- [{v.invariant}] {v.obj} at +{v.at - t0:.0f}s: {v.detail}; "
-                         f"last faults before: {'; '.join(v.faults_before) or 'none'}")
+        lines.append(f"violations (the first {SHOWN} of each invariant; all of them in "
+                     "report.json):")
+        for key in INVARIANTS:
+            mine = [v for v in r.violations if v.invariant == key]
+            for v in mine[:SHOWN]:
+                lines.append(f"- [{v.invariant}] {v.obj} at +{v.at - t0:.0f}s: {v.detail}; "
+                             f"last faults before: {'; '.join(v.faults_before) or 'none'}")
+            if len(mine) > SHOWN:
+                lines.append(f"- [{key}] ... and {len(mine) - SHOWN} more")
         lines.append("")
     rows = []
     for res in r.resources:
