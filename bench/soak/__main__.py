@@ -2,6 +2,7 @@
 overlap, and the invariants checked all the way (bench/soak/).
 
     python -m bench.soak [--minutes 60] [--seed N] [--virtual-nodes 200]
+    python -m bench.soak --render WORKDIR/report.json
 
 The seed is printed (a random one unless given); the same seed and minutes inject the
 same faults at the same times. The control plane and the logs of every program are kept
@@ -13,13 +14,14 @@ invariant was violated.
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from bench.soak.run import SoakConfig, run_soak
+from bench.soak.run import Report, SoakConfig, run_soak
 from e2e.cluster import LocalCluster
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,7 +40,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds between two samples of each program's resources")
     parser.add_argument("--write-docs", action="store_true",
                         help="write the report to docs/benchmarks/soak.md")
+    parser.add_argument("--render", type=Path, metavar="REPORT_JSON",
+                        help="only print the report a run wrote (report.json) again")
     args = parser.parse_args(argv)
+    if args.render is not None:
+        report = Report.from_json(json.loads(args.render.read_text()))
+        print(report.render(markdown=True))
+        return 0 if report.held else 1
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(10**6)
     print(f"soak seed: {seed} (python -m bench.soak --minutes {args.minutes:g} --seed {seed})",
           flush=True)

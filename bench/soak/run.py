@@ -5,6 +5,7 @@ report written. Used by `python -m bench.soak` and by e2e/test_soak.py.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -14,6 +15,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from bench.soak import rules
 from bench.soak.observe import INVARIANTS, Observer, Violation, slopes
@@ -43,6 +45,7 @@ class SoakConfig:
 class Report:
     config: SoakConfig
     started: float
+    chaos_started: float = 0.0  # wall clock: times in the report count from here
     chaos_seconds: float = 0.0
     settle_seconds: float = 0.0
     injected: list[rules.Injected] = field(default_factory=list)
@@ -58,6 +61,16 @@ class Report:
     leftovers: list[str] = field(default_factory=list)
     workdir: str = ""
     logs: list[str] = field(default_factory=list)  # where every program's log is
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Report:
+        """A report as report.json holds it (to render it again)."""
+        fields = {k: v for k, v in data.items() if k in {f.name for f in dataclasses.fields(cls)}}
+        fields["config"] = SoakConfig(**data["config"])
+        fields["injected"] = [rules.Injected(**f) for f in data["injected"]]
+        fields["violations"] = [Violation(**v) for v in data["violations"]]
+        fields["load"] = tuple(data["load"])
+        return cls(**fields)
 
     @property
     def held(self) -> bool:
@@ -85,6 +98,7 @@ def run_soak(cluster: LocalCluster, cfg: SoakConfig, workdir: Path,
         churn.setup()
         eventually(churn.available, "the workload available before the chaos", 300, every=2)
         timeline = rules.Timeline(time.time())
+        report.chaos_started = timeline.t0
         observer = Observer(rig, timeline, bound=cfg.bound, check_every=cfg.check_every,
                             sample_every=cfg.sample_every)
         observer.start()
@@ -176,7 +190,7 @@ SHOWN = 8  # violations listed per invariant
 
 
 def render(r: Report, markdown: bool = False) -> str:
-    t0 = r.started
+    t0 = r.chaos_started or r.started
     lines: list[str] = []
 
     def table(head: list[str], rows: list[list[str]]) -> None:
