@@ -84,6 +84,8 @@ def test_quiet_skips_the_faults_of_the_other_node():
     assert not tl.quiet("cri", 300, 90)  # still under way
     assert tl.quiet("virtual", 300, 90)
     assert tl.last_before(150) == ["virtual-agent-kill 100s-110s"]
+    assert tl.last_before(300, pool="cri") == ["agent-kill 200s-infs"]
+    assert tl.last_before(300, pool="virtual") == ["virtual-agent-kill 100s-110s"]
 
 
 def test_slope_per_hour():

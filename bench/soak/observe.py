@@ -123,13 +123,16 @@ class Observer:
                 self.skipped += 1
                 self.errors.append(f"{fn.__name__}: {type(e).__name__}: {str(e)[:160]}")
 
-    def violate(self, invariant: str, obj: str, detail: str, at: float | None = None) -> None:
+    def violate(self, invariant: str, obj: str, detail: str, at: float | None = None,
+                pool: str | None = None) -> None:
+        """Record a violation once per object; `pool`: the node pool the object is in
+        (the faults listed with it are the last ones that touch that pool)."""
         if (invariant, obj) in self._seen:
             return
         self._seen.add((invariant, obj))
         at = time.time() if at is None else at
         self.violations.append(Violation(invariant, obj, at, detail,
-                                         self.timeline.last_before(at)))
+                                         self.timeline.last_before(at, pool=pool)))
 
     def _twice(self, key: tuple[str, str], failing: bool) -> bool:
         """True when a check failed in this round and the one before (a status read
@@ -198,7 +201,7 @@ class Observer:
                        if last else "no last state")
                 self.violate("restarted", f"pod {p.metadata.name} container {cs.name}",
                              f"restartCount {cs.restart_count}, container "
-                             f"{prev} -> {cs.container_id}; {why}", t)
+                             f"{prev} -> {cs.container_id}; {why}", t, self.pool_of_pod(p))
 
     def _rebooted(self, p: Any) -> bool:
         """A virtual node's pod that lived through its agent's SIGKILL: the fake runtime
@@ -229,7 +232,7 @@ class Observer:
             if self._twice(("lost", p.metadata.uid), problem is not None):
                 self.violate("lost", f"pod {p.metadata.name} ({pool})",
                              f"{problem}, {t - created:.0f}s after its creation and "
-                             f"{self.bound:.0f}s after the last fault on its node", t)
+                             f"{self.bound:.0f}s after the last fault on its node", t, pool)
 
     def _duplicates(self, view: Any, pods: list[Any], final: bool) -> list[str]:
         """Two ready sandboxes for one pod, two running containers of one name; at the
@@ -250,7 +253,7 @@ class Observer:
                       if uid not in known and any(ok for _, ok in sbs)]
         if not final:
             for uid, what in found:
-                self.violate("duplicated", f"pod uid {uid}", what)
+                self.violate("duplicated", f"pod uid {uid}", what, pool="cri")
         return [f"pod uid {uid}: {what}" for uid, what in found]
 
     def _status(self, pods: list[Any], view: Any, t: float, final: bool = False) -> list[str]:
@@ -267,7 +270,7 @@ class Observer:
                 if wrong:
                     out.append(f"pod {p.metadata.name}: {wrong}")
             elif self._twice(("status", p.metadata.uid), bool(wrong)):
-                self.violate("status", f"pod {p.metadata.name}", wrong or "", t)
+                self.violate("status", f"pod {p.metadata.name}", wrong or "", t, "cri")
         return out
 
     # ---- leaders and samples
@@ -406,7 +409,7 @@ class Observer:
                     self.violate("lease", f"lease {node}",
                                  f"not renewed for {b - a:.0f}s (policy: {duration}s); "
                                  f"{rules.uncovered((a, b), faults):.0f}s of it with no "
-                                 "fault keeping its agent from the API", a + duration)
+                                 "fault keeping its agent from the API", a + duration, pool)
 
     def _judge_taints(self) -> None:
         """A taint is due when the node's own agent was down or cut off for the
@@ -428,7 +431,7 @@ class Observer:
                 self.violate("taint", f"node {node} {UNREACHABLE}:{effect}",
                              f"added at {_hms(at)}; in the {p['grace']}s before it its agent "
                              f"was up and connected for "
-                             f"{rules.uncovered(window, faults):.0f}s", at)
+                             f"{rules.uncovered(window, faults):.0f}s", at, pool)
         for ev in events:
             node = self._pod_node.get(ev.involved_object.name, "")
             self.checks["taint"] += 1

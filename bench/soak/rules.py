@@ -51,8 +51,10 @@ class Timeline:
         return not any(f.kind not in skip and f.start <= t and f.end >= t - span
                        for f in self.faults)
 
-    def last_before(self, t: float, n: int = 3) -> list[str]:
-        before = [f for f in self.faults if f.start <= t]
+    def last_before(self, t: float, n: int = 3, pool: str | None = None) -> list[str]:
+        """The last `n` faults begun by `t`; with a pool, only those that touch it."""
+        skip = NOT_ON[pool] if pool else ()
+        before = [f for f in self.faults if f.start <= t and f.kind not in skip]
         return [f.describe(self.t0) for f in before[-n:]]
 
     def ended(self) -> float:
