@@ -164,3 +164,12 @@ def test_the_report_names_each_violation_and_says_the_run_failed():
     # report.json renders again to the same text (python -m bench.soak --render)
     again = Report.from_json(json.loads(json.dumps(dataclasses.asdict(r), default=str)))
     assert again.render(markdown=True) == text
+
+
+def test_kinds_left_out_are_never_injected():
+    spared = frozenset({"agent-kill", "virtual-agent-kill", "operator-leader-kill"})
+    faults = schedule(2, 3600, without=spared)
+    assert faults and not kinds_of(faults) & spared
+    assert faults == schedule(2, 3600, without=spared)
+    with pytest.raises(ValueError, match="unknown fault kind.*agent-kil\\b"):
+        schedule(2, 3600, without=frozenset({"agent-kil"}))

@@ -38,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds between two faults on one target, on average")
     parser.add_argument("--sample-every", type=float, default=60.0,
                         help="seconds between two samples of each program's resources")
+    parser.add_argument("--without", default="", metavar="KIND,...",
+                        help="fault kinds to leave out, e.g. agent-kill,virtual-agent-kill,"
+                             "operator-leader-kill for a run that measures leaks")
     parser.add_argument("--write-docs", action="store_true",
                         help="write the report to docs/benchmarks/soak.md")
     parser.add_argument("--render", type=Path, metavar="REPORT_JSON",
@@ -51,7 +54,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"soak seed: {seed} (python -m bench.soak --minutes {args.minutes:g} --seed {seed})",
           flush=True)
     cfg = SoakConfig(seed=seed, minutes=args.minutes, virtual_nodes=args.virtual_nodes,
-                     mean_gap=args.mean_gap, sample_every=args.sample_every)
+                     mean_gap=args.mean_gap, sample_every=args.sample_every,
+                     without=tuple(k for k in args.without.split(",") if k))
+    try:
+        cfg.faults()
+    except ValueError as e:
+        parser.error(f"--without: {e}")
     workdir = Path(tempfile.mkdtemp(prefix="nodepulse-soak-"))
     cluster = LocalCluster(workdir / "cluster")
     try:
@@ -64,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.write_docs:
         command = (f"python -m bench.soak --minutes {args.minutes:g} --seed {seed}"
                    + (f" --virtual-nodes {args.virtual_nodes}" if args.virtual_nodes != 200
-                      else ""))
+                      else "") + (f" --without {args.without}" if args.without else ""))
         (ROOT / "docs" / "benchmarks" / "soak.md").write_text(
             f"# Soak: {args.minutes:g} minutes of chaos\n\n"
             f"`{command}`, run {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(report.started))}"

@@ -36,9 +36,11 @@ class SoakConfig:
     settle: float = 180.0  # at most this long for the final state after the chaos
     check_every: float = 5.0
     sample_every: float = 60.0
+    without: tuple[str, ...] = ()  # fault kinds left out
 
     def faults(self) -> list[Fault]:
-        return schedule(self.seed, self.minutes * 60, mean_gap=self.mean_gap)
+        return schedule(self.seed, self.minutes * 60, mean_gap=self.mean_gap,
+                        without=frozenset(self.without))
 
 
 @dataclass
@@ -66,7 +68,8 @@ class Report:
     def from_json(cls, data: dict[str, Any]) -> Report:
         """A report as report.json holds it (to render it again)."""
         fields = {k: v for k, v in data.items() if k in {f.name for f in dataclasses.fields(cls)}}
-        fields["config"] = SoakConfig(**data["config"])
+        fields["config"] = SoakConfig(**{**data["config"],
+                                         "without": tuple(data["config"].get("without", ()))})
         fields["injected"] = [rules.Injected(**f) for f in data["injected"]]
         fields["violations"] = [Violation(**v) for v in data["violations"]]
         fields["load"] = tuple(data["load"])

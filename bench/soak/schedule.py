@@ -53,19 +53,26 @@ class Fault:
 
 
 def schedule(seed: int, duration: float, *, mean_gap: float = 90.0,
-             min_gap: float = 5.0) -> list[Fault]:
+             min_gap: float = 5.0, without: frozenset[str] = frozenset()) -> list[Fault]:
     """Every fault of a chaos window of `duration` seconds, by start time.
 
     In each lane a fault starts `min_gap` plus an exponential wait (mean `mean_gap`)
     after the previous one ended; the first one of a lane starts within the first
     tenth of the window, so short runs overlap their lanes too. A fault that would not
-    end within the window is not injected."""
+    end within the window is not injected. `without`: kinds left out (a run that
+    measures leaks spares the processes it samples)."""
     if duration <= 0:
         raise ValueError(f"duration must be positive, got {duration}")
+    unknown = sorted(set(without) - set(KINDS))
+    if unknown:
+        raise ValueError(f"unknown fault kind(s) {', '.join(unknown)}; the kinds are "
+                         f"{', '.join(KINDS)}")
     rng = random.Random(f"nodepulse-soak:{seed}:{duration:g}")
     out: list[Fault] = []
     for lane in LANES:
-        kinds = [k for k, (ln, _, _) in KINDS.items() if ln == lane]
+        kinds = [k for k, (ln, _, _) in KINDS.items() if ln == lane and k not in without]
+        if not kinds:
+            continue
         first = kinds[:]
         rng.shuffle(first)
         t = rng.uniform(0, duration / 10)
