@@ -223,7 +223,14 @@ class Rig:
     def _apiserver_kill(self, hold: float, delay: float, stop: threading.Event) -> str:
         self.cluster.kill_apiserver()
         stop.wait(hold)
-        self.cluster.start_apiserver()
+        for attempt in range(4):
+            try:
+                self.cluster.start_apiserver()
+                return "" if attempt == 0 else f"started at the attempt {attempt + 1}"
+            except RuntimeError:  # it exits when etcd (another lane's fault) stays away
+                if attempt == 3:
+                    raise
+                stop.wait(5)
         return ""
 
     def _apiserver_stop(self, hold: float, delay: float, stop: threading.Event) -> str:
@@ -280,8 +287,9 @@ class Rig:
             note = "no replica led: killed one at random"
         victim.kill(signal.SIGKILL)
         stop.wait(hold)
-        i = self.operators.index(victim)
-        self.operators[i] = self._operator(victim.identity.rsplit("-", 1)[1])
+        if victim in self.operators:  # (restore() may have started it again already)
+            self.operators[self.operators.index(victim)] = self._operator(
+                victim.identity.rsplit("-", 1)[1])
         return note or f"killed {victim.identity}"
 
     def _network_cut(self, hold: float, delay: float, stop: threading.Event) -> str:
