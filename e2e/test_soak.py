@@ -31,4 +31,5 @@ def test_short_soak_every_invariant_holds(cluster: Cluster, tmp_path: Path) -> N
         cluster.ensure_running()  # later modules share this control plane
     text = report.render()
     print("\n" + text)
+    assert not report.disk.startswith("not injected"), f"the slow disk: {report.disk}"
     assert report.held, text
