@@ -159,7 +159,7 @@ def test_the_report_names_each_violation_and_says_the_run_failed():
     assert "- [lease] lease n0 at +100s: not renewed for 50s; last faults before: " \
            "agent-kill 10s-20s" in text
     assert "... and 2 more" in text
-    assert "| agent-cri | 2 | 3 min, 4 samples | 70.0 -> 71.0 (+20.0/h) |" in text
+    assert "| agent-cri | 2 | 3 min, 4 samples | 70.0 -> 71.0 (+20.0/h; n/a/h) |" in text
     assert "| agent-kill | 1 | 10 | 0 |" in text
     # report.json renders again to the same text (python -m bench.soak --render)
     again = Report.from_json(json.loads(json.dumps(dataclasses.asdict(r), default=str)))

@@ -174,10 +174,15 @@ def _resources(observer: Observer) -> list[dict[str, object]]:
     out: list[dict[str, object]] = []
     for role, lives in sorted(by_role.items()):
         longest = max(lives, key=lambda ss: (ss[-1].t - ss[0].t, len(ss)))
+        half = longest[0].t + (longest[-1].t - longest[0].t) / 2
         out.append({"process": role, "incarnations": len(lives), "samples": len(longest),
                     "minutes": (longest[-1].t - longest[0].t) / 60,
                     "first": asdict(longest[0]), "last": asdict(longest[-1]),
-                    "slope_per_hour": slopes(longest)})
+                    "slope_per_hour": slopes(longest),
+                    # past the warm-up (the start's allocations, the first pods): a leak
+                    # still climbs there, a warm-up has levelled off
+                    "second_half_slope_per_hour": slopes([x for x in longest if x.t >= half]),
+                    "series": [asdict(x) for x in longest]})
     return out
 
 
@@ -248,14 +253,16 @@ def render(r: Report, markdown: bool = False) -> str:
     rows = []
     for res in r.resources:
         first, last, sl = res["first"], res["last"], res["slope_per_hour"]
+        late = res.get("second_half_slope_per_hour") or {}
         assert isinstance(first, dict) and isinstance(last, dict) and isinstance(sl, dict)
+        assert isinstance(late, dict)
         rows.append([str(res["process"]), str(res["incarnations"]),
                      f"{res['minutes']:.0f} min, {res['samples']} samples",
-                     *(_change(first.get(n), last.get(n), sl.get(n), fmt) for n, fmt in (
-                         ("rss_mb", "{:.1f}"), ("threads", "{:.0f}"), ("fds", "{:.0f}"),
-                         ("tasks", "{:.0f}")))])
-    table(["process", "incarnations", "longest", "RSS MB (slope)", "threads", "open files",
-           "asyncio tasks"], rows)
+                     *(_change(first.get(n), last.get(n), sl.get(n), late.get(n), fmt)
+                       for n, fmt in (("rss_mb", "{:.1f}"), ("threads", "{:.0f}"),
+                                      ("fds", "{:.0f}"), ("tasks", "{:.0f}")))])
+    table(["process", "incarnations", "longest", "RSS MB (slope; second half)", "threads",
+           "open files", "asyncio tasks"], rows)
     if r.leftovers:
         lines.append(f"left running after the stop (killed): {', '.join(r.leftovers)}")
     if r.skipped_rounds:
@@ -266,9 +273,12 @@ def render(r: Report, markdown: bool = False) -> str:
     return "\n".join(lines)
 
 
-def _change(a: float | None, b: float | None, slope: float | None, fmt: str) -> str:
-    """first -> last (slope per hour)."""
+def _change(a: float | None, b: float | None, slope: float | None, late: float | None,
+            fmt: str) -> str:
+    """first -> last (slope per hour; over the second half)."""
     if a is None or b is None:
         return "n/a"
-    return (f"{fmt.format(a)} -> {fmt.format(b)} "
-            f"({'n/a' if slope is None else f'{slope:+.1f}'}/h)")
+
+    def per_hour(x: float | None) -> str:
+        return "n/a" if x is None else f"{x:+.1f}"
+    return f"{fmt.format(a)} -> {fmt.format(b)} ({per_hour(slope)}/h; {per_hour(late)}/h)"
