@@ -51,7 +51,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
-import yaml
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
@@ -59,7 +58,7 @@ from e2e.harness import waits
 from e2e.harness.ports import free_port
 from e2e.harness.processes import alive, marked, stop_process
 from e2e.harness.promtext import samples
-from e2e.harness.tcpproxy import TcpProxy
+from e2e.harness.tcpproxy import TcpProxy, proxied_kubeconfig
 from e2e.harness.waits import first_seen
 from nodeagent.api.policy import GROUP, HEARTBEAT_ANNOTATION, PLURAL, VERSION
 from nodeagent.runtime.base import ANNOTATION_RESTART_COUNT, LABEL_POD_UID
@@ -144,17 +143,6 @@ def pod_body(name: str, node: str, namespace: str, *, static: bool = False) -> d
     return {"apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": name, "namespace": namespace, "labels": {"app": "faults"}},
             "spec": spec}
-
-
-def proxied_kubeconfig(cluster: Cluster, name: str, port: int, out: Path) -> Path:
-    """The node's kubeconfig with the server moved to the proxy (same IP, so the
-    serving certificate still verifies)."""
-    cfg = yaml.safe_load(cluster.node_kubeconfig(name).read_text())
-    for c in cfg["clusters"]:
-        c["cluster"]["server"] = f"https://127.0.0.1:{port}"
-    out.write_text(yaml.safe_dump(cfg))
-    out.chmod(0o600)
-    return out
 
 
 @dataclass(frozen=True)
@@ -397,7 +385,8 @@ def agents(cluster: Cluster, core: client.CoreV1Api, ns: str,
             manifests = root / "manifests"
             manifests.mkdir()
             proxy = TcpProxy("127.0.0.1", api_port).start()
-            kubeconfig = proxied_kubeconfig(cluster, name, proxy.port, root / "kubeconfig")
+            kubeconfig = proxied_kubeconfig(cluster.node_kubeconfig(name), proxy.port,
+                                            root / "kubeconfig")
             if kind == "containerd":
                 ctd = start_containerd()
                 runtime = ctd.agent_flags

@@ -310,19 +310,25 @@ def host_cgroups(cfg: AgentConfig) -> CgroupFs:
         return CgroupFs.detect()
     except CgroupError as e:
         raise ConfigError(f"--cgroups-per-qos: {e}") from None
+# threads that make, write and remove pods' volumes (a slow disk holds these, never
+# the event loop)
+FILE_THREADS = 4
 
 
 @dataclasses.dataclass(frozen=True)
 class Pools:
-    """The threads blocking work runs on: host readings and the status computation (API
-    requests run on the event loop, see nodeagent.api.rest)."""
+    """The threads blocking work runs on: host readings and the status computation, and
+    the pods' files (API requests run on the event loop, see nodeagent.api.rest)."""
 
     status: concurrent.futures.Executor
+    files: concurrent.futures.Executor
 
     @classmethod
     def of(cls, cfg: AgentConfig) -> Pools:
         return cls(concurrent.futures.ThreadPoolExecutor(cfg.status_concurrency,
-                                                         thread_name_prefix="status"))
+                                                         thread_name_prefix="status"),
+                   concurrent.futures.ThreadPoolExecutor(FILE_THREADS,
+                                                         thread_name_prefix="files"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -573,7 +579,8 @@ class Agent:
         objects = ObjectCache(kube, clock, answered=self.answered)
         services = ServiceCache(kube, clock, answered=self.answered)
         volumes = VolumeManager(root, clock, objects=objects, tokens=TokenManager(kube, clock),
-                                mounter=HostMounter(), allocatable=allocatable)
+                                mounter=HostMounter(), allocatable=allocatable,
+                                blocking=Blocking(self.pools.files) if workloads else inline)
         images = ImageManager(runtime, clock, kube=kube, events=events, registry=registry,
                               settings=PullSettings(serialize=cfg.serialize_image_pulls,
                                                     max_parallel=cfg.max_parallel_image_pulls,
@@ -834,6 +841,8 @@ class Agent:
                       asyncio.gather(*tasks, return_exceptions=True))
         await _within(self.clock, deadline, "the status pool", asyncio.to_thread(
             self.pools.status.shutdown, wait=True, cancel_futures=True))
+        await _within(self.clock, deadline, "the files pool", asyncio.to_thread(
+            self.pools.files.shutdown, wait=True, cancel_futures=True))
         if self.health:
             self.health.stop()
         log.info("stopped")

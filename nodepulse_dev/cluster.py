@@ -221,10 +221,19 @@ class Cluster:
     def start_apiserver(self) -> None:
         raise self._local_only("starting the API server")
 
+    def kill_apiserver(self) -> None:
+        raise self._local_only("killing the API server")
+
+    def pause_apiserver(self) -> None:
+        raise self._local_only("pausing the API server")
+
+    def resume_apiserver(self) -> None:
+        raise self._local_only("resuming the API server")
+
     def stop_etcd(self) -> None:
         raise self._local_only("stopping etcd")
 
-    def start_etcd(self) -> None:
+    def start_etcd(self, wait_apiserver: bool = True) -> None:
         raise self._local_only("starting etcd")
 
     def ensure_running(self) -> None:
@@ -341,6 +350,26 @@ class LocalCluster(Cluster):
         the same port and data."""
         self._stop("kube-apiserver")
 
+    def kill_apiserver(self) -> None:
+        """SIGKILL kube-apiserver by PID, as a crash does (start_apiserver() brings it
+        back); a paused one dies too."""
+        pid = self.pids.pop("kube-apiserver", None)
+        if pid is not None and _process_runs(pid, self._args["kube-apiserver"][0]):
+            os.kill(pid, signal.SIGKILL)
+            _wait_gone(pid, self._args["kube-apiserver"][0], 10)
+        self._save()
+
+    def pause_apiserver(self) -> None:
+        """SIGSTOP kube-apiserver: its connections stay open and nothing answers, as
+        when the machine under it stalls; resume_apiserver() sends SIGCONT."""
+        os.kill(self.pids["kube-apiserver"], signal.SIGSTOP)
+
+    def resume_apiserver(self) -> None:
+        pid = self.pids.get("kube-apiserver")
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
     def start_apiserver(self) -> None:
         """Start kube-apiserver if it is stopped; returns when /readyz is ok."""
         if not self._running("kube-apiserver"):
@@ -352,18 +381,20 @@ class LocalCluster(Cluster):
         requests until start_etcd()."""
         self._stop("etcd")
 
-    def start_etcd(self) -> None:
+    def start_etcd(self, wait_apiserver: bool = True) -> None:
         """Start etcd if it is stopped (same data and ports); returns when etcd is
-        healthy and the API server, which reconnects by itself, is ready again."""
+        healthy and (unless told not to wait for it) the API server, which reconnects
+        by itself, is ready again."""
         if not self._running("etcd"):
             self._start("etcd", self._args["etcd"])
         self._wait(f"http://127.0.0.1:{self.ports['etcd']}/health", "etcd")
-        if self._running("kube-apiserver"):
+        if wait_apiserver and self._running("kube-apiserver"):
             self._wait(f"{self.server}/readyz", "kube-apiserver")
 
     def ensure_running(self) -> None:
         """Whatever a fault test stopped is started again, and the controller manager acts
         again (tests call it in `finally`: later test modules share this control plane)."""
+        self.resume_apiserver()
         self.start_etcd()
         self.start_apiserver()
         self._wait_for_controller_manager()

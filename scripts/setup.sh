@@ -7,9 +7,10 @@ cd "$(dirname "$0")/.."
 
 # docker.io and debootstrap: the kind tests (e2e/kind) start a private dockerd and make
 # their base images from Debian's packages; dbus-daemon: the e2e test of graceful node
-# shutdown runs a private bus with a stand-in logind on it
+# shutdown runs a private bus with a stand-in logind on it; libfuse3-3: the soak's slow
+# disk (FUSE)
 APT_PACKAGES=(containerd runc containernetworking-plugins busybox-static iptables iproute2
-              gcc libc6-dev make curl docker.io debootstrap dbus-daemon)
+              gcc libc6-dev make curl docker.io debootstrap dbus-daemon libfuse3-3)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")

@@ -196,7 +196,10 @@ def status_patches(kube: FakeKube) -> list[tuple[str, dict[str, Any]]]:
     for c in kube.calls_of("patch pods/status", ok=True):
         body = c.body or {}
         who = (body.get("metadata") or {}).get("uid") or f"{c.namespace}/{c.name}"
-        out.append((str(who), body["status"]))
+        # the status as the API reads it: lists without their "$patch" directives
+        out.append((str(who), {k: [i for i in v if not (isinstance(i, dict) and "$patch" in i)]
+                               if isinstance(v, list) else v
+                               for k, v in body["status"].items()}))
     return out
 
 
@@ -428,7 +431,7 @@ class AgentRig:
         self.rt = FakeRuntime(self.clock, images=images, image_size=image_size)
         inline = InlineExecutor()
         self.agent = Agent(self.cfg, Externals(self.kube, self.clock, runtime=self.rt,
-                                           pools=Pools(inline), host_ip="192.0.2.10",
+                                           pools=Pools(inline, inline), host_ip="192.0.2.10",
                                            registry=CollectorRegistry(), flags=self.flags,
                                            env={}, logind=logind))
         self.pods = self.agent.pods

@@ -35,11 +35,15 @@ _REASONS = {400: "BadRequest", 403: "Forbidden", 404: "NotFound", 409: "Conflict
 
 
 def api_error(status: int, reason: str = "", message: str = "",
-              retry_after: float | None = None) -> ApiError:
-    """What the client raises for an answer with this status."""
+              retry_after: float | None = None, fields: tuple[str, ...] = ()) -> ApiError:
+    """What the client raises for an answer with this status; `fields`: the causes an
+    Invalid answer names (details.causes[].field)."""
     reason = reason or _REASONS.get(status, "Error")
-    return ApiError(status, reason,
-                    json.dumps({"kind": "Status", "code": status, "message": message or reason}),
+    body: dict[str, Any] = {"kind": "Status", "code": status, "message": message or reason}
+    if fields:
+        body["details"] = {"causes": [{"reason": "FieldValueInvalid", "field": f}
+                                      for f in fields]}
+    return ApiError(status, reason, json.dumps(body),
                     None if retry_after is None else {"Retry-After": str(retry_after)})
 
 
@@ -359,6 +363,8 @@ class FakeKube:
         if subresource == "status":  # the status subresource changes the status only
             obj = {**current, "status": merge(current.get("status") or {},
                                               body.get("status") or {})}
+            if res.plural == "pods":
+                _validate_pod_ips(name, obj["status"])
         else:  # and the main resource everything but the status
             obj = merge(current, {k: v for k, v in body.items() if k != "status"})
         obj["metadata"]["uid"] = current["metadata"].get("uid")
@@ -532,10 +538,26 @@ def _matches(obj: Obj, label_selector: str, field_selector: str) -> bool:
 
 
 def _preconditions(current: Obj, meta: Obj) -> None:
+    """A patch's uid and resourceVersion: another uid makes the patched object invalid
+    (the uid is immutable: 422 naming metadata.uid), another resourceVersion conflicts."""
     have = current["metadata"]
-    for field in ("uid", "resourceVersion"):
-        if meta.get(field) is not None and meta[field] != have.get(field):
-            raise api_error(409, "Conflict", f"Precondition failed: {field} {meta[field]}")
+    if meta.get("uid") is not None and meta["uid"] != have.get("uid"):
+        raise api_error(422, "Invalid", f'metadata.uid: Invalid value: "{meta["uid"]}": '
+                        "field is immutable", fields=("metadata.uid",))
+    if meta.get("resourceVersion") is not None and \
+            meta["resourceVersion"] != have.get("resourceVersion"):
+        raise api_error(409, "Conflict", f"Precondition failed: resourceVersion "
+                        f"{meta['resourceVersion']}")
+
+
+def _validate_pod_ips(name: str, status: Obj) -> None:
+    """The API server's rule for a pod's podIPs and hostIPs: one address per family."""
+    for key in ("podIPs", "hostIPs"):
+        families = [":" in str(item.get("ip")) for item in status.get(key) or []]
+        if len(families) != len(set(families)):
+            raise api_error(422, "Invalid", f'Pod "{name}" is invalid: status.{key}: Invalid '
+                            f"value: {status[key]}: may specify no more than one IP for each "
+                            "IP family", fields=(f"status.{key}",))
 
 
 # Lists the strategic merge patch merges item by item, by this key (the agent's and the

@@ -277,10 +277,22 @@ async def test_fake_keeps_versions_conflicts_and_preconditions() -> None:
     pod = kube.put(PODS, {"metadata": {"name": "p", "namespace": "ns", "uid": "u1"},
                           "status": {"conditions": [{"type": "Ready", "status": "False",
                                                      "reason": "x"}]}})
-    with pytest.raises(ApiError) as e:  # another pod of the same name
+    with pytest.raises(ApiError) as e:  # another pod of the same name: its uid is immutable
         await kube.patch(PODS, "p", {"metadata": {"uid": "u0"}, "status": {}},
                          namespace="ns", subresource="status")
-    assert e.value.status == 409
+    assert e.value.status == 422 and "metadata.uid" in str(e.value.body)
+    with pytest.raises(ApiError) as e:  # two addresses of one family (strategic merge)
+        await kube.patch(PODS, "p", {"status": {"podIPs": [{"ip": "10.0.0.1"}]}},
+                         namespace="ns", subresource="status")
+        await kube.patch(PODS, "p", {"status": {"podIPs": [{"ip": "10.0.0.2"}]}},
+                         namespace="ns", subresource="status")
+    assert e.value.status == 422 and "status.podIPs" in str(e.value.body)
+    await kube.patch(PODS, "p", {"status": {"podIPs": [{"$patch": "replace"},
+                                                       {"ip": "10.0.0.2"}]}},
+                     namespace="ns", subresource="status")
+    assert kube.obj(PODS, "p", "ns")["status"]["podIPs"] == [{"ip": "10.0.0.2"}]
+    await kube.patch(PODS, "p", {"status": {"podIPs": None}}, namespace="ns",
+                     subresource="status")
     await kube.patch(PODS, "p", {"metadata": {"uid": "u1"}, "status": {
         "phase": "Running", "conditions": [{"type": "Ready", "status": "True",
                                             "reason": None}]}},

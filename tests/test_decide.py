@@ -471,3 +471,41 @@ def test_the_decision_is_a_value() -> None:
     assert case.decide() == case.decide()
     assert isinstance(case.decide().start[0], StartContainer)
     assert all(isinstance(k, KillContainer) for k in case.decide().kill)
+
+
+# --- a runtime that lost the pod (its containers gone without a trace) ---------------
+
+def _ran(state: Mapping[str, Any]) -> dict[str, Any]:
+    """A previous status whose container c ran as the fake runtime's fake://c-0."""
+    return {"phase": "Running", "containerStatuses": [
+        {"name": "c", "containerID": "fake://c-0", "state": state}]}
+
+
+RUNNING_BEFORE = _ran({"running": {"startedAt": "2026-11-29T11:59:00Z"}})
+SUCCEEDED_BEFORE = _ran({"terminated": {"exitCode": 0, "reason": "Completed"}})
+
+
+@pytest.mark.parametrize("policy,previous,verdict,started", [
+    ("Never", RUNNING_BEFORE, Verdict.ENDED, []),
+    ("Never", SUCCEEDED_BEFORE, Verdict.ENDED, []),
+    ("OnFailure", SUCCEEDED_BEFORE, Verdict.ENDED, []),
+    # lost while running: a failure, which OnFailure and Always restart
+    ("OnFailure", RUNNING_BEFORE, Verdict.RUN, [("c", 0, False)]),
+    ("Always", SUCCEEDED_BEFORE, Verdict.RUN, [("c", 0, False)]),
+    # never ran (no container id yet): started, whatever the policy
+    ("Never", {"phase": "Pending", "containerStatuses": [
+        {"name": "c", "state": {"waiting": {"reason": "ContainerCreating"}}}]},
+     Verdict.RUN, [("c", 0, False)]),
+], ids=["never-was-running", "never-succeeded", "onfailure-succeeded", "onfailure-running",
+        "always", "never-not-yet-run"])
+def test_a_container_the_runtime_lost_runs_again_only_as_its_restart_policy_says(
+        policy: str, previous: Mapping[str, Any], verdict: Verdict,
+        started: list[tuple[str, int, bool]]) -> None:
+    """The agent restarted on a runtime that lost the pod (the fake runtime after the
+    agent's SIGKILL, a reboot): the status says the container ran, the runtime knows
+    nothing of it. A run-once container does not run twice (bench.soak: a Job's pod
+    that had completed ran again, and the API server refused its status: terminated to
+    running); the status reports it as it was (ContainerStatusUnknown if it was
+    running) and the pod ends."""
+    act = Case(mkpod("p", policy=policy), previous=previous).decide()
+    assert act.verdict == verdict and starts(act) == started

@@ -10,6 +10,7 @@ import urllib.request
 
 import pytest
 from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
 
 from nodeagent import __version__, config
 from nodeagent.agent import Agent
@@ -121,3 +122,27 @@ def test_health_server_on_ipv6_loopback_and_a_taken_port(tmp_path):
         assert not kube.calls
     finally:
         server.stop()
+
+
+def test_metrics_count_the_event_loops_tasks_not_yet_done():
+    async def main() -> tuple[float, float]:
+        server = HealthServer("127.0.0.1", 0, CollectorRegistry())
+        server.start()
+        try:
+            def scrape() -> float:
+                with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics",
+                                            timeout=5) as r:
+                    text = r.read().decode()
+                return next(s.value for f in text_string_to_metric_families(text)
+                            for s in f.samples if s.name == "nodepulse_asyncio_tasks")
+            before = await asyncio.to_thread(scrape)
+            gate = asyncio.Event()
+            waiting = [asyncio.create_task(gate.wait()) for _ in range(5)]
+            during = await asyncio.to_thread(scrape)
+            gate.set()
+            await asyncio.gather(*waiting)
+            return before, during
+        finally:
+            server.stop()
+    before, during = asyncio.run(main())
+    assert during == before + 5

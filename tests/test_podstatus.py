@@ -407,3 +407,46 @@ async def test_writes_a_strategic_patch_with_a_uid_precondition() -> None:
     assert first.body == {"status": {"phase": "Running"}, "metadata": {"uid": "u1"}}
     assert second.body == {"status": {"phase": "Running"}}  # the mirror has its own uid
     assert first.timeout == second.timeout == 30.0
+
+
+@aio
+async def test_a_new_sandboxs_address_replaces_the_one_in_the_api() -> None:
+    """An agent started again on a runtime that lost the pod's sandbox (the fake
+    runtime after the agent's SIGKILL, a reboot) gives the pod a new sandbox with a new
+    address. Its status patch replaces podIPs: a strategic merge would add the new
+    address to the old one, which the API server refuses (one per family), and the pod
+    would keep the old status for good (bench.soak: Job pods Running long after their
+    containers ended)."""
+    clock = FakeClock()
+    pod = web()
+    pod["status"] = {"phase": "Running", "podIP": "10.88.0.5", "podIPs": [{"ip": "10.88.0.5"}],
+                     "hostIP": "192.0.2.9", "hostIPs": [{"ip": "192.0.2.9"}]}
+    kube = api(pod)
+    m = StatusManager(kube, clock, registry=CollectorRegistry())
+    new = rs(ctr("a", ContainerState.RUNNING), ctr("b", ContainerState.RUNNING))
+    new.sandboxes[0].ip = "10.88.0.9"
+    m.set_status(pod, status(pod, new))
+    await settle()
+    st = kube.obj(PODS, "web", "ns")["status"]
+    assert (st["podIP"], st["podIPs"]) == ("10.88.0.9", [{"ip": "10.88.0.9"}])
+    assert (st["hostIP"], st["hostIPs"]) == ("192.0.2.1", [{"ip": "192.0.2.1"}])
+    assert not m.dirty("u1")
+
+
+@aio
+async def test_a_status_the_api_refuses_is_tried_again_not_taken_for_a_gone_pod() -> None:
+    """422 means the pod was replaced only when the API names metadata.uid (the patch's
+    uid precondition); any other refusal is a status the agent must fix or try again,
+    with a warning that says what the API server said."""
+    clock = FakeClock()
+    pod = web()
+    kube = api(pod)
+    kube.fail("patch pods/status", api_error(
+        422, message='Pod "web" is invalid: status.containerStatuses[0].state: Forbidden',
+        fields=("status.containerStatuses[0].state",)))
+    m = StatusManager(kube, clock, registry=CollectorRegistry())
+    m.set_status(pod, status(pod, rs(ctr("a", ContainerState.RUNNING))))
+    await settle()
+    assert status_patches(kube) == [] and m.dirty("u1")
+    await clock.advance(1)
+    assert len(status_patches(kube)) == 1 and not m.dirty("u1")

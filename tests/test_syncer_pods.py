@@ -207,3 +207,26 @@ async def test_created_and_started_events() -> None:
     assert normal == [("Created", "Container created", "spec.containers{c}"),
                       ("Started", "Container started", "spec.containers{c}")]
     await a.loops.stop()
+
+
+@aio
+async def test_a_run_once_pod_the_runtime_lost_ends_instead_of_running_again() -> None:
+    """The agent starts again on a runtime that lost everything (the fake runtime after
+    a SIGKILL, a reboot) and gets a Never pod whose status says its container was
+    running: it is reported lost (ContainerStatusUnknown) and the pod Failed, and
+    nothing runs a second time (bench.soak: a Job's pod ran twice)."""
+    clock = FakeClock()
+    a = await rig(clock)
+    pod = mkpod("job", "u1", policy="Never")
+    pod["status"] = {"phase": "Running", "containerStatuses": [{
+        "name": "c", "containerID": "fake://c-old", "ready": True, "restartCount": 0,
+        "image": "localhost/busybox:1", "imageID": "",
+        "state": {"running": {"startedAt": "2026-11-29T11:59:00Z"}}}]}
+    a.send(Op.ADD, pod)
+    await a.run_for(5)
+    st = a.status("u1")
+    assert st["phase"] == "Failed", st
+    [c] = st["containerStatuses"]
+    assert c["state"]["terminated"]["reason"] == "ContainerStatusUnknown", st
+    assert a.rt.calls["run_sandbox"] == 0 and a.rt.calls["create_container"] == 0
+    await a.loops.stop()

@@ -380,9 +380,9 @@ async def test_housekeeping_ignores_pods_cleaned_up_after_the_last_relist() -> N
         await settle()
     assert "u1" not in a.loop.workers and a.rt.find("u1", "c") == []
     assert a.loops.pleg.last_result is stale  # no relist since: it still shows u1
-    assert a.loops.housekeeping() == []
+    assert await a.loops.housekeeping() == []
     await a.run_for(a.loops.pleg.period + 1)
-    assert a.loops.housekeeping() == []
+    assert await a.loops.housekeeping() == []
     assert a.loop.workers.forgotten == {}  # pruned once a newer relist came
     await a.loops.stop()
 

@@ -108,7 +108,7 @@ def make_agent(tmp_path: Path, *argv: str) -> tuple[Agent, FakeClock, FakeKube]:
     cfg = dataclasses.replace(config.load(flags, {}), port=None)  # no kubelet API here
     agent = Agent(cfg,
                   Externals(kube, clock, runtime=FakeRuntime(clock, images=[]),
-                        pools=Pools(inline), registry=CollectorRegistry(),
+                        pools=Pools(inline, inline), registry=CollectorRegistry(),
                         flags=flags, env={}))
     return agent, clock, kube
 

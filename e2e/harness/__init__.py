@@ -8,6 +8,7 @@ from e2e/conftest.py), never from each other (tests/test_layout.py checks it).
 - apirequests: plain blocking API requests over the kubernetes client
 - promtext: reading Prometheus text exposition
 - tcpproxy: a loopback TCP proxy a test can cut
+- slowdisk: a folder on a FUSE filesystem that can be made slow
 - agents: nodepulse-agent processes (one node each, or virtual nodes)
 - heartbeats: watching Lease and Node writes; the efficient-heartbeat scenario
 - operators: nodepulse-operator processes, their credentials and leader, the

@@ -160,14 +160,16 @@ def process_view(state_dir: Path) -> RtView:
 
 class AgentProc:
     """nodepulse-agent as a real process with node credentials; start it again after
-    a SIGKILL with the same flags and root dir (what a supervisor would do)."""
+    a SIGKILL with the same flags and root dir (what a supervisor would do). Its log is
+    root/agent.log unless `log` names another file (the root dir may be a slow disk)."""
 
     def __init__(self, name: str, root: Path, kubeconfig: Path, runtime_args: list[str],
-                 environ: Mapping[str, str] | None = None) -> None:
+                 environ: Mapping[str, str] | None = None, log: Path | None = None) -> None:
         """`environ`: variables added to the test's own for the agent."""
         self.name = name
         self.environ = dict(environ or {})
         self.root = root
+        self.log = log or root / "agent.log"
         self.port = free_port()
         self.argv = [str(AGENT), f"--node-name={name}", f"--kubeconfig={kubeconfig}",
                      f"--root-dir={root}", f"--healthz-bind-address=127.0.0.1:{self.port}",
@@ -177,7 +179,7 @@ class AgentProc:
         self.starts = 0
 
     def start(self) -> None:
-        with open(self.root / "agent.log", "ab") as log:
+        with open(self.log, "ab") as log:
             log.write(f"--- start {self.starts} ---\n".encode())
             log.flush()
             self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
@@ -220,7 +222,7 @@ class AgentProc:
         return http_get(f"http://127.0.0.1:{self.port}/healthz")
 
     def log_tail(self, n: int = 80) -> str:
-        return "\n".join((self.root / "agent.log").read_text(errors="replace")
+        return "\n".join(self.log.read_text(errors="replace")
                          .splitlines()[-n:])
 
 

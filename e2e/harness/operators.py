@@ -158,16 +158,21 @@ class Renewer(threading.Thread):
 
 
 # ---- fixtures
-@pytest.fixture(scope="module", name="kube")
-def kube_fixture(cluster: Cluster) -> Iterator[client.ApiClient]:
-    """The admin's API client with the CRDs applied; afterwards the Nodes, Leases and
-    policies of this run (op-<RUN>-...) are deleted."""
+def apply_crds(cluster: Cluster) -> None:
+    """The chart's CRDs, applied and Established."""
     kubectl = cluster.binary("kubectl")
     subprocess.run([str(kubectl), "--kubeconfig", str(cluster.kubeconfig), "apply", "-f",
                     str(CRDS)], check=True, capture_output=True)
     subprocess.run([str(kubectl), "--kubeconfig", str(cluster.kubeconfig), "wait",
                     "--for=condition=Established", "--timeout=60s",
                     f"crd/{PLURAL}.{GROUP}"], check=True, capture_output=True)
+
+
+@pytest.fixture(scope="module", name="kube")
+def kube_fixture(cluster: Cluster) -> Iterator[client.ApiClient]:
+    """The admin's API client with the CRDs applied; afterwards the Nodes, Leases and
+    policies of this run (op-<RUN>-...) are deleted."""
+    apply_crds(cluster)
     api = cluster.api_client()
     yield api
     core = client.CoreV1Api(api)

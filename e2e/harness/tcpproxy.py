@@ -7,8 +7,9 @@
     proxy.resume()   # close the blackholed ones; forward again
     proxy.stop()     # close everything, the listener included
 
-TLS passes through untouched (the client still verifies the server's certificate).
-Threads, one pair per connection; everything is closed by stop().
+TLS passes through untouched (the client still verifies the server's certificate):
+proxied_kubeconfig() points a client's kubeconfig at the proxy. Threads, one pair per
+connection; everything is closed by stop().
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ import contextlib
 import logging
 import socket
 import threading
+from pathlib import Path
+
+import yaml
 
 log = logging.getLogger(__name__)
 
@@ -152,3 +156,14 @@ def _close(s: socket.socket) -> None:
         s.shutdown(socket.SHUT_RDWR)
     with contextlib.suppress(OSError):
         s.close()
+
+
+def proxied_kubeconfig(source: Path, port: int, out: Path) -> Path:
+    """A copy of the kubeconfig `source` with the server moved to the proxy's port (same
+    IP, so the serving certificate still verifies)."""
+    cfg = yaml.safe_load(source.read_text())
+    for c in cfg["clusters"]:
+        c["cluster"]["server"] = f"https://127.0.0.1:{port}"
+    out.write_text(yaml.safe_dump(cfg))
+    out.chmod(0o600)
+    return out

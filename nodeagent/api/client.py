@@ -431,6 +431,17 @@ def is_retriable(exc: BaseException) -> bool:
     return isinstance(exc, (ConnectionError, TimeoutError))
 
 
+def invalid_fields(exc: BaseException) -> set[str]:
+    """The fields an Invalid (422) answer names as its causes (details.causes[].field)."""
+    if not isinstance(exc, ApiError):
+        return set()
+    try:
+        causes = (json.loads(exc.body or b"{}").get("details") or {}).get("causes") or []
+        return {str(c.get("field")) for c in causes if c.get("field")}
+    except (ValueError, AttributeError, TypeError):
+        return set()
+
+
 def brief(exc: BaseException) -> str:
     """How a log line or an Event names an error: "HTTP 404 NotFound: <the Status
     message>" for the API server's answers, "<type>: <text>" for the rest."""

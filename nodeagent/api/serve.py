@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 from collections.abc import Callable
@@ -17,12 +18,28 @@ class _ThreadingHTTPServer6(ThreadingHTTPServer):
     address_family = socket.AF_INET6
 
 
+def tasks_metric(loop: asyncio.AbstractEventLoop | None) -> bytes:
+    """nodepulse_asyncio_tasks: the event loop's tasks not yet done, read when scraped
+    (a count that only grows is a leak of tasks)."""
+    if loop is None or loop.is_closed():
+        return b""
+    count = len(asyncio.all_tasks(loop))  # safe from another thread: it copies first
+    return (b"# HELP nodepulse_asyncio_tasks Tasks of the event loop not yet done\n"
+            b"# TYPE nodepulse_asyncio_tasks gauge\n"
+            b"nodepulse_asyncio_tasks %d\n" % count)
+
+
 class HealthServer:
-    """Serves /metrics, /healthz (every check passes) and /readyz (same, plus readiness)."""
+    """Serves /metrics, /healthz (every check passes) and /readyz (same, plus readiness).
+    Made inside a running event loop, /metrics also counts that loop's tasks."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0,
                  registry: CollectorRegistry = REGISTRY) -> None:
         self.registry = registry
+        try:
+            self.loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            self.loop = None
         self.health_checks: dict[str, HealthCheck] = {}
         self.ready_checks: dict[str, HealthCheck] = {}
         owner = self
@@ -31,7 +48,8 @@ class HealthServer:
             def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
                 path = self.path.split("?", 1)[0]
                 if path == "/metrics":
-                    self._send(200, generate_latest(owner.registry), CONTENT_TYPE_LATEST)
+                    self._send(200, generate_latest(owner.registry) + tasks_metric(owner.loop),
+                               CONTENT_TYPE_LATEST)
                 elif path in ("/healthz", "/livez"):
                     self._checks(owner.health_checks)
                 elif path == "/readyz":

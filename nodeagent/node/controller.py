@@ -86,7 +86,7 @@ class NodeControllerConfig:
 class NodeController:
     # thousands in a process: no __dict__ each
     __slots__ = ("_next_tick", "_spread_tick", "base", "clock", "computed", "config",
-                 "heartbeat", "images", "kube", "last_full_report", "last_status_write",
+                 "exists", "heartbeat", "images", "kube", "last_full_report", "last_status_write",
                  "lease", "legacy", "metrics", "name", "policy_name", "pressure", "probe",
                  "readiness", "registered", "renewals", "reported", "reported_version",
                  "rng", "seen", "settings", "spec", "started", "status_call", "ticker",
@@ -123,6 +123,9 @@ class NodeController:
         self.ticker = c.ticker
         self.lease = lease
         self.registered = False
+        # the Node is known to exist (the node watch showed it): its Lease is renewed
+        # from then on, whether or not this process has registered it yet
+        self.exists = False
         self.uid: str | None = None
         self.reported: Status | None = None  # what the server has, as we last wrote it
         self.reported_version: str | None = None  # resourceVersion our last write returned
@@ -146,7 +149,7 @@ class NodeController:
     def deleted(self) -> None:
         """The Node was deleted (by someone else): register it again."""
         log.warning("node %s: deleted; it will be registered again", self.name)
-        self.registered = False
+        self.registered = self.exists = False
         self.uid = None
         self.config.uids.pop(self.name, None)
         self.renewals.cancel(self.name)
@@ -239,12 +242,13 @@ class NodeController:
             except Exception as e:
                 log.warning("node %s: registration failed, retrying: %s", self.name, brief(e))
                 return self.clock.monotonic() + min(every, 5.0)
-            self.registered = True
+            was_renewing = self.exists
+            self.registered = self.exists = True
             self.reported = self.reported_version = None
             self.last_full_report = None
             self.uid = None
             self.on_node(node)  # its UID among the rest
-            if not self.legacy:
+            if not self.legacy and not was_renewing:
                 self.renewals.schedule(self.name, self.clock.monotonic())
         await self._report()
         # fixed rate: the next tick is one period after this one was due
@@ -307,7 +311,7 @@ class NodeController:
             self.metrics.status_errors.inc()
             if e.status == 404:
                 log.warning("node %s: Node is gone; registering again", self.name)
-                self.registered = False
+                self.registered = self.exists = False
                 self.renewals.cancel(self.name)
                 return
             log.warning("node %s: status patch failed: %s", self.name, brief(e))
@@ -326,7 +330,7 @@ class NodeController:
 
     # -- lease: the renewal scheduler's job --
     async def renew(self) -> float | None:
-        if self.legacy or not self.registered:
+        if self.legacy or not self.exists:
             return None
         return await self.lease.renew()
 
@@ -336,6 +340,12 @@ class NodeController:
         self.seen = {"labels": dict(meta.get("labels") or {}),
                      "taints": list((node.get("spec") or {}).get("taints") or []),
                      "allocatable": dict((node.get("status") or {}).get("allocatable") or {})}
+        if not self.exists and not self.legacy and meta.get("uid"):
+            # an agent started again: its Nodes are there, and their Leases must not
+            # wait for registration, which queues behind other nodes' status writes
+            self.exists = True
+            self.lease.owner_uid = str(meta["uid"])
+            self.renewals.schedule(self.name, self.clock.monotonic())
         self._follow_uid(meta.get("uid"))
         self.apply_annotation((meta.get("annotations") or {}).get(HEARTBEAT_ANNOTATION))
         self._follow_api_conditions(node)
@@ -393,7 +403,7 @@ class NodeController:
         if old == hb:
             return
         # Take effect now, not after the current (old) interval runs out.
-        if self.registered and not self.legacy and not self.renewals.running(self.name):
+        if self.exists and not self.legacy and not self.renewals.running(self.name):
             self.renewals.schedule(self.name, self.lease.replan())
         planned = self.ticker.due(self.name)
         if self._next_tick is not None and planned is not None:

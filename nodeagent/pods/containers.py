@@ -42,7 +42,7 @@ from nodeagent.pods.podupdate import Pod
 from nodeagent.pods.qos import oom_score_adj
 from nodeagent.pods.runtimecalls import RuntimeCalls
 from nodeagent.pods.settings import NodePodSettings
-from nodeagent.pods.volumes import PodVolumes, VolumeManager
+from nodeagent.pods.volumes import PodVolumes, VolumeManager, on_the_loop
 from nodeagent.runtime.base import (
     Container,
     ContainerConfig,
@@ -210,10 +210,13 @@ class Containers:
             cfg.oom_score_adj = oom_score_adj(pod, spec, self.settings.memory_capacity)
         cfg.command, cfg.args = expand_command(spec, env)
         await self._check_non_root(pod, cfg)
-        hosts = self._etc_hosts(pod, spec, place)
+        # the files under the pod's folder, written where the volumes' are (a slow disk
+        # must not hold the event loop)
+        files = self.volumes.blocking if self.volumes is not None else on_the_loop
+        hosts = await files(self._etc_hosts, pod, spec, place)
         if hosts is not None:
             cfg.mounts.append(hosts)
-        message = self._message_mount(pod, spec, s.attempt)
+        message = await files(self._message_mount, pod, spec, s.attempt)
         if message is not None:
             cfg.mounts.append(message)
         return cfg

@@ -26,7 +26,7 @@ from nodeagent.pods.admission import NODE_SHUTDOWN, AdmissionSettings, Rejection
 from nodeagent.pods.backoff import CrashKey, crash_key
 from nodeagent.pods.eviction import REASON as EVICTED
 from nodeagent.pods.eviction import pressure_refusal
-from nodeagent.pods.podstatus import Waiting, is_sidecar
+from nodeagent.pods.podstatus import Waiting, is_sidecar, ran_its_course
 from nodeagent.pods.podupdate import Pod, is_static
 from nodeagent.pods.probes import Kind
 from nodeagent.runtime.base import (
@@ -328,10 +328,14 @@ def compute_pod_actions(pod: Pod, rs: PodRuntimeStatus, previous: Mapping[str, A
     sandbox = ready[0] if ready else None
     new_sandbox: int | None = None
     stop_first: tuple[Container, ...] = ()
+    regular = [str(c["name"]) for c in spec.get("containers") or []]
     if sandbox is None:
         if rs.containers and policy == "Never" and any(
                 c.state == ContainerState.EXITED for c in rs.containers):
             # the sandbox died after containers ran; Never means no second run
+            return PodActions(Verdict.ENDED)
+        if regular and all(ran_its_course(previous, n, policy) for n in regular):
+            # the runtime lost a pod whose containers ran (the status says so)
             return PodActions(Verdict.ENDED)
         if pod_refused:  # a pod-level field we cannot honour: no sandbox either
             return PodActions(Verdict.REFUSED, refuse={
@@ -375,7 +379,8 @@ def compute_pod_actions(pod: Pod, rs: PodRuntimeStatus, previous: Mapping[str, A
         for c in spec.get("containers") or []:
             cur = _latest(str(c["name"]), current)
             if cur is None:
-                d.new(c)
+                if not ran_its_course(previous, str(c["name"]), policy):
+                    d.new(c)
             elif cur.state == ContainerState.RUNNING:
                 if _definition_changed(cur, c):
                     d.kill.append(KillContainer(
@@ -402,7 +407,7 @@ def compute_pod_actions(pod: Pod, rs: PodRuntimeStatus, previous: Mapping[str, A
         stop_sandboxes=tuple(s.id for s in ready[1:]),
         kill=tuple(d.kill), start=tuple(d.start), refuse=d.refuse, waiting=d.waiting,
         resize=tuple(d.resize), resize_restarts=d.resize_restarts,
-        init_blocked=init_blocked, terminal=_all_done(spec, current, init_blocked))
+        init_blocked=init_blocked, terminal=_all_done(spec, current, init_blocked, previous))
 
 
 def _new(rs: PodRuntimeStatus, previous: Mapping[str, Any]) -> bool:
@@ -482,13 +487,17 @@ def _definition_changed(cur: Container, spec: Spec) -> bool:
         cur.spec_hash != container_spec_hash(spec, whole=True)
 
 
-def _all_done(spec: Spec, current: Sequence[Container], init_blocked: bool) -> bool:
-    """Every container exited and none will be restarted."""
+def _all_done(spec: Spec, current: Sequence[Container], init_blocked: bool,
+              previous: Mapping[str, Any]) -> bool:
+    """Every container exited (or, lost by the runtime, ran its course) and none will
+    be restarted."""
     policy = spec.get("restartPolicy") or "Always"
     if policy == "Always" or init_blocked:
         return False
     for c in spec.get("containers") or []:
         cur = _latest(str(c["name"]), current)
+        if cur is None and ran_its_course(previous, str(c["name"]), policy):
+            continue
         if cur is None or cur.state != ContainerState.EXITED:
             return False
         if policy == "OnFailure" and (cur.exit_code or 0) != 0:

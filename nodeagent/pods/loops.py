@@ -339,7 +339,7 @@ class NodeLoops:
                                  return_exceptions=True)
             await self.pleg.stop()
 
-    def housekeeping(self) -> list[str]:
+    async def housekeeping(self) -> list[str]:
         """Removes the runtime's pods that no loop knows, and the folders and cgroups of
         pods that neither a loop nor the runtime has; returns the removed pods' uids
         (of the runtime's). Only once
@@ -354,8 +354,8 @@ class NodeLoops:
                       | {c.pod_uid for c in result.containers})
         orphans = remove_orphans(result, in_runtime - known, self.config.orphan_grace,
                                  lambda: self.loop(self.config.node_names[0]))
-        if self.volumes is not None:
-            self.volumes.cleanup_orphans(known | in_runtime)
+        if self.volumes is not None:  # on the volumes' threads: the disk may be slow
+            await self.volumes.blocking(self.volumes.cleanup_orphans, known | in_runtime)
         if self.cgroups is not None:
             self.cgroups.housekeeping(known | in_runtime)
         return orphans
@@ -395,7 +395,7 @@ class NodeLoops:
     async def _housekeeping(self) -> None:
         while True:
             await self.clock.sleep(self.config.housekeeping_period)
-            self.housekeeping()
+            await self.housekeeping()
 
     async def _tick(self) -> None:
         """Every loop's resync tick, from one timer. It wakes when the next pod is due,

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import REGISTRY, CollectorRegistry, Counter
 
 from nodeagent.api.answered import ApiAnswered
-from nodeagent.api.client import brief, is_retriable, status_of
+from nodeagent.api.client import brief, invalid_fields, is_retriable, status_of
 from nodeagent.api.clock import Clock
 from nodeagent.api.kube import PODS, Kube, describe
 from nodeagent.api.quantity import QuantityError, format_bytes, format_cpu, parse_quantity
@@ -62,6 +62,8 @@ TRANSIENT_CONDITIONS = ("PodResizePending", "PodResizeInProgress")
 MIN_CPU_LIMIT_MILLIS = 10
 MIN_CPU_REQUEST_MILLIS = 2
 TERMINAL = ("Succeeded", "Failed")
+# a strategic merge patch's directive: the list it heads replaces the one stored
+REPLACE = {"$patch": "replace"}
 # the state of a container that ran and that the runtime no longer knows
 GONE = {"exitCode": 137, "reason": "ContainerStatusUnknown",
         "message": "The container could not be located; it used to be running"}
@@ -154,6 +156,20 @@ def _resources(spec: Mapping[str, Any], cur: Container,
     put("requests", "cpu", applied.cpu_request_millis, MIN_CPU_REQUEST_MILLIS)
     put("requests", "memory", applied.memory_request_bytes)
     return out
+def ran_its_course(previous: Mapping[str, Any], name: str, policy: str) -> bool:
+    """The status says the container ran, and by the restart policy it does not run
+    again: with Never, it started at all (it has a container id); with OnFailure, it
+    exited 0. For a container the runtime has no record of (a runtime that lost the
+    pod, a reboot): a run-once container that ran must not run twice (the kubelet's
+    rule too: "ran" is not "never ran"); its status says how it ended, or that it
+    could not be found."""
+    if policy == "Always":
+        return False
+    for s in previous.get("containerStatuses") or []:
+        if s.get("name") == name and s.get("containerID"):
+            ended = (s.get("state") or {}).get("terminated")
+            return policy == "Never" or (ended is not None and ended.get("exitCode") == 0)
+    return False
 
 
 def _container_statuses(specs: list[Mapping[str, Any]], rs: PodRuntimeStatus, *,
@@ -336,6 +352,17 @@ def compute_pod_status(pod: Pod, rs: PodRuntimeStatus, *, host_ip: str, scheme: 
                                    waiting=waiting, previous=prev_cs,
                                    default_reason="PodInitializing", probed=probed,
                                    messages=messages, applied=applied)
+    in_runtime = {c.name for c in rs.containers}
+    policy = spec.get("restartPolicy") or "Always"
+    for s in statuses:
+        before = prev_cs.get(s["name"]) or {}
+        if s["name"] not in in_runtime and ran_its_course(previous, s["name"], policy):
+            # it ran, the runtime lost it, and it will not run again: it ended as the
+            # status said, or (it was running) in a way nobody saw
+            s.update(containerID=before["containerID"], imageID=before.get("imageID", ""),
+                     restartCount=before.get("restartCount", 0),
+                     state=before["state"] if "terminated" in (before.get("state") or {})
+                     else {"terminated": GONE})
     ephemerals = spec.get("ephemeralContainers") or []
     # an ephemeral container is never restarted: once it ran, nothing keeps it waiting
     ran = {c.name for c in rs.containers}
@@ -657,14 +684,22 @@ class StatusManager:
                     log.info("pod %s: no mirror pod (yet) for its status (%s); retry in "
                              "%.0fs", describe(e.pod), code, delay)
                     cap = self.MIRROR_RETRY_MAX  # the mirror comes within seconds
-                elif code in (404, 409, 422):
+                elif code in (404, 409) or (code == 422 and
+                                            "metadata.uid" in invalid_fields(exc)):
                     # the pod is gone or was replaced by a new one with the same name
+                    # (the patch's uid no longer matches: the API calls that invalid)
                     log.info("pod %s: status %s gave %s; the pod is gone", describe(e.pod),
                              kind, code)
                     self._writes.labels(node=self.node, kind=kind, result="gone").inc()
                     e.sent = want
                     e.deleted = True
                     return
+                elif code == 422:
+                    # a status the API server refuses: say what it said, and try again
+                    # (the next status may pass; a pod is never left as if gone)
+                    self._writes.labels(node=self.node, kind=kind, result="invalid").inc()
+                    log.warning("pod %s: the API server refused its status (%s); retry in "
+                                "%.0fs", describe(e.pod), brief(exc), delay)
                 else:
                     self._writes.labels(node=self.node, kind=kind, result="error").inc()
                     log.warning("pod %s: status %s failed (%s), retry in %.0fs%s", describe(e.pod),
@@ -680,7 +715,12 @@ class StatusManager:
         gone = [{"type": t, "$patch": "delete"} for t in sorted(held - transient(status))]
         if gone:
             status = {**status, "conditions": [*(status.get("conditions") or []), *gone]}
-        body: dict[str, Any] = {"status": status}
+        # podIPs and hostIPs are replaced, not merged by address: a pod given a new
+        # sandbox (its runtime lost the old one) has a new address, and old and new
+        # together would be two of one family, which the API server refuses
+        body: dict[str, Any] = {"status": {
+            k: [REPLACE, *v] if k in ("podIPs", "hostIPs") and v else v
+            for k, v in status.items()}}
         if not is_static(pod):
             # the uid makes the patch fail on a new pod that reuses the name; a static
             # pod's status goes to its mirror pod, which has a uid of its own

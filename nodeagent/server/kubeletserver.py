@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import ctypes.util
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -174,6 +176,7 @@ class KubeletServer:
         self._node_by_port: dict[int, str] = {}
         self._runner: web.AppRunner | None = None
         self._listeners: list[asyncio.Server] = []  # the shared port, then the nodes'
+        self._trimmer: asyncio.Task[None] | None = None
 
     # -- lifecycle --
     def app(self) -> web.Application:
@@ -194,6 +197,7 @@ class KubeletServer:
         self.metrics.connections.set_function(lambda: len(server.connections))
         loop = asyncio.get_running_loop()
         self.metrics.tasks.set_function(lambda: len(asyncio.all_tasks(loop)))
+        self._trimmer = loop.create_task(_trim_after_bursts(lambda: len(server.connections)))
 
         async def listen(port: int) -> int:
             # our own listener, not a TCPSite: it has no bound on the TLS handshake
@@ -216,6 +220,9 @@ class KubeletServer:
         return self.port
 
     async def stop(self) -> None:
+        if self._trimmer is not None:
+            self._trimmer.cancel()
+            self._trimmer = None
         for listener in self._listeners:
             listener.close()
         self._listeners = []
@@ -441,6 +448,38 @@ class KubeletServer:
                                          self.streaming_idle_timeout)
         finally:
             gauge.dec()
+
+
+# a burst of this many TLS connections leaves enough freed heap to hand back
+BURST = 100
+
+
+def _malloc_trim() -> Callable[[int], object] | None:
+    """glibc's malloc_trim(0), or None on another C library."""
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):
+        return None
+
+
+async def _trim_after_bursts(connections: Callable[[], int]) -> None:
+    """Hands the heap a burst of connections freed back to the OS once it has passed.
+    Each TLS connection's buffers are allocated and freed on the event loop's heap, and
+    glibc keeps what a burst freed in pieces it seldom reuses for the next one: without
+    this, each flood of connections to the kubelet API raises the agent's memory for
+    good, though nothing of it is still held."""
+    trim = _malloc_trim()
+    if trim is None:
+        return
+    peak = 0
+    while True:
+        await asyncio.sleep(1)
+        now = connections()
+        peak = max(peak, now)
+        if peak - now >= BURST:
+            trim(0)
+            peak = now
 
 
 def _allow_open_files(wanted: int) -> None:

@@ -7,9 +7,10 @@ from nodeagent.pods.volumes.manager import (
     PodVolumes,
     VolumeManager,
     VolumeRefused,
+    on_the_loop,
 )
 from nodeagent.pods.volumes.mount import HostMounter, Mounter
 from nodeagent.pods.volumes.tokens import TokenManager
 
 __all__ = ["HostMounter", "MountFailed", "Mounter", "PodVolumes", "TokenManager",
-           "VolumeManager", "VolumeRefused"]
+           "VolumeManager", "VolumeRefused", "on_the_loop"]

@@ -24,11 +24,12 @@ MountFailed, tried again on the next sync.
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import errno
 import logging
 import os
 import shutil
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -143,13 +144,27 @@ def _memory_limit(pod: Pod) -> int | None:
     return total
 
 
+# runs a blocking call and returns its result: the agent hands in threads of its own
+BlockingCall = Callable[..., Awaitable[Any]]
+
+
+async def on_the_loop(fn: Callable[..., Any], *args: Any) -> Any:
+    return fn(*args)
+
+
 class VolumeManager:
+    """`blocking` runs what touches the files (making, writing, removing volumes): on
+    the agent's threads, so a slow disk slows the pod it serves and not the event loop
+    (the Lease renewals); by default on the loop (tests, virtual nodes)."""
+
     def __init__(self, root_dir: str | os.PathLike[str], clock: Clock, *,
                  objects: ObjectCache | None = None, tokens: TokenManager | None = None,
                  mounter: Mounter | None = None,
-                 allocatable: Callable[[str], Mapping[str, Any] | None] | None = None) -> None:
+                 allocatable: Callable[[str], Mapping[str, Any] | None] | None = None,
+                 blocking: BlockingCall = on_the_loop) -> None:
         self.pods_dir = Path(root_dir) / "pods"
         self.clock = clock
+        self.blocking = blocking
         self.objects = objects
         self.tokens = tokens
         self.mounter = mounter
@@ -298,7 +313,7 @@ class VolumeManager:
         """The pod is gone: unmount what the agent mounted for it, remove its folder."""
         if self.tokens is not None:
             self.tokens.forget(uid)
-        self._remove(self.pod_dir(uid))
+        await self.blocking(self._remove, self.pod_dir(uid))
 
     def cleanup_orphans(self, keep: set[str]) -> list[str]:
         """Remove the folders of pods that are neither known nor in the runtime."""
@@ -348,17 +363,15 @@ class VolumeManager:
     async def _setup_one(self, pod: Pod, uid: str, name: str, kind: str,
                          body: Mapping[str, Any]) -> tuple[VolumeDir, float | None]:
         if kind == "hostPath":
-            return VolumeDir(kind, self._host_path(body), read_only=False), None
+            return VolumeDir(kind, await self.blocking(self._host_path, body),
+                             read_only=False), None
         path = self.pod_dir(uid) / "volumes" / PLUGINS[kind] / name
         gid = _fs_group(pod)
         if kind == "emptyDir":
-            self._empty_dir(pod, path, body, gid)
+            await self.blocking(self._empty_dir, pod, path, body, gid)
             return VolumeDir(kind, path, read_only=False), None
         payload, refresh = await self._payload(pod, kind, body)
-        if not path.exists():
-            path.mkdir(parents=True, mode=0o755)
-            os.chmod(path, 0o777 if gid is None else 0o755)
-        if atomic.write(path, payload, now=self.clock.now(), gid=gid):
+        if await self.blocking(_write, path, payload, self.clock.now(), gid):
             self.writes += 1
         return VolumeDir(kind, path, read_only=True), refresh
 
@@ -533,6 +546,15 @@ class VolumeManager:
         except (OSError, TimeoutError) as e:
             raise _Failed(f"failed to fetch token: {e}") from e
         return File(token.encode(), mode, uid=user), due
+
+
+def _write(path: Path, payload: Mapping[str, File], now: dt.datetime,
+           gid: int | None) -> bool:
+    """The payload into the volume's folder (made if missing); True if it changed."""
+    if not path.exists():
+        path.mkdir(parents=True, mode=0o755)
+        os.chmod(path, 0o777 if gid is None else 0o755)
+    return atomic.write(path, payload, now=now, gid=gid)
 
 
 def _expand_sub_path(expr: str, values: Mapping[str, str]) -> tuple[str, list[str]]:
