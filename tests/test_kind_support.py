@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from e2e.kind import cluster, node, rootfs
-from e2e.kind.docker import RUNC_WRAPPER
+from e2e.kind.docker import ADDRESS_POOLS, RUNC_WRAPPER, free_address_pool
 
 
 def test_the_mirror_comes_from_apt_deb822_or_one_line(tmp_path: Path) -> None:
@@ -151,3 +151,14 @@ def test_host_sysctls_are_restored(monkeypatch: pytest.MonkeyPatch, tmp_path: Pa
         values["kernel/panic"] = "10\n"
     assert sysctls.changed == {"kernel/panic": ("1\n", "10\n")}
     assert written == {"kernel/panic": "1\n"}
+
+
+def test_an_engine_takes_an_address_pool_no_host_route_touches() -> None:
+    routes = ("default via 192.0.2.1 dev eth0\n"
+              "172.29.0.0/24 dev br-0123 proto kernel scope link src 172.29.0.1\n"
+              "local 127.0.0.0/8 dev lo table local proto kernel scope host src 127.0.0.1\n")
+    assert free_address_pool(routes) == "172.30.0.0/16"
+    assert free_address_pool("default via 192.0.2.1 dev eth0\n") == "172.29.0.0/16"
+    taken = "".join(f"{p} dev br-x scope link\n" for p in ADDRESS_POOLS)
+    with pytest.raises(RuntimeError, match="every address pool"):
+        free_address_pool(taken)
