@@ -214,6 +214,22 @@ class Dockerd:
         self.stop()
 
 
+def host_links() -> set[str]:
+    """The names of the host's network links."""
+    out = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True,
+                         check=True).stdout
+    return {line.split(":")[1].strip().split("@")[0] for line in out.splitlines()}
+
+
+def host_rules() -> list[str]:
+    """The host's iptables and ip6tables rules (no counters, no comment lines)."""
+    rules = []
+    for tool in ("iptables-save", "ip6tables-save"):
+        out = subprocess.run([tool], capture_output=True, text=True, check=True).stdout
+        rules += [line for line in out.splitlines() if not line.startswith("#")]
+    return rules
+
+
 def free_address_pool(routes: str | None = None) -> str:
     """The first of ADDRESS_POOLS that overlaps no route of the host (`ip -4 route`)."""
     if routes is None:
