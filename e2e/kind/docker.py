@@ -215,10 +215,13 @@ class Dockerd:
 
 
 def host_links() -> set[str]:
-    """The names of the host's network links."""
+    """The names of the host's network links that a Docker engine makes: its networks'
+    bridges (br-<network id>) and its containers' veths (veth and 7 hex digits; a CNI
+    plugin's, which other tests on the machine make meanwhile, have 8)."""
     out = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True,
                          check=True).stdout
-    return {line.split(":")[1].strip().split("@")[0] for line in out.splitlines()}
+    names = {line.split(":")[1].strip().split("@")[0] for line in out.splitlines()}
+    return {n for n in names if re.fullmatch(r"br-[0-9a-f]{12}|veth[0-9a-f]{7}", n)}
 
 
 def host_rules() -> list[str]:

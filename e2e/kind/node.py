@@ -80,8 +80,7 @@ done
 # node and its pods ask the node's gateway address instead, which this node's NAT
 # table sends on to Docker's server (pods' packets come in from their bridge: hence
 # PREROUTING, and route_localnet to let them go to a loopback address)
-set -- $(ip -4 route show default)
-gateway=$3
+gateway=$(ip -4 route show default | cut -d" " -f3)
 for proto in udp tcp; do
     to=$(iptables -t nat -S DOCKER_OUTPUT 2>/dev/null | grep -- "-p $proto " |
          grep -o "127.0.0.11:[0-9]*" || true)
