@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from e2e.kind import agent_node, cluster, node, podnet, rootfs
-from e2e.kind.docker import ADDRESS_POOLS, RUNC_WRAPPER, free_address_pool
+from e2e.kind.docker import ADDRESS_POOLS, RUNC_WRAPPER, engine_links, free_address_pool
 
 
 def test_the_mirror_comes_from_apt_deb822_or_one_line(tmp_path: Path) -> None:
@@ -234,3 +234,10 @@ def test_a_new_cache_entry_replaces_only_older_entries_of_its_own_kind(tmp_path:
     rootfs.keep_only(tmp_path / "node-ddd.tar", tmp_path / "node-ddd.partial")
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "node-ddd.tar", "node-nodepulse-bbb.tar", "rootfs-node-ccc.tar"]
+
+
+def test_the_links_checked_after_an_engine_are_docker_s_own() -> None:
+    """A Docker network's bridge and a container's veth are the engine's; a CNI
+    plugin's veth (8 hex digits), which other tests make meanwhile, is not."""
+    assert engine_links(["lo", "eth0", "br-0123456789ab", "veth1a2b3c4", "veth1a2b3c4d",
+                         "cni0", "np3c5c30f4"]) == {"br-0123456789ab", "veth1a2b3c4"}

@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -220,7 +221,11 @@ def host_links() -> set[str]:
     plugin's, which other tests on the machine make meanwhile, have 8)."""
     out = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True,
                          check=True).stdout
-    names = {line.split(":")[1].strip().split("@")[0] for line in out.splitlines()}
+    return engine_links(line.split(":")[1].strip().split("@")[0] for line in out.splitlines())
+
+
+def engine_links(names: Iterable[str]) -> set[str]:
+    """Of these link names, those a Docker engine makes (see host_links)."""
     return {n for n in names if re.fullmatch(r"br-[0-9a-f]{12}|veth[0-9a-f]{7}", n)}
 
 
