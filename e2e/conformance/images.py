@@ -1,5 +1,6 @@
-"""The images the upstream node e2e tests run, built here (no registry is reachable)
-and named as the tests expect them.
+"""The images the upstream e2e tests run, built here (no registry is reachable) and
+named as the tests expect them: those of the node specs (import_all) and those of the
+whole [Conformance] suite (conformance_images).
 
 The names come from the pinned module's test/utils/image/manifest.go, so they follow
 the Kubernetes pin. What each image holds:
@@ -13,13 +14,16 @@ the Kubernetes pin. What each image holds:
   with the pause image under the tag "testing" for fake-registry-server), with
   busybox-static in place of Alpine's shell tools, and Debian's curl and bash with
   the libraries they load (the lifecycle hooks exec `sh -c "curl ..."` in it, the
-  sidecar probe specs run `/bin/bash -c`). Alpine's bind-tools, iproute2, iperf and
-  coredns are not there: a test that needs them fails, and docs/conformance.md says so.
+  sidecar probe specs run `/bin/bash -c`); the network tools of the upstream image
+  (Alpine's bind-tools, netcat-openbsd, iproute2, iperf, musl's getent) are Debian's
+  from a Debian root filesystem, with the libraries they load, and /coredns is the
+  CoreDNS this suite builds. Two tags are two images (/etc/e2e-image names the tag).
 - nonewprivs: the nnp program from the module (test/images/nonewprivs), setuid root
   in /usr/local/bin as its Dockerfile makes it, on busybox.
 - nginx: Debian's nginx (the packages nginx and nginx-common, fetched with `apt-get
   download`, not installed) with the libraries it loads, on busybox; it serves a page
   on port 80 in the foreground, as the upstream image does.
+- the others of the [Conformance] suite: see CONFORMANCE_IMAGES.
 """
 
 from __future__ import annotations
@@ -73,7 +77,11 @@ FROM_DEBIAN = (Path("/usr/bin/curl"), Path("/bin/bash"))
 # jessie-dnsutils, the Service specs `nc -t`/`nc -u`
 TOOLS_PACKAGES = ["dnsutils", "netcat-openbsd", "iproute2", "iperf"]
 NET_TOOLS = ("usr/bin/dig", "usr/bin/nslookup", "usr/bin/host", "usr/bin/nc", "usr/bin/ip",
-             "usr/bin/iperf")
+             "usr/bin/iperf",
+             # the DNS specs' /etc/hosts probes run `getent hosts` (Alpine's musl has one;
+             # busybox has none); glibc's own hosts lookup, files then DNS as musl's
+             "usr/bin/getent")
+NSSWITCH = b"hosts: files dns\n"
 
 
 def dnsutils_rootfs() -> Path:
@@ -137,6 +145,7 @@ def agnhost_rootfs(image_name: str) -> Rootfs:
         rootfs.symlinks.pop(path, None)
         rootfs.symlinks.pop(f"bin/{Path(path).name}", None)  # busybox's applet of the name
         rootfs.files[path] = entry
+    rootfs.files["etc/nsswitch.conf"] = (NSSWITCH, 0o644)
     rootfs.dirs |= {"uploads", "home/user-defined-in-image"}
     rootfs.files["etc/passwd"] = (
         b"root:x:0:0:root:/root:/bin/sh\n"
