@@ -68,6 +68,8 @@ TOOLS = {t.name: t for t in [
     Tool("agnhost", "kubernetes", "k8s.io/kubernetes/test/images/agnhost", "k8s.io/kubernetes"),
     Tool("nonewprivs", "kubernetes", "k8s.io/kubernetes/test/images/nonewprivs",
          "k8s.io/kubernetes"),
+    # the Aggregator spec's API server (the module the Kubernetes module pins)
+    Tool("sample-apiserver", "kubernetes", "k8s.io/sample-apiserver", "k8s.io/kubernetes"),
     # an image registry and a client that pushes to it (nodepulse_dev/registry.py)
     Tool("registry", "registry", "github.com/distribution/distribution/v3/cmd/registry",
          "github.com/distribution/distribution/v3"),
@@ -84,8 +86,8 @@ TOOLS = {t.name: t for t in [
          "github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2",
          "github.com/containerd/containerd/v2", tags="urfave_cli_no_docs,no_grpc"),
 ]}
-ON_DEMAND = {"kwok", "e2e.test", "agnhost", "nonewprivs", "registry", "crane",
-             "kind", "crictl", "coredns", "kubelet", "kubeadm", "kube-proxy",
+ON_DEMAND = {"kwok", "e2e.test", "agnhost", "nonewprivs", "sample-apiserver", "registry",
+             "crane", "kind", "crictl", "coredns", "kubelet", "kubeadm", "kube-proxy",
              "containerd", "containerd-shim-runc-v2"}
 FOR_TESTS = [n for n in TOOLS if n not in ON_DEMAND]
 

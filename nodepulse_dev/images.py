@@ -108,11 +108,13 @@ def _layer(rootfs: Rootfs) -> bytes:
     return buf.getvalue()
 
 
-def build_oci_tar(out: Path, rootfs: Rootfs, *, ref: str, entrypoint: list[str] | None = None,
-                  cmd: list[str] | None = None, env: list[str] | None = None) -> str:
+def build_oci_tar(out: Path, rootfs: Rootfs | bytes, *, ref: str,
+                  entrypoint: list[str] | None = None, cmd: list[str] | None = None,
+                  env: list[str] | None = None, user: str | None = None) -> str:
     """Write an OCI layout tar for one linux/amd64 image to `out`; return the
-    manifest digest. `ref` is the tag recorded in index.json (the part after ':')."""
-    layer = _layer(rootfs)
+    manifest digest. `ref` is the tag recorded in index.json (the part after ':').
+    `rootfs` is the layer's files, or the layer itself (an uncompressed tar)."""
+    layer = rootfs if isinstance(rootfs, bytes) else _layer(rootfs)
     gz = gzip.compress(layer, compresslevel=6, mtime=0)
     config = {
         "architecture": "amd64",
@@ -121,6 +123,7 @@ def build_oci_tar(out: Path, rootfs: Rootfs, *, ref: str, entrypoint: list[str] 
             "Env": env or ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"],
             **({"Entrypoint": entrypoint} if entrypoint else {}),
             **({"Cmd": cmd} if cmd else {}),
+            **({"User": user} if user else {}),
         },
         "rootfs": {"type": "layers", "diff_ids": [_sha(layer)]},
         "history": [{"created_by": "nodepulse nodepulse_dev/images.py"}],

@@ -145,3 +145,46 @@ def test_an_interrupted_run_kills_the_running_spec(tmp_path: Path) -> None:
     pid = int(pidfile.read_text())
     assert not Path(f"/proc/{pid}").exists() or \
         Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+
+
+def test_a_section_of_the_page_is_replaced_between_its_markers() -> None:
+    page = run.replace_section("# Title\n\nhand-written\n", "a", "first")
+    assert page.endswith("<!-- begin a: generated, do not edit -->\nfirst\n<!-- end a -->\n")
+    page = run.replace_section(page + "\nmore hand-written\n", "b", "second")
+    page = run.replace_section(page, "a", "replaced\nover two lines")
+    assert "first" not in page and "replaced\nover two lines\n<!-- end a -->" in page
+    assert page.index("hand-written") < page.index("replaced") < page.index(
+        "more hand-written") < page.index("second")
+
+
+def test_the_kind_table_puts_both_agents_side_by_side(tmp_path: Path) -> None:
+    from e2e.conformance import kind
+
+    other = "[sig-apps] Deployment should roll [Conformance]"
+    np = kind.save_column("nodepulse", [run.Result(SPEC, run.PASSED, 12.4),
+                                        run.Result(other, run.FAILED, 300, "timed out | x")],
+                          660, "python -m e2e.conformance ...", True, tmp_path / "np.json")
+    kl = kind.save_column("kubelet", [run.Result(SPEC, run.PASSED, 10),
+                                      run.Result(other, run.PASSED, 40)],
+                          600, "python -m e2e.conformance ...", False, tmp_path / "kl.json")
+    text = kind.columns_doc({"nodepulse": kind.load_column(np),
+                             "kubelet": kind.load_column(kl)})
+    assert f"| {SPEC} | passed 12 s | passed 10 s |  |" in text
+    assert f"| {other} | failed 300 s | passed 40 s | nodepulse: timed out \\| x |" in text
+    assert "`nodepulse` (**partial**)" in text and "**1 passed, 1 failed" in text
+    assert "1 specs passed in every column run; 1 passed with the kubelet and not with " \
+           "nodepulse" in text
+    only_one = kind.columns_doc({"nodepulse": kind.load_column(np), "kubelet": None})
+    assert "- `kubelet`: not run yet." in only_one
+
+
+def test_the_kind_plan_runs_everything_and_samples_every_sig() -> None:
+    from e2e.conformance import kind
+
+    plan = run.load_plan(kind.PLAN)
+    assert plan.focus == r"\[Conformance\]" and not plan.skip and not plan.cannot_run
+    assert re.search(plan.serial, "[sig-apps] Daemon set [Serial] should run [Conformance]")
+    sigs = {spec.split("]")[0] + "]" for spec in plan.sample}
+    assert sigs == {f"[sig-{s}]" for s in ("api-machinery", "apps", "architecture", "auth",
+                                           "cli", "instrumentation", "network", "node",
+                                           "scheduling", "storage")}

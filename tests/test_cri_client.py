@@ -479,7 +479,7 @@ async def test_version_conditions_and_images(tmp_path: Path) -> None:
         v = await rt.version()
         assert (v.runtime_name, v.runtime_version, v.api_version) == ("fakecri", "9.9", "v1")
         assert await rt.conditions() == {"RuntimeReady": (True, ""),
-                                         "NetworkReady": (False, "NetworkPluginNotReady")}
+                                         "NetworkReady": (False, "reason:NetworkPluginNotReady")}
         assert await rt.image_present("localhost/busybox:1")
         assert not await rt.image_present("localhost/absent:1")
         fake.images.add("localhost/pause:1")

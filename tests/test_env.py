@@ -214,6 +214,25 @@ async def test_services_unreadable_refuses_the_container() -> None:
 
 
 @aio
+async def test_a_static_pod_does_not_wait_for_the_services() -> None:
+    """As the kubelet: a static pod (a control-plane component, started before the API
+    server answers) gets the Services read so far, none before the first list, at once;
+    an API pod is still refused while the Services cannot be read."""
+    clock = FakeClock()
+    kube = FakeKube()
+    kube.fail("list services", api_error(403, message="forbidden"))
+    services = ServiceCache(kube, clock)
+    resolver = EnvResolver(None, services)
+    static = mkpod("kube-apiserver-n1")
+    static["metadata"]["annotations"] = {"kubernetes.io/config.source": "file"}
+    assert await resolver.resolve(static, static["spec"]["containers"][0], {}) == []
+    pod = mkpod("p")
+    with pytest.raises(EnvError, match="services have not yet been read at least once"):
+        await resolver.resolve(pod, pod["spec"]["containers"][0], {})
+    await services.close()
+
+
+@aio
 async def test_objects_watch_per_object_and_stop_with_the_last_pod() -> None:
     clock = FakeClock()
     kube = FakeKube()

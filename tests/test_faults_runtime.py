@@ -141,6 +141,42 @@ async def test_runtime_reading_is_retried_every_second_while_down(tmp_path: Path
     await rig.finish()
 
 
+@aio
+async def test_a_runtime_network_not_ready_makes_the_node_not_ready(tmp_path: Path) -> None:
+    """The runtime answers but says its network is not ready (containerd with no CNI
+    config yet): the Node is Ready=False with the runtime's reason, as the kubelet's,
+    until the network is ready; then Ready within a second and one status period. A
+    runtime not ready later is seen at its next reading."""
+    rig = AgentRig(tmp_path)
+    network: dict[str, tuple[bool, str]] = {
+        "RuntimeReady": (True, ""),
+        "NetworkReady": (False, "reason:NetworkPluginNotReady message:cni plugin not "
+                                "initialized")}
+
+    async def conditions() -> dict[str, tuple[bool, str]]:
+        return dict(network)
+
+    rig.rt.conditions = conditions  # type: ignore[method-assign]
+    await rig.start()
+    cond = rig.ready_condition()
+    assert cond["status"] == "False", cond
+    assert cond["message"] == ("container runtime network not ready: NetworkReady=false "
+                               "reason:NetworkPluginNotReady message:cni plugin not "
+                               "initialized")
+    network["NetworkReady"] = (True, "")
+    await rig.clock.advance(1)
+    assert rig.pods.runtime_problem is None
+    await rig.clock.advance(10 + TIMER_SLACK)
+    assert rig.ready_condition()["status"] == "True"
+    network["RuntimeReady"] = (False, "reason:ContainerdNotReady")
+    await rig.clock.advance(10)  # the next runtime reading
+    await rig.clock.advance(10 + TIMER_SLACK)  # and the next status computation
+    cond = rig.ready_condition()
+    assert cond["status"] == "False" and "RuntimeReady=false reason:ContainerdNotReady" in \
+        cond["message"], cond
+    await rig.finish()
+
+
 class GatedRuntime(FakeRuntime):
     """start_container waits for `gate` (a runtime slow to start a container)."""
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from e2e.kind import cluster, node, rootfs
-from e2e.kind.docker import RUNC_WRAPPER
+from e2e.kind import agent_node, cluster, node, podnet, rootfs
+from e2e.kind.docker import ADDRESS_POOLS, RUNC_WRAPPER, engine_links, free_address_pool
 
 
 def test_the_mirror_comes_from_apt_deb822_or_one_line(tmp_path: Path) -> None:
@@ -137,8 +137,71 @@ def test_the_kind_config_names_what_the_suite_builds(tmp_path: Path) -> None:
     wrong = tmp_path / "kind.yaml"
     cfg["nodes"][0]["image"] = "kindest/node:v1.35.0"
     wrong.write_text(yaml.safe_dump(cfg))
-    with pytest.raises(RuntimeError, match="is not the one e2e/kind/node.py builds"):
+    with pytest.raises(RuntimeError, match="is not the one the suite builds"):
         cluster.load_config(wrong)
+    # a variant's config names the variant
+    cfg["nodes"] = [{**n, "image": agent_node.image_name()} for n in cfg["nodes"]]
+    wrong.write_text(yaml.safe_dump(cfg))
+    assert cluster.load_config(wrong, agent_node.image_name())["nodes"] == cfg["nodes"]
+    cfg["networking"] = {"disableDefaultCNI": True}
+    wrong.write_text(yaml.safe_dump(cfg))
+    with pytest.raises(RuntimeError, match="without the node image's pod network"):
+        cluster.load_config(wrong, agent_node.image_name())
+
+
+def test_the_pod_network_script_writes_the_node_conflist_and_routes(tmp_path: Path) -> None:
+    """podnet.SCRIPT run by dash with stand-ins for kubectl, ip and sleep: the node's own
+    pod CIDR becomes its conflist, every other node's a route through its address."""
+    bin_dir, net_d = tmp_path / "bin", tmp_path / "net.d"
+    bin_dir.mkdir()
+    net_d.mkdir()
+    (bin_dir / "kubectl").write_text(
+        "#!/bin/sh\nprintf 'cp 10.244.0.0/24 172.30.0.2\\nw1 10.244.1.0/24 172.30.0.3\\n"
+        "w2  172.30.0.4\\n'\n")
+    (bin_dir / "ip").write_text(f"#!/bin/sh\necho \"$*\" >> {tmp_path}/ip.log\n")
+    # the loop's first sleep ends the run
+    (bin_dir / "sleep").write_text("#!/bin/sh\nkill $PPID\n")
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    script = podnet.SCRIPT.replace("/tmp/", f"{tmp_path}/")
+    script = script.replace(podnet.CONFLIST, str(net_d / "10.conflist"))
+    proc = subprocess.run(["dash", "-c", script], env={"PATH": f"{bin_dir}:/usr/bin:/bin",
+                   "NODE_NAME": "cp", "CONTROL_PLANE_ENDPOINT": "cp:6443"},
+                   capture_output=True, text=True, timeout=30)
+    assert (net_d / "10.conflist").exists(), proc.stderr
+    written = json.loads((net_d / "10.conflist").read_text())
+    assert written == json.loads(podnet.conflist("10.244.0.0/24"))
+    assert written["plugins"][0]["ipMasq"] is False
+    ip_calls = (tmp_path / "ip.log").read_text().splitlines()
+    assert "route replace 10.244.1.0/24 via 172.30.0.3" in ip_calls
+    assert not any("10.244.0.0" in c or "172.30.0.4" in c for c in ip_calls)  # self; no CIDR
+
+
+def test_the_pod_network_manifest_asks_kind_for_the_api_server_address() -> None:
+    docs = list(yaml.safe_load_all(podnet.MANIFEST))
+    daemonset = next(d for d in docs if d["kind"] == "DaemonSet")
+    spec = daemonset["spec"]["template"]["spec"]
+    assert "would you kindly patch this file" in podnet.MANIFEST
+    assert spec["hostNetwork"] and spec["tolerations"] == [{"operator": "Exists"}]
+    assert spec["containers"][0]["image"] == podnet.IMAGE
+
+
+def test_the_agent_node_kubelet_is_a_wrapper_of_the_agent(tmp_path: Path) -> None:
+    """The wrapper execs the agent with its three settings first and the kubelet's
+    arguments after, unchanged."""
+    wrapper = tmp_path / "kubelet"
+    agent = tmp_path / "nodepulse-agent"
+    agent.write_text("#!/bin/sh\nfor a in \"$@\"; do echo \"$a\"; done\n")
+    agent.chmod(0o755)
+    wrapper.write_text(agent_node.KUBELET_WRAPPER.replace(
+        f"{agent_node.VENV}/bin/nodepulse-agent", str(agent)))
+    wrapper.chmod(0o755)
+    out = subprocess.run([str(wrapper), "--config=/var/lib/kubelet/config.yaml",
+                          "--node-labels=a=b c"], capture_output=True, text=True,
+                         check=True).stdout.splitlines()
+    assert out == ["--root-dir=/var/lib/kubelet", "--pod-logs-dir=/var/log/pods",
+                   "--allow-privileged=true", "--config=/var/lib/kubelet/config.yaml",
+                   "--node-labels=a=b c"]
 
 
 def test_host_sysctls_are_restored(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -151,3 +214,30 @@ def test_host_sysctls_are_restored(monkeypatch: pytest.MonkeyPatch, tmp_path: Pa
         values["kernel/panic"] = "10\n"
     assert sysctls.changed == {"kernel/panic": ("1\n", "10\n")}
     assert written == {"kernel/panic": "1\n"}
+
+
+def test_an_engine_takes_an_address_pool_no_host_route_touches() -> None:
+    routes = ("default via 192.0.2.1 dev eth0\n"
+              "172.29.0.0/24 dev br-0123 proto kernel scope link src 172.29.0.1\n"
+              "local 127.0.0.0/8 dev lo table local proto kernel scope host src 127.0.0.1\n")
+    assert free_address_pool(routes) == "172.30.0.0/16"
+    assert free_address_pool("default via 192.0.2.1 dev eth0\n") == "172.29.0.0/16"
+    taken = "".join(f"{p} dev br-x scope link\n" for p in ADDRESS_POOLS)
+    with pytest.raises(RuntimeError, match="every address pool"):
+        free_address_pool(taken)
+
+
+def test_a_new_cache_entry_replaces_only_older_entries_of_its_own_kind(tmp_path: Path) -> None:
+    for name in ("node-aaa.tar", "node-nodepulse-bbb.tar", "rootfs-node-ccc.tar"):
+        (tmp_path / name).write_text("old")
+    (tmp_path / "node-ddd.partial").write_text("new")
+    rootfs.keep_only(tmp_path / "node-ddd.tar", tmp_path / "node-ddd.partial")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "node-ddd.tar", "node-nodepulse-bbb.tar", "rootfs-node-ccc.tar"]
+
+
+def test_the_links_checked_after_an_engine_are_docker_s_own() -> None:
+    """A Docker network's bridge and a container's veth are the engine's; a CNI
+    plugin's veth (8 hex digits), which other tests make meanwhile, is not."""
+    assert engine_links(["lo", "eth0", "br-0123456789ab", "veth1a2b3c4", "veth1a2b3c4d",
+                         "cni0", "np3c5c30f4"]) == {"br-0123456789ab", "veth1a2b3c4"}

@@ -1,5 +1,6 @@
-"""The images the upstream node e2e tests run, built here (no registry is reachable)
-and named as the tests expect them.
+"""The images the upstream e2e tests run, built here (no registry is reachable) and
+named as the tests expect them: those of the node specs (import_all) and those of the
+whole [Conformance] suite (conformance_images).
 
 The names come from the pinned module's test/utils/image/manifest.go, so they follow
 the Kubernetes pin. What each image holds:
@@ -13,18 +14,22 @@ the Kubernetes pin. What each image holds:
   with the pause image under the tag "testing" for fake-registry-server), with
   busybox-static in place of Alpine's shell tools, and Debian's curl and bash with
   the libraries they load (the lifecycle hooks exec `sh -c "curl ..."` in it, the
-  sidecar probe specs run `/bin/bash -c`). Alpine's bind-tools, iproute2, iperf and
-  coredns are not there: a test that needs them fails, and docs/conformance.md says so.
+  sidecar probe specs run `/bin/bash -c`); the network tools of the upstream image
+  (Alpine's bind-tools, netcat-openbsd, iproute2, iperf, musl's getent) are Debian's
+  from a Debian root filesystem, with the libraries they load, and /coredns is the
+  CoreDNS this suite builds. Two tags are two images (/etc/e2e-image names the tag).
 - nonewprivs: the nnp program from the module (test/images/nonewprivs), setuid root
   in /usr/local/bin as its Dockerfile makes it, on busybox.
 - nginx: Debian's nginx (the packages nginx and nginx-common, fetched with `apt-get
   download`, not installed) with the libraries it loads, on busybox; it serves a page
   on port 80 in the foreground, as the upstream image does.
+- the others of the [Conformance] suite: see CONFORMANCE_IMAGES.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import tarfile
@@ -67,23 +72,68 @@ def _ldd_closure(binary: Path) -> dict[str, bytes]:
 
 # Debian's programs in the agnhost image (apt packages curl and bash)
 FROM_DEBIAN = (Path("/usr/bin/curl"), Path("/bin/bash"))
+# and, from a Debian root filesystem, the network tools of upstream's agnhost (Alpine's
+# bind-tools, netcat-openbsd, iproute2, iperf): the DNS specs run `dig` in agnhost as in
+# jessie-dnsutils, the Service specs `nc -t`/`nc -u`
+TOOLS_PACKAGES = ["dnsutils", "netcat-openbsd", "iproute2", "iperf"]
+NET_TOOLS = ("usr/bin/dig", "usr/bin/nslookup", "usr/bin/host", "usr/bin/nc", "usr/bin/ip",
+             "usr/bin/iperf",
+             # the DNS specs' /etc/hosts probes run `getent hosts` (Alpine's musl has one;
+             # busybox has none); glibc's own hosts lookup, files then DNS as musl's
+             "usr/bin/getent")
+NSSWITCH = b"hosts: files dns\n"
 
 
-def build_agnhost_tar(tag: str, cache: Path = CACHE) -> Path:
-    """The agnhost image; `tag` is the ref its index records (what import names it)."""
-    agnhost = build.ensure(["agnhost"])["agnhost"]
+def dnsutils_rootfs() -> Path:
+    """Debian minbase with dnsutils and agnhost's other network tools, a tar: the
+    jessie-dnsutils image's content (on bookworm: jessie is long gone from Debian's
+    mirrors), and where agnhost's tools come from."""
+    from e2e.kind import rootfs
+
+    return rootfs.debootstrap("e2e-tools", TOOLS_PACKAGES)
+
+
+def _read_in_tree(tree: Path, path: str) -> bytes:
+    """A file of the root filesystem `tree`, following its symlinks inside the tree."""
+    current = tree / path.lstrip("/")
+    for _ in range(40):
+        parent = Path(os.path.realpath(current.parent)) if current.parent != tree else tree
+        current = parent / current.name
+        if not current.is_symlink():
+            return current.read_bytes()
+        target = os.readlink(current)
+        current = tree / target.lstrip("/") if target.startswith("/") else parent / target
+    raise RuntimeError(f"{path} in {tree}: too many symlinks")
+
+
+def tree_programs(tar: Path, programs: tuple[str, ...]) -> dict[str, tuple[bytes, int]]:
+    """`programs` of the root filesystem tar `tar` with the libraries they load (the
+    tree's own ldd, in a chroot), by path."""
+    files = {}
+    with tempfile.TemporaryDirectory(prefix="tree-") as tmp:
+        tree = Path(tmp)
+        subprocess.run(["tar", "-C", tmp, "-xf", str(tar)], check=True, timeout=600)
+        for program in programs:
+            files[program] = (_read_in_tree(tree, program), 0o755)
+            out = subprocess.run(["chroot", tmp, "ldd", f"/{program}"], capture_output=True,
+                                 text=True, check=True, timeout=60).stdout
+            for lib in re.findall(r"(/\S+) \(0x", out):
+                files[lib.lstrip("/")] = (_read_in_tree(tree, lib), 0o755)
+    return files
+
+
+def agnhost_rootfs(image_name: str) -> Rootfs:
+    """agnhost's root filesystem (see the module doc); `image_name` is written to
+    /etc/e2e-image so that two tags of agnhost are two images, as upstream."""
+    agnhost, coredns = build.ensure(["agnhost", "coredns"]).values()
     for program in FROM_DEBIAN:
         if not program.exists():
             raise RuntimeError(f"{program} not found: install the apt package {program.name}")
     porter = module_source() / "test/images/agnhost/porter"
-    pause_tar = images.build_pause_tar(cache)
-    inputs = file_hash(agnhost, pause_tar, images.upstream_busybox(cache), *FROM_DEBIAN)
-    out = cache / f"agnhost-{tag}-{inputs}.tar"
-    if out.exists():
-        return out
     rootfs = images.busybox_rootfs()
     rootfs.files["agnhost"] = (agnhost.read_bytes(), 0o755)
     rootfs.symlinks["agnhost-2"] = "agnhost"
+    rootfs.files["coredns"] = (coredns.read_bytes(), 0o755)
     for name in ("localhost.crt", "localhost.key"):
         rootfs.files[name] = ((porter / name).read_bytes(), 0o644)
     for program in FROM_DEBIAN:
@@ -91,6 +141,11 @@ def build_agnhost_tar(tag: str, cache: Path = CACHE) -> Path:
         rootfs.files[str(program).lstrip("/")] = (program.read_bytes(), 0o755)
         for path, data in _ldd_closure(program).items():
             rootfs.files[path] = (data, 0o755)
+    for path, entry in tree_programs(dnsutils_rootfs(), NET_TOOLS).items():
+        rootfs.symlinks.pop(path, None)
+        rootfs.symlinks.pop(f"bin/{Path(path).name}", None)  # busybox's applet of the name
+        rootfs.files[path] = entry
+    rootfs.files["etc/nsswitch.conf"] = (NSSWITCH, 0o644)
     rootfs.dirs |= {"uploads", "home/user-defined-in-image"}
     rootfs.files["etc/passwd"] = (
         b"root:x:0:0:root:/root:/bin/sh\n"
@@ -98,8 +153,26 @@ def build_agnhost_tar(tag: str, cache: Path = CACHE) -> Path:
     rootfs.files["etc/group"] = (
         b"root:x:0:\nuser-defined-in-image:x:1000:\n"
         b"group-defined-in-image:x:50000:user-defined-in-image\n", 0o644)
-    _add_fake_registry(rootfs, pause_tar, "pause", "testing")
-    build_oci_tar(out, rootfs, ref=tag, entrypoint=["/agnhost"], cmd=["pause"])
+    rootfs.files["etc/e2e-image"] = (image_name.encode() + b"\n", 0o644)
+    _add_fake_registry(rootfs, images.build_pause_tar(), "pause", "testing")
+    return rootfs
+
+
+def _inputs(*paths: Path) -> str:
+    """A hash of the files an image is made of and of this module's text."""
+    return file_hash(Path(__file__), *paths)
+
+
+def build_agnhost_tar(tag: str, cache: Path = CACHE) -> Path:
+    """The agnhost image; `tag` is the ref its index records (what import names it)."""
+    bins = build.ensure(["agnhost", "coredns"])
+    inputs = _inputs(*bins.values(), images.build_pause_tar(cache),
+                     images.upstream_busybox(cache), *FROM_DEBIAN, dnsutils_rootfs())
+    out = cache / f"agnhost-{tag}-{inputs}.tar"
+    if not out.exists():
+        name = upstream_names()["Agnhost"].rpartition(":")[0] + f":{tag}"
+        build_oci_tar(out, agnhost_rootfs(name), ref=tag, entrypoint=["/agnhost"],
+                      cmd=["pause"])
     return out
 
 
@@ -178,7 +251,7 @@ def build_nginx_tar(tag: str, cache: Path = CACHE) -> Path:
     with tempfile.TemporaryDirectory(prefix="nginx-") as tmp:
         debs = _debian_packages(NGINX_PACKAGES, Path(tmp))
         busybox = images.upstream_busybox(cache)
-        out = cache / f"nginx-{tag}-{file_hash(busybox, *debs)}.tar"
+        out = cache / f"nginx-{tag}-{_inputs(busybox, *debs)}.tar"
         if out.exists():
             return out
         root = Path(tmp) / "root"
@@ -199,9 +272,91 @@ def build_nginx_tar(tag: str, cache: Path = CACHE) -> Path:
                                       b"nobody:x:65534:65534::/nonexistent:/bin/false\n", 0o644)
         rootfs.files["etc/group"] = (b"root:x:0:\nnogroup:x:65534:\n", 0o644)
         rootfs.dirs |= {"run", "var/lib/nginx", "var/log/nginx"}
+        # the specs roll from one nginx tag to the other: two images, as upstream
+        rootfs.files["etc/e2e-image"] = (f"nginx:{tag}\n".encode(), 0o644)
         build_oci_tar(out, rootfs, ref=tag, entrypoint=["/usr/sbin/nginx"],
                       cmd=["-g", "daemon off;"])
     return out
+
+
+def build_nonroot_tar(tag: str, cache: Path = CACHE) -> Path:
+    """busybox whose image user is 1234, as the upstream nonroot image (USER 1234)."""
+    busybox = images.upstream_busybox(cache)
+    out = cache / f"nonroot-{tag}-{_inputs(busybox)}.tar"
+    if not out.exists():
+        build_oci_tar(out, images.busybox_rootfs(busybox), ref=tag, user="1234")
+    return out
+
+
+def build_webserver_tar(image_id: str, tag: str, cache: Path = CACHE) -> Path:
+    """kitten or nautilus: agnhost with the picture and data.json of
+    test/images/<kitten|nautilus>/html at its root, serving them (test-webserver)."""
+    html = module_source() / "test/images" / image_id.lower() / "html"
+    base = build_agnhost_tar(upstream_names()["Agnhost"].rpartition(":")[2], cache)
+    out = cache / f"{image_id.lower()}-{tag}-{_inputs(base, *sorted(html.iterdir()))}.tar"
+    if not out.exists():
+        rootfs = agnhost_rootfs(upstream_names()[image_id])
+        for f in html.iterdir():
+            rootfs.files[f.name] = (f.read_bytes(), 0o644)
+        build_oci_tar(out, rootfs, ref=tag, entrypoint=["/agnhost"], cmd=["test-webserver"])
+    return out
+
+
+def build_dnsutils_tar(tag: str, cache: Path = CACHE) -> Path:
+    """jessie-dnsutils: Debian minbase with dnsutils (dig, nslookup), its tar the layer."""
+    tree = dnsutils_rootfs()
+    out = cache / f"jessie-dnsutils-{tag}-{_inputs(tree)}.tar"
+    if not out.exists():
+        build_oci_tar(out, tree.read_bytes(), ref=tag, cmd=["/bin/sh"])
+    return out
+
+
+def build_static_tar(program: str, path: str, tag: str, cache: Path = CACHE,
+                     entrypoint: list[str] | None = None) -> Path:
+    """A program built here (nodepulse_dev/build.py) at `path` on busybox."""
+    binary = build.ensure([program])[program]
+    busybox = images.upstream_busybox(cache)
+    out = cache / f"{program}-{tag}-{_inputs(binary, busybox)}.tar"
+    if not out.exists():
+        rootfs = images.busybox_rootfs(busybox)
+        rootfs.files[path] = (binary.read_bytes(), 0o755)
+        build_oci_tar(out, rootfs, ref=tag, entrypoint=entrypoint)
+    return out
+
+
+# What the [Conformance] specs run (test/utils/image/manifest.go's IDs), besides pause
+# and busybox, and how each is made here. Of manifest.go's other images, none is named
+# by a [Conformance] spec (resource-consumer only by the autoscaling specs).
+CONFORMANCE_IMAGES = {
+    "Agnhost": lambda tag: build_agnhost_tar(tag),
+    # the specs that roll an agnhost workload from one version to the next: the same
+    # program, a second image
+    "AgnhostPrev": lambda tag: build_agnhost_tar(tag),
+    "Nginx": lambda tag: build_nginx_tar(tag),
+    "NginxNew": lambda tag: build_nginx_tar(tag),
+    "Nonewprivs": lambda tag: build_nonewprivs_tar(tag),
+    "NonRoot": lambda tag: build_nonroot_tar(tag),
+    "Kitten": lambda tag: build_webserver_tar("Kitten", tag),
+    "Nautilus": lambda tag: build_webserver_tar("Nautilus", tag),
+    "JessieDnsutils": lambda tag: build_dnsutils_tar(tag),
+    # k8s.io/sample-apiserver at the version the Kubernetes module pins (the Aggregator
+    # spec's image is an older build of the same program)
+    "APIServer": lambda tag: build_static_tar("sample-apiserver", "sample-apiserver", tag,
+                                              entrypoint=["/sample-apiserver"]),
+    # the suite's etcd (nodepulse_dev/gomod/etcd) under the tag the Aggregator spec names
+    "Etcd": lambda tag: build_static_tar("etcd", "usr/local/bin/etcd", tag),
+}
+
+
+def conformance_images() -> dict[str, Path]:
+    """Every image the [Conformance] specs run, built (cached): upstream name -> OCI tar.
+    pause and busybox are this project's images (nodepulse_dev/images.py) under the
+    upstream names."""
+    names = upstream_names()
+    tars = {names["Pause"]: images.build_pause_tar(), names["BusyBox"]: images.build_busybox_tar()}
+    for image_id, builder in CONFORMANCE_IMAGES.items():
+        tars[names[image_id]] = builder(names[image_id].rpartition(":")[2])
+    return tars
 
 
 def import_all(ctd) -> dict[str, str]:

@@ -26,7 +26,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,7 @@ from nodepulse_dev import build
 SPECS_FILE = Path(__file__).with_name("specs.yaml")
 DOC = Path(__file__).resolve().parents[2] / "docs" / "conformance.md"
 PASSED, FAILED, SKIPPED, NOT_RUN = "passed", "failed", "skipped", "not run"
+NOT_REACHED = "not reached: the run stopped before it"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,12 +53,14 @@ class Plan:
     workers: int
     spec_timeout: int   # seconds an expected pass may take
     trial_timeout: int  # seconds any other spec may take (a failing one would wait 5 min)
+    sample: tuple[str, ...] = ()    # the specs `make test` runs (a kind plan's)
+    name: str = "specs.yaml"        # the file, for messages
 
     def why_not_run(self, spec: str) -> str | None:
         if spec in self.cannot_run:
             return self.cannot_run[spec]
-        m = re.search(self.skip, spec)
-        return f"skipped by specs.yaml's skip ({m.group(0)})" if m else None
+        m = re.search(self.skip, spec) if self.skip else None
+        return f"skipped by {self.name}'s skip ({m.group(0)})" if m else None
 
 
 def load_plan(path: Path = SPECS_FILE) -> Plan:
@@ -71,6 +74,8 @@ def load_plan(path: Path = SPECS_FILE) -> Plan:
             raise ValueError(f"{path}: {key} must be a {kind.__name__}, got {raw.get(key)!r}")
         return raw[key]
 
+    raw.setdefault("focus_file", "")  # no focus file: the focus alone selects
+    raw.setdefault("sample", [])
     for key in ("focus", "skip", "serial"):
         try:
             re.compile(field(key, str))
@@ -85,10 +90,13 @@ def load_plan(path: Path = SPECS_FILE) -> Plan:
         raise ValueError(f"{path}: in both expected_pass and cannot_run: {sorted(both)}")
     if len(set(expected)) != len(expected):
         raise ValueError(f"{path}: expected_pass names a spec twice")
+    sample = field("sample", list)
+    if both := set(sample) & set(cannot_run):
+        raise ValueError(f"{path}: in both sample and cannot_run: {sorted(both)}")
     return Plan(field("focus_file", str), raw["focus"], raw["skip"], raw["serial"],
                 dict(cannot_run),
                 tuple(expected), field("workers", int), field("spec_timeout", int),
-                field("trial_timeout", int))
+                field("trial_timeout", int), tuple(sample), path.name)
 
 
 
@@ -105,7 +113,7 @@ class Target:
     """What the specs run against."""
 
     kubeconfig: Path
-    container_runtime_endpoint: str
+    container_runtime_endpoint: str = ""  # the node's, when e2e.test runs on it
 
 
 def go_regex_literal(text: str) -> str:
@@ -115,9 +123,10 @@ def go_regex_literal(text: str) -> str:
 
 
 def e2e_args(target: Target, report_dir: Path, kubectl: Path) -> list[str]:
+    endpoint = target.container_runtime_endpoint
     return [f"--kubeconfig={target.kubeconfig}", "--provider=local",
             f"--kubectl-path={kubectl}", "--allowed-not-ready-nodes=0",
-            f"--container-runtime-endpoint={target.container_runtime_endpoint}",
+            *([f"--container-runtime-endpoint={endpoint}"] if endpoint else []),
             f"--report-dir={report_dir}", f"--e2e-output-dir={report_dir}",
             "--disable-log-dump", "--ginkgo.no-color"]
 
@@ -126,8 +135,9 @@ def list_specs(e2e_test: Path, plan: Plan, target: Target, workdir: Path) -> lis
     """The full names of the specs the focus selects (skip not applied), sorted."""
     report = workdir / "dry-run.json"
     workdir.mkdir(parents=True, exist_ok=True)
+    focus_file = [f"--ginkgo.focus-file={plan.focus_file}"] if plan.focus_file else []
     res = subprocess.run([str(e2e_test), *e2e_args(target, workdir, Path("kubectl")),
-                          "--ginkgo.dry-run", f"--ginkgo.focus-file={plan.focus_file}",
+                          "--ginkgo.dry-run", *focus_file,
                           f"--ginkgo.focus={plan.focus}", f"--ginkgo.json-report={report}"],
                          cwd=workdir, capture_output=True, text=True, timeout=300)
     if not report.exists():
@@ -215,9 +225,14 @@ def run_spec(e2e_test: Path, kubectl: Path, spec: str, target: Target, workdir: 
 
 
 def run_all(plan: Plan, target: Target, workdir: Path, only: str | None = None,
-            log: Callable[[str], None] = print) -> tuple[list[Result], float]:
-    """Every spec of the plan: run, or named with why not. Returns the results in the
-    listing's order and the wall time of the runs in seconds."""
+            log: Callable[[str], None] = print,
+            names: Collection[str] | None = None,
+            progress: Callable[[list[Result], float], None] | None = None,
+            ) -> tuple[list[Result], float]:
+    """Every spec of the plan: run, or named with why not (`only`, a regular expression,
+    and `names` narrow the run). Returns the results in the listing's order and the
+    wall time of the runs in seconds. `progress` is told the results so far after each
+    spec (those not run yet as not run), with the wall time so far."""
     STOP.clear()
     bins = build.ensure(["e2e.test", "kubectl"], log=log)
     specs = list_specs(bins["e2e.test"], plan, target, workdir / "list")
@@ -229,6 +244,8 @@ def run_all(plan: Plan, target: Target, workdir: Path, only: str | None = None,
             results[spec] = Result(spec, NOT_RUN, reason=why)
         elif only and not re.search(only, spec):
             results[spec] = Result(spec, NOT_RUN, reason=f"not in this run's --only {only!r}")
+        elif names is not None and spec not in names:
+            results[spec] = Result(spec, NOT_RUN, reason="not in this run's selection")
         else:
             to_run.append(spec)
     # the specs not yet passing tend to wait out their timeouts: start them first; then
@@ -253,6 +270,9 @@ def run_all(plan: Plan, target: Target, workdir: Path, only: str | None = None,
                     results[r.spec] = r
                     done += 1
                     log(f"[{done}/{len(to_run)}] {r.status} {r.seconds:.0f}s {r.spec}")
+                    if progress is not None:
+                        progress([results.get(s) or Result(s, NOT_RUN, reason=NOT_REACHED)
+                                  for s in specs], time.monotonic() - started)
             except BaseException:  # interrupted: start nothing more, end what runs
                 pool.shutdown(wait=False, cancel_futures=True)
                 STOP.set()
@@ -279,7 +299,7 @@ def newly_passing(results: list[Result], plan: Plan) -> list[str]:
 # What the page says of the run besides its results (the page is the project's
 # conformance document, not only a report).
 HOW_IT_RUNS = [
-    "## How the run works",
+    "### How the run works",
     "",
     "The specs of `test/e2e/common/storage` are the kubelet's own volume specs (ConfigMap, "
     "Secrets, Projected, Downward API, EmptyDir and HostPath volumes). The control plane, "
@@ -303,13 +323,32 @@ HOW_IT_RUNS = [
 ]
 
 
+def replace_section(page: str, name: str, body: str) -> str:
+    """`page` with the text between its markers for section `name` replaced by `body`
+    (the markers and the section appended when the page has none): a page holds the
+    generated tables of several runs between hand-written text."""
+    begin, end = f"<!-- begin {name}: generated, do not edit -->", f"<!-- end {name} -->"
+    block = f"{begin}\n{body.rstrip()}\n{end}"
+    if begin in page and end in page:
+        head, rest = page.split(begin, 1)
+        return head + block + rest.split(end, 1)[1]
+    return page.rstrip() + "\n\n" + block + "\n"
+
+
+def write_section(name: str, body: str, path: Path = DOC) -> None:
+    page = path.read_text() if path.exists() else ""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(replace_section(page, name, body))
+
+
 def write_doc(results: list[Result], plan: Plan, wall: float, path: Path = DOC,
               note: str = "") -> None:
+    """The node suite's section of the page."""
     counts = {s: sum(r.status == s for r in results) for s in (PASSED, FAILED, SKIPPED, NOT_RUN)}
     version = build.kubernetes_version()
     expected = set(plan.expected_pass)
     lines = [
-        "# Upstream node conformance",
+        "## The node specs on the local control plane",
         "",
         f"The `[NodeConformance]` specs of `test/e2e/common/node` and "
         "`test/e2e/common/storage` (the kubelet's volume specs), the NodeLease specs and "
@@ -337,8 +376,7 @@ def write_doc(results: list[Result], plan: Plan, wall: float, path: Path = DOC,
         mark = f"{r.status}{' (expected pass)' if r.spec in expected else ''}"
         spec, reason = (text.replace("|", "\\|") for text in (r.spec, r.reason))
         lines.append(f"| {spec} | {mark} | {r.seconds:.0f} | {reason} |")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines) + "\n")
+    write_section("node-suite", "\n".join(lines), path)
 
 
 NODE_NAME = "np-conformance"

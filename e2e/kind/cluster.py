@@ -5,16 +5,13 @@
         ...
         cluster.delete()
 
-kind's default CNI (kindnet) is an image from a registry. The config turns it off and
-this module does its small job instead, once the nodes exist: each node gets a bridge
-conflist for the pod CIDR the controller manager gave it (Debian's CNI plugins in the
-node), and a route to every other node's pod CIDR through that node's address.
+The pod network is the one kind installs from the node image
+(/kind/manifests/default-cni.yaml: e2e/kind/podnet.py, in kindnet's place).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import subprocess
 import time
 from collections.abc import Callable
@@ -30,28 +27,24 @@ from nodepulse_dev import build
 CONFIG = Path(__file__).parent / "kind-config.yaml"
 
 
-def load_config(path: Path = CONFIG) -> dict[str, Any]:
+def load_config(path: Path = CONFIG, image: str | None = None) -> dict[str, Any]:
     """The kind config, checked against what the suite builds: every node runs the
-    node image made here, and etcd's tag is the version of the suite's etcd."""
+    node image made here (`image`: node.py's, unless a variant is named), and etcd's
+    tag is the version of the suite's etcd."""
+    image = image or node.image_name()
     cfg: dict[str, Any] = yaml.safe_load(path.read_text())
     for n in cfg["nodes"]:
-        if n.get("image") != node.image_name():
+        if n.get("image") != image:
             raise RuntimeError(f"{path}: node image {n.get('image')!r} is not the one "
-                               f"e2e/kind/node.py builds ({node.image_name()})")
+                               f"the suite builds ({image})")
     patches = "\n".join(cfg.get("kubeadmConfigPatches", []))
     if f"imageTag: {node.ETCD_IMAGE_TAG}" not in patches:
         raise RuntimeError(f"{path}: the ClusterConfiguration patch must set etcd's "
                            f"imageTag to {node.ETCD_IMAGE_TAG} (nodepulse_dev/gomod/etcd)")
+    if cfg.get("networking", {}).get("disableDefaultCNI"):
+        raise RuntimeError(f"{path}: networking.disableDefaultCNI would leave the pods "
+                           "without the node image's pod network (e2e/kind/podnet.py)")
     return cfg
-
-
-def bridge_conflist(pod_cidr: str) -> dict[str, Any]:
-    return {"cniVersion": "0.4.0", "name": "kind-pods", "plugins": [
-        {"type": "bridge", "bridge": "cni0", "isGateway": True, "ipMasq": True,
-         "hairpinMode": True,
-         "ipam": {"type": "host-local", "ranges": [[{"subnet": pod_cidr}]],
-                  "routes": [{"dst": "0.0.0.0/0"}]}},
-        {"type": "portmap", "capabilities": {"portMappings": True}}]}
 
 
 class HostSysctls:
@@ -136,15 +129,14 @@ class KindCluster:
 
     @classmethod
     def create(cls, engine: Dockerd, workdir: Path, log: Callable[[str], None] = print,
-               config: Path = CONFIG) -> KindCluster:
-        cfg = load_config(config)
+               config: Path = CONFIG, image: str | None = None) -> KindCluster:
+        cfg = load_config(config, image)
         cluster = cls(engine, workdir, cfg["name"])
         started = time.monotonic()
         try:
             cluster.run_kind("create", "cluster", "--config", str(config),
                              "--kubeconfig", str(cluster.kubeconfig), "--retain")
             log(f"kind create cluster: {time.monotonic() - started:.0f} s")
-            cluster.network_pods()
             cluster.kubectl("wait", "--for=condition=Ready", "node", "--all", "--timeout=180s",
                             timeout=200)
             log(f"kind cluster {cluster.name} Ready: {time.monotonic() - started:.0f} s")
@@ -165,29 +157,6 @@ class KindCluster:
             raise RuntimeError(f"{node_name}: {' '.join(cmd)} exited {proc.returncode}: "
                                f"{proc.stderr.strip()}")
         return proc.stdout
-
-    def network_pods(self, timeout: float = 120) -> None:
-        """The CNI's work (see the module doc): conflists and routes, once every node
-        has its pod CIDR."""
-        deadline = time.monotonic() + timeout
-        while True:
-            items = json.loads(self.kubectl("get", "nodes", "-o", "json").stdout)["items"]
-            cidrs = {n["metadata"]["name"]: n["spec"].get("podCIDR") for n in items}
-            addresses = {n["metadata"]["name"]: next(
-                a["address"] for a in n["status"]["addresses"] if a["type"] == "InternalIP")
-                for n in items}
-            if len(items) == len(self.nodes()) and all(cidrs.values()):
-                break
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"nodes without a pod CIDR after {timeout:.0f} s: {cidrs}")
-            time.sleep(0.5)
-        for name, cidr in cidrs.items():
-            self.node_exec(name, "sh", "-c", "cat > /etc/cni/net.d/10-kind-pods.conflist",
-                           stdin=json.dumps(bridge_conflist(str(cidr)), indent=2))
-            for other, other_cidr in cidrs.items():
-                if other != name:
-                    self.node_exec(name, "ip", "route", "replace", str(other_cidr),
-                                   "via", addresses[other])
 
     def save_logs(self) -> None:
         """kind's export of every node's logs (journal, containers), for a failure."""

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
@@ -23,7 +22,7 @@ import pytest
 
 from e2e.kind import images, node
 from e2e.kind.cluster import HostSysctls, KindCluster
-from e2e.kind.docker import Dockerd, start_dockerd
+from e2e.kind.docker import Dockerd, host_links, host_rules, start_dockerd
 
 
 def _log(msg: str) -> None:
@@ -32,7 +31,7 @@ def _log(msg: str) -> None:
 
 @pytest.fixture(scope="package")
 def engine() -> Iterator[Dockerd]:
-    links_before, rules_before = _links(), _rules()
+    links_before, rules_before = host_links(), host_rules()
     with HostSysctls() as sysctls:
         eng = start_dockerd()
         try:
@@ -42,25 +41,10 @@ def engine() -> Iterator[Dockerd]:
             eng.stop()
     left = [pid for pid in children if Path(f"/proc/{pid}").exists()]
     assert not left, f"processes of the Docker engine still run: {left}"
-    assert _links() - links_before == set(), "links the Docker engine made are still there"
-    assert _rules() == rules_before, "the host's iptables rules changed while kind ran"
+    assert host_links() - links_before == set(), "links the Docker engine made are still there"
+    assert host_rules() == rules_before, "the host's iptables rules changed while kind ran"
     assert not sysctls.changed, ("host kernel tunables changed while kind ran (restored): "
                                  f"{sysctls.changed}")
-
-
-def _links() -> set[str]:
-    out = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True,
-                         check=True).stdout
-    return {line.split(":")[1].strip().split("@")[0] for line in out.splitlines()}
-
-
-def _rules() -> list[str]:
-    """The host's iptables and ip6tables rules (no counters, no comment lines)."""
-    rules = []
-    for tool in ("iptables-save", "ip6tables-save"):
-        out = subprocess.run([tool], capture_output=True, text=True, check=True).stdout
-        rules += [line for line in out.splitlines() if not line.startswith("#")]
-    return rules
 
 
 @pytest.fixture(scope="package")

@@ -20,13 +20,16 @@ What these machines need (see /work/shared/notes/docker-kind.md):
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,8 +40,11 @@ from nodepulse_dev.containerd import _kill_pid, _stop_pid, _unmount_under
 DOCKERD = Path("/usr/sbin/dockerd")
 DOCKER_CLI = Path("/usr/bin/docker")
 # Subnets for the networks of this engine (kind's "kind" network): clear of kind's pod
-# and service ranges (10.244/16, 10.96/12) and of this host's own.
-ADDRESS_POOL = "base=172.29.0.0/16,size=24"
+# and service ranges (10.244/16, 10.96/12) and of this host's own. Each engine takes the
+# first of these no route of the host touches, so that two engines on the machine (two
+# test runs) do not make bridges for the same subnet.
+ADDRESS_POOLS = ["172.29.0.0/16", "172.30.0.0/16", "172.31.0.0/16", "172.28.0.0/16",
+                 "172.27.0.0/16", "172.26.0.0/16"]
 
 # The runc wrapper. Capability numbers are Linux's (include/uapi/linux/capability.h).
 RUNC_WRAPPER = """\
@@ -209,6 +215,44 @@ class Dockerd:
         self.stop()
 
 
+def host_links() -> set[str]:
+    """The names of the host's network links that a Docker engine makes: its networks'
+    bridges (br-<network id>) and its containers' veths (veth and 7 hex digits; a CNI
+    plugin's, which other tests on the machine make meanwhile, have 8)."""
+    out = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True,
+                         check=True).stdout
+    return engine_links(line.split(":")[1].strip().split("@")[0] for line in out.splitlines())
+
+
+def engine_links(names: Iterable[str]) -> set[str]:
+    """Of these link names, those a Docker engine makes (see host_links)."""
+    return {n for n in names if re.fullmatch(r"br-[0-9a-f]{12}|veth[0-9a-f]{7}", n)}
+
+
+def host_rules() -> list[str]:
+    """The host's iptables and ip6tables rules (no counters, no comment lines)."""
+    rules = []
+    for tool in ("iptables-save", "ip6tables-save"):
+        out = subprocess.run([tool], capture_output=True, text=True, check=True).stdout
+        rules += [line for line in out.splitlines() if not line.startswith("#")]
+    return rules
+
+
+def free_address_pool(routes: str | None = None) -> str:
+    """The first of ADDRESS_POOLS that overlaps no route of the host (`ip -4 route`)."""
+    if routes is None:
+        routes = subprocess.run(["ip", "-4", "route", "show", "table", "all"],
+                                capture_output=True, text=True, check=True, timeout=30).stdout
+    used = [ipaddress.ip_network(m, strict=False) for m in
+            re.findall(r"^(?:\S+ )?(\d+\.\d+\.\d+\.\d+(?:/\d+)?)", routes, re.M)]
+    for pool in ADDRESS_POOLS:
+        net = ipaddress.ip_network(pool)
+        if not any(net.overlaps(u) for u in used):
+            return pool
+    raise RuntimeError(f"every address pool for a Docker engine is in use on this host "
+                       f"({', '.join(ADDRESS_POOLS)}): another engine may still run")
+
+
 def start_dockerd(*, base_dir: Path | None = None, ready_timeout: float = 60.0) -> Dockerd:
     """Start a private dockerd and wait until its API answers. Raises RuntimeError
     naming the log file if it exits or never answers."""
@@ -234,7 +278,7 @@ def start_dockerd(*, base_dir: Path | None = None, ready_timeout: float = 60.0) 
             "--data-root", str(base / "root"), "--exec-root", str(base / "exec"),
             "--host", f"unix://{base / 'docker.sock'}", "--pidfile", str(base / "docker.pid"),
             "--iptables=false", "--ip6tables=false", "--ip-forward=false", "--bridge=none",
-            "--default-address-pool", ADDRESS_POOL,
+            "--default-address-pool", f"base={free_address_pool()},size=24",
             "--add-runtime", f"np-runc={wrapper}", "--default-runtime", "np-runc",
             "--storage-driver", "overlay2"]
     with open(base / "dockerd.log", "ab") as log:

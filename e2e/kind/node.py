@@ -10,6 +10,8 @@ kind's own node images come from a registry, which is not reachable here. This o
   static binary; kube-proxy its binary plus Debian's iptables and the libraries it
   needs, taken from the node's own root filesystem; pause the suite's own
   (nodepulse_dev/images.py);
+- the pod network kind installs (/kind/manifests/default-cni.yaml, a DaemonSet of our
+  own, e2e/kind/podnet.py) and its image, preloaded like the others;
 - the few files that make it a node kind can drive: an entrypoint, a kubelet unit for
   kubeadm, a containerd configuration, /kind/version.
 
@@ -31,7 +33,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from e2e.kind import rootfs
+from e2e.kind import podnet, rootfs
 from e2e.kind.docker import Dockerd
 from nodepulse_dev import build
 from nodepulse_dev import images as cluster_images
@@ -39,7 +41,10 @@ from nodepulse_dev.containerd import _stop_pid, _unmount_under
 
 NODE_PACKAGES = ["systemd", "systemd-sysv", "dbus", "containerd", "runc",
                  "containernetworking-plugins", "iptables", "iproute2", "kmod", "conntrack",
-                 "procps", "ca-certificates"]
+                 "procps", "ca-certificates",
+                 # the nodepulse variant's agent runs on the node's own Python; the kubelet
+                 # variant carries it too, so the two differ in their node agent only
+                 "python3", "python3-venv"]
 # Built from Go modules (nodepulse_dev/build.py) for the node: on its PATH, or in images.
 NODE_TOOLS = ["kubelet", "kubeadm", "kubectl", "crictl"]
 IMAGE_TOOLS = {"kube-apiserver": "kube-apiserver", "kube-controller-manager":
@@ -70,6 +75,23 @@ for key in {sysctls}; do
     cat "/proc/sys/$key" > "$copy"
     mount --bind "$copy" "/proc/sys/$key"
 done
+# Docker's DNS server for the node answers on 127.0.0.11, which a pod's own network
+# namespace cannot reach (CoreDNS, dnsPolicy Default, would forward to itself): the
+# node and its pods ask the node's gateway address instead, which this node's NAT
+# table sends on to Docker's server (pods' packets come in from their bridge: hence
+# PREROUTING, and route_localnet to let them go to a loopback address)
+gateway=$(ip -4 route show default | cut -d" " -f3)
+for proto in udp tcp; do
+    to=$(iptables -t nat -S DOCKER_OUTPUT 2>/dev/null | grep -- "-p $proto " |
+         grep -o "127.0.0.11:[0-9]*" || true)
+    [ -n "$to" ] || continue
+    for chain in OUTPUT PREROUTING; do
+        iptables -t nat -A "$chain" -d "$gateway" -p "$proto" --dport 53 -j DNAT --to-destination "$to"
+    done
+done
+echo 1 > /proc/sys/net/ipv4/conf/all/route_localnet
+sed "s/^nameserver 127.0.0.11$/nameserver $gateway/" /etc/resolv.conf > /run/resolv.conf
+cat /run/resolv.conf > /etc/resolv.conf  # Docker's bind mount: written in place
 if [ -f /sys/fs/cgroup/cgroup.controllers ]; then
     # cgroup v2 (not these machines): systemd enables controllers for its children,
     # which the root of the container's cgroup namespace allows only while it holds
@@ -105,7 +127,7 @@ RestartSec=1s
 WantedBy=multi-user.target
 """
 
-# kind's kubelet configuration: cgroupDriver systemd, cgroupRoot /kubelet (the slice).
+# kind's kubelet configuration: cgroupRoot /kubelet (the slice, with the systemd driver).
 KUBELET_SLICE = """\
 [Unit]
 Description=the kubelet's pods
@@ -113,13 +135,14 @@ Before=slices.target
 """
 
 # On cgroup v1 the kubelet checks its root cgroup in every hierarchy; systemd makes
-# the slice only in those it manages (and mounts the host's unused ones late).
+# the slice only in those it manages (and mounts the host's unused ones late). The
+# cgroupfs driver's root (/kubelet) and the systemd driver's (kubelet.slice) both.
 KUBELET_CGROUPS = """\
 #!/bin/sh
 for dir in /sys/fs/cgroup/*/; do
     mountpoint -q "$dir" || continue
     [ -f "$dir/cgroup.controllers" ] && continue  # cgroup v2: systemd's own
-    mkdir -p "$dir/kubelet.slice"
+    mkdir -p "$dir/kubelet" "$dir/kubelet.slice"
 done
 """
 
@@ -139,8 +162,10 @@ version = 2
     [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
       runtime_type = "io.containerd.runc.v2"
 
+      # the cgroupfs driver, as the kind configs set for the node agent: nodepulse-agent
+      # does not make cgroups through systemd
       [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
-        SystemdCgroup = true
+        SystemdCgroup = false
 
   [plugins."io.containerd.grpc.v1.cri".cni]
     bin_dir = "/usr/lib/cni"
@@ -271,6 +296,17 @@ def _component_images(tree: Path, bins: dict[str, Path], names: list[str],
     return tars
 
 
+def _pod_routes_image(tree: Path, kubectl: Path, out_dir: Path) -> Path:
+    """The pod network's image (e2e/kind/podnet.py): the node's own packages it needs,
+    kubectl and its script."""
+    layer = image_from_packages(tree, podnet.PACKAGES)
+    layer.files["usr/local/bin/kubectl"] = (kubectl.read_bytes(), 0o755)
+    layer.files["usr/local/bin/pod-routes"] = (podnet.SCRIPT.encode(), 0o755)
+    out = out_dir / "pod-routes.tar"
+    cluster_images.build_oci_tar(out, layer, ref=podnet.IMAGE.rsplit(":", 1)[1])
+    return out
+
+
 def _preload(tree: Path, tars: dict[str, Path], work: Path) -> None:
     """Import the images into the node's /var/lib/containerd with a throwaway host
     containerd (same Debian release as the node's) rooted there."""
@@ -318,6 +354,8 @@ def _node_files(tree: Path, bins: dict[str, Path], pause: str) -> None:
     for tool in ("kubelet", "kubeadm", "kubectl", "crictl"):
         shutil.copy2(bins[tool], tree / "usr/bin" / tool)
     _write(tree / "kind/version", build.kubernetes_version())
+    # what `kind create cluster` installs as the pod network (e2e/kind/podnet.py)
+    _write(tree / "kind/manifests/default-cni.yaml", podnet.MANIFEST)
     _write(tree / "usr/local/bin/entrypoint",
            ENTRYPOINT.format(sysctls=" ".join(PRIVATE_SYSCTLS)), 0o755)
     _write(tree / "usr/local/bin/kubelet-cgroups", KUBELET_CGROUPS, 0o755)
@@ -346,7 +384,8 @@ def node_tar(log: Callable[[str], None] = print) -> Path:
     """The node image's root filesystem as one tar: from the cache, or built."""
     base = rootfs.debootstrap("node", NODE_PACKAGES, log=log)
     bins = build.ensure(sorted(set(NODE_TOOLS) | set(IMAGE_TOOLS.values())), log=log)
-    key = hashlib.sha256(Path(__file__).read_bytes() + base.name.encode())
+    key = hashlib.sha256(Path(__file__).read_bytes() + Path(podnet.__file__).read_bytes()
+                         + base.name.encode())
     for name, path in sorted(bins.items()):
         key.update(f"{name}={path}".encode())  # the path names the version
     key.update(cluster_images.build_pause_tar().name.encode())
@@ -364,6 +403,7 @@ def node_tar(log: Callable[[str], None] = print) -> Path:
         names = kubeadm_images(bins["kubeadm"])
         pause = next(n for n in names if "/pause:" in n)
         tars = _component_images(tree, bins, names, work)
+        tars[podnet.IMAGE] = _pod_routes_image(tree, bins["kubectl"], work)
         _preload(tree, tars, work)
         _node_files(tree, bins, pause)
         partial = out.with_suffix(".partial")
@@ -374,8 +414,13 @@ def node_tar(log: Callable[[str], None] = print) -> Path:
     return out
 
 
+def import_node_image(engine: Dockerd, tar: Path, name: str) -> str:
+    """A node image's root filesystem tar imported into `engine` as `name`."""
+    engine.docker("import", "-c", 'ENTRYPOINT ["/usr/local/bin/entrypoint", "/sbin/init"]',
+                  "-c", "ENV container=docker", str(tar), name)
+    return name
+
+
 def load_node_image(engine: Dockerd, log: Callable[[str], None] = print) -> str:
     """The node image in `engine` (imported from the cached tar)."""
-    engine.docker("import", "-c", 'ENTRYPOINT ["/usr/local/bin/entrypoint", "/sbin/init"]',
-                  "-c", "ENV container=docker", str(node_tar(log)), image_name())
-    return image_name()
+    return import_node_image(engine, node_tar(log), image_name())

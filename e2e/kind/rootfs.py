@@ -47,8 +47,9 @@ def keep_only(out: Path, partial: Path) -> None:
     """Make the finished `partial` the cache entry `out` and drop older entries of the
     same kind (`<kind>-<hash>.tar`): each is hundreds of MB."""
     partial.rename(out)
-    for old in out.parent.glob(out.name.rsplit("-", 1)[0] + "-*.tar"):
-        if old != out:
+    kind = out.name.rsplit("-", 1)[0]  # not a longer kind's: node-<hash>, node-nodepulse-<hash>
+    for old in out.parent.glob(kind + "-*.tar"):
+        if old != out and re.fullmatch(re.escape(kind) + r"-[0-9a-f]+\.tar", old.name):
             old.unlink(missing_ok=True)
 
 

@@ -25,6 +25,7 @@ from typing import Any
 from nodeagent.api.kube import CONFIG_MAPS, SECRETS
 from nodeagent.api.quantity import parse_quantity
 from nodeagent.pods.objects import ObjectCache, ObjectUnavailable, Ref, ServiceCache, ServiceInfo
+from nodeagent.pods.podupdate import is_static
 
 Pod = Mapping[str, Any]
 
@@ -279,7 +280,10 @@ class EnvResolver:
         if self.services is not None:
             links = spec.get("enableServiceLinks")
             try:
-                found = await self.services.services(ns, links is None or bool(links))
+                # as the kubelet: a static pod does not wait for the API's Services (the
+                # control plane's own static pods start before the API server answers)
+                found = await self.services.services(ns, links is None or bool(links),
+                                                     wait=not is_static(pod))
             except ObjectUnavailable as e:
                 raise EnvError(str(e)) from e
             service_vars = service_env(found)

@@ -243,15 +243,19 @@ class ServiceCache:
         assert self._task is not None
         await self._task
 
-    async def services(self, namespace: str, links: bool) -> list[ServiceInfo]:
+    async def services(self, namespace: str, links: bool, wait: bool = True,
+                       ) -> list[ServiceInfo]:
         """The Services whose variables a pod of `namespace` gets: those of its namespace
         when `links` (enableServiceLinks), and `kubernetes` of `default` always (a
         Service of that name in the pod's own namespace wins). Raises
-        ObjectUnavailable while the Services cannot be read."""
+        ObjectUnavailable while the Services cannot be read, unless told not to `wait`
+        for them (a static pod: it may be the API server itself), which takes those
+        read so far, none before the first list."""
         self.start()
-        await _synced(self.synced, self._reflector, self.clock, self.wait,
-                      "services have not yet been read at least once, cannot construct "
-                      "envvars")
+        if wait:
+            await _synced(self.synced, self._reflector, self.clock, self.wait,
+                          "services have not yet been read at least once, cannot construct "
+                          "envvars")
         out: dict[str, ServiceInfo] = {}
         master = self._services.get(("default", "kubernetes"))
         if links:

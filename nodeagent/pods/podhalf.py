@@ -56,6 +56,17 @@ def running_logs(cache: PodCache) -> Iterator[tuple[str, str]]:
                 yield c.id, c.log_path
 
 
+def runtime_not_ready(conditions: dict[str, tuple[bool, str]]) -> str | None:
+    """Why the node is not ready by the runtime's conditions, in the kubelet's words."""
+    if not conditions.get("RuntimeReady", (True, ""))[0]:
+        return (f"container runtime status check may not have completed yet: "
+                f"RuntimeReady=false {conditions['RuntimeReady'][1]}").strip()
+    if not conditions.get("NetworkReady", (True, ""))[0]:
+        return (f"container runtime network not ready: NetworkReady=false "
+                f"{conditions['NetworkReady'][1]}").strip()
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class PodsConfig:
     image_refresh: float = 10.0  # seconds; the default NodeStatus update period
@@ -131,18 +142,25 @@ class Pods:
 
     # -- running --
     async def refresh(self) -> None:
-        """Runtime version and image list; a failure is kept as the runtime's problem."""
+        """Runtime version, conditions and image list; a failure, or a condition the
+        runtime reports false, is kept as the runtime's problem (the kubelet's node is
+        NotReady while its runtime, or the runtime's network, is not ready)."""
         try:
             v = await asyncio.wait_for(self.runtime.version(), 10.0)
+            conditions = await asyncio.wait_for(self.runtime.conditions(), 10.0)
             images = await asyncio.wait_for(self.runtime.list_images(), 10.0)
         except (ContainerRuntimeError, TimeoutError) as e:
             if self.runtime_problem is None:
                 log.warning("container runtime: %s", e)
             self.runtime_problem = f"container runtime is down: {e}"
             return
-        if self.runtime_problem is not None:
-            log.info("container runtime is back")
-        self.runtime_problem = None
+        problem = runtime_not_ready(conditions)
+        if problem != self.runtime_problem:
+            if problem:
+                log.warning("%s", problem)
+            else:
+                log.info("container runtime is ready")
+        self.runtime_problem = problem
         self.runtime_version = f"{v.runtime_name}://{v.runtime_version}"
         self._images = [{"names": list(i.names), "sizeBytes": i.size_bytes}
                         for i in images if i.names]

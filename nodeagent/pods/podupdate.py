@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import enum
+from collections.abc import Mapping
 from typing import Any
 
 Pod = dict[str, Any]
@@ -107,7 +108,7 @@ def is_mirror(pod: Pod) -> bool:
     return ANN_CONFIG_MIRROR in (pod.get("metadata", {}).get("annotations") or {})
 
 
-def is_static(pod: Pod) -> bool:
+def is_static(pod: Mapping[str, Any]) -> bool:
     src = (pod.get("metadata", {}).get("annotations") or {}).get(ANN_CONFIG_SOURCE)
     return src in (Source.FILE.value, Source.HTTP.value)
 

@@ -478,6 +478,11 @@ class Runtime(ABC):
     async def version(self) -> RuntimeVersion:
         """Name and version of the runtime; also a cheap liveness probe."""
 
+    async def conditions(self) -> dict[str, tuple[bool, str]]:
+        """The runtime's own conditions (CRI's RuntimeReady and NetworkReady): type ->
+        (status, why when false). A runtime that has none answers {}: ready."""
+        return {}
+
     @abstractmethod
     async def relist(self) -> RelistResult:
         """All sandboxes and containers labelled as ours (LABEL_POD_UID present), in a

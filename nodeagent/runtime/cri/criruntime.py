@@ -411,7 +411,9 @@ class CriRuntime(Runtime):
         """Runtime conditions (RuntimeReady, NetworkReady): type -> (status, reason)."""
         rt, _ = self._stubs()
         st = await self._call("Status", rt.Status, pb.StatusRequest())
-        return {c.type: (c.status, c.reason or c.message) for c in st.status.conditions}
+        return {c.type: (c.status, " ".join(f"{k}:{v}" for k, v in (
+            ("reason", c.reason), ("message", c.message)) if v))
+            for c in st.status.conditions}
 
     async def relist(self) -> RelistResult:
         rt, _ = self._stubs()
