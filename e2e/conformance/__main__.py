@@ -81,9 +81,7 @@ def main(argv: list[str] | None = None) -> int:
             kind.write_columns_doc()
             log(f"wrote {path} and {run.DOC}")
     else:
-        if names is not None:
-            parser.error("--sample needs --cluster kind")
-        results, wall, plan = run.measure(workdir, args.only, plan, log=log)
+        results, wall, plan = run.measure(workdir, args.only, plan, log=log, names=names)
         if not narrowed and args.suite == "node":
             run.write_doc(results, plan, wall)
             log(f"wrote {run.DOC}")

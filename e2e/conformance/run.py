@@ -53,7 +53,7 @@ class Plan:
     workers: int
     spec_timeout: int   # seconds an expected pass may take
     trial_timeout: int  # seconds any other spec may take (a failing one would wait 5 min)
-    sample: tuple[str, ...] = ()    # the specs `make test` runs (a kind plan's)
+    sample: tuple[str, ...] = ()    # the specs `make test` runs
     name: str = "specs.yaml"        # the file, for messages
 
     def why_not_run(self, spec: str) -> str | None:
@@ -355,8 +355,9 @@ def write_doc(results: list[Result], plan: Plan, wall: float, path: Path = DOC,
         f"the in-place pod resize `[Conformance]` specs of Kubernetes {version}, run by "
         "`e2e.test` (built from the pinned module) against one nodepulse agent on "
         "containerd, on the local control plane with the nodepulse operator. Written by "
-        "`e2e/test_conformance.py` (or `python -m e2e.conformance`); what runs, what cannot "
-        "run here and why, and which specs must pass are in `e2e/conformance/specs.yaml`.",
+        "`python -m e2e.conformance`; `make test` runs the sample of "
+        "`e2e/conformance/specs.yaml` (`e2e/test_conformance.py`), which also says what runs, "
+        "what cannot run here and why, and which specs must pass.",
         "",
         f"**{counts[PASSED]} passed, {counts[FAILED]} failed, {counts[SKIPPED]} skipped by "
         f"the spec, {counts[NOT_RUN]} not run** of {len(results)}; "
@@ -383,7 +384,8 @@ NODE_NAME = "np-conformance"
 
 
 def measure(workdir: Path, only: str | None = None, plan: Plan | None = None,
-            log: Callable[[str], None] = print) -> tuple[list[Result], float, Plan]:
+            log: Callable[[str], None] = print, names: Collection[str] | None = None
+            ) -> tuple[list[Result], float, Plan]:
     """Bring up the control plane, the operator and one agent on containerd with the
     upstream images, run the plan's specs against them, stop everything by PID.
     Logs of the run (each spec's e2e.log and report, the components' logs) stay in
@@ -407,7 +409,7 @@ def measure(workdir: Path, only: str | None = None, plan: Plan | None = None,
         log(f"registry.k8s.io served by the local registry at {mirror.host}")
         wait_schedulable(stack.cluster.kubeconfig, NODE_NAME)
         return (*run_all(plan, Target(stack.cluster.kubeconfig, stack.ctd.endpoint),
-                         workdir, only, log), plan)
+                         workdir, only, log, names), plan)
     finally:
         subprocess.run(["cp", "-r", str(stack.cluster.log_dir), str(workdir / "logs")],
                        check=False)
