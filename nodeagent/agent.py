@@ -310,6 +310,8 @@ def host_cgroups(cfg: AgentConfig) -> CgroupFs:
         return CgroupFs.detect()
     except CgroupError as e:
         raise ConfigError(f"--cgroups-per-qos: {e}") from None
+
+
 # threads that make, write and remove pods' volumes (a slow disk holds these, never
 # the event loop)
 FILE_THREADS = 4
