@@ -36,10 +36,10 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from e2e.harness.ports import free_port
-from e2e.harness.processes import stop_process
 from e2e.harness.promtext import samples
 from e2e.harness.waits import eventually
 from nodepulse_dev import Cluster
+from nodepulse_dev.processes import stop_process
 
 AGENT = Path(sys.executable).parent / "nodepulse-agent"
 TAINT_KEY = "nodepulse.dev/e2e-bad-input"

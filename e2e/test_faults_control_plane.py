@@ -56,7 +56,7 @@ from kubernetes.client.exceptions import ApiException
 
 from e2e.harness import waits
 from e2e.harness.ports import free_port
-from e2e.harness.processes import alive, marked, stop_process
+from e2e.harness.processes import alive, marked
 from e2e.harness.promtext import samples
 from e2e.harness.tcpproxy import TcpProxy, proxied_kubeconfig
 from e2e.harness.waits import first_seen
@@ -66,6 +66,7 @@ from nodeagent.runtime.cri.gen import api_pb2 as pb
 from nodeagent.runtime.cri.gen import api_pb2_grpc as pb_grpc
 from nodepulse_dev import Cluster
 from nodepulse_dev.images import BUSYBOX_IMAGE
+from nodepulse_dev.processes import stop_process
 
 ROOT = Path(__file__).resolve().parent.parent
 CRDS = ROOT / "charts" / "nodepulse" / "crds"

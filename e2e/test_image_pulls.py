@@ -24,10 +24,10 @@ from kubernetes.client.exceptions import ApiException
 
 from e2e.harness.namespaces import create_namespace
 from e2e.harness.ports import free_port
-from e2e.harness.processes import stop_process
 from e2e.harness.waits import eventually, node_registered
 from nodepulse_dev import Cluster, images
 from nodepulse_dev.containerd import Containerd, start_containerd
+from nodepulse_dev.processes import stop_process
 from nodepulse_dev.registry import Registry, docker_config
 
 AGENT = Path(sys.executable).parent / "nodepulse-agent"

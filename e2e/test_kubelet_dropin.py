@@ -23,10 +23,11 @@ import yaml
 from kubernetes import client
 from kubernetes.client import ApiException
 
-from e2e.harness.processes import marked, stop_process
+from e2e.harness.processes import marked
 from e2e.harness.waits import eventually, node_registered
 from nodepulse_dev import Cluster
 from nodepulse_dev.cluster import free_port
+from nodepulse_dev.processes import stop_process
 
 AGENT = Path(sys.executable).parent / "nodepulse-agent"
 BOOTSTRAPPERS = "system:bootstrappers:kubeadm:default-node-token"

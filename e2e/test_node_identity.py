@@ -31,10 +31,10 @@ import pytest
 from kubernetes import client
 
 from e2e.harness.ports import free_port, listening
-from e2e.harness.processes import stop_process
 from e2e.harness.waits import eventually
 from nodeagent.api.client import new_api_client
 from nodepulse_dev import Cluster
+from nodepulse_dev.processes import stop_process
 
 AGENT = Path(sys.executable).parent / "nodepulse-agent"
 LEASES = "kube-node-lease"

@@ -30,11 +30,11 @@ from nodeoperator.state import parse_policy
 from urllib3.exceptions import ProtocolError
 
 from e2e.harness.ports import free_port
-from e2e.harness.processes import stop_process
 from e2e.harness.promtext import samples
 from e2e.harness.waits import eventually
 from nodeagent.api.policy import GROUP, HEARTBEAT_ANNOTATION, KIND, PLURAL, VERSION
 from nodepulse_dev import Cluster
+from nodepulse_dev.processes import stop_process
 
 ROOT = Path(__file__).resolve().parent.parent
 CRD_FILE = ROOT / "charts" / "nodepulse" / "crds" / f"{PLURAL}.{GROUP}.yaml"

@@ -56,6 +56,7 @@ from nodeagent.runtime.cri.gen import api_pb2 as pb
 from nodeagent.runtime.cri.gen import api_pb2_grpc as pb_grpc
 from nodepulse_dev import build as gobuild
 from nodepulse_dev import images
+from nodepulse_dev.processes import stop_process
 
 CNI_BIN_DIR = Path("/usr/lib/cni")
 
@@ -302,7 +303,7 @@ class Containerd:
             with contextlib.suppress(grpc.RpcError):
                 self.remove_all_sandboxes()
             shims = self.shim_pids()
-            _stop_pid(self.proc, timeout)
+            stop_process(self.proc, timeout)
             for pid in shims + self.shim_pids():
                 _kill_pid(pid, timeout)
         self.proc = None
@@ -317,7 +318,7 @@ class Containerd:
         """Stop only the containerd process (by PID): shims and containers keep
         running, as when containerd crashes or is upgraded."""
         if self.proc is not None and self.proc.poll() is None:
-            _stop_pid(self.proc, timeout)
+            stop_process(self.proc, timeout)
 
     def start_daemon(self, ready_timeout: float = 30.0) -> None:
         """Start containerd again on the same root, state and socket; it recovers
@@ -336,15 +337,6 @@ class Containerd:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def _stop_pid(proc: subprocess.Popen[bytes], timeout: float) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout)
 
 
 def _kill_pid(pid: int, timeout: float) -> None:

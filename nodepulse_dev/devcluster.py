@@ -31,6 +31,7 @@ from kubernetes import client
 from nodepulse_dev.cluster import Cluster, LocalCluster
 from nodepulse_dev.images import BUSYBOX_IMAGE
 from nodepulse_dev.ports import free_port
+from nodepulse_dev.processes import stop_process
 
 # the chart's CRD (crds/ links to the chart's in a checkout; the wheel has the file)
 CRD = (Path(__file__).parent / "crds" / "nodestatuspolicies.nodepulse.dev.yaml").resolve()
@@ -200,7 +201,7 @@ class DevCluster:
     def stop(self, remove: bool = True) -> None:
         """Stop every process; `remove`: delete the state folder (logs included)."""
         for name, proc in reversed(list(self.procs.items())):
-            _stop(proc)
+            stop_process(proc)
             self.log(f"{name} stopped ({proc.returncode})")
         self.procs.clear()
         # a stopped agent leaves its pods running for the next one to adopt; here
@@ -227,7 +228,7 @@ class DevCluster:
         started = time.monotonic()
         old = self.options.virtual_nodes
         if "virtual" in self.procs:
-            _stop(self.procs.pop("virtual"))
+            stop_process(self.procs.pop("virtual"))
         core = client.CoreV1Api(self.cluster.api_client())
         for name in self.virtual_names(old)[count:]:
             with contextlib.suppress(client.ApiException):
@@ -436,17 +437,6 @@ def register_metrics_api(api: client.ApiClient, port: int) -> None:
                  "versionPriority": 100,
                  "service": {"namespace": "kube-system", "name": "metrics-server",
                              "port": port}}})
-
-
-def _stop(proc: subprocess.Popen[bytes], timeout: float = 20) -> None:
-    """SIGTERM, then SIGKILL after `timeout`."""
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 async def stop_process_pods(state_dir: Path) -> None:

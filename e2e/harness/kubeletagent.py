@@ -30,10 +30,10 @@ from kubernetes.client.exceptions import ApiException
 
 from e2e.harness.namespaces import create_namespace
 from e2e.harness.ports import free_port
-from e2e.harness.processes import stop_process
 from e2e.harness.waits import eventually
 from nodepulse_dev import Cluster
 from nodepulse_dev.images import BUSYBOX_IMAGE
+from nodepulse_dev.processes import stop_process
 
 AGENT = Path(sys.executable).parent / "nodepulse-agent"
 TAINT_KEY = "nodepulse.dev/e2e-kubelet-api"

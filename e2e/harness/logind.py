@@ -36,8 +36,8 @@ from typing import Any
 from dbus_fast import BusType, Message, MessageType, Variant
 from dbus_fast.aio import MessageBus
 
-from e2e.harness.processes import stop_process
 from e2e.harness.waits import eventually
+from nodepulse_dev.processes import stop_process
 
 LOGIND, LOGIND_PATH = "org.freedesktop.login1", "/org/freedesktop/login1"
 MANAGER = "org.freedesktop.login1.Manager"

@@ -4,7 +4,6 @@ them by marker (every container the tests run carries NP_E2E=<marker>), stopping
 from __future__ import annotations
 
 import contextlib
-import subprocess
 from pathlib import Path
 
 
@@ -36,12 +35,3 @@ def marked(value: str) -> list[int]:
     return out
 
 
-def stop_process(proc: subprocess.Popen[bytes], timeout: float = 20) -> None:
-    """SIGTERM a process a test started, SIGKILL it if it has not exited in `timeout`."""
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()

@@ -33,7 +33,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from nodepulse_dev.containerd import _kill_pid, _stop_pid, _unmount_under
+from nodepulse_dev.containerd import _kill_pid, _unmount_under
+from nodepulse_dev.processes import stop_process
 
 # Debian's docker.io: the engine and a CLI of the same release. (Another `docker` on
 # PATH, e.g. a newer CLI without buildx, could not build with BuildKit.)
@@ -198,7 +199,7 @@ class Dockerd:
                 if networks:
                     self.docker("network", "rm", *networks, check=False)
             children = self.child_pids()
-            _stop_pid(self.proc, timeout)
+            stop_process(self.proc, timeout)
             for pid in children + self.child_pids():
                 _kill_pid(pid, timeout)
         self.proc = None

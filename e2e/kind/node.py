@@ -37,7 +37,8 @@ from e2e.kind import podnet, rootfs
 from e2e.kind.docker import Dockerd
 from nodepulse_dev import build
 from nodepulse_dev import images as cluster_images
-from nodepulse_dev.containerd import _stop_pid, _unmount_under
+from nodepulse_dev.containerd import _unmount_under
+from nodepulse_dev.processes import stop_process
 
 NODE_PACKAGES = ["systemd", "systemd-sysv", "dbus", "containerd", "runc",
                  "containernetworking-plugins", "iptables", "iproute2", "kmod", "conntrack",
@@ -339,7 +340,7 @@ def _preload(tree: Path, tars: dict[str, Path], work: Path) -> None:
             else:
                 cluster_images.import_image(tar, name, address=str(sock))
     finally:
-        _stop_pid(proc, 20)
+        stop_process(proc, 20)
         _unmount_under(state)
         shutil.rmtree(state, ignore_errors=True)
 
