@@ -423,8 +423,8 @@ def build_kubelet_api(cfg: AgentConfig, host: PodHost, kube: Kube, *, clock: Clo
     from nodeagent.server.auth import KubeletAuth
     from nodeagent.server.bundle import ServerBundle
     from nodeagent.server.kubeapi import RealServerApi
-    from nodeagent.server.kubeletserver import KubeletServer
-    from nodeagent.server.stats import SimulatedNode, read_node
+    from nodeagent.server.kubeletserver import KubeletServer, ServerSettings
+    from nodeagent.server.stats import SimulatedNode, StatsProvider, read_node
     from nodeagent.server.tls import CertError, ServingCert
     assert cfg.port is not None
     names = [*addresses, *cfg.node_names, socket.gethostname().lower()]
@@ -457,13 +457,15 @@ def build_kubelet_api(cfg: AgentConfig, host: PodHost, kube: Kube, *, clock: Clo
                                   # the memory its Node says it has
                                   memory_capacity=float(cfg.host_overrides.get(
                                       "memoryTotal", read_node()["memory_total"])))
-    server = KubeletServer(host, auth, cert, node_names=cfg.node_names, clock=clock,
-                           registry=registry, address=cfg.address, port=cfg.port,
-                           health_checks=health_checks,
-                           debugging_handlers=cfg.enable_debugging_handlers,
-                           connection_idle_timeout=cfg.connection_idle_timeout,
-                           streaming_idle_timeout=cfg.streaming_connection_idle_timeout,
-                           per_node_ports=cfg.virtual, simulated=simulated)
+    settings = ServerSettings(address=cfg.address, port=cfg.port,
+                              debugging_handlers=cfg.enable_debugging_handlers,
+                              connection_idle_timeout=cfg.connection_idle_timeout,
+                              streaming_idle_timeout=cfg.streaming_connection_idle_timeout,
+                              per_node_ports=cfg.virtual)
+    server = KubeletServer(host, auth, cert,
+                           StatsProvider(host, host.runtime, clock, simulated=simulated),
+                           node_names=cfg.node_names, clock=clock, registry=registry,
+                           settings=settings, health_checks=health_checks)
     # the serving certificate's CSRs, on a connection of their own
     return ServerBundle(server, cert, kube.separate(1), cfg.rotate_server_certificates)
 

@@ -57,7 +57,8 @@ from nodeagent.runtime.base import (
 )
 from nodeagent.runtime.fake import FakeRuntime
 from nodeagent.server.auth import KubeletAuth
-from nodeagent.server.kubeletserver import KubeletServer
+from nodeagent.server.kubeletserver import KubeletServer, ServerSettings
+from nodeagent.server.stats import StatsProvider
 from nodeagent.server.tls import ServingCert
 from nodeagent.shutdown import Logind
 from tests.fakekube import FakeKube
@@ -575,13 +576,14 @@ NODE_READING = {"cpu_seconds": 12.5, "memory_total": 4 * 2**30, "memory_usage": 
 
 def kubelet_server(tmp: Path, now: dt.datetime, runtime: Runtime | None = None, *,
                    clock: FakeClock | None = None, **settings: Any) -> KubeletServer:
-    """A KubeletServer for node n1 serving OnePodHost; alice may use nodes/proxy, stan
-    nodes/stats. `settings`: KubeletServer's keyword arguments."""
+    """A KubeletServer for node n1 serving OnePodHost on 127.0.0.1 and a free port; alice
+    may use nodes/proxy, stan nodes/stats. `settings`: ServerSettings' fields."""
     clock = clock or FakeClock(now)
     api = KubeletApiFake({("alice", "proxy"), ("stan", "stats")})
     cert = ServingCert(node="n1", names=["127.0.0.1"], pki_dir=tmp / "pki", clock=clock)
     cert.load_self_signed()
     host = OnePodHost(runtime or FakeRuntime(clock), running=runtime is not None)
-    return KubeletServer(host, KubeletAuth(api, clock), cert, node_names=["n1"],
-                         clock=clock, registry=CollectorRegistry(), node_reader=lambda: dict(NODE_READING),
-                         address="127.0.0.1", port=0, **settings)
+    usage = StatsProvider(host, host.runtime, clock, lambda: dict(NODE_READING))
+    return KubeletServer(host, KubeletAuth(api, clock), cert, usage, node_names=["n1"],
+                         clock=clock, registry=CollectorRegistry(),
+                         settings=ServerSettings(address="127.0.0.1", port=0, **settings))

@@ -29,6 +29,7 @@ from nodeagent.runtime.base import (
 from nodeagent.runtime.fake import FakeRuntime
 from nodeagent.server.auth import KubeletAuth, User, request_attributes, user_of_certificate
 from nodeagent.server.kubeletserver import KubeletServer, pick_container
+from nodeagent.server.stats import StatsProvider
 from nodeagent.server.tls import ServingCert, renew_at, self_signed, validity
 from tests.conftest import aio
 
@@ -106,13 +107,12 @@ class Env:
         self.auth = KubeletAuth(self.api, self.clock)
         cert = ServingCert(node=NODE, names=["127.0.0.1"], pki_dir=tmp / "pki", clock=self.clock)
         cert.load_self_signed()
-        self.server = KubeletServer(self.host, self.auth, cert, node_names=[NODE],
+        usage = StatsProvider(self.host, self.runtime, self.clock,
+                              lambda: {"cpu_seconds": 12.5, "memory_usage": 3e9,
+                                       "memory_working_set": 2e9, "memory_available": 5e9})
+        self.server = KubeletServer(self.host, self.auth, cert, usage, node_names=[NODE],
                                     clock=self.clock, registry=CollectorRegistry(),
-                                    health_checks={"x": lambda: None},
-                                    node_reader=lambda: {"cpu_seconds": 12.5,
-                                                         "memory_usage": 3e9,
-                                                         "memory_working_set": 2e9,
-                                                         "memory_available": 5e9})
+                                    health_checks={"x": lambda: None})
         self.client: TestClient[Any, Any]
 
 

@@ -22,8 +22,8 @@ from nodeagent.runtime.fake import FakeRuntime
 from nodeagent.runtime.script import ScriptError, script_for
 from nodeagent.runtime.usage import Usage, UsageError, parse_usage
 from nodeagent.server.auth import KubeletAuth
-from nodeagent.server.kubeletserver import KubeletServer
-from nodeagent.server.stats import SimulatedNode
+from nodeagent.server.kubeletserver import KubeletServer, ServerSettings
+from nodeagent.server.stats import SimulatedNode, StatsProvider
 from nodeagent.server.tls import ServingCert
 from tests.conftest import aio
 
@@ -163,11 +163,13 @@ async def test_each_virtual_node_has_a_port_with_its_own_pods_and_usage(tmp_path
     host = Host(runtime)
     cert = ServingCert(node="vn-0", names=["127.0.0.1"], pki_dir=tmp_path / "pki", clock=clock)
     cert.load_self_signed()
-    server = KubeletServer(host, KubeletAuth(Api(), clock), cert, node_names=["vn-0", "vn-1"],
-                           clock=clock, registry=CollectorRegistry(), address="127.0.0.1",
-                           port=0, per_node_ports=True,
-                           simulated=SimulatedNode(cpu=Usage(0.1), memory=Usage(100e6),
-                                                   memory_capacity=1e9))
+    usage = StatsProvider(host, runtime, clock, simulated=SimulatedNode(
+        cpu=Usage(0.1), memory=Usage(100e6), memory_capacity=1e9))
+    server = KubeletServer(host, KubeletAuth(Api(), clock), cert, usage,
+                           node_names=["vn-0", "vn-1"], clock=clock,
+                           registry=CollectorRegistry(),
+                           settings=ServerSettings(address="127.0.0.1", port=0,
+                                                   per_node_ports=True))
     await server.start()
     tls = ssl.create_default_context()
     tls.check_hostname, tls.verify_mode = False, ssl.CERT_NONE

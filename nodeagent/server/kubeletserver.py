@@ -143,35 +143,41 @@ def pick_container(pod: Pod, rs: PodRuntimeStatus, name: str, previous: bool) ->
     return older[0]
 
 
+@dataclass(frozen=True)
+class ServerSettings:
+    """Where the kubelet API listens and what it serves (the kubelet's flags)."""
+
+    address: str = "0.0.0.0"
+    port: int = 10250  # 0: a free one
+    # containerLogs, exec, attach, portForward (the kubelet's enableDebuggingHandlers)
+    debugging_handlers: bool = True
+    connection_idle_timeout: float = CONNECTION_IDLE_TIMEOUT
+    streaming_idle_timeout: float = STREAMING_CONNECTION_IDLE_TIMEOUT
+    per_node_ports: bool = False  # each Node on a port of its own too (virtual nodes)
+
+
 class KubeletServer:
-    def __init__(self, host: PodHost, auth: KubeletAuth, cert: ServingCert, *,
-                 node_names: Sequence[str], clock: Clock, registry: CollectorRegistry,
-                 address: str = "0.0.0.0", port: int = 10250,
-                 health_checks: Mapping[str, HealthCheck] | None = None,
-                 node_reader: Callable[[], dict[str, float]] | None = None,
-                 debugging_handlers: bool = True,
-                 connection_idle_timeout: float = CONNECTION_IDLE_TIMEOUT,
-                 streaming_idle_timeout: float = STREAMING_CONNECTION_IDLE_TIMEOUT,
-                 per_node_ports: bool = False,
-                 simulated: stats.SimulatedNode | None = None) -> None:
+    def __init__(self, host: PodHost, auth: KubeletAuth, cert: ServingCert,
+                 usage: stats.StatsProvider, *, node_names: Sequence[str], clock: Clock,
+                 registry: CollectorRegistry, settings: ServerSettings = ServerSettings(),
+                 health_checks: Mapping[str, HealthCheck] | None = None) -> None:
         self.host = host
         self.runtime = host.runtime
         self.auth = auth
         self.cert = cert
+        self.stats = usage
         self.node_names = list(node_names)
         self.clock = clock
         self.registry = registry
-        self.address = address
-        self.port = port
+        self.address = settings.address
+        self.port = settings.port
         self.health_checks = dict(health_checks or {})
-        # containerLogs, exec, attach, portForward (the kubelet's enableDebuggingHandlers)
-        self.debugging_handlers = debugging_handlers
-        self.connection_idle_timeout = connection_idle_timeout
-        self.streaming_idle_timeout = streaming_idle_timeout
+        self.debugging_handlers = settings.debugging_handlers
+        self.connection_idle_timeout = settings.connection_idle_timeout
+        self.streaming_idle_timeout = settings.streaming_idle_timeout
+        self.per_node_ports = settings.per_node_ports
         self.watch = containerlogs.FileWatch()
         self.metrics = server_metrics(registry)
-        self.stats = stats.StatsProvider(host, self.runtime, clock, node_reader, simulated)
-        self.per_node_ports = per_node_ports
         self.node_ports: dict[str, int] = {}  # node -> its own port (per_node_ports)
         self._node_by_port: dict[int, str] = {}
         self._runner: web.AppRunner | None = None
