@@ -335,3 +335,16 @@ def test_resize_messages_are_bounded() -> None:
 def test_since_seconds_further_back_than_the_calendar_is_every_line() -> None:
     for seconds in ("63902919846", str(2**70)):
         assert parse_options({"sinceSeconds": seconds}, NOW).since is None
+
+
+@pytest.mark.parametrize("path", ["/%2F/stats", "/%2F%2F/stats/summary", "/%2Fstats/summary"])
+def test_empty_segments_do_not_change_the_subresource_needed(tmp_path: Path,
+                                                             path: str) -> None:
+    """A path routed as /stats needs nodes/stats however many (encoded) slashes lead
+    it: alice, who has nodes/proxy only, is refused; stan, who has nodes/stats, is
+    served. (A path that starts "//" is another URL: its first segment is a host.)"""
+    server = kubelet_server(tmp_path, NOW)
+    for user, status in (("alice", 403), ("stan", 200)):
+        request = make_mocked_request("GET", path, headers=authorization(user),
+                                      transport=NoTls())
+        assert asyncio.run(server._dispatch(request)).status == status, (user, path)

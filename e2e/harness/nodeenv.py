@@ -302,9 +302,10 @@ def node_env(cluster: Cluster, kind: str, tag: str, base: Path, build: str = "de
     env = Env(name, kind, root, core, name)
     try:
         if kind == "containerd":
-            from nodepulse_dev.containerd import start_containerd  # names a missing package
-            # hostNetwork pods only: no CNI conf, no bridge
-            env.ctd = start_containerd(build=build, cni=False)
+            from nodepulse_dev.containerd import start_containerd
+            # the pods are hostNetwork, so the bridge is never made; the CNI conf is there
+            # so that the runtime's network is ready, as the Node's Ready condition needs
+            env.ctd = start_containerd(build=build)
         create_namespace(core, env.ns)
         yield env
     finally:

@@ -8,6 +8,7 @@ build stage (sources, wheels) is left in it.
 from __future__ import annotations
 
 import json
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -29,10 +30,14 @@ def run(engine: Dockerd, image: str, script: str) -> str:
 
 
 def test_the_build_context_is_what_the_dockerfile_copies() -> None:
-    """The Dockerfile copies exactly what .dockerignore lets into the build."""
+    """The Dockerfile copies exactly what .dockerignore lets into the build: what the
+    wheel is built from (pyproject.toml, the README it names, each package's folder)."""
     copied = {src.rstrip("/") for line in (REPO / "Dockerfile").read_text().splitlines()
               if line.startswith("COPY ") for src in line.split()[1:-1]}
-    assert copied == {"pyproject.toml", "README.md", "nodeagent", "operator"}
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {setuptools["package-dir"].get(p, p) for p in setuptools["packages"]
+               if "." not in p}
+    assert copied == {"pyproject.toml", "README.md", *folders}
     sent = {str(p.relative_to(REPO)).split("/")[0] for p in build_context()}
     assert sent == copied | {"Dockerfile", ".dockerignore"}
 

@@ -272,7 +272,9 @@ class KubeletServer:
                                                 peercert)
             own = self._own_node(request)
             node, found = self._node_of(parts, own)
-            await self.auth.authorize(user, request.method, request.path, node,
+            # the path as routed (empty segments dropped): "//stats" is /stats, and
+            # needs nodes/stats as /stats does
+            await self.auth.authorize(user, request.method, "/" + "/".join(parts), node,
                                       every_node_first=len(self.node_names) > 1)
             resp = await self._route(request, endpoint, parts, found, own)
             code = resp.status
