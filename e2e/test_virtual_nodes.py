@@ -140,7 +140,13 @@ def test_one_process_runs_50_virtual_nodes(cluster: Cluster, vagent: AgentProces
             p = core.read_namespaced_pod("vn-runs", NS)
             return bool(p.status.phase == "Running" and p.status.container_statuses
                         and all(c.ready for c in p.status.container_statuses))
-        eventually(running, "the pod Running on a virtual node", 45)
+        try:
+            eventually(running, "the pod Running on a virtual node", 45)
+        except AssertionError:  # scheduled or not, and what the agent reported
+            p = core.read_namespaced_pod("vn-runs", NS)
+            print(f"vn-runs: node {p.spec.node_name!r}, status {p.status}\n"
+                  f"{vagent.log.read_text()[-3000:]}")
+            raise
         pod = core.read_namespaced_pod("vn-runs", NS)
         assert pod.spec.node_name == target
         refused = core.read_namespaced_pod("vn-refused", NS)
