@@ -397,6 +397,11 @@ class LocalCluster(Cluster):
         self.resume_apiserver()
         self.start_etcd()
         self.start_apiserver()
+        # the scheduler's informers may be waiting out back-offs after the outage (or a
+        # compaction) and schedule nothing meanwhile: a new one lists at once
+        args = self._args["kube-scheduler"]
+        self._stop("kube-scheduler")
+        self._start("kube-scheduler", args)
         self._wait_for_controller_manager()
 
     def etcd_revision(self) -> int:
