@@ -213,7 +213,9 @@ def test_the_service_accounts_secret_is_used(node: Node) -> None:
     for pod in ("by-account", "own-and-account"):
         eventually(lambda: n.state(pod)[:2] == ("Running", "running"),  # noqa: B023
                    f"{pod} running", 90)
-        assert [e for e in n.events(pod) if e[1] == "Pulled" and "Successfully" in e[2]]
+        eventually(lambda: [e for e in n.events(pod)  # noqa: B023
+                            if e[1] == "Pulled" and "Successfully" in e[2]],
+                   f"{pod}'s Pulled Event")
 
 
 def test_never_with_a_missing_image(node: Node) -> None:

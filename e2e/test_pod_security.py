@@ -187,7 +187,9 @@ def test_windows_pod_is_rejected(agent: Agent) -> None:
     assert pod.status.message == ("Pod was rejected: Failed to admit pod as the OS field "
                                   "doesn't match node OS")
     assert not pod.status.container_statuses  # nothing was started
-    assert any(e.reason == "PodOSNotSupported" for e in agent.events("win"))
+    # The Event is written apart from the status, so it may land after it.
+    eventually(lambda: any(e.reason == "PodOSNotSupported" for e in agent.events("win")),
+               "the PodOSNotSupported Event")
 
 
 def test_sysctls_safe_set_unsafe_rejected(agent: Agent) -> None:

@@ -178,10 +178,12 @@ def test_liveness_failure_restarts_with_events_and_prestop(node: Node) -> None:
         return cs if cs and cs.restart_count >= 1 and cs.state.running else None
     cs = n.wait("the container restarted by its liveness probe", restarted, 60)
     assert cs.restart_count == 1 or cs.last_state.terminated is not None
-    killing = n.events("live", "Killing")
-    assert "Container c failed liveness probe, will be restarted" in killing
-    assert any(m.startswith("Liveness probe failed: cat: can't open '/tmp/health'")
-               for m in n.events("live", "Unhealthy"))
+    # Events are written apart from the status, so they may land after it
+    n.wait("the Killing Event", lambda: "Container c failed liveness probe, will be restarted"
+           in n.events("live", "Killing"))
+    n.wait("the Unhealthy Event", lambda: any(
+        m.startswith("Liveness probe failed: cat: can't open '/tmp/health'")
+        for m in n.events("live", "Unhealthy")))
     # the preStop hook ran before the kill: it left the killed container's message
     assert cs.last_state.terminated.message == "prestop-ran"
     assert n.events("live", "FailedPreStopHook") == []
@@ -204,8 +206,8 @@ def test_http_tcp_and_grpc_probes(node: Node) -> None:
                                           "initialDelaySeconds": 3, "periodSeconds": 1,
                                           "failureThreshold": 1}})
     n.wait("restarted by its http liveness probe", lambda: n.restarts("http-live") >= 1, 60)
-    assert any("HTTP probe failed with statuscode: 500" in m
-               for m in n.events("http-live", "Unhealthy"))
+    n.wait("the Unhealthy Event", lambda: any(
+        "HTTP probe failed with statuscode: 500" in m for m in n.events("http-live", "Unhealthy")))
     assert n.read("net").status.container_statuses[0].restart_count == 0
 
 
@@ -221,7 +223,7 @@ def test_post_start_hook_and_its_failure(node: Node) -> None:
                       "lifecycle": {"postStart": {"exec": {"command": ["false"]}}}})
     n.wait("a FailedPostStartHook Event", lambda: n.events("badhook", "FailedPostStartHook"))
     assert n.events("badhook", "FailedPostStartHook")[0] == "PostStartHook failed"
-    assert "FailedPostStartHook" in n.events("badhook", "Killing")
+    n.wait("the Killing Event", lambda: "FailedPostStartHook" in n.events("badhook", "Killing"))
 
 
 def test_termination_messages(node: Node) -> None:
