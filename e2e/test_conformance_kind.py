@@ -61,6 +61,33 @@ def check_no_kubelet(cluster: KindCluster) -> None:
         assert ds["status"].get("numberReady") == 3, (daemonset, ds["status"])
     cluster.kubectl("wait", "-n", "kube-system", "--for=condition=Available",
                     "deployment/coredns", "--timeout=180s", timeout=200)
+    check_pod_slices(cluster)
+
+
+def check_pod_slices(cluster: KindCluster) -> None:
+    """With kind's systemd cgroup driver, a pod's cgroup is a systemd slice under kind's
+    cgroup root (kubelet.slice) that carries the pod's memory limit, as a unit property
+    and in the cgroup, and holds its containers' scopes: checked on a CoreDNS pod
+    (Burstable, a memory limit on its one container)."""
+    pods = json.loads(cluster.kubectl("get", "pods", "-n", "kube-system", "-l",
+                                      "k8s-app=kube-dns", "-o", "json").stdout)["items"]
+    pod = pods[0]
+    limit = pod["spec"]["containers"][0]["resources"]["limits"]["memory"]
+    assert limit.endswith("Mi"), limit
+    uid = pod["metadata"]["uid"].replace("-", "_")
+    unit = f"kubelet-kubepods-burstable-pod{uid}.slice"
+    where = pod["spec"]["nodeName"]
+    show = cluster.node_exec(where, "systemctl", "show", unit, "-p", "ActiveState",
+                             "-p", "MemoryLimit")
+    assert sorted(show.split()) == ["ActiveState=active",
+                                    f"MemoryLimit={int(limit[:-2]) * 2**20}"], show
+    folder = ("/sys/fs/cgroup/memory/kubelet.slice/kubelet-kubepods.slice/"
+              f"kubelet-kubepods-burstable.slice/{unit}")
+    assert cluster.node_exec(where, "cat", f"{folder}/memory.limit_in_bytes").strip() == \
+        str(int(limit[:-2]) * 2**20)
+    scopes = cluster.node_exec(where, "ls", folder).split()
+    assert any(s.startswith("cri-containerd-") and s.endswith(".scope") for s in scopes), \
+        scopes
 
 
 def test_a_kind_cluster_without_a_kubelet_passes_the_conformance_sample(

@@ -88,6 +88,7 @@ from nodeagent.pods.sources.merge import Merge
 from nodeagent.pods.sources.mirror import MirrorManager
 from nodeagent.pods.sources.problems import Problems
 from nodeagent.pods.syncer import PodSyncer
+from nodeagent.pods.systemdcgroups import SystemdCgroups
 from nodeagent.pods.thresholds import (
     IMAGEFS,
     IMAGEFS_INODES,
@@ -297,19 +298,24 @@ def build_pod_cgroups(cfg: AgentConfig, runtime: Runtime, read: Callable[[], Hos
                       capacity.less(cfg.system_reserved), clock)
 
 
-def host_cgroups(cfg: AgentConfig) -> CgroupFs:
-    """The host's cgroup filesystem, for the cgroupfs driver. Raises ConfigError."""
-    if cfg.cgroup_driver == "systemd":
-        why = (f"systemd is not running on this host (no {SYSTEMD_RUNNING})"
-               if not SYSTEMD_RUNNING.is_dir() else
-               "this agent cannot make cgroups through systemd (its D-Bus API) yet")
-        raise ConfigError(f"--cgroup-driver=systemd: {why}; use --cgroup-driver=cgroupfs, "
-                          "with the container runtime set to cgroupfs too, or run without "
-                          "pod cgroups: --cgroups-per-qos=false --enforce-node-allocatable=none")
+def host_cgroups(cfg: AgentConfig) -> CgroupBackend:
+    """The host's cgroups for the configured driver: the cgroup files (cgroupfs), or
+    systemd's slices beside them (systemd). Raises ConfigError."""
     try:
-        return CgroupFs.detect()
+        files = CgroupFs.detect()
     except CgroupError as e:
         raise ConfigError(f"--cgroups-per-qos: {e}") from None
+    if cfg.cgroup_driver != "systemd":
+        return files
+    if not SYSTEMD_RUNNING.is_dir():
+        raise ConfigError(f"--cgroup-driver=systemd: systemd is not running on this host "
+                          f"(no {SYSTEMD_RUNNING}); use --cgroup-driver=cgroupfs, with the "
+                          "container runtime set to cgroupfs too")
+    from nodeagent.systembus import SystemdUnits  # D-Bus: only with this driver
+    try:
+        return SystemdCgroups(files, SystemdUnits.connect())
+    except CgroupError as e:
+        raise ConfigError(f"--cgroup-driver=systemd: {e}") from None
 
 
 # threads that make, write and remove pods' volumes (a slow disk holds these, never
@@ -346,7 +352,7 @@ class Externals:
     flags: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     env: Mapping[str, str] | None = None
     host_ip: str | None = None  # None: read from the host
-    # graceful node shutdown's way to logind (None: the system bus, nodeagent.logind)
+    # graceful node shutdown's way to logind (None: the system bus, nodeagent.systembus)
     logind: Callable[[], Awaitable[Logind]] | None = None
 
 
@@ -645,7 +651,7 @@ class Agent:
         priority (the host node's; virtual nodes have none, config.load refuses it)."""
         connect = ext.logind
         if connect is None:
-            from nodeagent.logind import LogindBus  # D-Bus: only with the setting
+            from nodeagent.systembus import LogindBus  # D-Bus: only with the setting
             connect = LogindBus.connect
         return ShutdownManager(
             budgets(cfg.shutdown_grace_period, cfg.shutdown_grace_period_critical_pods,
@@ -849,6 +855,8 @@ class Agent:
             self.pools.files.shutdown, wait=True, cancel_futures=True))
         if self.health:
             self.health.stop()
+        if isinstance(self.cgroups.backend, SystemdCgroups):
+            self.cgroups.backend.close()
         log.info("stopped")
 
 

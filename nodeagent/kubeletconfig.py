@@ -200,9 +200,7 @@ FIELDS: dict[str, Field] = {
     "iptablesDropBit": I("*int", "the agent writes no iptables rules", None),
     "hairpinMode": I("str", "hairpin traffic is the network plugin's", "none", "hairpin-mode"),
     # cgroups and resource managers
-    "cgroupDriver": H("str", "cgroupDriver",
-                      note="systemd is refused at start on a CRI node: the agent does not "
-                           "make cgroups through systemd yet"),
+    "cgroupDriver": H("str", "cgroupDriver"),
     "cgroupRoot": H("str", "cgroupRoot"),
     "cgroupsPerQOS": H("*bool", "cgroupsPerQOS"),
     "kubeletCgroups": I("str", NO_CGROUPS, None, "kubelet-cgroups"),

@@ -16,7 +16,7 @@ A part of its own at the agent's level, not in the pod half: it acts on both hal
 (the pods, the node's Ready and status) and on the host (logind), for the whole life of
 the process; the composition root hands it what it uses of each (ShutdownPods, a
 callable that writes the node status now, the Events) and nothing here imports them.
-The D-Bus side is nodeagent.logind; tests hand in a fake Logind.
+The D-Bus side is nodeagent.systembus; tests hand in a fake Logind.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class LogindError(Exception):
 
 
 class Logind(Protocol):
-    """One connection to the host's logind (nodeagent.logind.LogindBus), watching its
+    """One connection to the host's logind (nodeagent.systembus.LogindBus), watching its
     PrepareForShutdown signal from the start. Every call raises LogindError."""
 
     async def inhibit_delay_max(self) -> float:

@@ -4,11 +4,14 @@ backend, and the cgroup filesystem backend on fake v1 and v2 trees in tmp_path."
 
 from __future__ import annotations
 
+import asyncio
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
+from dbus_fast import Message
 
 from nodeagent import agent
 from nodeagent.agent import build_pod_cgroups
@@ -31,8 +34,16 @@ from nodeagent.pods.cgroups import (
 )
 from nodeagent.pods.podupdate import Op
 from nodeagent.pods.qos import QOSClass
+from nodeagent.pods.systemdcgroups import (
+    INFINITY,
+    SystemdCgroups,
+    UnitProperty,
+    slice_of,
+    unit_properties,
+)
 from nodeagent.runtime import make_runtime
 from nodeagent.runtime.fake import FakeRuntime
+from nodeagent.systembus import RECENT_JOBS, SystemdUnits
 from tests.conftest import GI, READINGS, AgentRig, agent_config, aio, mkpod, started
 
 MI = 2**20
@@ -580,25 +591,226 @@ def test_cgroups_are_kept_where_the_runtime_puts_containers(
                                         clock).backend, MemoryCgroups)
 
 
-def test_the_systemd_driver_needs_systemd(tmp_path: Path,
-                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_systemd_driver_needs_systemd_and_its_bus(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     clock = FakeClock()
     cfg = agent_config(tmp_path, "--node-name", "n1", "--cgroup-driver", "systemd")
     cri = make_runtime("cri", str(tmp_path / "containerd.sock"))
+    host, _ = fs(tmp_path)
+    monkeypatch.setattr(CgroupFs, "detect", lambda: host)
     monkeypatch.setattr(agent, "SYSTEMD_RUNNING", tmp_path / "run-systemd-system")
     with pytest.raises(ConfigError, match=r"--cgroup-driver=systemd: systemd is not running "
                                           r"on this host \(no .*run-systemd-system\); use "
                                           "--cgroup-driver=cgroupfs"):
         build_pod_cgroups(cfg, cri, lambda: READINGS, clock)
     (tmp_path / "run-systemd-system").mkdir()
-    with pytest.raises(ConfigError, match="--cgroup-driver=systemd: this agent cannot make "
-                                          "cgroups through systemd"):
+    monkeypatch.setenv("DBUS_SYSTEM_BUS_ADDRESS", f"unix:path={tmp_path}/no-bus")
+    with pytest.raises(ConfigError, match=r"--cgroup-driver=systemd: cannot connect to the "
+                                          r"system bus at unix:path=.*/no-bus: "):
         build_pod_cgroups(cfg, cri, lambda: READINGS, clock)
+    monkeypatch.setattr(SystemdUnits, "connect", classmethod(lambda cls: FakeSystemd(host)))
+    backend = build_pod_cgroups(cfg, cri, lambda: READINGS, clock).backend
+    assert isinstance(backend, SystemdCgroups) and backend.files is host
     # the fake runtime's pods: the slices are only names
     m = build_pod_cgroups(cfg, FakeRuntime(clock), lambda: READINGS, clock)
     m.start()
     assert m.parent(best_effort()) == \
         "/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-podu_be.slice"
+
+
+# --- the systemd driver ----------------------------------------------------------------
+
+class FakeSystemd:
+    """systemd's manager as the driver sees it: a started slice gets its folder in the
+    hierarchies systemd manages (the controllers its accounting turns on, and its own),
+    a stopped one loses them."""
+
+    MANAGED = ("cpu", "cpuacct", "memory", "pids", "systemd")
+
+    def __init__(self, files: CgroupFs, refuse: str = "") -> None:
+        self.files = files
+        self.refuse = refuse  # a unit whose start systemd fails
+        self.calls: list[tuple[str, str, dict[str, Any]]] = []
+        self.closed = False
+
+    def _folders(self, name: str) -> list[Path]:
+        parts = name.removesuffix(".slice").split("-")
+        path = "/".join("-".join(parts[:i + 1]) + ".slice" for i in range(len(parts)))
+        return [Path(self.files.hierarchies[0]).parent / h / path for h in self.MANAGED]
+
+    def start_slice(self, name: str, properties: Sequence[UnitProperty]) -> None:
+        self.calls.append(("start", name, {p[0]: p[2] for p in properties}))
+        if name == self.refuse:
+            raise CgroupError(f"starting {name}: StartTransientUnit: its job ended 'failed'")
+        for folder in self._folders(name):
+            folder.mkdir(parents=True, exist_ok=True)
+
+    def set_properties(self, name: str, properties: Sequence[UnitProperty]) -> None:
+        self.calls.append(("set", name, {p[0]: p[2] for p in properties}))
+
+    def stop(self, name: str) -> None:
+        self.calls.append(("stop", name, {}))
+        for folder in self._folders(name):
+            if folder.is_dir():
+                FakeTree.rmdir(str(folder))
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_systemd_slices_carry_the_values_the_files_get(tmp_path: Path) -> None:
+    files, _ = fs(tmp_path)
+    units = FakeSystemd(files)
+    m = manager(SystemdCgroups(files, units), driver="systemd", pod_pids_limit=512)
+    base = {"DefaultDependencies": False, "CPUAccounting": True, "MemoryAccounting": True,
+            "TasksAccounting": True}
+    assert units.calls[:3] == [
+        ("start", "kubepods.slice", {**base, "CPUShares": 3328, "MemoryLimit": int(6.5 * GI),
+                                     "TasksMax": 4193304}),
+        ("start", "kubepods-burstable.slice", base),
+        ("start", "kubepods-besteffort.slice", base)]
+    units.calls.clear()
+    m.ensure(guaranteed())
+    m.ensure(burstable("u1", "300m"))
+    uid_ = UID.replace("-", "_")
+    assert units.calls == [
+        ("start", f"kubepods-pod{uid_}.slice",
+         {**base, "CPUShares": 512, "CPUQuotaPerSecUSec": 500_000,
+          "CPUQuotaPeriodUSec": 100_000, "MemoryLimit": 128 * MI, "TasksMax": 512}),
+        ("set", "kubepods-burstable.slice", {"CPUShares": 307}),
+        ("start", "kubepods-burstable-podu1.slice",
+         {**base, "CPUShares": 307, "CPUQuotaPerSecUSec": 1_000_000,
+          "CPUQuotaPeriodUSec": 100_000, "TasksMax": 512})]
+    root = tmp_path / "cgroup"
+    pod = root / "cpu" / "kubepods.slice" / f"kubepods-pod{uid_}.slice"
+    assert read(pod / "cpu.cfs_quota_us") == "50000"  # and the files say the same
+    # what systemd leaves alone is made beside its folders
+    for h in ("cpuset", "hugetlb", "devices"):
+        assert (root / h / "kubepods.slice" / f"kubepods-pod{uid_}.slice").is_dir()
+    assert read(root / "hugetlb" / "kubepods.slice" / f"kubepods-pod{uid_}.slice" /
+                "hugetlb.2MB.limit_in_bytes") == "0"
+    units.calls.clear()
+    m.release("u1")
+    assert units.calls == [("set", "kubepods-burstable.slice", {"CPUShares": 2}),
+                           ("stop", "kubepods-burstable-podu1.slice", {})]
+    assert not any((root / h / "kubepods.slice" / "kubepods-burstable.slice" /
+                    "kubepods-burstable-podu1.slice").exists() for h in V1)
+    m.backend.close()  # type: ignore[union-attr]
+    assert units.closed
+
+
+def test_systemd_v2_properties_and_no_limit() -> None:
+    values = CgroupValues(cpu_shares=1024, cpu_quota=-1, cpu_period=100_000,
+                          memory_limit=GI, pids_limit=-1)
+    assert unit_properties(values, 2) == [
+        ("CPUWeight", "t", cpu_weight(1024)), ("CPUQuotaPerSecUSec", "t", INFINITY),
+        ("CPUQuotaPeriodUSec", "t", 100_000), ("MemoryMax", "t", GI),
+        ("TasksMax", "t", INFINITY)]
+    assert unit_properties(CgroupValues(), 1) == []
+    assert slice_of("/kubepods.slice/kubepods-pod1.slice") == "kubepods-pod1.slice"
+    assert slice_of("/") == "-.slice"
+
+
+def test_a_slice_systemd_does_not_start_holds_the_pod_back(tmp_path: Path) -> None:
+    files, _ = fs(tmp_path)
+    m = manager(SystemdCgroups(files, FakeSystemd(files, refuse="kubepods-podu9.slice")),
+                driver="systemd")
+    with pytest.raises(CgroupError, match=r"cannot make the cgroup /kubepods.slice/"
+                                          r"kubepods-podu9.slice of pod ns/g: systemd: "
+                                          r"starting kubepods-podu9.slice: .*'failed'"):
+        m.ensure(guaranteed("u9"))
+
+
+class ManagerOnTheBus:
+    """What systemd's manager answers on the bus, and when its JobRemoved signal comes:
+    before the caller has read its reply (`early`), or after it."""
+
+    def __init__(self, units: SystemdUnits, result: str = "done", early: bool = False,
+                 errors: dict[str, str] | None = None) -> None:
+        self.units, self.result, self.early = units, result, early
+        self.errors = errors or {}  # member -> the D-Bus error it answers with
+        self.calls: list[tuple[str, list[Any]]] = []
+        self.jobs = 0
+
+    def removed(self, job: str, result: str) -> None:
+        self.units._message(Message.new_signal(
+            "/org/freedesktop/systemd1", "org.freedesktop.systemd1.Manager", "JobRemoved",
+            "uoss", [self.jobs, job, "x.slice", result]))
+
+    def disconnect(self) -> None:
+        pass
+
+    async def call(self, msg: Message) -> Message:
+        self.calls.append((msg.member or "", msg.body))
+        msg.serial = len(self.calls)  # what the bus would number it
+        if msg.member in self.errors:
+            return Message.new_error(msg, self.errors[msg.member], "no")
+        if msg.member not in ("StartTransientUnit", "StopUnit"):
+            return Message.new_method_return(msg)
+        self.jobs += 1
+        job = f"/org/freedesktop/systemd1/job/{self.jobs}"
+        self.removed(f"/org/freedesktop/systemd1/job/other{self.jobs}", "done")  # not ours
+        if self.early:
+            self.removed(job, self.result)
+        else:
+            asyncio.get_running_loop().call_soon(self.removed, job, self.result)
+        return Message.new_method_return(msg, "o", [job])
+
+
+def on_the_bus(**answers: Any) -> tuple[SystemdUnits, ManagerOnTheBus]:
+    units = SystemdUnits("unix:path=/nowhere")
+    manager_ = ManagerOnTheBus(units, **answers)
+    units.bus = manager_  # type: ignore[assignment]
+    return units, manager_
+
+
+@pytest.mark.parametrize("early", [False, True])
+def test_systemd_units_wait_for_their_job(early: bool) -> None:
+    units, bus = on_the_bus(early=early)
+    try:
+        units.start_slice("kubepods.slice", [("CPUShares", "t", 2)])
+        units.set_properties("kubepods.slice", [("CPUShares", "t", 4)])
+        units.stop("kubepods.slice")
+        assert [c[0] for c in bus.calls] == ["StartTransientUnit", "SetUnitProperties",
+                                             "StopUnit"]
+        name, mode, props, aux = bus.calls[0][1]
+        assert (name, mode, aux) == ("kubepods.slice", "replace", [])
+        assert [(p[0], p[1].signature, p[1].value) for p in props] == [("CPUShares", "t", 2)]
+        assert bus.calls[1][1][:2] == ["kubepods.slice", True]  # runtime only
+        # other clients' jobs are forgotten past a bound
+        assert len(units._finished) <= RECENT_JOBS
+    finally:
+        units.close()
+
+
+def test_systemd_unit_failures_name_the_unit() -> None:
+    units, bus = on_the_bus(result="failed")
+    try:
+        with pytest.raises(CgroupError, match=r"^starting kubepods.slice: StartTransientUnit: "
+                                              r"its job ended 'failed'$"):
+            units.start_slice("kubepods.slice", [])
+    finally:
+        units.close()
+    units, bus = on_the_bus(errors={
+        "StartTransientUnit": "org.freedesktop.systemd1.UnitExists",
+        "StopUnit": "org.freedesktop.systemd1.NoSuchUnit"})
+    try:  # a slice from before the agent's restart gets the values; a gone one is stopped
+        units.start_slice("kubepods.slice", [("DefaultDependencies", "b", False),
+                                             ("CPUShares", "t", 2)])
+        units.stop("kubepods-podu1.slice")
+        assert [c[0] for c in bus.calls] == ["StartTransientUnit", "SetUnitProperties",
+                                             "StopUnit"]
+        assert [p[0] for p in bus.calls[1][1][2]] == ["CPUShares"]
+    finally:
+        units.close()
+    units, bus = on_the_bus(errors={"SetUnitProperties": "org.freedesktop.DBus.Error.Access"})
+    try:
+        with pytest.raises(CgroupError, match=r"^setting kubepods.slice's properties: "
+                                              r"SetUnitProperties: org.freedesktop.DBus."
+                                              r"Error.Access: no$"):
+            units.set_properties("kubepods.slice", [("CPUShares", "t", 2)])
+    finally:
+        units.close()
 
 
 @aio

@@ -276,6 +276,13 @@ def test_links_resolve(page: Path) -> None:
 
 
 @pytest.mark.parametrize("page", PAGES, ids=rel)
+def test_no_merge_conflict_is_left(page: Path) -> None:
+    markers = [f"{rel(page)}:{i}" for i, line in enumerate(page.read_text().splitlines(), 1)
+               if re.match(r"(<{7}|>{7}) |={7}$", line)]
+    assert markers == []
+
+
+@pytest.mark.parametrize("page", PAGES, ids=rel)
 def test_shown_commands_parse(page: Path) -> None:
     assert command_problems_in(page.read_text(), rel(page)) == []
 

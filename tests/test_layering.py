@@ -10,7 +10,7 @@ TYPE_CHECKING included:
   each other, and neither imports the kubelet API's server;
 - graceful node shutdown (nodeagent.shutdown) imports neither half: the composition
   root hands it what it uses of both;
-- only nodeagent.logind speaks D-Bus (imports dbus_fast);
+- only nodeagent.systembus speaks D-Bus (imports dbus_fast);
 - neither program imports the local cluster (nodepulse_dev), nor the tests: the cluster
   drives the programs, not the other way round.
 """
@@ -82,8 +82,8 @@ def violations(module: str, imported: str) -> list[str]:
             out.append(f"{half} does not import the kubelet API's server")
         if within(module, "nodeagent.shutdown") and within(imported, half):
             out.append(f"nodeagent.shutdown does not import {half}: the root hands it in")
-    if within(imported, "dbus_fast") and module != "nodeagent.logind":
-        out.append("only nodeagent.logind speaks D-Bus")
+    if within(imported, "dbus_fast") and module != "nodeagent.systembus":
+        out.append("only nodeagent.systembus speaks D-Bus")
     if (within(module, "nodeagent") or within(module, "nodeoperator")) and any(
             within(imported, p) for p in ("nodepulse_dev", "e2e", "tests", "bench")):
         out.append("the programs do not import the local cluster or the tests")
@@ -122,7 +122,7 @@ def test_each_rule_names_what_breaks_it() -> None:
         ("nodeagent.pods.hooks", "nodeagent.server.containerlogs"): "the kubelet API's server",
         ("nodeagent.shutdown", "nodeagent.pods.podhalf"): "shutdown does not import",
         ("nodeagent.shutdown", "nodeagent.node.controller"): "shutdown does not import",
-        ("nodeagent.agent", "dbus_fast.aio"): "only nodeagent.logind speaks D-Bus",
+        ("nodeagent.agent", "dbus_fast.aio"): "only nodeagent.systembus speaks D-Bus",
         ("nodeagent.agent", "nodepulse_dev.cluster"): "the local cluster",
         ("nodeoperator.cli", "nodepulse_dev"): "the local cluster",
         ("nodeagent.server.stats", "e2e.harness.ports"): "the local cluster",
@@ -134,7 +134,7 @@ def test_each_rule_names_what_breaks_it() -> None:
                              ("nodeagent.agent", "nodeagent.runtime"),
                              ("nodeagent.runtime.process", "nodeagent.runtime.execserver"),
                              ("nodeagent.server.kubeletserver", "nodeagent.api.clock"),
-                             ("nodeagent.logind", "dbus_fast.aio"),
+                             ("nodeagent.systembus", "dbus_fast.aio"),
                              ("nodeagent.agent", "nodeagent.shutdown"),
                              ("nodepulse_dev.cluster", "nodeagent.api.client")):
         assert violations(module, imported) == [], (module, imported)

@@ -16,7 +16,6 @@ import pytest
 
 from nodeagent import config
 from nodeagent.api.kube import PODS
-from nodeagent.logind import LogindBus, system_bus_address
 from nodeagent.shutdown import (
     CRITICAL_PRIORITY,
     DROP_IN,
@@ -26,6 +25,7 @@ from nodeagent.shutdown import (
     grace_for,
     group_pods,
 )
+from nodeagent.systembus import LogindBus, system_bus_address
 from tests.conftest import AgentRig, agent_config, aio, mkpod, status_patches
 
 MESSAGE = "Pod was terminated in response to imminent node shutdown."

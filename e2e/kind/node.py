@@ -163,10 +163,10 @@ version = 2
     [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
       runtime_type = "io.containerd.runc.v2"
 
-      # the cgroupfs driver, as the kind configs set for the node agent: nodepulse-agent
-      # does not make cgroups through systemd
+      # the systemd driver, as kind's node image has it and the kind configs tell the
+      # node agent
       [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
-        SystemdCgroup = false
+        SystemdCgroup = true
 
   [plugins."io.containerd.grpc.v1.cri".cni]
     bin_dir = "/usr/lib/cni"
