@@ -103,15 +103,10 @@ class LogindBus:
     async def _call(self, destination: str, path: str, interface: str, member: str,
                     signature: str = "", body: list[Any] | None = None) -> Message:
         try:
-            reply = await self.bus.call(Message(destination=destination, path=path,
-                                                interface=interface, member=member,
-                                                signature=signature, body=body or []))
-        except _FAILURES as e:
-            raise LogindError(f"{interface}.{member}: {_brief(e)}") from None
-        if reply.message_type == MessageType.ERROR:
-            detail = reply.body[0] if reply.body else ""
-            raise LogindError(f"{interface}.{member}: {reply.error_name}: {detail}")
-        return reply
+            return await _call(self.bus, destination, path, interface, member, signature,
+                               body)
+        except _BusError as e:
+            raise LogindError(f"{interface}.{member}: {e}") from None
 
     async def inhibit_delay_max(self) -> float:
         reply = await self._call(LOGIND, LOGIND_PATH, "org.freedesktop.DBus.Properties",
@@ -150,6 +145,30 @@ class LogindBus:
     def close(self) -> None:
         self._gone.cancel()
         self.bus.disconnect()
+
+
+class _BusError(Exception):
+    """A call failed: the bus could not be reached or went away (`name` empty), or the
+    other side answered with the D-Bus error `name`."""
+
+    def __init__(self, name: str, message: str) -> None:
+        super().__init__(message)
+        self.name = name
+
+
+async def _call(bus: MessageBus, destination: str, path: str, interface: str, member: str,
+                signature: str = "", body: list[Any] | None = None) -> Message:
+    """One method call and its reply. Raises _BusError."""
+    try:
+        reply = await bus.call(Message(destination=destination, path=path,
+                                       interface=interface, member=member,
+                                       signature=signature, body=body or []))
+    except _FAILURES as e:
+        raise _BusError("", _brief(e)) from None
+    if reply.message_type == MessageType.ERROR:
+        detail = reply.body[0] if reply.body else ""
+        raise _BusError(reply.error_name or "", f"{reply.error_name}: {detail}")
+    return reply
 
 
 def _brief(e: BaseException) -> str:
@@ -194,12 +213,15 @@ class SystemdUnits:
 
     async def _connect(self) -> None:
         try:
-            self.bus = await MessageBus(bus_address=self.address,
-                                        bus_type=BusType.SYSTEM).connect()
+            bus = await MessageBus(bus_address=self.address,
+                                   bus_type=BusType.SYSTEM).connect()
         except _FAILURES as e:
             raise CgroupError(f"cannot connect to the system bus at {self.address}: "
                               f"{_brief(e)}") from None
-        self.bus.add_message_handler(self._message)
+        if self.bus is not None:
+            log.info("systemd: connected to the system bus again (%s)", self.address)
+        self.bus = bus
+        bus.add_message_handler(self._message)
         await self._call(DBUS, "/org/freedesktop/DBus", DBUS, "AddMatch", "s", [JOB_REMOVED])
         # systemd sends its manager's signals only once some client has subscribed
         await self._call(SYSTEMD, SYSTEMD_PATH, SYSTEMD_MANAGER, "Subscribe")
@@ -230,18 +252,15 @@ class SystemdUnits:
 
     async def _call(self, destination: str, path: str, interface: str, member: str,
                     signature: str = "", body: list[Any] | None = None) -> Message:
-        assert self.bus is not None
+        if self.bus is None or not self.bus.connected:
+            # the bus went away (dbus-daemon restarted): connect again, once per call
+            await self._connect()
+            assert self.bus is not None
         try:
-            reply = await self.bus.call(Message(destination=destination, path=path,
-                                                interface=interface, member=member,
-                                                signature=signature, body=body or []))
-        except _FAILURES as e:
-            raise CgroupError(f"{member}: {_brief(e)}") from None
-        if reply.message_type == MessageType.ERROR:
-            detail = reply.body[0] if reply.body else ""
-            raise _UnitError(reply.error_name or "", f"{member}: {reply.error_name}: "
-                             f"{detail}")
-        return reply
+            return await _call(self.bus, destination, path, interface, member, signature,
+                               body)
+        except _BusError as e:
+            raise _UnitError(e.name, f"{member}: {e}") from None
 
     async def _job(self, member: str, signature: str, body: list[Any]) -> None:
         """Call a manager method that queues a job, and wait for the job's end."""

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from dbus_fast import Message
 
-from nodeagent import agent
+from nodeagent import agent, systembus
 from nodeagent.agent import build_pod_cgroups
 from nodeagent.api.clock import FakeClock
 from nodeagent.config import ConfigError
@@ -737,8 +737,10 @@ class ManagerOnTheBus:
             "/org/freedesktop/systemd1", "org.freedesktop.systemd1.Manager", "JobRemoved",
             "uoss", [self.jobs, job, "x.slice", result]))
 
+    connected = True
+
     def disconnect(self) -> None:
-        pass
+        self.connected = False
 
     async def call(self, msg: Message) -> Message:
         self.calls.append((msg.member or "", msg.body))
@@ -779,6 +781,31 @@ def test_systemd_units_wait_for_their_job(early: bool) -> None:
         assert bus.calls[1][1][:2] == ["kubepods.slice", True]  # runtime only
         # other clients' jobs are forgotten past a bound
         assert len(units._finished) <= RECENT_JOBS
+    finally:
+        units.close()
+
+
+def test_systemd_units_connect_again_after_the_bus_went_away(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    units, old = on_the_bus()
+    try:
+        old.disconnect()
+        with pytest.raises(CgroupError, match=r"^starting x.slice: cannot connect to the "
+                                              r"system bus at unix:path=/nowhere: "):
+            units.start_slice("x.slice", [])
+        fresh = ManagerOnTheBus(units)
+
+        class Reconnect:
+            def __init__(self, **_: Any) -> None:
+                pass
+
+            async def connect(self) -> ManagerOnTheBus:
+                fresh.add_message_handler = lambda handler: None  # type: ignore[attr-defined]
+                return fresh
+        monkeypatch.setattr(systembus, "MessageBus", Reconnect)
+        units.start_slice("x.slice", [])
+        assert [c[0] for c in fresh.calls] == ["AddMatch", "Subscribe", "StartTransientUnit"]
+        assert units.bus is fresh
     finally:
         units.close()
 
