@@ -228,14 +228,15 @@ class SystemdUnits:
 
     def _run(self, coro: Coroutine[Any, Any, T], what: str = "") -> T:
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        prefix = f"{what}: " if what else ""
         try:
             return future.result(self.timeout + 5)
         except concurrent.futures.TimeoutError:
             future.cancel()
-            raise CgroupError(f"{what}: systemd did not answer within "
+            raise CgroupError(f"{prefix}systemd did not answer within "
                               f"{self.timeout + 5:.0f} s (bus {self.address})") from None
         except CgroupError as e:
-            raise CgroupError(f"{what}: {e}" if what else str(e)) from None
+            raise CgroupError(f"{prefix}{e}") from None
 
     def _message(self, msg: Message) -> bool:
         if (msg.message_type == MessageType.SIGNAL and msg.member == "JobRemoved"
