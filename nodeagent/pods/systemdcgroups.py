@@ -17,12 +17,17 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from nodeagent.pods.cgroupfs import CgroupFs, cpu_weight
-from nodeagent.pods.cgroups import CgroupError, CgroupValues
+from nodeagent.pods.cgroups import CPU_PERIOD_US, CgroupError, CgroupValues
 
 # a unit property as systemd's D-Bus API takes it: name, D-Bus signature, value
 UnitProperty = tuple[str, str, Any]
 INFINITY = (1 << 64) - 1  # systemd's "no limit" for a uint64 property
 ROOT_SLICE = "-.slice"
+# every slice's own: no default dependencies, so it neither waits for nor stops with
+# the host's targets; accounting on, so systemd puts it in those controllers' hierarchies
+SLICE_BASE: tuple[UnitProperty, ...] = (
+    ("DefaultDependencies", "b", False), ("CPUAccounting", "b", True),
+    ("MemoryAccounting", "b", True), ("TasksAccounting", "b", True))
 
 
 class SliceManager(Protocol):
@@ -53,7 +58,7 @@ def unit_properties(values: CgroupValues, version: int) -> list[UnitProperty]:
         props.append(("CPUShares", "t", values.cpu_shares) if version == 1 else
                      ("CPUWeight", "t", cpu_weight(values.cpu_shares)))
     if values.cpu_quota is not None:
-        period = values.cpu_period or 100_000
+        period = values.cpu_period or CPU_PERIOD_US
         per_sec = INFINITY if values.cpu_quota <= 0 else values.cpu_quota * 1_000_000 // period
         props.append(("CPUQuotaPerSecUSec", "t", per_sec))
     if values.cpu_period is not None:
@@ -75,18 +80,12 @@ class SystemdCgroups:
         self.files = files
         self.units = units
 
-    def _base(self) -> list[UnitProperty]:
-        # no default dependencies, so a slice does not wait for or stop with the host's
-        # targets; accounting on, so systemd puts it in those controllers' hierarchies
-        return [("DefaultDependencies", "b", False), ("CPUAccounting", "b", True),
-                ("MemoryAccounting", "b", True), ("TasksAccounting", "b", True)]
-
     def exists(self, path: str) -> bool:
         return self.files.exists(path)
 
     def create(self, path: str, values: CgroupValues) -> None:
         try:
-            self.units.start_slice(slice_of(path), [*self._base(), *unit_properties(
+            self.units.start_slice(slice_of(path), [*SLICE_BASE, *unit_properties(
                 values, self.files.version)])
         except CgroupError as e:
             raise OSError(f"systemd: {e}") from None
