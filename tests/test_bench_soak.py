@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import json
 from typing import Any
 
@@ -124,6 +125,39 @@ def test_a_web_pod_must_run_ready_and_a_jobs_pod_must_succeed_by_the_end():
     assert observe.pod_problem(_pod("job-virtual", "Succeeded",
                                     ("work", "c3", False, "terminated")), final=True) is None
     assert "phase Failed" in str(observe.pod_problem(_pod("job-cri", "Failed")))
+
+
+def _ended(code: int, reason: str, at: float) -> Any:
+    pod = _pod("job-cri", "Failed", ("work", "c4", False, "terminated"))
+    pod.status.container_statuses[0].state.terminated = client.V1ContainerStateTerminated(
+        exit_code=code, reason=reason, message="context canceled",
+        finished_at=dt.datetime.fromtimestamp(at, dt.UTC))
+    return pod
+
+
+def test_a_failed_pod_says_how_its_containers_ended():
+    assert "work exited 128 StartError: context canceled" in str(observe.pod_problem(
+        _ended(128, "StartError", 1000)))
+
+
+def test_a_start_cut_short_by_containerd_is_its_verdict_not_a_lost_pod():
+    """containerd marks a container whose start its restart cut short exited (128,
+    StartError): the kubelet's pod fails the same way. Only then is it excused."""
+    tl = rules.Timeline(0, [rules.Injected("containerd-restart", 1000, 1005),
+                            rules.Injected("agent-kill", 2000, 2010)])
+    assert observe.start_cut_short(_ended(128, "StartError", 1003), tl)
+    assert observe.start_cut_short(_ended(128, "StartError", 1006), tl)  # whole seconds
+    assert not observe.start_cut_short(_ended(128, "StartError", 2005), tl)  # not containerd
+    assert not observe.start_cut_short(_ended(1, "Error", 1003), tl)
+    assert not observe.start_cut_short(_pod("job-cri", "Failed"), tl)  # no container at all
+
+
+def test_a_container_counts_as_run_once_it_started():
+    assert observe.ran(_pod("web-cri", "Running", ("w", "c1", True, "running"))
+                       .status.container_statuses[0])
+    assert observe.ran(_ended(0, "Completed", 0).status.container_statuses[0])
+    assert not observe.ran(_pod("web-cri", "Pending", ("w", "c1", False, "waiting"))
+                           .status.container_statuses[0])
 
 
 def test_the_apis_status_against_the_runtimes_records():

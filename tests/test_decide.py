@@ -41,6 +41,7 @@ NOW = dt.datetime(2026, 11, 29, 12, 0, tzinfo=dt.UTC)
 NODE = NodeAbilities(admission=AdmissionSettings(kernel=(6, 1), apparmor=False),
                      runtime="fake")
 RUNNING, EXITED, CREATED = ContainerState.RUNNING, ContainerState.EXITED, ContainerState.CREATED
+UNKNOWN = ContainerState.UNKNOWN
 
 
 def c(name: str, state: ContainerState, attempt: int = 0, *, sandbox: str = "s0",
@@ -80,8 +81,8 @@ class Case:
 
 
 def starts(act: PodActions) -> list[tuple[str, int, bool]]:
-    """(name, attempt, created before) of each start, in order."""
-    return [(str(s.spec["name"]), s.attempt, s.created is not None) for s in act.start]
+    """(name, attempt, in place of one created before) of each start, in order."""
+    return [(str(s.spec["name"]), s.attempt, s.replaces is not None) for s in act.start]
 
 
 def kills(act: PodActions) -> list[tuple[str, str, float | None]]:
@@ -251,10 +252,35 @@ def test_an_exited_container(policy: str, code: int, left: tuple[float, float] |
                                                    "container=c pod=p_ns(uid-p)")
 
 
-def test_a_created_container_is_started_and_a_running_one_left_alone() -> None:
-    act = Case(mkpod("p", containers=("a", "b")), sandboxes=[sb()],
-               containers=[c("a", CREATED), c("b", RUNNING)]).decide()
-    assert starts(act) == [("a", 0, True)] and not act.kill and not act.waiting
+def test_a_created_container_is_replaced_and_a_running_one_left_alone() -> None:
+    """A start cut short leaves a container created and never started, which containerd
+    may refuse to start again (it then marks it exited, StartError): a new attempt
+    takes its place, as the kubelet makes one; it never ran, so no restart is counted,
+    whatever the restart policy."""
+    for policy in ("Always", "Never"):
+        act = Case(mkpod("p", containers=("a", "b"), policy=policy), sandboxes=[sb()],
+                   containers=[c("a", CREATED), c("b", RUNNING)]).decide()
+        assert starts(act) == [("a", 1, True)] and not act.kill and not act.waiting
+        [start] = act.start
+        assert start.replaces is not None and start.replaces.id == "a-0"
+        assert start.restarts == 0 and start.backoff_key is None
+
+
+def test_a_container_in_an_unknown_state_is_stopped_then_started_again() -> None:
+    """It may still run: stopped first, so two never run at once; then a new attempt,
+    whatever the restart policy (the kubelet's rule)."""
+    for policy in ("Always", "Never"):
+        act = Case(mkpod("p", policy=policy), sandboxes=[sb()],
+                   containers=[c("c", UNKNOWN)]).decide()
+        assert kills(act) == [("c", "Container c is in an unknown state and may still run: "
+                                    "stopped", None)]
+        assert starts(act) == [("c", 1, False)] and act.start[0].restarts == 1
+
+
+def test_an_unknown_init_container_of_a_never_pod_is_stopped_not_run_again() -> None:
+    pod = mkpod("p", policy="Never", initContainers=[box("i1")])
+    act = Case(pod, sandboxes=[sb()], containers=[c("i1", UNKNOWN)]).decide()
+    assert [k[0] for k in kills(act)] == ["i1"] and not act.start and act.init_blocked
 
 
 def test_a_refused_container_is_reported_and_the_others_start() -> None:
@@ -288,7 +314,8 @@ INIT_CASES = [
     ([c("i1", EXITED, code=0)], [], [("i2", 0, False)], True),
     ([c("i1", EXITED, code=0), c("i2", EXITED, code=0)], [], [("c", 0, False)], False),
     ([c("i1", EXITED, code=1)], [], [("i1", 1, False)], True),
-    ([c("i1", CREATED)], [], [("i1", 0, True)], True),
+    ([c("i1", CREATED)], [], [("i1", 1, True)], True),
+    ([c("i1", UNKNOWN)], [], [("i1", 1, False)], True),
     # once a regular container exists, the pod is initialized: init containers that
     # were removed since are not run again
     ([], [c("c", RUNNING)], [], False),
@@ -297,7 +324,7 @@ INIT_CASES = [
 
 @pytest.mark.parametrize("inits,regular,started,blocked", INIT_CASES,
                          ids=["first", "first-running", "second", "all-done", "failed",
-                              "created", "initialized"])
+                              "created", "unknown", "initialized"])
 def test_init_containers_one_at_a_time(inits: list[Container], regular: list[Container],
                                        started: list[tuple[str, int, bool]],
                                        blocked: bool) -> None:
@@ -496,8 +523,11 @@ SUCCEEDED_BEFORE = _ran({"terminated": {"exitCode": 0, "reason": "Completed"}})
     ("Never", {"phase": "Pending", "containerStatuses": [
         {"name": "c", "state": {"waiting": {"reason": "ContainerCreating"}}}]},
      Verdict.RUN, [("c", 0, False)]),
+    # created and never started (its id reported, waiting), then lost: it never ran
+    ("Never", _ran({"waiting": {"reason": "ContainerCreating"}}),
+     Verdict.RUN, [("c", 0, False)]),
 ], ids=["never-was-running", "never-succeeded", "onfailure-succeeded", "onfailure-running",
-        "always", "never-not-yet-run"])
+        "always", "never-not-yet-run", "never-created-only"])
 def test_a_container_the_runtime_lost_runs_again_only_as_its_restart_policy_says(
         policy: str, previous: Mapping[str, Any], verdict: Verdict,
         started: list[tuple[str, int, bool]]) -> None:

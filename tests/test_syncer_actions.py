@@ -14,6 +14,7 @@ from nodeagent.api.kube import PODS
 from nodeagent.pods.admission import Rejection
 from nodeagent.pods.cgroups import CgroupValues, MemoryCgroups
 from nodeagent.pods.decide import (
+    RETRY,
     KillContainer,
     PodActions,
     ResizeContainer,
@@ -179,18 +180,38 @@ async def test_a_kill_stops_the_container_with_the_kubelets_event() -> None:
 
 
 @aio
-async def test_a_created_container_is_started_and_a_new_one_created() -> None:
+async def test_a_created_container_is_replaced_and_a_new_one_created() -> None:
     r = Rig()
     pod = mkpod("p", containers=("a", "b"))
     sid = await r.sandbox(pod)
     created = await r.container(pod, sid, "a", start=False)
     res = await r.act(pod, PodActions(Verdict.RUN, sandbox=r.rt.sandboxes[sid], start=(
-        StartContainer(spec(pod, "a"), created=r.rt.containers[created]),
+        StartContainer(spec(pod, "a"), attempt=1, replaces=r.rt.containers[created]),
         StartContainer(spec(pod, "b")))))
     assert sorted(c.name for c in r.rt.running("uid-p")) == ["a", "b"]
-    assert r.state(created) == ContainerState.RUNNING
+    assert created not in r.rt.containers  # removed before its successor was made
+    assert [c.attempt for c in r.rt.find("uid-p", "a")] == [1]
     assert res.running  # every container up: nothing left to do
     assert r.status()["phase"] == "Running"
+
+
+@aio
+async def test_a_created_container_that_cannot_be_removed_gets_no_successor() -> None:
+    """While it is there it might yet start: the new attempt waits, the status says
+    why, and the next sync tries again."""
+    r = Rig()
+    pod = mkpod("p")
+    sid = await r.sandbox(pod)
+    created = await r.container(pod, sid, "c", start=False)
+    r.rt.fail["remove_container"] = ContainerRuntimeError("container is starting")
+    res = await r.act(pod, PodActions(Verdict.RUN, sandbox=r.rt.sandboxes[sid], start=(
+        StartContainer(spec(pod, "c"), attempt=1, replaces=r.rt.containers[created]),)))
+    assert [c.id for c in r.rt.find("uid-p", "c")] == [created]
+    assert res.requeue_after == RETRY
+    [st] = r.status()["containerStatuses"]
+    assert st["state"]["waiting"]["reason"] == "CreateContainerError"
+    assert "created and never started, could not be removed: container is starting" in \
+        st["state"]["waiting"]["message"]
 
 
 @aio

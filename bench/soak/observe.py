@@ -189,7 +189,8 @@ class Observer:
             for cs in p.status.container_statuses or []:
                 key = (uid, cs.name)
                 prev = self._container_ids.get(key)
-                if cs.container_id and not prev:
+                if cs.container_id and not prev and ran(cs):
+                    # one only created may yet be replaced: a start cut short
                     self._container_ids[key] = cs.container_id
                 replaced = bool(prev and cs.container_id and cs.container_id != prev)
                 if not (cs.restart_count or replaced):
@@ -214,11 +215,15 @@ class Observer:
     def _expected_failure(self, p: Any) -> bool:
         """A Job's pod of a rebooted virtual node ends Failed, its container lost
         (ContainerStatusUnknown): a run-once pod does not run twice; its Job makes
-        another (the Job must still complete)."""
-        return p.status.phase == "Failed" and self._rebooted(p) and all(
-            cs.state and cs.state.terminated
-            and cs.state.terminated.reason == "ContainerStatusUnknown"
-            for cs in p.status.container_statuses or [])
+        another (the Job must still complete). Or a start containerd's restart cut
+        short (start_cut_short)."""
+        if p.status.phase != "Failed":
+            return False
+        if self._rebooted(p):
+            return all(cs.state and cs.state.terminated
+                       and cs.state.terminated.reason == "ContainerStatusUnknown"
+                       for cs in p.status.container_statuses or [])
+        return self.pool_of_pod(p) == "cri" and start_cut_short(p, self.timeline)
 
     def _lost(self, pods: list[Any], t: float) -> None:
         self.checks["lost"] += 1
@@ -459,11 +464,41 @@ def pod_problem(p: Any, final: bool = False) -> str | None:
 def _reason(p: Any) -> str:
     parts = [f"{c.type}={c.status} {c.reason or ''}".strip()
              for c in p.status.conditions or [] if c.status != "True"]
+    if p.status.reason:
+        parts.append(f"pod {p.status.reason}: {p.status.message or ''}".strip(" :"))
     for cs in p.status.container_statuses or []:
         w = cs.state.waiting if cs.state else None
+        ended = cs.state.terminated if cs.state else None
         if w:
-            parts.append(f"{cs.name} waiting {w.reason}: {w.message or ''}".strip())
+            parts.append(f"{cs.name} waiting {w.reason}: {w.message or ''}".strip(" :"))
+        elif ended:
+            parts.append(f"{cs.name} exited {ended.exit_code} {ended.reason or ''}: "
+                         f"{ended.message or ''}".strip(" :"))
     return "; ".join(parts) or "no condition"
+
+
+def ran(cs: Any) -> bool:
+    """The container status says it started: running or terminated, now or before."""
+    last = cs.last_state.terminated if cs.last_state else None
+    return bool(cs.state and (cs.state.running or cs.state.terminated) or last)
+
+
+# containerd's reason for a container whose start failed (exit code 128)
+START_ERROR = "StartError"
+
+
+def start_cut_short(p: Any, timeline: rules.Timeline) -> bool:
+    """The pod failed only because containerd's restart cut a container's start short:
+    containerd marks such a container exited (128, StartError) as it goes down, the
+    kubelet's pod fails the same way (a run-once container is not started twice), and
+    its Job makes another. Each container ended 0, or so while containerd restarted."""
+    statuses = p.status.container_statuses or []
+    ends = [cs.state.terminated for cs in statuses if cs.state and cs.state.terminated]
+    if not ends or len(ends) < len(statuses):
+        return False
+    cut = [e for e in ends if e.reason == START_ERROR and e.finished_at is not None
+           and timeline.during("containerd-restart", e.finished_at.timestamp())]
+    return bool(cut) and all(e.exit_code == 0 or e in cut for e in ends)
 
 
 def status_mismatch(p: Any, view: Any) -> str | None:

@@ -57,6 +57,12 @@ class Timeline:
         before = [f for f in self.faults if f.start <= t and f.kind not in skip]
         return [f.describe(self.t0) for f in before[-n:]]
 
+    def during(self, kind: str, t: float, slack: float = 2.0) -> bool:
+        """A fault of `kind` was under way at `t` (within `slack` seconds: the API's
+        times have whole seconds)."""
+        return any(f.kind == kind and f.start - slack <= t <= f.end + slack
+                   for f in self.faults)
+
     def ended(self) -> float:
         return max((f.end for f in self.faults), default=self.t0)
 

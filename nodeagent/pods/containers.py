@@ -122,12 +122,20 @@ class Containers:
 
     async def start(self, pod: Pod, s: StartContainer, place: Place,
                     progress: Progress) -> None:
-        """Create and start the container once its image is there (or start the one
-        created earlier)."""
-        if s.created is not None:
-            await self._start_created(pod, s.created, progress)
-            return
+        """Create and start the container once its image is there (first removing the
+        one it replaces)."""
         spec, name, sc = s.spec, str(s.spec["name"]), place.config
+        if s.replaces is not None:
+            try:
+                await self.calls(self.runtime.remove_container(s.replaces.id),
+                                 "remove_container")
+            except ContainerRuntimeError as e:
+                # while it is there it might yet start: no second one beside it
+                progress.waiting[name] = Waiting(
+                    "CreateContainerError", f"container {s.replaces.id}, created and never "
+                                            f"started, could not be removed: {e}")
+                progress.again(RETRY)
+                return
         image = await self.images.ensure(pod, spec)
         if not image.ready:
             if image.waiting is not None:
@@ -185,16 +193,6 @@ class Containers:
     def _crashed(self, key: tuple[str, str, str], progress: Progress) -> None:
         self.backoff.restarted(key)
         progress.again(max(1.0, self.backoff.remaining(key)))
-
-    async def _start_created(self, pod: Pod, cur: Container, progress: Progress) -> None:
-        try:
-            await self.calls(self.runtime.start_container(cur.id), "start_container")
-            progress.started = True
-        except ContainerRuntimeError as e:
-            progress.waiting[cur.name] = Waiting("RunContainerError", str(e))
-            self.warn(pod, cur.name, f"Error: {e}")
-            await self.calls(self.runtime.remove_container(cur.id), "remove_container")
-            self._crashed((pod["metadata"]["uid"], cur.name, cur.spec_hash), progress)
 
     async def _config(self, pod: Pod, s: StartContainer, place: Place) -> ContainerConfig:
         """The container's config: environment, mounts, command. Raises ValueError or

@@ -140,7 +140,7 @@ class Verdict(enum.StrEnum):
 
 @dataclass(frozen=True)
 class StartContainer:
-    """Create and start a container (or start one created earlier)."""
+    """Create and start a container."""
     spec: Spec
     attempt: int = 0
     restarts: int = 0
@@ -148,7 +148,8 @@ class StartContainer:
     # a restart after a crash: counted by the back-off when it is attempted
     backoff_key: CrashKey | None = None
     target_id: str = ""              # an ephemeral container joins this one's processes
-    created: Container | None = None  # created but never started: start that one
+    # created earlier but never started: removed first, this attempt made in its place
+    replaces: Container | None = None
 
 
 @dataclass(frozen=True)
@@ -232,26 +233,55 @@ class _Decision:
 
     def run(self, start: StartContainer) -> None:
         name = str(start.spec["name"])
-        if name in self.refused and start.created is None:
+        if name in self.refused:
             self.refuse[name] = self.refused[name]
         else:
             self.start.append(start)
 
+    def _backing_off(self, spec: Spec) -> bool:
+        """The container's crash back-off still runs: it waits (CrashLoopBackOff)."""
+        meta = self.pod["metadata"]
+        left = self.verdicts.backoff.get(crash_key(str(meta["uid"]), spec))
+        if left is None:
+            return False
+        wait, delay = left
+        self.waiting[str(spec["name"])] = Waiting(
+            "CrashLoopBackOff",
+            f"back-off {delay:.0f}s restarting failed container={spec['name']} "
+            f"pod={meta['name']}_{meta.get('namespace', 'default')}({meta['uid']})")
+        self.again(wait)
+        return True
+
     def restart(self, spec: Spec, cur: Container, *, init: bool = False) -> None:
         """Start the next attempt of an exited container once its back-off allows."""
-        meta = self.pod["metadata"]
-        key = crash_key(str(meta["uid"]), spec)
-        left = self.verdicts.backoff.get(key)
-        if left is not None:
-            wait, delay = left
-            self.waiting[str(spec["name"])] = Waiting(
-                "CrashLoopBackOff",
-                f"back-off {delay:.0f}s restarting failed container={spec['name']} "
-                f"pod={meta['name']}_{meta.get('namespace', 'default')}({meta['uid']})")
-            self.again(wait)
+        if self._backing_off(spec):
             return
         self.run(StartContainer(spec, cur.attempt + 1, cur.restart_count + 1, init=init,
-                                backoff_key=key))
+                                backoff_key=crash_key(str(self.pod["metadata"]["uid"]), spec)))
+
+    def replace_created(self, spec: Spec, cur: Container, *, init: bool = False) -> None:
+        """A container created and never started: a start cut short (the agent or the
+        runtime stopped mid-start) can leave one that the runtime will not start again
+        (containerd then marks it exited, StartError). As the kubelet, which never
+        starts a container it did not just create, a new attempt is made in its place;
+        its restart count stays, as it never ran."""
+        if self._backing_off(spec):
+            return
+        self.run(StartContainer(spec, cur.attempt + 1, cur.restart_count, init=init,
+                                replaces=cur))
+
+    def kill_unknown(self, spec: Spec, cur: Container, *, init: bool = False,
+                     again: bool = True) -> None:
+        """A container the runtime reports in an unknown state may still run: it is
+        stopped, then (`again`) a new attempt started, so that two never run at once.
+        The kubelet's rule: a regular container starts again whatever the restart
+        policy; an init container of a Never pod does not (its exit code, once
+        stopped, decides the pod's fate)."""
+        what = "Init container" if init else "Container"
+        self.kill.append(KillContainer(cur, spec, f"{what} {spec['name']} is in an unknown "
+                                                  "state and may still run: stopped"))
+        if again:
+            self.run(StartContainer(spec, cur.attempt + 1, cur.restart_count + 1, init=init))
 
     def resize_or_restart(self, spec: Spec, cur: Container, *, init: bool = False) -> bool:
         """The running `cur` as its allocated resources say (the kubelet's
@@ -373,7 +403,9 @@ def compute_pod_actions(pod: Pod, rs: PodRuntimeStatus, previous: Mapping[str, A
                 return PodActions(Verdict.ENDED)
             d.restart(ic, cur, init=True)
         elif cur.state == ContainerState.CREATED:
-            d.run(StartContainer(ic, init=True, created=cur))
+            d.replace_created(ic, cur, init=True)
+        elif cur.state == ContainerState.UNKNOWN:
+            d.kill_unknown(ic, cur, init=True, again=policy != "Never")
         break
     if not init_blocked:
         for c in spec.get("containers") or []:
@@ -395,7 +427,9 @@ def compute_pod_actions(pod: Pod, rs: PodRuntimeStatus, previous: Mapping[str, A
                 else:
                     d.resize_or_restart(c, cur)
             elif cur.state == ContainerState.CREATED:
-                d.run(StartContainer(c, created=cur))
+                d.replace_created(c, cur)
+            elif cur.state == ContainerState.UNKNOWN:
+                d.kill_unknown(c, cur)
             elif cur.state == ContainerState.EXITED:
                 code = cur.exit_code or 0
                 if policy == "Always" or (policy == "OnFailure" and code != 0):
@@ -457,7 +491,10 @@ def _sidecar(d: _Decision, ic: Spec, cur: Container | None) -> bool:
         d.new(ic, init=True)
         return False
     if cur.state == ContainerState.CREATED:
-        d.run(StartContainer(ic, init=True, created=cur))
+        d.replace_created(ic, cur, init=True)
+        return False
+    if cur.state == ContainerState.UNKNOWN:
+        d.kill_unknown(ic, cur, init=True)
         return False
     if cur.state != ContainerState.RUNNING:
         d.restart(ic, cur, init=True)

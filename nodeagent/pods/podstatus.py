@@ -158,17 +158,21 @@ def _resources(spec: Mapping[str, Any], cur: Container,
     return out
 def ran_its_course(previous: Mapping[str, Any], name: str, policy: str) -> bool:
     """The status says the container ran, and by the restart policy it does not run
-    again: with Never, it started at all (it has a container id); with OnFailure, it
-    exited 0. For a container the runtime has no record of (a runtime that lost the
-    pod, a reboot): a run-once container that ran must not run twice (the kubelet's
-    rule too: "ran" is not "never ran"); its status says how it ended, or that it
-    could not be found."""
+    again: with Never, it started at all (running or terminated, now or before); with
+    OnFailure, it exited 0. For a container the runtime has no record of (a runtime
+    that lost the pod, a reboot): a run-once container that ran must not run twice (the
+    kubelet's rule too: "ran" is not "never ran"); its status says how it ended, or
+    that it could not be found. One only created (an id, waiting) never ran."""
     if policy == "Always":
         return False
     for s in previous.get("containerStatuses") or []:
         if s.get("name") == name and s.get("containerID"):
-            ended = (s.get("state") or {}).get("terminated")
-            return policy == "Never" or (ended is not None and ended.get("exitCode") == 0)
+            state = s.get("state") or {}
+            ended = state.get("terminated")
+            ran = "running" in state or ended is not None or \
+                "terminated" in (s.get("lastState") or {})
+            return ran and (policy == "Never"
+                            or (ended is not None and ended.get("exitCode") == 0))
     return False
 
 
@@ -212,7 +216,9 @@ def _container_statuses(specs: list[Mapping[str, Any]], rs: PodRuntimeStatus, *,
             elif cur.state == ContainerState.EXITED:
                 st["state"] = {"terminated": _terminated(cur, scheme, messages)}
             else:  # CREATED or UNKNOWN
-                st["state"] = {"waiting": {"reason": w.reason if w else "ContainerCreating"}}
+                st["state"] = {"waiting": {"reason": w.reason if w else "ContainerCreating",
+                                           **({"message": w.message} if w and w.message
+                                              else {})}}
             if not st["lastState"] and older is not None:
                 st["lastState"] = {"terminated": _terminated(older, scheme, messages)}
         if not st["lastState"]:

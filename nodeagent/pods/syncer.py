@@ -224,8 +224,8 @@ class PodSyncer:
         refuse = dict(act.refuse)
         starts = act.start
         if unnamed is not None:  # nothing new can be created in the sandbox
-            refuse.update((str(s.spec["name"]), unnamed) for s in starts if s.created is None)
-            starts = tuple(s for s in starts if s.created is not None)
+            refuse.update((str(s.spec["name"]), unnamed) for s in starts)
+            starts = ()
         progress.waiting.update(self._refuse(pod, refuse))
         for s in starts:
             await self.containers.start(pod, s, place, progress)
