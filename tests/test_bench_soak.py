@@ -150,6 +150,10 @@ def test_a_start_cut_short_by_containerd_is_its_verdict_not_a_lost_pod():
     assert not observe.start_cut_short(_ended(128, "StartError", 2005), tl)  # not containerd
     assert not observe.start_cut_short(_ended(1, "Error", 1003), tl)
     assert not observe.start_cut_short(_pod("job-cri", "Failed"), tl)  # no container at all
+    # a restarted container's last state, judged alike
+    assert observe.cut_short(_ended(128, "StartError", 1003).status.container_statuses[0]
+                             .state.terminated, tl)
+    assert not observe.cut_short(None, tl)
 
 
 def test_a_container_counts_as_run_once_it_started():

@@ -198,6 +198,8 @@ class Observer:
                 if self._rebooted(p):
                     continue  # the fake runtime's containers die with its agent (a reboot)
                 last = cs.last_state.terminated if cs.last_state else None
+                if cut_short(last, self.timeline):
+                    continue  # containerd failed its start: a failure, restarted
                 why = (f"last state: exit {last.exit_code} {last.reason} {last.message or ''}"
                        if last else "no last state")
                 self.violate("restarted", f"pod {p.metadata.name} container {cs.name}",
@@ -487,17 +489,23 @@ def ran(cs: Any) -> bool:
 START_ERROR = "StartError"
 
 
+def cut_short(ended: Any, timeline: rules.Timeline) -> bool:
+    """A container that ended because containerd's restart cut its start short:
+    containerd marks it exited (128, StartError) as it goes down."""
+    return bool(ended is not None and ended.reason == START_ERROR
+                and ended.finished_at is not None
+                and timeline.during("containerd-restart", ended.finished_at.timestamp()))
+
+
 def start_cut_short(p: Any, timeline: rules.Timeline) -> bool:
-    """The pod failed only because containerd's restart cut a container's start short:
-    containerd marks such a container exited (128, StartError) as it goes down, the
-    kubelet's pod fails the same way (a run-once container is not started twice), and
-    its Job makes another. Each container ended 0, or so while containerd restarted."""
+    """The pod failed only because containerd's restart cut a container's start short
+    (cut_short): the kubelet's pod fails the same way (a run-once container is not
+    started twice), and its Job makes another. Each container ended 0, or so."""
     statuses = p.status.container_statuses or []
     ends = [cs.state.terminated for cs in statuses if cs.state and cs.state.terminated]
     if not ends or len(ends) < len(statuses):
         return False
-    cut = [e for e in ends if e.reason == START_ERROR and e.finished_at is not None
-           and timeline.during("containerd-restart", e.finished_at.timestamp())]
+    cut = [e for e in ends if cut_short(e, timeline)]
     return bool(cut) and all(e.exit_code == 0 or e in cut for e in ends)
 
 
