@@ -103,10 +103,10 @@ def test_node_identity_through_a_certificate_signing_request(
 
 
 def test_free_port_never_hands_out_a_port_twice(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The kernel may offer a port again once it is closed; free_port skips it."""
+    """A port may come up again once it is closed; free_port skips it."""
     from nodepulse_dev import ports as ports_mod
 
-    offered = iter([40001, 40001, 40002])
+    offered = iter([20001, 20001, 20002])
 
     class Offering:
         def __enter__(self) -> Offering:
@@ -118,13 +118,12 @@ def test_free_port_never_hands_out_a_port_twice(monkeypatch: pytest.MonkeyPatch)
         def bind(self, address: tuple[str, int]) -> None:
             pass
 
-        def getsockname(self) -> tuple[str, int]:
-            return "127.0.0.1", next(offered)
-
     monkeypatch.setattr(ports_mod, "_handed_out", set())
+    monkeypatch.setattr(ports_mod, "_rng", types.SimpleNamespace(
+        randrange=lambda low, high: next(offered)))
     # only this module's name for socket: other threads keep the real one
     monkeypatch.setattr(ports_mod, "socket", types.SimpleNamespace(socket=Offering))
-    assert [ports_mod.free_port(), ports_mod.free_port()] == [40001, 40002]
+    assert [ports_mod.free_port(), ports_mod.free_port()] == [20001, 20002]
 
 
 def test_a_port_taken_before_it_is_bound_starts_again_elsewhere(

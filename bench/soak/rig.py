@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import urllib3
 from kubernetes import client
 
 from e2e.harness.nodeenv import AgentProc, cri_view
@@ -37,6 +38,9 @@ from e2e.harness.tcpproxy import TcpProxy, proxied_kubeconfig
 from e2e.harness.waits import eventually
 from nodeagent.api.policy import GROUP, HEARTBEAT_ANNOTATION, PLURAL, VERSION
 from nodepulse_dev import LocalCluster
+
+# what an API call raises when the API server refuses it or cannot be reached
+API_DOWN = (client.ApiException, urllib3.exceptions.HTTPError)
 
 # the policies: the containerd node's Lease 20 s (renewed every 5 s), grace 40 s; the
 # virtual nodes' 40 s (every 10 s), grace 60 s
@@ -153,11 +157,13 @@ class Rig:
 
     def stop(self, namespace: str | None) -> list[str]:
         """Delete the workload (its pods stopped by their agents), stop everything by
-        PID, delete the Nodes, Leases and policies; what was left running (swept)."""
+        PID, delete the Nodes, Leases and policies; what was left running (swept). The
+        processes are stopped even when the API cannot be reached (a control plane the
+        faults left down)."""
         api = self.cluster.api_client()
         core = client.CoreV1Api(api)
         if namespace:
-            with contextlib.suppress(client.ApiException):
+            with contextlib.suppress(*API_DOWN):
                 core.delete_namespace(namespace)
             if self.cri is not None and self.cri.running():
                 with contextlib.suppress(AssertionError):
@@ -182,11 +188,11 @@ class Rig:
         for n in self.nodes():
             for delete in (lambda n=n: core.delete_node(n),
                            lambda n=n: coord.delete_namespaced_lease(n, "kube-node-lease")):
-                with contextlib.suppress(client.ApiException):
+                with contextlib.suppress(*API_DOWN):
                     delete()
         custom = client.CustomObjectsApi(api)
         for name in self.policy_names.values():
-            with contextlib.suppress(client.ApiException):
+            with contextlib.suppress(*API_DOWN):
                 custom.delete_cluster_custom_object(GROUP, VERSION, PLURAL, name)
         api.close()
         return [f"pid {p}" for p in leftovers]
