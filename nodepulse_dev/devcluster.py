@@ -172,6 +172,8 @@ class DevCluster:
                 return self
             self.address = o.node_ip or node_address()
             self._kubectl("apply", "--server-side", "-f", str(CRD))
+            # served only once Established: a policy created before that is a 404
+            self._kubectl("wait", "--for=condition=Established", "--timeout=60s", "-f", str(CRD))
             self._apply_policies()
             bindir = Path(sys.executable).parent
             self._spawn("operator", [str(bindir / "nodepulse-operator"),
