@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import copy
 import datetime as dt
+import json
 import os
 import time
 import uuid
@@ -222,7 +223,7 @@ def test_mirror_problem_predicts_node_restriction(cluster: Cluster, patch: dict)
     body = mirror_pod(static, node_uid)
     predicted = mirror_problem(static)
     try:
-        request_json(api, "POST", "/api/v1/namespaces/default/pods", body=body)
+        create_mirror(api, node, body)
     except ApiException as e:
         assert predicted is not None, f"the API server refused a mirror we allow: {e.body}"
         assert e.status == 403
@@ -240,6 +241,23 @@ def test_mirror_problem_predicts_node_restriction(cluster: Cluster, patch: dict)
         request_json(api, "POST", "/api/v1/namespaces/default/pods", body=bare)
     assert refused.value.status == 403 and "owner reference" in str(refused.value.body)
     cleanup(cluster, node)
+
+
+def create_mirror(api: client.ApiClient, node: str, body: dict) -> None:
+    """POST a mirror pod. NodeRestriction looks the Node up in the API server's cache,
+    which may not hold a Node created a moment ago: it answers 404 naming the Node until
+    it does (the agent retries such a refusal too)."""
+    deadline = time.monotonic() + WAIT
+    while True:
+        try:
+            request_json(api, "POST", "/api/v1/namespaces/default/pods", body=body)
+            return
+        except ApiException as e:
+            details = json.loads(e.body or "{}").get("details", {}) if e.status == 404 else {}
+            not_cached = details.get("kind") == "nodes" and details.get("name") == node
+            if not not_cached or time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
 
 
 def bound_pod(name: str, node: str) -> dict:
