@@ -315,8 +315,9 @@ class DevCluster:
                     self.runtime = f"the process runtime (containerd did not start: {e})"
                 else:
                     self.runtime = f"containerd (pid {self.ctd.pid}, {self.ctd.endpoint})"
-                    runtime = ["--runtime=cri",
-                               f"--container-runtime-endpoint={self.ctd.endpoint}"]
+                    # its pods' cgroups under the containerd's own root: another agent
+                    # on this host (a kubelet, another dev cluster) keeps /kubepods
+                    runtime = self.ctd.agent_flags
             if o.require_containerd and self.ctd is None:
                 raise RuntimeError("containerd is not installed (apt package containerd)")
         self.manifests.mkdir(exist_ok=True)
