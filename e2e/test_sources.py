@@ -30,6 +30,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from e2e.harness.apirequests import request_json
+from e2e.harness.waits import eventually as eventually_sync
 from nodeagent.api.client import load_credentials, new_api_client
 from nodeagent.api.clock import FakeClock, RealClock, settle
 from nodeagent.api.kube import RestKube
@@ -246,18 +247,17 @@ def test_mirror_problem_predicts_node_restriction(cluster: Cluster, patch: dict)
 def create_mirror(api: client.ApiClient, node: str, body: dict) -> None:
     """POST a mirror pod. NodeRestriction looks the Node up in the API server's cache,
     which may not hold a Node created a moment ago: it answers 404 naming the Node until
-    it does (the agent retries such a refusal too)."""
-    deadline = time.monotonic() + WAIT
-    while True:
+    it does (the agent retries such a refusal too); any other refusal is raised."""
+    def post() -> bool | None:
         try:
             request_json(api, "POST", "/api/v1/namespaces/default/pods", body=body)
-            return
         except ApiException as e:
             details = json.loads(e.body or "{}").get("details", {}) if e.status == 404 else {}
-            not_cached = details.get("kind") == "nodes" and details.get("name") == node
-            if not not_cached or time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
+            if details.get("kind") == "nodes" and details.get("name") == node:
+                return None
+            raise
+        return True
+    eventually_sync(post, f"the API server's cache to hold Node {node}", timeout=WAIT)
 
 
 def bound_pod(name: str, node: str) -> dict:
