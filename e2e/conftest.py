@@ -59,11 +59,17 @@ def registry() -> Iterator[Registry]:
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]
                               ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
-    """A failing e2e test shows the end of each control-plane component's log."""
+    """A failing e2e test shows the end of each control-plane component's log, and of
+    the log of each of its fixtures that has one (an agent it started elsewhere)."""
     report = yield
-    if report.failed and _clusters:
-        for name, path in _clusters[-1].component_logs().items():
-            if path.exists():
-                tail = path.read_text(errors="replace").splitlines()[-40:]
-                report.sections.append((f"{name} log (last 40 lines)", "\n".join(tail)))
+    if not report.failed:
+        return report
+    logs = dict(_clusters[-1].component_logs()) if _clusters else {}
+    for name, value in getattr(item, "funcargs", {}).items():
+        if isinstance(getattr(value, "log", None), Path):
+            logs.setdefault(f"{name} fixture's", value.log)
+    for name, path in logs.items():
+        if path.exists():
+            tail = path.read_text(errors="replace").splitlines()[-40:]
+            report.sections.append((f"{name} log (last 40 lines)", "\n".join(tail)))
     return report

@@ -220,7 +220,7 @@ def test_the_service_accounts_secret_is_used(node: Node) -> None:
 
 def test_never_with_a_missing_image(node: Node) -> None:
     n = node
-    missing = n.image.replace(":1", ":never-pushed")
+    missing = n.image.rpartition(":")[0] + ":never-pushed"  # the tag, not the port's ":1"
     n.pod("never", image=missing, policy="Never")
     seen = reasons_until(n, ["never"], "ErrImageNeverPull")["never"]
     assert "running" not in seen
