@@ -310,7 +310,7 @@ def render_churn(results: Iterable[ChurnResult], markdown: bool = False) -> str:
              f"{r.subject_cpu_s:.1f}", f"{r.apiserver_cpu_s:.1f}", f"{r.subject_rss_mb:.0f}",
              str(r.job_pods), str(r.job_succeeded), _s(r.job_s, "{:.1f}")]
             for r in results]
-    return "\n".join(_table(head, rows, markdown))
+    return "\n".join(table(head, rows, markdown))
 
 
 # ---- rounds pooled: the startup distribution over all rounds and a bootstrap interval
@@ -480,7 +480,7 @@ def intervals(results: Iterable[ChurnResult], resamples: int = BOOTSTRAP_RESAMPL
     return out
 
 
-def _table(head: list[str], rows: list[list[str]], markdown: bool) -> list[str]:
+def table(head: list[str], rows: list[list[str]], markdown: bool) -> list[str]:
     if markdown:
         return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head),
                 *("| " + " | ".join(r) + " |" for r in rows)]
@@ -506,16 +506,16 @@ def render_pooled(pools: list[Pooled], found: list[Interval], markdown: bool = F
              *(_s(p.startup_s[x], "{:.3f}") for x in labels),
              _s(p.node_startup_s["p50"], "{:.3f}"), _s(p.node_startup_s["p99"], "{:.3f}")]
             for p in pools]
-    lines = _table(head, rows, markdown)
+    lines = table(head, rows, markdown)
     if found:
         head = ["nodes", "ratio", "percentile", "pooled ratio", f"{level:.0%} interval",
                 "verdict"]
         rows = [[str(i.nodes), f"{i.num}/{i.den}", _label(i.q), _fmt_ratio(i.ratio),
                  f"[{_fmt_ratio(i.low)}, {_fmt_ratio(i.high)}]", i.verdict] for i in found]
-        lines += ["", *_table(head, rows, markdown)]
+        lines += ["", *table(head, rows, markdown)]
     head = ["subject", "nodes", "subject CPU s min/med/max", "apiserver CPU s min/med/max",
             "subject RSS MB min/med/max"]
     rows = [[p.subject, str(p.nodes), _spread(p.subject_cpu_s, "{:.1f}"),
              _spread(p.apiserver_cpu_s, "{:.1f}"), _spread(p.subject_rss_mb, "{:.0f}")]
             for p in pools]
-    return "\n".join([*lines, "", *_table(head, rows, markdown)])
+    return "\n".join([*lines, "", *table(head, rows, markdown)])

@@ -91,22 +91,35 @@ def _load_node_images(cluster: KindCluster, name: str, tars: dict[str, Path]) ->
 def kind_cluster(agent: str, workdir: Path, log: Callable[[str], None] = print,
                  keep_logs: bool = False) -> Iterator[KindCluster]:
     """A kind cluster whose nodes run `agent`, with the specs' images, on a private
-    Docker engine; deleted, and the engine stopped, when the block ends. Then raises
-    if the engine left a process, a link or an iptables rule on the host (a kernel
-    tunable a node changed is restored and said)."""
+    Docker engine; deleted, and the engine stopped, when the block ends."""
     workdir.mkdir(parents=True, exist_ok=True)
     tars = images.conformance_images()  # before anything runs: a build takes a while
+    config = cluster_config(agent, workdir / "kind-config.yaml")
+    with private_kind_cluster(config, (agent,), workdir, tars, log, keep_logs) as cluster:
+        yield cluster
+
+
+@contextlib.contextmanager
+def private_kind_cluster(config: Path, agents: tuple[str, ...], workdir: Path,
+                         tars: dict[str, Path], log: Callable[[str], None] = print,
+                         keep_logs: bool = False) -> Iterator[KindCluster]:
+    """The kind cluster of `config`, whose nodes run the node images of `agents`, with
+    the image `tars` imported into every node, on a private Docker engine; deleted, and
+    the engine stopped, when the block ends. Then raises if the engine left a process,
+    a link or an iptables rule on the host (a kernel tunable a node changed is restored
+    and said)."""
     links, rules = host_links(), host_rules()
     children: list[int] = []
     with HostSysctls() as sysctls, start_dockerd() as engine:
-        started = time.monotonic()
-        if agent == "nodepulse":
-            agent_node.load_agent_node_image(engine, log)
-        else:
-            node.load_node_image(engine, log)
-        log(f"{node_image(agent)} in the engine: {time.monotonic() - started:.0f} s")
-        config = cluster_config(agent, workdir / "kind-config.yaml")
-        cluster = KindCluster.create(engine, workdir, log, config, node_image(agent))
+        for agent in agents:
+            started = time.monotonic()
+            if agent == "nodepulse":
+                agent_node.load_agent_node_image(engine, log)
+            else:
+                node.load_node_image(engine, log)
+            log(f"{node_image(agent)} in the engine: {time.monotonic() - started:.0f} s")
+        cluster = KindCluster.create(engine, workdir, log, config,
+                                     tuple(node_image(a) for a in agents))
         try:
             started = time.monotonic()
             load_images(cluster, tars)

@@ -27,16 +27,17 @@ from nodepulse_dev import build
 CONFIG = Path(__file__).parent / "kind-config.yaml"
 
 
-def load_config(path: Path = CONFIG, image: str | None = None) -> dict[str, Any]:
-    """The kind config, checked against what the suite builds: every node runs the
-    node image made here (`image`: node.py's, unless a variant is named), and etcd's
+def load_config(path: Path = CONFIG, image: str | tuple[str, ...] | None = None
+                ) -> dict[str, Any]:
+    """The kind config, checked against what the suite builds: every node runs a
+    node image made here (`image`: node.py's, unless variants are named), and etcd's
     tag is the version of the suite's etcd."""
-    image = image or node.image_name()
+    allowed = (image,) if isinstance(image, str) else image or (node.image_name(),)
     cfg: dict[str, Any] = yaml.safe_load(path.read_text())
     for n in cfg["nodes"]:
-        if n.get("image") != image:
+        if n.get("image") not in allowed:
             raise RuntimeError(f"{path}: node image {n.get('image')!r} is not the one "
-                               f"the suite builds ({image})")
+                               f"the suite builds ({' or '.join(allowed)})")
     patches = "\n".join(cfg.get("kubeadmConfigPatches", []))
     if f"imageTag: {node.ETCD_IMAGE_TAG}" not in patches:
         raise RuntimeError(f"{path}: the ClusterConfiguration patch must set etcd's "
@@ -129,7 +130,8 @@ class KindCluster:
 
     @classmethod
     def create(cls, engine: Dockerd, workdir: Path, log: Callable[[str], None] = print,
-               config: Path = CONFIG, image: str | None = None) -> KindCluster:
+               config: Path = CONFIG, image: str | tuple[str, ...] | None = None
+               ) -> KindCluster:
         cfg = load_config(config, image)
         cluster = cls(engine, workdir, cfg["name"])
         started = time.monotonic()
