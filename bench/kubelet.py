@@ -234,8 +234,7 @@ class Bench:
         if set(self.workers) != set(AGENTS):
             raise RuntimeError(f"workers labelled {LABEL}: {self.workers}")
         self.control_plane = f"{CLUSTER_NAME}-control-plane"
-        self.ticks = float(self.cluster.node_exec(self.control_plane, "getconf",
-                                                  "CLK_TCK").strip())
+        self.ticks = os.sysconf("SC_CLK_TCK")  # the nodes' kernel is this one
 
     # the agent's process
     def agent_pid(self, agent: str) -> int:
