@@ -149,9 +149,20 @@ def summary(rounds: list[Round]) -> dict[str, dict[str, tuple[float, float, floa
     return out
 
 
+def verdict(kubelet_range: tuple[float, float, float],
+            nodepulse_range: tuple[float, float, float]) -> str:
+    """"lower" or "higher" when every round of nodepulse is below (above) every round of
+    the kubelet; "ranges overlap" when the rounds cannot tell the two apart."""
+    if nodepulse_range[2] < kubelet_range[0]:
+        return "lower"
+    if nodepulse_range[0] > kubelet_range[2]:
+        return "higher"
+    return "ranges overlap"
+
+
 def render(rounds: list[Round], markdown: bool = False) -> str:
     s = summary(rounds)
-    head = ["figure", "kubelet", "nodepulse", "nodepulse / kubelet"]
+    head = ["figure", "kubelet", "nodepulse", "nodepulse / kubelet", "nodepulse's rounds"]
     rows = []
     for key, (label, _, fmt) in FIGURES.items():
         cells = [label]
@@ -159,7 +170,7 @@ def render(rounds: list[Round], markdown: bool = False) -> str:
             lo, mid, hi = s[key].get(agent, (float("nan"),) * 3)
             cells.append(f"{fmt.format(mid)} ({fmt.format(lo)}-{fmt.format(hi)})")
         k, n = s[key].get("kubelet"), s[key].get("nodepulse")
-        cells.append(f"{measure.ratio(n[1], k[1]):.2f}x" if k and n else "-")
+        cells += [f"{measure.ratio(n[1], k[1]):.2f}x", verdict(k, n)] if k and n else ["-"] * 2
         rows.append(cells)
     lines = measure.table(head, rows, markdown)
     kinds: dict[str, Counter[str]] = {a: Counter() for a in AGENTS}
@@ -385,14 +396,18 @@ def run(args: argparse.Namespace) -> list[Round]:
 
 
 def write_docs(rounds: list[Round], command: str, started: str) -> None:
-    DOC.with_suffix(".json").write_text(json.dumps([asdict(r) for r in rounds], indent=1))
+    DOC.with_suffix(".json").write_text(json.dumps(
+        {"command": command, "started": started, "rounds": [asdict(r) for r in rounds]},
+        indent=1))
     DOC.write_text(
         "# The kubelet and nodepulse side by side (bench.kubelet)\n\n"
         f"Written by `{command}`, started {started}, on {os.cpu_count()} cores. "
         "The method is bench/kubelet.py's docstring: two identical kind workers of one "
         "cluster, one with each agent; per figure the median of the rounds, their range "
         "in parentheses (startup percentiles: all rounds' pods pooled, the range the "
-        "rounds'). The rounds' own figures are kubelet.json.\n\n"
+        "rounds'). The last column says whether every round of nodepulse was below "
+        "(lower) or above (higher) every round of the kubelet. The rounds' own figures "
+        "are kubelet.json.\n\n"
         + render(rounds, markdown=True) + "\n")
 
 
@@ -407,13 +422,22 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--timeout", type=float, default=600, help="seconds for each wait")
     p.add_argument("--workdir", help="where the cluster's config and kubeconfig go")
     p.add_argument("--write-docs", action="store_true", help=f"write {DOC.name} and its json")
+    p.add_argument("--from-json", type=Path, metavar="FILE",
+                   help="no run: print (and with --write-docs, write) the rounds a run "
+                        f"saved in FILE ({DOC.with_suffix('.json').name})")
     args = p.parse_args(argv)
     args.log = lambda m: print(m, flush=True)
-    started = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    rounds = run(args)
+    if args.from_json:
+        saved = json.loads(args.from_json.read_text())
+        rounds = [Round(**r) for r in saved["rounds"]]
+        command, started = saved["command"], saved["started"]
+    else:
+        started = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+        command = "python -m bench.kubelet " + shlex.join(sys.argv[1:])
+        rounds = run(args)
     print(render(rounds))
     if args.write_docs:
-        write_docs(rounds, "python -m bench.kubelet " + shlex.join(sys.argv[1:]), started)
+        write_docs(rounds, command, started)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -89,3 +90,21 @@ def test_the_cluster_has_one_worker_per_agent_and_audits_only_the_workers(tmp_pa
     assert api["extraArgs"]["audit-log-path"] == kubelet.AUDIT_LOG
     with pytest.raises(RuntimeError, match="is not the one the suite builds"):
         cluster.load_config(config)  # the kubelet's image only: the variant is refused
+
+
+def test_the_verdict_needs_every_round_on_one_side() -> None:
+    assert kubelet.verdict((10, 12, 14), (5, 6, 9.9)) == "lower"
+    assert kubelet.verdict((10, 12, 14), (14.1, 15, 16)) == "higher"
+    assert kubelet.verdict((10, 12, 14), (5, 6, 10)) == "ranges overlap"
+
+
+def test_a_saved_run_is_rendered_again_without_a_cluster(tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]
+                                                         ) -> None:
+    rounds = [a_round("kubelet", 1, 1.0), a_round("nodepulse", 1, 0.5)]
+    saved = tmp_path / "kubelet.json"
+    saved.write_text(json.dumps({"command": "python -m bench.kubelet", "started": "then",
+                                 "rounds": [dataclasses.asdict(r) for r in rounds]}))
+    kubelet.main(["--from-json", str(saved)])
+    out = capsys.readouterr().out
+    assert "0.50x" in out and "lower" in out
