@@ -156,6 +156,8 @@ def _resources(spec: Mapping[str, Any], cur: Container,
     put("requests", "cpu", applied.cpu_request_millis, MIN_CPU_REQUEST_MILLIS)
     put("requests", "memory", applied.memory_request_bytes)
     return out
+
+
 def ran_its_course(previous: Mapping[str, Any], name: str, policy: str) -> bool:
     """The status says the container ran, and by the restart policy it does not run
     again: with Never, it started at all (running or terminated, now or before); with
