@@ -107,7 +107,7 @@ class Round:
     startup_s: list[float]    # the burst's pods, create to Running
     burst_cpu_s: float        # the agent's CPU from the burst's start until 110 Ready
     requests_per_pod: float
-    requests: dict[str, float] = field(default_factory=dict)  # by kind, per pod, net
+    requests: dict[str, float] = field(default_factory=dict)  # by kind, per pod (idle ones included)
 
     @property
     def p50(self) -> float:
@@ -179,8 +179,8 @@ def render(rounds: list[Round], markdown: bool = False) -> str:
                                for k, v in r.requests.items()})
     top = sorted(set(kinds["kubelet"]) | set(kinds["nodepulse"]),
                  key=lambda k: -(kinds["kubelet"][k] + kinds["nodepulse"][k]))
-    lines += ["", "API requests per pod by kind (mean of the rounds, net of the idle rate):",
-              ""]
+    lines += ["", "API requests per pod by kind (mean of the rounds; the idle ones, Lease "
+              "renewals mostly, not taken off):", ""]
     lines += measure.table(["request", "kubelet", "nodepulse"],
                             [[k, f"{kinds['kubelet'][k]:.2f}", f"{kinds['nodepulse'][k]:.2f}"]
                              for k in top if max(abs(kinds[a][k]) for a in AGENTS) >= 0.05],
