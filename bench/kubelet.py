@@ -43,6 +43,7 @@ from typing import Any
 import yaml
 
 from bench import measure
+from e2e.harness.waits import eventually
 
 AGENTS = ("kubelet", "nodepulse")
 LABEL = "bench.nodepulse.dev/agent"  # on each worker: which agent runs it
@@ -297,13 +298,6 @@ class Bench:
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             return dict(pool.map(one, names))
 
-    def wait(self, what: str, done: Callable[[], bool], timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while not done():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{what}: not within {timeout:.0f} s")
-            time.sleep(1)
-
     def pods(self, agent: str) -> list[Any]:
         return self.core.list_namespaced_pod(NAMESPACE,
                                              label_selector=f"{LABEL}={agent}").items
@@ -333,14 +327,14 @@ class Bench:
             busy_start = time.time()
             cpu0, _ = self.sample(agent, pid)
             sent = self.create([f"{agent}-{number}-{i}" for i in range(BURST)], agent)
-            self.wait(f"{agent}: {BURST} pods Running",
-                      lambda: set(sent) <= set(watch.running), self.args.timeout)
+            eventually(lambda: set(sent) <= set(watch.running),
+                       f"{agent}: {BURST} pods Running", self.args.timeout, every=1)
             startup = [watch.running[uid] - t for uid, t in sent.items()]
         finally:
             watch.stop()
         self.create([f"{agent}-{number}-{i}" for i in range(BURST, STEADY)], agent)
-        self.wait(f"{agent}: {STEADY} pods Ready", lambda: self.all_ready(agent, STEADY),
-                  self.args.timeout)
+        eventually(lambda: self.all_ready(agent, STEADY), f"{agent}: {STEADY} pods Ready",
+                   self.args.timeout, every=1)
         burst_cpu = self.sample(agent, pid)[0] - cpu0
         log(f"{agent} round {number}: startup p50 {measure.percentile(startup, 50):.2f} s, "
             f"p99 {measure.percentile(startup, 99):.2f} s; {burst_cpu:.1f} CPU-s to "
@@ -350,7 +344,8 @@ class Bench:
             f"{busy_rss:.1f} MB")
         self.core.delete_collection_namespaced_pod(NAMESPACE,
                                                    label_selector=f"{LABEL}={agent}")
-        self.wait(f"{agent}: pods gone", lambda: not self.pods(agent), self.args.timeout)
+        eventually(lambda: not self.pods(agent), f"{agent}: pods gone", self.args.timeout,
+                   every=1)
         busy_end = time.time()
         if self.agent_pid(agent) != pid:
             raise RuntimeError(f"{agent}: the agent restarted during round {number}")
@@ -370,10 +365,9 @@ class Bench:
         self.core.create_namespace({"metadata": {"name": NAMESPACE}})
         self.core.create_namespaced_config_map(NAMESPACE, {
             "metadata": {"name": "bench"}, "data": {"greeting": "hello"}})
-        self.wait("the namespace's default service account",
-                  lambda: any(sa.metadata.name == "default" for sa in
-                              self.core.list_namespaced_service_account(NAMESPACE).items),
-                  120)
+        eventually(lambda: any(sa.metadata.name == "default" for sa in
+                               self.core.list_namespaced_service_account(NAMESPACE).items),
+                   "the namespace's default service account", 120, every=1)
 
 
 def run(args: argparse.Namespace) -> list[Round]:
