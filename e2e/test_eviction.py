@@ -104,7 +104,7 @@ def node(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         with open(base / "agent.log", "ab") as log:
             proc = subprocess.Popen(
                 [str(AGENT), f"--node-name={name}", f"--kubeconfig={kubeconfig}",
-                 f"--root-dir={root}", f"--config={config}", *ctd.agent_flags,
+                 f"--root-dir={root}", f"--config={config}", *ctd.runtime_flags,
                  f"--healthz-bind-address=127.0.0.1:{free_port()}",
                  "--node-status-update-frequency=2s",
                  f"--register-with-taints={TAINT_KEY}={name}:NoSchedule"],

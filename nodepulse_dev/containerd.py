@@ -16,6 +16,7 @@ containerd. Two builds, both on Debian's runc:
     ctd = start_containerd(build="built")
     ctd.endpoint                         # "unix:///tmp/np-ctd-.../containerd.sock"
     ctd.agent_flags                      # what an agent on it is started with
+    ctd.runtime_flags                    # the same without the shared host's thresholds
     ...
     ctd.stop()                           # sandboxes, shims, containerd, bridge, files,
                                          # the cgroup root
@@ -61,6 +62,16 @@ from nodepulse_dev.processes import stop_process
 CNI_BIN_DIR = Path("/usr/lib/cni")
 
 BUILDS = ("debian", "built")
+
+# A node here shares the host's disks with everything else on the host. The kubelet's
+# default thresholds are percentages of those disks, so a host full of other things
+# would put this node under DiskPressure (its pods evicted or refused) and its image GC
+# would delete the images its pods run. These guard what the node itself needs; image
+# GC is off (a high threshold of 100). A test of eviction or GC sets its own, with
+# runtime_flags.
+SHARED_HOST_THRESHOLDS = (
+    "--eviction-hard=memory.available<100Mi,nodefs.available<1Gi,imagefs.available<1Gi",
+    "--image-gc-high-threshold=100")
 
 CONFIG_DEBIAN = """\
 version = 2
@@ -211,10 +222,15 @@ class Containerd:
         return f"/nodepulse-e2e-{self.base.name}"
 
     @property
-    def agent_flags(self) -> list[str]:
+    def runtime_flags(self) -> list[str]:
         """An agent's flags to run its pods here, under cgroup_root."""
         return ["--runtime=cri", f"--container-runtime-endpoint={self.endpoint}",
                 f"--cgroup-root={self.cgroup_root}"]
+
+    @property
+    def agent_flags(self) -> list[str]:
+        """runtime_flags, and the thresholds of a node that shares the host's disk."""
+        return [*self.runtime_flags, *SHARED_HOST_THRESHOLDS]
 
     @property
     def socket(self) -> Path:
