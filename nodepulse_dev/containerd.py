@@ -67,8 +67,8 @@ BUILDS = ("debian", "built")
 # default thresholds are percentages of those disks, so a host full of other things
 # would put this node under DiskPressure (its pods evicted or refused) and its image GC
 # would delete the images its pods run. These guard what the node itself needs; image
-# GC is off (a high threshold of 100). A test of eviction or GC sets its own, with
-# runtime_flags.
+# GC is off (a high threshold of 100), as kind sets its nodes. A test of eviction or GC
+# sets its own, with runtime_flags.
 SHARED_HOST_THRESHOLDS = (
     "--eviction-hard=memory.available<100Mi,nodefs.available<1Gi,imagefs.available<1Gi",
     "--image-gc-high-threshold=100")

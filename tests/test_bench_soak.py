@@ -11,6 +11,7 @@ import pytest
 from kubernetes import client
 
 from bench.soak import observe, rules
+from bench.soak.__main__ import build_parser, rerun_command
 from bench.soak.schedule import KINDS, LANES, kinds_of, schedule
 from e2e.harness.nodeenv import RtContainer, RtView
 
@@ -211,3 +212,16 @@ def test_kinds_left_out_are_never_injected():
     assert faults == schedule(2, 3600, without=spared)
     with pytest.raises(ValueError, match="unknown fault kind.*agent-kil\\b"):
         schedule(2, 3600, without=frozenset({"agent-kil"}))
+
+
+def test_the_printed_command_injects_the_same_faults():
+    """A run is reproduced from what it printed: every option the schedule depends on
+    that is not its default is in it."""
+    parser = build_parser()
+    plain = parser.parse_args([])
+    assert rerun_command(parser, plain, 7) == "python -m bench.soak --minutes 60 --seed 7"
+    leaks = parser.parse_args(["--minutes", "60", "--without", "agent-kill,operator-leader-kill",
+                               "--mean-gap", "90", "--virtual-nodes", "50"])
+    assert rerun_command(parser, leaks, 44) == (
+        "python -m bench.soak --minutes 60 --seed 44 --virtual-nodes 50 --mean-gap 90 "
+        "--without agent-kill,operator-leader-kill")

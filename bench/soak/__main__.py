@@ -27,7 +27,18 @@ from nodepulse_dev import LocalCluster
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def main(argv: list[str] | None = None) -> int:
+def rerun_command(parser: argparse.ArgumentParser, args: argparse.Namespace, seed: int) -> str:
+    """The command that injects the same faults at the same times: the seed, the minutes
+    and every option the schedule or its targets depend on that is not its default."""
+    words = [f"--minutes {args.minutes:g}", f"--seed {seed}"] + [
+        f"--{name.replace('_', '-')} {value:g}" if isinstance(value, float)
+        else f"--{name.replace('_', '-')} {value}"
+        for name in ("virtual_nodes", "mean_gap", "without")
+        if (value := getattr(args, name)) != parser.get_default(name)]
+    return f"{parser.prog} {' '.join(words)}"
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--minutes", type=float, default=60.0,
@@ -45,14 +56,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="write the report to docs/benchmarks/soak.md")
     parser.add_argument("--render", type=Path, metavar="REPORT_JSON",
                         help="only print the report a run wrote (report.json) again")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.render is not None:
         report = Report.from_json(json.loads(args.render.read_text()))
         print(report.render(markdown=True))
         return 0 if report.held else 1
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(10**6)
-    print(f"soak seed: {seed} (python -m bench.soak --minutes {args.minutes:g} --seed {seed})",
-          flush=True)
+    print(f"soak seed: {seed} ({rerun_command(parser, args, seed)})", flush=True)
     cfg = SoakConfig(seed=seed, minutes=args.minutes, virtual_nodes=args.virtual_nodes,
                      mean_gap=args.mean_gap, sample_every=args.sample_every,
                      without=tuple(k for k in args.without.split(",") if k))
