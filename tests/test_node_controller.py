@@ -18,7 +18,12 @@ from nodeagent.api.answered import ApiAnswered
 from nodeagent.api.clock import FakeClock, settle
 from nodeagent.api.kube import LEASES, NODE_LEASE_NAMESPACE, NODES
 from nodeagent.api.policy import AGENT_LABEL, HEARTBEAT_ANNOTATION, Heartbeat
-from nodeagent.node.controller import NodeController, NodeControllerConfig, NodeSpec
+from nodeagent.node.controller import (
+    AS_REGISTERED,
+    NodeController,
+    NodeControllerConfig,
+    NodeSpec,
+)
 from nodeagent.node.heartbeatmetrics import NodeMetrics
 from nodeagent.node.nodewatch import NodeWatch
 from nodeagent.node.scheduler import Blocking, DueScheduler
@@ -470,6 +475,23 @@ def test_what_pod_admission_reads_of_the_node():
         assert seen["metadata"]["labels"]["disk"] == "ssd" and seen["spec"]["taints"] == []
         assert seen["status"]["allocatable"]["example.com/foo"] == "2"
         assert seen["status"]["allocatable"]["cpu"] == "3500m"  # its own figure wins
+        await rig.stop()
+    run(main())
+
+
+def test_a_node_nobody_changed_holds_nothing_of_its_own_for_admission():
+    """Thousands of virtual nodes: a Node the API shows as it was registered shares one
+    empty record, and admission reads the same Node from it."""
+    async def main():
+        rig = Rig()
+        await rig.start()
+        await settle()
+        assert rig.node.seen is AS_REGISTERED
+        node = rig.node.admission_node()
+        assert node is not None
+        assert node["metadata"]["labels"] == rig.kube.obj(NODES, "n1")["metadata"]["labels"]
+        assert node["spec"]["taints"] == []
+        assert node["status"]["allocatable"] == rig.kube.obj(NODES, "n1")["status"]["allocatable"]
         await rig.stop()
     run(main())
 

@@ -83,6 +83,21 @@ class NodeControllerConfig:
     started_together: bool = False  # virtual nodes: first renewals and ticks spread
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class SeenNode:
+    """Of the Node as the API last showed it, what pod admission reads, kept only where
+    it differs from what this agent registers (None: the same). Others may add labels,
+    taints and extended resources; thousands of nodes that nobody changed share one
+    empty record."""
+
+    labels: dict[str, str] | None = None
+    taints: list[Obj] | None = None
+    allocatable: dict[str, Any] | None = None
+
+
+AS_REGISTERED = SeenNode()
+
+
 class NodeController:
     # thousands in a process: no __dict__ each
     __slots__ = ("_next_tick", "_spread_tick", "base", "clock", "computed", "config",
@@ -130,9 +145,7 @@ class NodeController:
         self.reported: Status | None = None  # what the server has, as we last wrote it
         self.reported_version: str | None = None  # resourceVersion our last write returned
         self.computed: Status | None = None
-        # of the Node as the API last showed it, what pod admission reads: labels,
-        # taints, allocatable (others may add labels, taints, extended resources)
-        self.seen: dict[str, Any] | None = None
+        self.seen: SeenNode | None = None  # None: the watch has not shown the Node yet
         self.last_full_report: float | None = None
         self.last_status_write: float | None = None
         self._next_tick: float | None = None
@@ -169,12 +182,15 @@ class NodeController:
                      "metadata": {"name": self.name, "labels": dict(self.labels())}}
         spec: Obj = {}
         if self.spec.taints:
-            spec["taints"] = [dict(t) for t in self.spec.taints]
+            spec["taints"] = self.registered_taints()
         if self.spec.provider_id:
             spec["providerID"] = self.spec.provider_id
         if spec:
             body["spec"] = spec
         return body
+
+    def registered_taints(self) -> list[Obj]:
+        return [dict(t) for t in self.spec.taints]
 
     def labels(self) -> dict[str, str]:
         try:
@@ -192,16 +208,20 @@ class NodeController:
         as this agent computes it, over the API's (which holds the extended resources
         others advertise). None when the host cannot be read and nothing was computed
         yet."""
-        seen = self.seen or {}
-        ours = (self.computed or self.reported or {}).get("allocatable")
+        seen = self.seen or AS_REGISTERED
+        ours = self._allocatable()
         if ours is None:
             try:
                 ours = allocatable(self.probe(), self.settings)
             except HostReadError:
                 return None
-        return {"metadata": {"name": self.name, "labels": seen.get("labels") or self.labels()},
-                "spec": {"taints": seen["taints"] if self.seen else list(self.spec.taints)},
-                "status": {"allocatable": {**seen.get("allocatable", {}), **ours}}}
+        taints = self.registered_taints() if seen.taints is None else seen.taints
+        return {"metadata": {"name": self.name, "labels": seen.labels or self.labels()},
+                "spec": {"taints": taints},
+                "status": {"allocatable": {**(seen.allocatable or {}), **ours}}}
+
+    def _allocatable(self) -> Mapping[str, Any] | None:
+        return (self.computed or self.reported or {}).get("allocatable")
 
     async def _register(self) -> Obj:
         """Create the Node, or adopt the one there (our labels win)."""
@@ -337,9 +357,13 @@ class NodeController:
     # -- policy: the node watch hands us our Node --
     def on_node(self, node: Obj) -> None:
         meta = node.get("metadata") or {}
-        self.seen = {"labels": dict(meta.get("labels") or {}),
-                     "taints": list((node.get("spec") or {}).get("taints") or []),
-                     "allocatable": dict((node.get("status") or {}).get("allocatable") or {})}
+        labels = meta.get("labels") or {}
+        taints = (node.get("spec") or {}).get("taints") or []
+        node_allocatable = (node.get("status") or {}).get("allocatable") or {}
+        seen = SeenNode(None if labels == self.labels() else dict(labels),
+                        None if taints == self.registered_taints() else list(taints),
+                        None if node_allocatable == self._allocatable() else dict(node_allocatable))
+        self.seen = AS_REGISTERED if seen == AS_REGISTERED else seen
         if not self.exists and not self.legacy and meta.get("uid"):
             # an agent started again: its Nodes are there, and their Leases must not
             # wait for registration, which queues behind other nodes' status writes
