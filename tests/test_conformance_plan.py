@@ -106,6 +106,19 @@ def test_the_ratchet_fails_on_an_expected_pass_that_did_not_pass(tmp_path: Path)
         f"specs.yaml names a spec the suite does not list: {SPEC}"]
 
 
+def test_a_narrowed_run_is_judged_on_the_specs_it_ran(tmp_path: Path) -> None:
+    """--only or --sample leaves most expected passes unrun: those are not problems
+    (a page of them hid the one that failed), one it ran and failed still is."""
+    plan = run.load_plan(plan_file(tmp_path))
+    cannot = run.Result("[sig-node] X pulls from the internet", run.NOT_RUN, reason="r")
+    unrun = run.Result(SPEC, run.NOT_RUN, reason="not in this run's focus")
+    assert run.ratchet([unrun, cannot], plan, narrowed=True) == []
+    assert run.ratchet([unrun, cannot], plan) == [
+        f"expected to pass, not run: {SPEC}: not in this run's focus"]
+    assert run.ratchet([run.Result(SPEC, run.FAILED, reason="boom"), cannot], plan,
+                       narrowed=True) == [f"expected to pass, failed: {SPEC}: boom"]
+
+
 def test_the_doc_lists_every_spec_with_its_reason(tmp_path: Path) -> None:
     plan = run.load_plan(plan_file(tmp_path))
     doc = tmp_path / "conformance.md"

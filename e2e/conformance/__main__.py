@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
             log(f"wrote {run.DOC}")
     if newly := run.newly_passing(results, plan):
         log(f"passing but not yet in {plan.name}'s expected_pass:\n  " + "\n  ".join(newly))
-    problems = run.ratchet(results, plan)
+    problems = run.ratchet(results, plan, narrowed)
     for p in problems:
         log(p)
     log(f"reports and logs: {workdir}; wall time {wall / 60:.1f} min")

@@ -238,10 +238,13 @@ class _Decision:
         else:
             self.start.append(start)
 
-    def _backing_off(self, spec: Spec) -> bool:
+    def _crash_key(self, spec: Spec) -> CrashKey:
+        return crash_key(str(self.pod["metadata"]["uid"]), spec)
+
+    def _backing_off(self, spec: Spec, key: CrashKey) -> bool:
         """The container's crash back-off still runs: it waits (CrashLoopBackOff)."""
         meta = self.pod["metadata"]
-        left = self.verdicts.backoff.get(crash_key(str(meta["uid"]), spec))
+        left = self.verdicts.backoff.get(key)
         if left is None:
             return False
         wait, delay = left
@@ -254,10 +257,11 @@ class _Decision:
 
     def restart(self, spec: Spec, cur: Container, *, init: bool = False) -> None:
         """Start the next attempt of an exited container once its back-off allows."""
-        if self._backing_off(spec):
+        key = self._crash_key(spec)
+        if self._backing_off(spec, key):
             return
         self.run(StartContainer(spec, cur.attempt + 1, cur.restart_count + 1, init=init,
-                                backoff_key=crash_key(str(self.pod["metadata"]["uid"]), spec)))
+                                backoff_key=key))
 
     def replace_created(self, spec: Spec, cur: Container, *, init: bool = False) -> None:
         """A container created and never started: a start cut short (the agent or the
@@ -265,7 +269,7 @@ class _Decision:
         (containerd then marks it exited, StartError). As the kubelet, which never
         starts a container it did not just create, a new attempt is made in its place;
         its restart count stays, as it never ran."""
-        if self._backing_off(spec):
+        if self._backing_off(spec, self._crash_key(spec)):
             return
         self.run(StartContainer(spec, cur.attempt + 1, cur.restart_count, init=init,
                                 replaces=cur))
