@@ -292,7 +292,8 @@ class Observer:
     def sample(self) -> None:
         t = time.time()
         for role, (pid, port) in self.rig.processes().items():
-            with contextlib.suppress(OSError, ValueError):
+            # gone, or exited and not yet reaped (a zombie's status has no VmRSS): no sample
+            with contextlib.suppress(OSError, ValueError, KeyError):
                 status = Path(f"/proc/{pid}/status").read_text()
                 fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
                 rss = int(fields["VmRSS"].split()[0]) / 1024
