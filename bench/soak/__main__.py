@@ -30,11 +30,12 @@ ROOT = Path(__file__).resolve().parents[2]
 def rerun_command(parser: argparse.ArgumentParser, args: argparse.Namespace, seed: int) -> str:
     """The command that injects the same faults at the same times: the seed, the minutes
     and every option the schedule or its targets depend on that is not its default."""
-    words = [f"--minutes {args.minutes:g}", f"--seed {seed}"] + [
-        f"--{name.replace('_', '-')} {value:g}" if isinstance(value, float)
-        else f"--{name.replace('_', '-')} {value}"
-        for name in ("virtual_nodes", "mean_gap", "without")
-        if (value := getattr(args, name)) != parser.get_default(name)]
+    words = [f"--minutes {args.minutes:g}", f"--seed {seed}"]
+    for name in ("virtual_nodes", "mean_gap", "without"):
+        value = getattr(args, name)
+        if value != parser.get_default(name):
+            shown = f"{value:g}" if isinstance(value, float) else value
+            words.append(f"--{name.replace('_', '-')} {shown}")
     return f"{parser.prog} {' '.join(words)}"
 
 
