@@ -63,3 +63,10 @@ def test_a_test_binary_is_built_with_go_test_c(tmp_path: Path,
     build.ensure(["e2e.test"], log=lambda _: None)
     assert calls[0][:3] == ["go", "test", "-c"]
     assert calls[0][-1] == "k8s.io/kubernetes/test/e2e"
+
+
+def test_builds_collect_garbage_less_often_unless_told(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("GOGC", raising=False)
+    assert build.go_env()["GOGC"] == build.BUILD_GOGC
+    monkeypatch.setenv("GOGC", "150")
+    assert build.go_env()["GOGC"] == "150"
