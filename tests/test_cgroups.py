@@ -316,6 +316,24 @@ def test_release_finds_a_cgroup_made_before_the_agent_started() -> None:
     assert not b.exists("/kubepods/burstable/podold")
 
 
+def test_releasing_a_pod_looks_up_its_cgroup_without_listing_every_pod(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # a pod's worker releases its cgroup again each time it syncs the terminated pod;
+    # with thousands of pods in a process, listing them all each time is quadratic
+    m = manager()
+    b = m.backend
+    assert isinstance(b, MemoryCgroups)
+    for i in range(3):
+        m.ensure(burstable(f"p{i}"))
+    b.create("/kubepods/besteffort/podold", CgroupValues())
+    monkeypatch.setattr(b, "children", lambda path: pytest.fail(f"listed {path}"))
+    m.release("p0")
+    m.release("p0")  # released already: looked up, not found
+    m.release("old")
+    assert not b.exists("/kubepods/burstable/podp0") and not b.exists("/kubepods/besteffort/podold")
+    assert b.exists("/kubepods/burstable/podp1")
+
+
 # --- the cgroup filesystem, v1 ------------------------------------------------------
 
 V1 = ("cpu", "cpuacct", "cpuset", "memory", "devices", "pids", "hugetlb")

@@ -439,7 +439,7 @@ class PodCgroups:
         if self.backend is None:
             return
         tracked = self._uncount(uid)
-        paths = [tracked.path] if tracked else self._found().get(uid, [])
+        paths = [tracked.path] if tracked else self._untracked(uid)
         if tracked is not None:
             self.update_qos()
         for path in paths:
@@ -462,6 +462,14 @@ class PodCgroups:
             self._backend().remove(path)
         except OSError as e:
             raise CgroupError(f"cannot remove the cgroup {path}: {e}") from e
+
+    def _untracked(self, uid: str) -> list[str]:
+        """The pod's cgroups that exist though it is not counted (made before the agent
+        started, or released already): where its name puts them under each QoS cgroup,
+        looked up, not found by listing every pod's."""
+        b = self._backend()
+        return [p for p in dict.fromkeys(self._path_of(uid, q) for q in QOSClass)
+                if b.exists(p)]
 
     def _found(self) -> dict[str, list[str]]:
         """The pod cgroups under the QoS cgroups: uid -> their paths."""

@@ -198,6 +198,12 @@ class FakeRuntime(Runtime):
         self.write_log(c.id, f"fake runtime: container {c.name} exited with code {code} "
                              f"({reason})", "stderr")
 
+    def _containers_in(self, sb: Sandbox) -> list[Container]:
+        """The sandbox's containers, found through its pod's records (not by a scan of
+        every container: a virtual node's process holds thousands)."""
+        return [c for i in sorted(self._by_pod.get(sb.pod_uid, ()))
+                if (c := self.containers.get(i)) is not None and c.sandbox_id == sb.id]
+
     def _forget(self, uid: str, rid: str) -> None:
         ids = self._by_pod.get(uid)
         if ids is not None:
@@ -305,8 +311,8 @@ class FakeRuntime(Runtime):
         sb = self.sandboxes.get(sandbox_id)
         if sb is None:
             return
-        for c in list(self.containers.values()):
-            if c.sandbox_id == sandbox_id and c.state == ContainerState.RUNNING:
+        for c in self._containers_in(sb):
+            if c.state == ContainerState.RUNNING:
                 self._finish(c, 137, "Killed")
         if sb.state == SandboxState.READY:
             sb.state = SandboxState.NOTREADY
@@ -314,20 +320,22 @@ class FakeRuntime(Runtime):
 
     async def remove_sandbox(self, sandbox_id: str) -> None:
         self._call("remove_sandbox")
-        if sandbox_id not in self.sandboxes:
+        sb = self.sandboxes.get(sandbox_id)
+        if sb is None:
             return
-        uid = self.sandboxes[sandbox_id].pod_uid
-        for cid, c in list(self.containers.items()):
-            if c.sandbox_id == sandbox_id:
-                self._forget(uid, cid)
-                del self.containers[cid]
-                self._event(ContainerEventType.REMOVED, uid, cid)
+        uid = sb.pod_uid
+        for c in self._containers_in(sb):
+            self._forget(uid, c.id)
+            del self.containers[c.id]
+            self._event(ContainerEventType.REMOVED, uid, c.id)
         del self.sandboxes[sandbox_id]
         self._event(ContainerEventType.REMOVED, uid, sandbox_id)
         self.sandbox_configs.pop(sandbox_id, None)
         log_dir = self._log_dirs.pop(sandbox_id, None)
-        if log_dir and log_dir not in self._log_dirs.values():
-            shutil.rmtree(log_dir, ignore_errors=True)  # the pod is gone, its logs too
+        # the pod is gone, its logs too (unless another of its sandboxes writes there)
+        if log_dir and not any(self._log_dirs.get(i) == log_dir
+                               for i in self._by_pod.get(uid, ())):
+            shutil.rmtree(log_dir, ignore_errors=True)
         self._forget(uid, sandbox_id)
 
     async def create_container(self, sandbox_id: str, config: ContainerConfig,
