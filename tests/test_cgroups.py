@@ -447,6 +447,20 @@ def test_v1_hierarchy_values_as_the_kubelet_writes_them(tmp_path: Path) -> None:
     assert read(root / "cpu" / kubepods / "besteffort" / "cpu.shares") == "2"
 
 
+def test_v1_release_finds_what_a_halfway_removal_left(tmp_path: Path) -> None:
+    backend, _ = fs(tmp_path)
+    m = manager(backend)
+    m.ensure(burstable("u1"))
+    m.release("u1")
+    root = tmp_path / "cgroup"
+    left = root / "memory" / "kubepods" / "burstable" / "podu1"
+    left.mkdir()  # as if its removal had failed in this hierarchy alone
+    assert not backend.exists("/kubepods/burstable/podu1")
+    assert backend.present("/kubepods/burstable/podu1")
+    m.release("u1")
+    assert not left.exists()
+
+
 def test_v1_removal_kills_what_is_left_and_removes_every_folder(tmp_path: Path) -> None:
     backend, tree = fs(tmp_path)
     m = manager(backend)

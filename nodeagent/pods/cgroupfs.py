@@ -144,6 +144,9 @@ class CgroupFs:
         mounts = {m for c, m in self.controllers.items() if c in V1_REQUIRED}
         return all(os.path.isdir(self._dir(m, path)) for m in mounts)
 
+    def present(self, path: str) -> bool:
+        return any(os.path.isdir(self._dir(m, path)) for m in self.hierarchies)
+
     def create(self, path: str, values: CgroupValues) -> None:
         if self.version == 2:
             self._enable_controllers(self.hierarchies[0], path)

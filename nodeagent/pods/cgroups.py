@@ -169,6 +169,10 @@ class CgroupBackend(Protocol):
 
     def exists(self, path: str) -> bool: ...
 
+    def present(self, path: str) -> bool:
+        """Whether anything of the cgroup is left: in cgroup v1, its folder in any
+        hierarchy (a removal stopped halfway leaves it in some)."""
+
     def create(self, path: str, values: CgroupValues) -> None:
         """Make the cgroup (and its parents) and set `values`."""
 
@@ -195,6 +199,9 @@ class MemoryCgroups:
         self._children: dict[str, set[str]] = {"/": set()}  # path -> its children's names
 
     def exists(self, path: str) -> bool:
+        return path in self.cgroups
+
+    def present(self, path: str) -> bool:
         return path in self.cgroups
 
     def create(self, path: str, values: CgroupValues) -> None:
@@ -469,7 +476,7 @@ class PodCgroups:
         looked up, not found by listing every pod's."""
         b = self._backend()
         return [p for p in dict.fromkeys(self._path_of(uid, q) for q in QOSClass)
-                if b.exists(p)]
+                if b.present(p)]
 
     def _found(self) -> dict[str, list[str]]:
         """The pod cgroups under the QoS cgroups: uid -> their paths."""

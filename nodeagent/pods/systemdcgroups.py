@@ -83,6 +83,9 @@ class SystemdCgroups:
     def exists(self, path: str) -> bool:
         return self.files.exists(path)
 
+    def present(self, path: str) -> bool:
+        return self.files.present(path)
+
     def create(self, path: str, values: CgroupValues) -> None:
         try:
             self.units.start_slice(slice_of(path), [*SLICE_BASE, *unit_properties(
