@@ -188,8 +188,8 @@ async def bench_api(pods: int) -> None:
 
         clock = FakeClock()
         merge = Merge([Source.API])
-        src = APISource(RestKube(load_credentials(cluster.node_kubeconfig(node))), [node],
-                        merge, clock)
+        kube = RestKube(load_credentials(cluster.node_kubeconfig(node)))
+        src = APISource(kube, [node], merge, clock)
         t = time.perf_counter()
         task = asyncio.create_task(src.run())
         await merge.ready.wait()
@@ -246,6 +246,7 @@ async def bench_api(pods: int) -> None:
               f"(the writer made {pods / write_s:.0f} updates/s)")
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+        await kube.aclose()
     finally:
         cluster.down()
         cluster.remove()
