@@ -201,8 +201,7 @@ class MemoryCgroups:
     def exists(self, path: str) -> bool:
         return path in self.cgroups
 
-    def present(self, path: str) -> bool:
-        return path in self.cgroups
+    present = exists  # in memory, nothing is ever left halfway
 
     def create(self, path: str, values: CgroupValues) -> None:
         parent = "/"
