@@ -1,6 +1,7 @@
 # The two commands of the README: `make run` and `make test`.
 .PHONY: setup run up down test lint unit e2e-kind
 
+# apt packages, the venv, and the control plane built from its Go modules (once, cached)
 setup:
 	@scripts/setup.sh
 

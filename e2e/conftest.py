@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
 from collections.abc import Generator, Iterator
 from pathlib import Path
 
 import pytest
 
-from nodepulse_dev import Cluster
+from nodepulse_dev import Cluster, build
 from nodepulse_dev.devcluster import DevCluster, Options
+from nodepulse_dev.processes import stop_process
 from nodepulse_dev.registry import Registry, start_registry
 
 _clusters: list[Cluster] = []
@@ -54,6 +58,69 @@ def registry() -> Iterator[Registry]:
     finally:
         reg.stop()
         shutil.rmtree(reg.workdir, ignore_errors=True)
+
+
+# The tests that wait for the longest Go builds (the upstream e2e suite and its images'
+# programs, the kind node's) run last, in this order. On a cold cache the Go programs
+# the suite needs are built in the background, at idle CPU priority, while the tests
+# before them run (docs/development.md), in the order of BUILD_ORDER: the order in which
+# the reordered suite first needs each. A test that needs one not yet built waits for
+# the build lock and builds it itself.
+RUN_LAST = ("e2e/test_conformance.py", "e2e/kind/", "e2e/test_conformance_kind.py")
+BUILD_ORDER = [
+    "etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl",
+    "helm", "metrics-server", "registry", "crane", "containerd", "containerd-shim-runc-v2",
+    "e2e.test", "agnhost", "nonewprivs", "sample-apiserver", "coredns",
+    "kind", "kubelet", "kubeadm", "kube-proxy", "crictl"]
+_builder: subprocess.Popen[bytes] | None = None
+
+
+def _run_last_rank(item: pytest.Item) -> int:
+    return next((i + 1 for i, prefix in enumerate(RUN_LAST) if item.nodeid.startswith(prefix)),
+                0)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=_run_last_rank)  # stable: each group keeps its order
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    global _builder
+    missing = [n for n in BUILD_ORDER if not build.TOOLS[n].path.is_file()]
+    if (session.config.option.collectonly or not missing or not shutil.which("go")
+            or not any(_run_last_rank(item) for item in session.items)):
+        return
+    log = _builder_log()
+    log.parent.mkdir(parents=True, exist_ok=True)
+    _say(session, f"building {', '.join(missing)} in the background while the tests run "
+                  f"(log: {log})")
+    with open(log, "ab") as out:
+        _builder = subprocess.Popen([sys.executable, "-u", "-m", "nodepulse_dev", "build",
+                                     "--idle", *missing], stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+
+
+def _say(session: pytest.Session, line: str) -> None:
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(line)
+
+
+def _builder_log() -> Path:
+    return build.cache_root() / "background-build.log"
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """A background build still running is stopped with its compilers (its process
+    group); what it was building is left as a partial file, never as cached."""
+    if _builder is None:
+        return
+    if _builder.poll() is None:
+        os.killpg(_builder.pid, signal.SIGTERM)
+        stop_process(_builder)
+    elif _builder.returncode:
+        _say(session, f"the background build failed (exit {_builder.returncode}): "
+                      f"{_builder_log()}")
 
 
 @pytest.hookimpl(wrapper=True)

@@ -5,7 +5,7 @@
     nodepulse-dev scale --virtual-nodes N
     nodepulse-dev env
     nodepulse-dev down
-    nodepulse-dev build | node-kubeconfig NAME
+    nodepulse-dev build [NAME ...] | node-kubeconfig NAME
 
 `up` starts the cluster in a process of its own (the supervisor: it holds every other
 process and stops them all, by PID, on `down`) and returns once every node is Ready;
@@ -91,7 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
     scale.add_argument("--virtual-nodes", type=int, required=True, metavar="N")
     sub.add_parser("down", help="stop every process by PID and remove the state")
     sub.add_parser("env", help="print shell exports for kubectl and helm")
-    sub.add_parser("build", help="only build the pinned binaries into the cache")
+    b = sub.add_parser("build", help="only build pinned binaries into the cache (by default "
+                                     "the control plane and kubectl)")
+    b.add_argument("names", nargs="*", metavar="NAME")
+    b.add_argument("--idle", action="store_true",
+                   help="build at idle CPU priority, letting a process that needs a program "
+                        "now build it first (the e2e suite's background build)")
     nk = sub.add_parser("node-kubeconfig", help="write a kubeconfig for system:node:NAME")
     nk.add_argument("name")
     return parser
@@ -247,16 +252,26 @@ def down(workdir: Path) -> int:
 
 
 def print_env(workdir: Path) -> None:
-    bins = {p.parent for p in build.ensure(["kubectl", "helm"], log=lambda _: None).values()}
+    # a first build says so on stderr: stdout is for the shell to evaluate
+    built = build.ensure(["kubectl", "helm"], log=lambda m: print(m, file=sys.stderr))
+    bins = {p.parent for p in built.values()}
     print(f"export KUBECONFIG={LocalCluster(workdir).kubeconfig}")
     print(f"export PATH={':'.join(str(b) for b in sorted(bins))}:$PATH")
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.cmd == "build":
-        for name, path in build.ensure().items():
+        unknown = [n for n in args.names if n not in build.TOOLS]
+        if unknown:
+            parser.error(f"build: no pinned program {', '.join(unknown)} "
+                         f"(one of {', '.join(build.TOOLS)})")
+        if args.idle:
+            build.build_at_idle_priority(args.names or build.SETUP)
+            return 0
+        for name, path in build.ensure(args.names or None).items():
             print(f"{name}: {path}")
         return 0
     if args.cmd == "up":

@@ -15,7 +15,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -86,10 +85,11 @@ TOOLS = {t.name: t for t in [
          "github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2",
          "github.com/containerd/containerd/v2", tags="urfave_cli_no_docs,no_grpc"),
 ]}
-ON_DEMAND = {"kwok", "e2e.test", "agnhost", "nonewprivs", "sample-apiserver", "registry",
-             "crane", "kind", "crictl", "coredns", "kubelet", "kubeadm", "kube-proxy",
-             "containerd", "containerd-shim-runc-v2"}
-FOR_TESTS = [n for n in TOOLS if n not in ON_DEMAND]
+# What `make setup` builds: the control plane and kubectl, which every e2e test and
+# `make run` start with. The others are built when first needed (`make run` builds helm
+# and metrics-server first; the e2e suite builds its own in the background while its
+# earlier tests run, e2e/conftest.py).
+SETUP = ["etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl"]
 
 
 def pinned_version(gomod: str, module: str) -> str:
@@ -142,9 +142,9 @@ def go_env() -> dict[str, str]:
 
 
 def ensure(names: list[str] | None = None, log=print) -> dict[str, Path]:
-    """Paths of the named binaries (those the tests need by default), building those
-    not cached yet, one build at a time."""
-    tools = [TOOLS[n] for n in (names or FOR_TESTS)]
+    """Paths of the named binaries (by default SETUP's), building those not cached yet,
+    one build at a time."""
+    tools = [TOOLS[n] for n in (names or SETUP)]
     missing = [t for t in tools if not t.path.is_file()]
     if missing and not shutil.which("go"):
         raise RuntimeError("the Go toolchain is needed to build "
@@ -167,6 +167,17 @@ def _build_lock() -> Iterator[None]:
         yield
 
 
+def build_at_idle_priority(names: list[str], log=print) -> None:
+    """Builds `names` one at a time, in that order, on what other work leaves of the CPU:
+    at the idle scheduling class (SCHED_IDLE, which the compilers inherit). Between two
+    builds it lets go of the build lock for a moment, so a process that needs a program
+    now takes the lock first and builds it at its own priority."""
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    for name in names:
+        ensure([name], log=log)
+        time.sleep(1)
+
+
 def _build(tool: Tool, log) -> None:
     tool.path.parent.mkdir(parents=True, exist_ok=True)
     partial = tool.path.with_suffix(".partial")
@@ -179,7 +190,3 @@ def _build(tool: Tool, log) -> None:
                     tool.package], cwd=GOMOD / tool.gomod, env=go_env(), check=True)
     partial.rename(tool.path)  # only a finished build is ever seen as cached
     log(f"built {tool.name} in {time.monotonic() - started:.0f} s")
-
-
-if __name__ == "__main__":
-    ensure(sys.argv[1:] or None)

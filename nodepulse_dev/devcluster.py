@@ -28,6 +28,7 @@ from typing import Any
 import yaml
 from kubernetes import client
 
+from nodepulse_dev import build
 from nodepulse_dev.cluster import Cluster, LocalCluster
 from nodepulse_dev.images import BUSYBOX_IMAGE
 from nodepulse_dev.ports import free_port
@@ -165,6 +166,8 @@ class DevCluster:
     def start(self) -> DevCluster:
         started = time.monotonic()
         o = self.options
+        if o.metrics_server and not o.control_plane_only:
+            build.ensure(["metrics-server"], log=self.log)  # once, before the clock starts
         try:
             self.cluster.up(log=self.log)
             up = time.monotonic()

@@ -1,8 +1,11 @@
 """The binary cache: pinned versions come from the go.mod files, and a cached binary
 is never rebuilt."""
 
+import fcntl
+import os
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -70,3 +73,47 @@ def test_builds_collect_garbage_less_often_unless_told(monkeypatch: pytest.Monke
     assert build.go_env()["GOGC"] == build.BUILD_GOGC
     monkeypatch.setenv("GOGC", "150")
     assert build.go_env()["GOGC"] == "150"
+
+
+def test_background_builds_go_one_at_a_time_at_idle_priority_and_let_others_in(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NODEPULSE_CACHE", str(tmp_path))
+    build.TOOLS["crane"].path.parent.mkdir(parents=True)
+    build.TOOLS["crane"].path.write_text("cached")
+    events: list[tuple[str, object]] = []
+
+    def fake_go(cmd: list[str], **kwargs: object) -> None:
+        events.append(("go", cmd[-1]))
+        Path(cmd[cmd.index("-o") + 1]).write_text("built")
+
+    def pause(seconds: float) -> None:
+        # between two builds the lock is free: a test that needs a program now gets it
+        with open(tmp_path / "build.lock", "w") as f:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        events.append(("pause", seconds))
+
+    monkeypatch.setattr(subprocess, "run", fake_go)
+    monkeypatch.setattr(os, "sched_setscheduler",
+                        lambda pid, policy, param: events.append(("policy", policy)))
+    monkeypatch.setattr(build.time, "sleep", pause)
+    build.build_at_idle_priority(["kubectl", "crane", "registry"], log=lambda _: None)
+    assert events == [("policy", os.SCHED_IDLE),
+                      ("go", "k8s.io/kubernetes/cmd/kubectl"), ("pause", 1),
+                      ("pause", 1),  # crane was cached
+                      ("go", build.TOOLS["registry"].package), ("pause", 1)]
+
+
+def test_the_e2e_suite_runs_its_longest_builds_tests_last_and_builds_ahead_of_them() -> None:
+    from e2e import conftest as e2e_conftest
+
+    ids = ["e2e/kind/test_chart.py::a", "e2e/test_admission.py::b", "e2e/test_conformance.py::c",
+           "e2e/test_conformance_kind.py::d", "tests/test_x.py::e", "e2e/kind/test_image.py::f",
+           "e2e/test_volumes.py::g"]
+    items = [SimpleNamespace(nodeid=i) for i in ids]
+    e2e_conftest.pytest_collection_modifyitems(items)  # type: ignore[arg-type]
+    assert [i.nodeid.split("::")[1] for i in items] == ["b", "e", "g", "c", "a", "f", "d"]
+    # every program the tests use is in the background build's order (KWOK only the
+    # benchmark builds), once
+    order = e2e_conftest.BUILD_ORDER
+    assert sorted(order) == sorted(set(build.TOOLS) - {"kwok"})
+    assert order[:len(build.SETUP)] == build.SETUP
