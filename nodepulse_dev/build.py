@@ -86,9 +86,9 @@ TOOLS = {t.name: t for t in [
          "github.com/containerd/containerd/v2", tags="urfave_cli_no_docs,no_grpc"),
 ]}
 # What `make setup` builds: the control plane and kubectl, which every e2e test and
-# `make run` start with. The others are built when first needed (`make run` builds helm
-# and metrics-server first; the e2e suite builds its own in the background while its
-# earlier tests run, e2e/conftest.py).
+# `make run` start with. The others are built when first needed (`nodepulse-dev up`
+# builds metrics-server before it starts; the e2e suite builds its own in the background
+# while its earlier tests run, e2e/conftest.py).
 SETUP = ["etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl"]
 
 
