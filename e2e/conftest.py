@@ -68,7 +68,8 @@ def registry() -> Iterator[Registry]:
 # the build lock and builds it itself.
 RUN_LAST = ("e2e/test_conformance.py", "e2e/kind/", "e2e/test_conformance_kind.py")
 BUILD_ORDER = [
-    *build.SETUP, "helm", "metrics-server", "registry", "crane", "containerd", "containerd-shim-runc-v2",
+    *build.SETUP, "helm", "metrics-server", "registry", "crane",
+    "containerd", "containerd-shim-runc-v2",
     "e2e.test", "agnhost", "nonewprivs", "sample-apiserver", "coredns",
     "kind", "kubelet", "kubeadm", "kube-proxy", "crictl"]
 _builder: subprocess.Popen[bytes] | None = None
