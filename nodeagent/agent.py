@@ -502,8 +502,13 @@ class Agent:
         self.metrics = node_metrics(ext.registry)
         # a renewal or tick may run up to TIMER_SLACK late, so one wake-up serves all
         # that are due within it: at most 20 a second for a thousand nodes, not 200
+        # and a renewal starts only when one of its request turns is free: it stamps its
+        # renewTime as it is sent, not before a wait behind others (the server would
+        # hold a time older by the wait), and when the server cannot keep up, the due
+        # times, not the order of the waits, say which Lease goes next
         self.renewals: DueScheduler[str] = DueScheduler(clock, self._renew, "renewals",
-                                                        slack=TIMER_SLACK)
+                                                        slack=TIMER_SLACK,
+                                                        max_running=cfg.lease_concurrency)
         self.ticker: DueScheduler[str] = DueScheduler(
             clock, self._tick, "status", slack=TIMER_SLACK,
             max_running=TICKS_PER_STATUS_TURN * cfg.status_concurrency)

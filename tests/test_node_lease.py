@@ -184,6 +184,30 @@ def test_settings_change_takes_effect_at_once():
     run(main())
 
 
+def test_the_lease_expires_from_the_renew_time_the_server_holds(monkeypatch):
+    """A slow answer: the Lease the server holds was stamped when the PUT was sent, so
+    the renewer counts its expiry and its next renewal from then, not from the answer."""
+    async def main():
+        rig = Rig(jitter=0.0)
+        task = await rig.start()  # created at 0
+        sent: list[float] = []
+        put = rig.kube.update
+
+        async def answered_after_6_s(*args, **kwargs):
+            sent.append(rig.clock.monotonic())
+            await rig.clock.sleep(6)
+            return await put(*args, **kwargs)
+        monkeypatch.setattr(rig.kube, "update", answered_after_6_s)
+        await rig.clock.advance(16.5)  # the renewal due at 10, answered at 16
+        assert sent == [10.0] and rig.kube.count("update leases") == 1
+        lease = rig.kube.obj(LEASES, "n1", NODE_LEASE_NAMESPACE)
+        assert lease["spec"]["renewTime"].endswith(":00:10.000000Z")
+        assert rig.renewer.deadline() == 10.0 + 40
+        assert rig.renewer.next_due() == 10.0 + 10
+        await rig.finish(task)
+    run(main())
+
+
 def test_a_renewal_after_unreachable_attempts_tells_once():
     """The API-answers-again signal (the watches and writes waiting out a backoff then go)
     fires when a renewal goes through after attempts that could not reach the API server,

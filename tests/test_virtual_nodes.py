@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import datetime as dt
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ from prometheus_client import CollectorRegistry
 from nodeagent import config
 from nodeagent.agent import Agent, Externals, Pools, build_runtime
 from nodeagent.api.clock import FakeClock, settle
-from nodeagent.api.kube import NODES
+from nodeagent.api.kube import LEASES, NODE_LEASE_NAMESPACE, NODES
 from nodeagent.api.policy import (
     AGENT_LABEL,
     HEARTBEAT_ANNOTATION,
@@ -290,3 +291,71 @@ async def test_resyncs_of_every_node_come_from_one_timer() -> None:
     # 20 node loops wait on no timer of their own: the sleepers did not grow with nodes
     assert idle < len(names)
     await rig.pods.stop()
+
+
+class SaturatedServer(FakeKube):
+    """A server that answers Lease writes slower than the nodes ask for them: each takes
+    `service` seconds, and `separate(n)` gives a client with n request turns, a write
+    waiting for its turn as over rest.Transport."""
+
+    def __init__(self, clock: FakeClock, service: float) -> None:
+        super().__init__(now=clock.monotonic)
+        self.clock, self.service = clock, service
+
+    def separate(self, connections: int) -> Any:
+        return _Turns(self, asyncio.Semaphore(connections))
+
+
+class _Turns:
+    def __init__(self, server: SaturatedServer, turns: asyncio.Semaphore) -> None:
+        self.server, self.turns = server, turns
+
+    def __getattr__(self, verb: str) -> Any:
+        call = getattr(self.server, verb)
+        if verb not in ("get", "create", "update"):
+            return call
+
+        async def in_turn(res: Any, *args: Any, **kwargs: Any) -> Any:
+            if res is not LEASES:
+                return await call(res, *args, **kwargs)
+            async with self.turns:
+                await self.server.clock.sleep(self.server.service)
+                return await call(res, *args, **kwargs)
+        return in_turn
+
+
+@aio
+async def test_a_saturated_server_still_holds_every_lease_fresh(tmp_path: Path) -> None:
+    """The server takes Lease writes at half the pace the nodes ask for them (one every
+    0.2 s against 150 nodes' 15 a second): each Lease is renewed less often, and still
+    none is ever older than its duration as the server holds it, because a renewal
+    stamps its renewTime when it gets its turn, not while it waits for one."""
+    n = 150
+    flags = agent_flags(tmp_path, "--virtual-nodes", str(n), "--node-name-prefix", "vn",
+                        "--lease-concurrency", "1")
+    clock = FakeClock()
+    kube = SaturatedServer(clock, service=0.2)
+    inline = InlineExecutor()
+    cfg = dataclasses.replace(config.load(flags, {}), port=None)
+    agent = Agent(cfg, Externals(kube, clock, runtime=FakeRuntime(clock, images=[]),
+                                 pools=Pools(inline, inline), registry=CollectorRegistry(),
+                                 flags=flags, env={}))
+    stop = asyncio.Event()
+    task = asyncio.create_task(agent.run(stop))
+    oldest = 0.0
+    for second in range(300):
+        await clock.advance(1)
+        leases = kube.items(LEASES, NODE_LEASE_NAMESPACE)
+        if second < 120:  # the first writes of all the nodes (a GET and a create each)
+            continue
+        assert len(leases) == n
+        now = clock.now()
+        for lease in leases.values():
+            renewed = dt.datetime.strptime(lease["spec"]["renewTime"],
+                                           "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=dt.UTC)
+            oldest = max(oldest, (now - renewed).total_seconds())
+    puts = kube.count("update leases")
+    assert puts <= 300 / 0.2 < n * 300 / 10 / 2  # the server's pace: half of what is asked
+    assert oldest < 40, oldest
+    stop.set()
+    await task

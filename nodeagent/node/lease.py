@@ -44,9 +44,9 @@ def spread_before(now: float, due: float, rng: random.Random) -> float:
 
 class LeaseRenewer:
     # thousands in a process: no __dict__ each
-    __slots__ = ("_counted", "_due", "_spread", "_u", "answered", "clock", "failing",
-                 "heartbeat", "jitter", "kube", "last_renewed", "lease", "metrics", "node",
-                 "owner_uid", "rng", "started")
+    __slots__ = ("_counted", "_due", "_spread", "_stamped", "_u", "answered", "clock",
+                 "failing", "heartbeat", "jitter", "kube", "last_renewed", "lease", "metrics",
+                 "node", "owner_uid", "rng", "started")
     REQUEST_TIMEOUT = 10.0  # one attempt never waits longer than this
 
     def __init__(self, node: str, kube: Kube, clock: Clock, metrics: NodeMetrics,
@@ -68,7 +68,9 @@ class LeaseRenewer:
         self._spread = spread_first
         self.owner_uid: str | None = None
         self.lease: Obj | None = None  # our last view of the object (for its resourceVersion)
+        # when (monotonic) the Lease the server holds was stamped: it expires from there
         self.last_renewed: float | None = None
+        self._stamped = 0.0  # when the last attempt's body got its renewTime
         self.started = clock.monotonic()
         self._u = self.rng.uniform(-1, 1)
         self._due: float | None = None
@@ -137,7 +139,7 @@ class LeaseRenewer:
         now = self.clock.monotonic()
         self._counted[result].inc()
         self.metrics.lease_latency.observe(max(0.0, now - due))
-        self.last_renewed = now
+        self.last_renewed = self._stamped
         self._u = self.rng.uniform(-1, 1)
         self._due = self.next_due()
         if self._spread:
@@ -218,6 +220,7 @@ class LeaseRenewer:
         spec["holderIdentity"] = self.node
         spec["leaseDurationSeconds"] = self.heartbeat.leaseDurationSeconds
         spec["renewTime"] = api_microtime(self.clock.now())
+        self._stamped = self.clock.monotonic()
         return lease
 
 
