@@ -501,14 +501,14 @@ class Agent:
         self.node_shutdown = self._node_shutdown(cfg, ext) if cfg.graceful_shutdown else None
         self.metrics = node_metrics(ext.registry)
         # a renewal or tick may run up to TIMER_SLACK late, so one wake-up serves all
-        # that are due within it: at most 20 a second for a thousand nodes, not 200
-        # and a renewal starts only when one of its request turns is free: it stamps its
+        # that are due within it: at most 20 a second for a thousand nodes, not 200.
+        # A renewal starts only when one of its request turns is free: it stamps its
         # renewTime as it is sent, not before a wait behind others (the server would
-        # hold a time older by the wait), and when the server cannot keep up, the due
-        # times, not the order of the waits, say which Lease goes next
-        self.renewals: DueScheduler[str] = DueScheduler(clock, self._renew, "renewals",
-                                                        slack=TIMER_SLACK,
-                                                        max_running=cfg.lease_concurrency)
+        # hold a time older by the wait); when the server cannot keep up, the Lease
+        # that expires first goes next
+        self.renewals: DueScheduler[str] = DueScheduler(
+            clock, self._renew, "renewals", slack=TIMER_SLACK,
+            max_running=cfg.lease_concurrency, urgency=self._lease_deadline)
         self.ticker: DueScheduler[str] = DueScheduler(
             clock, self._tick, "status", slack=TIMER_SLACK,
             max_running=TICKS_PER_STATUS_TURN * cfg.status_concurrency)
@@ -692,6 +692,10 @@ class Agent:
     async def _renew(self, name: str) -> float | None:
         node = self.nodes.get(name)
         return await node.renew() if node else None
+
+    def _lease_deadline(self, name: str) -> float:
+        node = self.nodes.get(name)
+        return node.lease.deadline() if node else -math.inf
 
     async def _tick(self, name: str) -> float | None:
         node = self.nodes.get(name)

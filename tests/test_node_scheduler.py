@@ -137,3 +137,38 @@ async def test_at_most_max_running_jobs_at_once_the_others_wait_their_turn_in_or
     assert started == ["a", "b", "c", "d", "e", "a"]
     await sched.stop()
     task.cancel()
+
+
+@aio
+async def test_with_urgency_the_most_urgent_due_job_goes_next_not_the_first_due() -> None:
+    """Jobs due while every run slot is taken go in the order of their urgency (a
+    Lease's expiry); a job re-planned or cancelled while it waits is not run for its old
+    plan."""
+    clock = CountingClock()
+    gates = {k: asyncio.Event() for k in "abcdef"}
+    started: list[str] = []
+    expires = {"a": 0, "b": 50, "c": 40, "d": 30, "e": 20, "f": 10}
+
+    async def job(key: str) -> float | None:
+        started.append(key)
+        await gates[key].wait()
+        return None
+
+    sched: DueScheduler[str] = DueScheduler(clock, job, max_running=1,
+                                            urgency=expires.__getitem__)
+    task = asyncio.create_task(sched.run())
+    sched.schedule("a", 1.0)
+    for i, key in enumerate("bcdef"):
+        sched.schedule(key, 2.0 + i / 100)  # due in this order, while a runs
+    await clock.advance(3)
+    assert started == ["a"]
+    sched.schedule("e", 100)  # planned for later
+    sched.cancel("d")
+    for key in "afcb":
+        gates[key].set()
+        await settle()
+    assert started == ["a", "f", "c", "b"]
+    await clock.advance(100)
+    assert started == ["a", "f", "c", "b", "e"]
+    await sched.stop()
+    task.cancel()

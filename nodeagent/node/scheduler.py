@@ -58,11 +58,16 @@ class DueScheduler(Generic[K]):
     `max_running`: at most this many jobs run at once; a due job waits in the heap for
     one of them to end. Jobs that wait for request turns hold what they computed: five
     thousand nodes' first status reports, all due at the start, held five thousand
-    statuses while four turns wrote them (75 MB the process kept afterwards)."""
+    statuses while four turns wrote them (75 MB the process kept afterwards).
+
+    `urgency`: of the jobs due while they wait for a running one to end, the one with
+    the least urgency(key) goes next, not the one due first (Lease renewals: the one
+    that expires first, whatever its node's interval)."""
 
     def __init__(self, clock: Clock, job: Job[K], name: str = "scheduler",
                  retry_after_error: float = 1.0, slack: float = 0.0,
-                 max_running: int | None = None) -> None:
+                 max_running: int | None = None,
+                 urgency: Callable[[K], float] | None = None) -> None:
         self.clock = clock
         self.job = job
         self.name = name
@@ -70,7 +75,10 @@ class DueScheduler(Generic[K]):
         self.slack = slack
         self.max_running = max_running or math.inf
         self._full = False  # run() waits for a running job to end
-        self._heap: list[tuple[float, int, K]] = []
+        self.urgency = urgency
+        self._heap: list[tuple[float, int, K]] = []  # (due, seq, key)
+        # jobs due and waiting for a run slot, by urgency: (urgency, seq, due, key)
+        self._ready: list[tuple[float, int, float, K]] = []
         self._due: dict[K, float] = {}
         self._running: dict[K, asyncio.Task[None]] = {}
         self._seq = itertools.count()
@@ -98,26 +106,44 @@ class DueScheduler(Generic[K]):
 
     async def run(self) -> None:
         while not self._stopping:
-            while self._heap and self._due.get(self._heap[0][2]) != self._heap[0][0]:
-                heapq.heappop(self._heap)  # superseded or cancelled
-            if not self._heap:
-                await self._wait(None)
-                continue
-            at, _, key = self._heap[0]
-            delay = at - self.clock.monotonic()
-            if delay > 0:
-                await self._wait(delay + self.slack)
+            now = self.clock.monotonic()
+            key = self._next_due(now)
+            if key is None:
+                self._drop_superseded(self._heap, 0)
+                head = self._heap[0][0] if self._heap else None
+                await self._wait(None if head is None else head - now + self.slack)
                 continue
             if key not in self._running and len(self._running) >= self.max_running:
                 self._full = True
                 await self._wait(None)
                 continue
-            heapq.heappop(self._heap)
+            if self.urgency is None:
+                heapq.heappop(self._heap)
+            else:
+                heapq.heappop(self._ready)
             del self._due[key]
             if key in self._running:
                 continue  # the running job plans its own next run
             self._running[key] = asyncio.create_task(self._run_one(key),
                                                      name=f"{self.name}:{key}")
+
+    def _next_due(self, now: float) -> K | None:
+        """The job to run next, if one is due: the head of the time heap, or with
+        `urgency`, of the ready heap that every due job moves to."""
+        self._drop_superseded(self._heap, 0)
+        if self.urgency is None:
+            return self._heap[0][2] if self._heap and self._heap[0][0] <= now else None
+        while self._heap and self._heap[0][0] <= now:
+            at, seq, key = heapq.heappop(self._heap)
+            if self._due.get(key) == at:
+                heapq.heappush(self._ready, (self.urgency(key), seq, at, key))
+        self._drop_superseded(self._ready, 2)
+        return self._ready[0][3] if self._ready else None
+
+    def _drop_superseded(self, heap: list[Any], due_at: int) -> None:
+        """Pops the head entries of `heap` that were re-planned or cancelled since."""
+        while heap and self._due.get(heap[0][-1]) != heap[0][due_at]:
+            heapq.heappop(heap)
 
     async def _run_one(self, key: K) -> None:
         try:
