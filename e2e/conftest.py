@@ -14,12 +14,14 @@ from pathlib import Path
 
 import pytest
 
+from e2e import background
 from nodepulse_dev import Cluster, build
 from nodepulse_dev.devcluster import DevCluster, Options
 from nodepulse_dev.processes import stop_process
 from nodepulse_dev.registry import Registry, start_registry
 
 _clusters: list[Cluster] = []
+REPO = Path(__file__).resolve().parent.parent
 
 # Every agent the suite starts serves the kubelet API; many run at once, so each takes
 # a free port (and says which in its Node's daemonEndpoints) unless a test says --port.
@@ -60,18 +62,12 @@ def registry() -> Iterator[Registry]:
         shutil.rmtree(reg.workdir, ignore_errors=True)
 
 
-# The tests that wait for the longest Go builds (the upstream e2e suite and its images'
-# programs, the kind node's) run last, in this order. On a cold cache the Go programs
-# the suite needs are built in the background, at idle CPU priority, while the tests
-# before them run (docs/development.md), in the order of BUILD_ORDER: the order in which
-# the reordered suite first needs each. A test that needs one not yet built waits for
-# the build lock and builds it itself.
+# The tests that wait for the longest builds (the upstream e2e suite and its images'
+# programs, the kind node's) run last, in this order. On a cold cache what the suite
+# needs is made in the background, at idle CPU priority, while the tests before them
+# run (e2e/background.py, docs/development.md). A test that needs something not made
+# yet waits for its lock and makes it itself.
 RUN_LAST = ("e2e/test_conformance.py", "e2e/kind/", "e2e/test_conformance_kind.py")
-BUILD_ORDER = [
-    *build.SETUP, "helm", "metrics-server", "registry", "crane",
-    "containerd", "containerd-shim-runc-v2",
-    "e2e.test", "agnhost", "nonewprivs", "sample-apiserver", "coredns",
-    "kind", "kubelet", "kubeadm", "kube-proxy", "crictl"]
 _builder: subprocess.Popen[bytes] | None = None
 
 
@@ -86,17 +82,19 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     global _builder
-    missing = [n for n in BUILD_ORDER if not build.TOOLS[n].path.is_file()]
-    if (session.config.option.collectonly or not missing or not shutil.which("go")
+    if (session.config.option.collectonly or not shutil.which("go")
             or not any(_run_last_rank(item) for item in session.items)):
+        return
+    missing = background.missing()
+    if not missing:
         return
     log = _builder_log()
     log.parent.mkdir(parents=True, exist_ok=True)
     _say(session, f"building {', '.join(missing)} in the background while the tests run "
                   f"(log: {log})")
     with open(log, "ab") as out:
-        _builder = subprocess.Popen([sys.executable, "-u", "-m", "nodepulse_dev", "build",
-                                     "--idle", *missing], stdout=out, stderr=subprocess.STDOUT,
+        _builder = subprocess.Popen([sys.executable, "-u", "-m", "e2e.background", *missing],
+                                    cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
                                     start_new_session=True)
 
 

@@ -167,6 +167,16 @@ def _build_lock() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def lock_for(out: Path) -> Iterator[None]:
+    """Held while one process makes the cached file `out` (an image's root filesystem):
+    another that wants it too waits, then finds it made (the caller looks again)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_name(out.name + ".lock"), "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
 def build_at_idle_priority(names: list[str], log=print) -> None:
     """Builds `names` one at a time, in that order, on what other work leaves of the CPU:
     at the idle scheduling class (SCHED_IDLE, which the compilers inherit). Between two

@@ -166,15 +166,19 @@ def _split(image: str) -> tuple[str, str]:
     return name, tag
 
 
+def pause_tar_path(cache: Path = CACHE) -> Path:
+    return cache / f"pause-{hashlib.sha256(PAUSE_C.encode()).hexdigest()[:12]}.tar"
+
+
 def build_pause_tar(cache: Path = CACHE) -> Path:
     """Compile the pause program statically and wrap it as PAUSE_IMAGE."""
     gcc = shutil.which("gcc")
     if gcc is None:
         raise RuntimeError("gcc not found: install the apt packages gcc and libc6-dev")
-    src_hash = hashlib.sha256(PAUSE_C.encode()).hexdigest()[:12]
-    out = cache / f"pause-{src_hash}.tar"
+    out = pause_tar_path(cache)
     if out.exists():
         return out
+    src_hash = out.stem.removeprefix("pause-")
     cache.mkdir(parents=True, exist_ok=True)
     src, binary = cache / f"pause-{src_hash}.c", cache / f"pause-{src_hash}"
     src.write_text(PAUSE_C)
@@ -214,13 +218,17 @@ def debian_mirror() -> str:
                        "needed to fetch busybox's source")
 
 
+def busybox_path(cache: Path = CACHE) -> Path:
+    return cache / f"busybox-{BUSYBOX_VERSION}" / "busybox"
+
+
 def upstream_busybox(cache: Path = CACHE) -> Path:
     """Upstream busybox BUSYBOX_VERSION, static (its default config, with busybox's own
     passwd/group code, so no NSS library is needed in the image), built once and cached.
     About a minute on 2 cores; Go builds' lock keeps it from running beside one."""
     from nodepulse_dev import build  # the build lock; images is imported by build's users
 
-    out = cache / f"busybox-{BUSYBOX_VERSION}" / "busybox"
+    out = busybox_path(cache)
     if out.exists():
         return out
     with build._build_lock():

@@ -104,6 +104,7 @@ def test_background_builds_go_one_at_a_time_at_idle_priority_and_let_others_in(
 
 
 def test_the_e2e_suite_runs_its_longest_builds_tests_last_and_builds_ahead_of_them() -> None:
+    from e2e import background
     from e2e import conftest as e2e_conftest
 
     ids = ["e2e/kind/test_chart.py::a", "e2e/test_admission.py::b", "e2e/test_conformance.py::c",
@@ -112,6 +113,55 @@ def test_the_e2e_suite_runs_its_longest_builds_tests_last_and_builds_ahead_of_th
     items = [SimpleNamespace(nodeid=i) for i in ids]
     e2e_conftest.pytest_collection_modifyitems(items)  # type: ignore[arg-type]
     assert [i.nodeid.split("::")[1] for i in items] == ["b", "e", "g", "c", "a", "f", "d"]
-    # every program the tests use is in the background build's order (KWOK only the
-    # benchmark builds), once
-    assert sorted(e2e_conftest.BUILD_ORDER) == sorted(set(build.TOOLS) - {"kwok"})
+    # every program the tests use is made ahead (KWOK only the benchmark builds), once:
+    # the control plane's first, then busybox, the kind images last
+    names = [name for name, _, _ in background.steps()]
+    go = [n for n in names if n in build.TOOLS]
+    assert sorted(go) == sorted(set(build.TOOLS) - {"kwok"}) and len(set(names)) == len(names)
+    assert names[:len(build.SETUP)] == build.SETUP and names[len(build.SETUP)] == "busybox"
+    assert names[-3:] == ["kind python base", "kind node image", "kind nodepulse node image"]
+
+
+def test_the_background_makes_what_is_named_and_missing_in_order_at_idle_priority(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from e2e import background
+
+    events: list[tuple[str, object]] = []
+    cached = tmp_path / "c"
+    cached.write_text("made before")
+
+    def step(name: str, out: Path):
+        def make() -> None:
+            events.append(("make", name))
+            out.write_text("made")
+        return name, out, make
+    monkeypatch.setattr(background, "steps", lambda: [
+        step("a", tmp_path / "a"), step("c", cached), step("b", tmp_path / "b"),
+        step("d", tmp_path / "d")])
+    monkeypatch.setattr(os, "sched_setscheduler",
+                        lambda pid, policy, param: events.append(("policy", policy)))
+    monkeypatch.setattr(background.time, "sleep", lambda s: events.append(("pause", s)))
+    assert background.missing() == ["a", "b", "d"]
+    assert background.main(["b", "a", "c"]) == 0
+    assert events == [("policy", os.SCHED_IDLE), ("make", "a"), ("pause", 1),
+                      ("make", "b"), ("pause", 1)]
+
+
+def test_a_root_filesystem_made_while_waiting_for_its_lock_is_not_made_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from e2e.kind import rootfs
+
+    monkeypatch.setenv("NODEPULSE_CACHE", str(tmp_path))
+    out = rootfs.tar_path("x", ["pkg"])
+    # held: another process cannot take it
+    with build.lock_for(out), open(out.with_name(out.name + ".lock"), "w") as f, \
+            pytest.raises(BlockingIOError):
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    taken = build.lock_for
+
+    def another_made_it(path: Path):
+        out.write_text("made by the process that held the lock")
+        return taken(path)
+    monkeypatch.setattr(build, "lock_for", another_made_it)
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("made twice"))
+    assert rootfs.debootstrap("x", ["pkg"]) == out

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from e2e.kind import images, node, rootfs
 from e2e.kind.docker import Dockerd
+from nodepulse_dev import build
 
 VENV = "/opt/nodepulse"
 KUBELET_WRAPPER = f"""\
@@ -107,14 +108,26 @@ def install_agent(tree: Path, wheel: Path) -> None:
     kubelet.chmod(0o755)
 
 
+def agent_node_tar_path() -> Path:
+    """Where the variant's tar is cached (named by its base and this checkout)."""
+    key = hashlib.sha256(Path(__file__).read_bytes() + node.node_tar_path().name.encode()
+                         + source_hash().encode()).hexdigest()[:12]
+    return rootfs.cache_dir() / f"node-nodepulse-{key}.tar"
+
+
 def agent_node_tar(log: Callable[[str], None] = print) -> Path:
     """The variant's root filesystem as one tar: from the cache, or built."""
-    base = node.node_tar(log)
-    key = hashlib.sha256(Path(__file__).read_bytes() + base.name.encode()
-                         + source_hash().encode()).hexdigest()[:12]
-    out = rootfs.cache_dir() / f"node-nodepulse-{key}.tar"
+    out = agent_node_tar_path()
     if out.exists():
         return out
+    base = node.node_tar(log)
+    with build.lock_for(out):
+        if not out.exists():
+            _assemble(out, base, log)
+    return out
+
+
+def _assemble(out: Path, base: Path, log: Callable[[str], None]) -> None:
     started = time.monotonic()
     log(f"assembling the nodepulse kind node image (once per checkout; cached as {out})")
     with tempfile.TemporaryDirectory(prefix="node-nodepulse-", dir=out.parent) as tmp:
@@ -128,7 +141,6 @@ def agent_node_tar(log: Callable[[str], None] = print) -> Path:
                        check=True, timeout=900)
         rootfs.keep_only(out, partial)
     log(f"assembled the nodepulse node image in {time.monotonic() - started:.0f} s")
-    return out
 
 
 def load_agent_node_image(engine: Dockerd, log: Callable[[str], None] = print) -> str:

@@ -41,11 +41,18 @@ def _python_layout(tree: Path) -> None:
         shutil.copy2(HOST_CA_BUNDLE, tree / "etc/ssl/certs/ca-certificates.crt")
 
 
-def python_base_tar(log: Callable[[str], None] = print) -> Path:
+def _python_key() -> str:
     trust = HOST_CA_BUNDLE.read_bytes() if HOST_CA_BUNDLE.exists() else b""
-    key = "pep668-off cas=" + hashlib.sha256(trust).hexdigest()
+    return "pep668-off cas=" + hashlib.sha256(trust).hexdigest()
+
+
+def python_base_path() -> Path:
+    return rootfs.tar_path("python", PYTHON_PACKAGES, _python_key())
+
+
+def python_base_tar(log: Callable[[str], None] = print) -> Path:
     return rootfs.debootstrap("python", PYTHON_PACKAGES, log=log,
-                              prepare=_python_layout, prepare_key=key)
+                              prepare=_python_layout, prepare_key=_python_key())
 
 
 def build_context(repo: Path = REPO) -> list[Path]:

@@ -381,18 +381,32 @@ def _node_files(tree: Path, bins: dict[str, Path], pause: str) -> None:
     (tree / "etc/cni/net.d").mkdir(parents=True, exist_ok=True)
 
 
-def node_tar(log: Callable[[str], None] = print) -> Path:
-    """The node image's root filesystem as one tar: from the cache, or built."""
-    base = rootfs.debootstrap("node", NODE_PACKAGES, log=log)
-    bins = build.ensure(sorted(set(NODE_TOOLS) | set(IMAGE_TOOLS.values())), log=log)
+def node_tar_path() -> Path:
+    """Where the node image's tar is cached (named by everything that goes into it)."""
+    base = rootfs.tar_path("node", NODE_PACKAGES)
     key = hashlib.sha256(Path(__file__).read_bytes() + Path(podnet.__file__).read_bytes()
                          + base.name.encode())
-    for name, path in sorted(bins.items()):
-        key.update(f"{name}={path}".encode())  # the path names the version
-    key.update(cluster_images.build_pause_tar().name.encode())
-    out = rootfs.cache_dir() / f"node-{key.hexdigest()[:12]}.tar"
+    for name in sorted(set(NODE_TOOLS) | set(IMAGE_TOOLS.values())):
+        key.update(f"{name}={build.TOOLS[name].path}".encode())  # the path names the version
+    key.update(cluster_images.pause_tar_path().name.encode())
+    return rootfs.cache_dir() / f"node-{key.hexdigest()[:12]}.tar"
+
+
+def node_tar(log: Callable[[str], None] = print) -> Path:
+    """The node image's root filesystem as one tar: from the cache, or built."""
+    out = node_tar_path()
     if out.exists():
         return out
+    base = rootfs.debootstrap("node", NODE_PACKAGES, log=log)
+    bins = build.ensure(sorted(set(NODE_TOOLS) | set(IMAGE_TOOLS.values())), log=log)
+    cluster_images.build_pause_tar()
+    with build.lock_for(out):
+        if not out.exists():
+            _assemble(out, base, bins, log)
+    return out
+
+
+def _assemble(out: Path, base: Path, bins: dict[str, Path], log: Callable[[str], None]) -> None:
     started = time.monotonic()
     log(f"assembling the kind node image (once; cached as {out})")
     with tempfile.TemporaryDirectory(prefix="node-", dir=out.parent) as tmp:
@@ -412,7 +426,6 @@ def node_tar(log: Callable[[str], None] = print) -> Path:
                        check=True, timeout=900)
         rootfs.keep_only(out, partial)
     log(f"assembled the node image in {time.monotonic() - started:.0f} s")
-    return out
 
 
 def import_node_image(engine: Dockerd, tar: Path, name: str) -> str:

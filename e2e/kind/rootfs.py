@@ -58,24 +58,37 @@ SLIM = ["usr/share/doc", "usr/share/man", "usr/share/info", "usr/share/locale",
         "var/cache/apt", "var/lib/apt/lists", "var/log"]
 
 
+def tar_path(name: str, packages: list[str], prepare_key: str = "") -> Path:
+    """Where debootstrap's tar of `name` is cached (named by what makes it)."""
+    key = hashlib.sha256("\n".join([SUITE, debian_mirror(), *sorted(packages), prepare_key,
+                                    *SLIM]).encode()).hexdigest()[:12]
+    return cache_dir() / f"rootfs-{name}-{key}.tar"
+
+
 def debootstrap(name: str, packages: list[str], *, log: Callable[[str], None] = print,
                 prepare: Callable[[Path], None] | None = None, prepare_key: str = "") -> Path:
     """A tar of SUITE's minbase plus `packages`, made once. `prepare` may change the
     tree before it is packed (its `prepare_key` names what it does, for the cache)."""
-    mirror = debian_mirror()
-    key = hashlib.sha256("\n".join([SUITE, mirror, *sorted(packages), prepare_key,
-                                    *SLIM]).encode()).hexdigest()[:12]
-    out = cache_dir() / f"rootfs-{name}-{key}.tar"
+    out = tar_path(name, packages, prepare_key)
     if out.exists():
         return out
+    with build.lock_for(out):
+        if not out.exists():
+            _debootstrap(name, packages, out, log, prepare)
+    return out
+
+
+def _debootstrap(name: str, packages: list[str], out: Path, log: Callable[[str], None],
+                 prepare: Callable[[Path], None] | None) -> None:
+    mirror = debian_mirror()
     if shutil.which("debootstrap") is None:
         raise RuntimeError("debootstrap not found: install the apt package debootstrap")
-    out.parent.mkdir(parents=True, exist_ok=True)
     debs = cache_dir() / "debs"  # packages shared by every rootfs (debootstrap's cache)
     debs.mkdir(exist_ok=True)
     started = time.monotonic()
     log(f"debootstrap {SUITE} {name} (once; cached as {out})")
-    with tempfile.TemporaryDirectory(prefix=f"rootfs-{name}-", dir=out.parent) as tmp:
+    with tempfile.TemporaryDirectory(prefix=f"rootfs-{name}-", dir=out.parent) as tmp, \
+            build.lock_for(debs):  # one debootstrap at a time writes the shared packages
         tree = Path(tmp) / "tree"
         proc = subprocess.run(
             ["debootstrap", "--variant=minbase", f"--include={','.join(packages)}",
@@ -99,4 +112,3 @@ def debootstrap(name: str, packages: list[str], *, log: Callable[[str], None] = 
                        check=True, timeout=600)
         keep_only(out, partial)
     log(f"debootstrap {name}: {time.monotonic() - started:.0f} s")
-    return out
