@@ -178,9 +178,8 @@ def build_pause_tar(cache: Path = CACHE) -> Path:
     out = pause_tar_path(cache)
     if out.exists():
         return out
-    src_hash = out.stem.removeprefix("pause-")
     cache.mkdir(parents=True, exist_ok=True)
-    src, binary = cache / f"pause-{src_hash}.c", cache / f"pause-{src_hash}"
+    src, binary = out.with_suffix(".c"), out.with_suffix("")
     src.write_text(PAUSE_C)
     res = subprocess.run([gcc, "-static", "-Os", "-s", "-o", str(binary), str(src)],
                          capture_output=True, text=True, timeout=120)
