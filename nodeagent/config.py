@@ -677,7 +677,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("healthz_bind_address", "healthz-bind-address", "healthzBindAddress", _bind,
            "host:port for /healthz and /metrics (127.0.0.1:10248; empty disables)"),
     Option("lease_concurrency", "lease-concurrency", "leaseConcurrency", _int(1, 256),
-           "Lease writes at once, never waiting behind other writes (16)"),
+           "Lease writes at once, never waiting behind other writes; more wait in the "
+           "order their Leases expire (16)"),
     Option("status_concurrency", "status-concurrency", "statusConcurrency", _int(1, 256),
            "NodeStatus writes at once, and threads for host readings (4)"),
     Option("log_level", "log-level", "logLevel", _choice("debug", "info", "warning", "error"),
