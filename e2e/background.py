@@ -3,12 +3,13 @@ before them run (e2e/conftest.py starts this as `python -m e2e.background NAME..
 they are in the run; docs/development.md): the Go programs, busybox, and the kind
 tests' root filesystems and node images.
 
-One thing at a time, in STEPS' order (the order in which the reordered suite first
-needs each), at the idle CPU scheduling class (SCHED_IDLE, which compilers, debootstrap
-and tar inherit), so it takes only what the tests leave of the CPU. Each is made under
-its own lock (Go programs and busybox: the build lock, let go of between two), so a
-test that needs one now either makes it itself or waits for this one to finish it,
-never both at once.
+One thing at a time, in the order of steps() (the order in which the reordered suite
+first needs each), at the idle CPU scheduling class (SCHED_IDLE, which compilers,
+debootstrap and tar inherit), so it takes only what the tests leave of the CPU. Each is
+made under a lock (Go programs and busybox: the build lock, let go of between two; each
+image tar: its own), so a test that needs one now either makes it itself or waits for
+this one to finish it, never both at once. The first failure ends it (its log says
+which); the test that needs that thing then makes it itself and shows the error.
 """
 
 from __future__ import annotations
