@@ -32,6 +32,7 @@ from nodeagent.runtime import spdy
 from nodeagent.runtime.execserver import RESIZE_LIMIT, STDIN_BUFFER, ExecSpec, Session
 from nodeagent.server.auth import KubeletAuth, Unauthorized, request_attributes
 from nodeagent.server.containerlogs import LogRequestError, parse_options
+from nodeagent.server.kubeletserver import KubeletServer
 from tests.conftest import KubeletApiFake, NoTls, kubelet_server
 
 FUZZ = settings(max_examples=int(os.environ.get("NP_FUZZ_EXAMPLES", "200")), deadline=None,
@@ -95,17 +96,23 @@ def authorization(user: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer good-{user}"}
 
 
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> KubeletServer:
+    """One server for every example (each server starts a child process to make its
+    certificate)."""
+    return kubelet_server(tmp_path_factory.mktemp("fuzz"), NOW)
+
+
 @FUZZ
 @given(METHODS, st.lists(SEGMENTS, max_size=7), st.booleans(), QUERIES, USERS,
        st.sampled_from([{}, {"Connection": "Upgrade", "Upgrade": "SPDY/3.1"},
                         {"Connection": "keep-alive, upgrade", "Upgrade": "websocket"}]))
 def test_any_path_is_answered_4xx_or_served_only_when_authorized(
-        tmp_path: Path, method: str, segments: list[str], slash: bool,
+        server: KubeletServer, method: str, segments: list[str], slash: bool,
         query: list[tuple[str, str]], user: str | None, upgrade: dict[str, str]) -> None:
     path = "/" + "/".join(segments) + ("/" if slash else "")
     if query:
         path += "?" + "&".join(f"{k}={v}" for k, v in query)
-    server = kubelet_server(tmp_path, NOW)
     try:
         request = make_mocked_request(method, path, headers={**authorization(user),
                                                              **upgrade},

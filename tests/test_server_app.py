@@ -16,7 +16,7 @@ from typing import Any
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client import CollectorRegistry
 
-from nodeagent.api.certificates import csr_pem, new_key
+from nodeagent.api.certificates import csr_pem, new_key, renew_at, validity
 from nodeagent.api.clock import FakeClock
 from nodeagent.node.status import StatusSettings, build_patch, compute_status, meaningful_changes
 from nodeagent.runtime.base import (
@@ -29,8 +29,9 @@ from nodeagent.runtime.base import (
 from nodeagent.runtime.fake import FakeRuntime
 from nodeagent.server.auth import KubeletAuth, User, request_attributes, user_of_certificate
 from nodeagent.server.kubeletserver import KubeletServer, pick_container
+from nodeagent.server.selfsigned import self_signed
 from nodeagent.server.stats import StatsProvider
-from nodeagent.server.tls import ServingCert, renew_at, self_signed, validity
+from nodeagent.server.tls import ServingCert
 from tests.conftest import aio
 
 NODE = "n1"

@@ -47,7 +47,6 @@ from cryptography.hazmat.primitives import serialization
 
 from nodeagent.api.certificates import (
     CLIENT_SIGNER,
-    CertError,
     CsrRefused,
     PrivateKey,
     common_name,
@@ -65,6 +64,7 @@ from nodeagent.api.certificates import (
 )
 from nodeagent.api.client import (
     ApiError,
+    CertError,
     ClientConfigError,
     Credentials,
     brief,

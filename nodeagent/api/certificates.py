@@ -29,7 +29,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import NameOID
 
-from nodeagent.api.client import ApiError
+from nodeagent.api.client import ApiError, CertError
 from nodeagent.api.clock import Clock, clock_timeout
 from nodeagent.api.kube import CERTIFICATE_SIGNING_REQUESTS, Kube, Obj
 from nodeagent.api.reflector import Reflector, ReflectorConfig
@@ -42,10 +42,6 @@ NODES_GROUP = "system:nodes"
 PENDING_LOG = 60.0  # seconds between "still waiting" lines while a CSR is pending
 
 PrivateKey = ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey
-
-
-class CertError(ValueError):
-    """A certificate or key that cannot be used; the message names the file."""
 
 
 class CsrRefused(Exception):

@@ -50,6 +50,10 @@ class ClientConfigError(Exception):
     """No usable credentials: names where it looked, or what in them is wrong."""
 
 
+class CertError(ValueError):
+    """A certificate or key that cannot be used; the message names the file."""
+
+
 class ApiError(Exception):
     """A non-2xx answer of the API server: its status, reason, body (the Status object's
     JSON, as sent) and headers."""

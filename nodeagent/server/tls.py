@@ -22,54 +22,33 @@ import datetime as dt
 import logging
 import random
 import ssl
+import subprocess
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
-from nodeagent.api.certificates import (
-    SERVING_SIGNER,
-    CertError,
-    csr_name,
-    csr_object,
-    csr_pem,
-    key_pem,
-    new_key,
-    renew_at,
-    request_certificate,
-    sans,
-    usages,
-    validity,
-    write_private,
-)
+import nodeagent
+from nodeagent.api.client import CertError
 from nodeagent.api.clock import Clock
 from nodeagent.api.kube import Kube
 
 log = logging.getLogger(__name__)
 
-SELF_SIGNED_VALIDITY = dt.timedelta(days=365)
 RETRY = 30.0    # seconds before a refused or failed CSR is tried again
+SELF_SIGNED_TIMEOUT = 120.0  # seconds the child making the self-signed certificate may take
 
-__all__ = ["CertError", "ServingCert", "renew_at", "self_signed", "validity"]
+__all__ = ["CertError", "ServingCert"]
 
+# The child making the self-signed certificate imports this very package, wherever it
+# was loaded from; its folder goes first on the path once the interpreter has started,
+# so that nothing beside the package stands in for a standard module.
+_CHILD = ("import sys; sys.path.insert(0, sys.argv.pop(1)); "
+          "from nodeagent.server.selfsigned import main; sys.exit(main(sys.argv[1:]))")
 
-def self_signed(node: str, names: Sequence[str], now: dt.datetime) -> tuple[bytes, bytes]:
-    """(certificate PEM, key PEM) for `names`, valid a year."""
-    key = new_key()
-    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME,
-                                            f"{node}@{int(now.timestamp())}")])
-    cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject)
-            .public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - dt.timedelta(minutes=5))
-            .not_valid_after(now + SELF_SIGNED_VALIDITY)
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]),
-                           critical=False)
-            .add_extension(x509.SubjectAlternativeName(sans(names)), critical=False)
-            .sign(key, hashes.SHA256()))
-    return cert.public_bytes(serialization.Encoding.PEM), key_pem(key)
+# nodeagent.api.certificates (and with it the crypto library) is imported by the methods
+# that read or request a certificate in this process (files, CSR rotation): an agent
+# serving self-signed never loads it, its certificate made by a child
+# (nodeagent.server.selfsigned).
 
 
 class ServingCert:
@@ -100,6 +79,7 @@ class ServingCert:
 
     # -- loading --
     def load_files(self) -> None:
+        from nodeagent.api.certificates import validity
         assert self.cert_file and self.key_file
         try:
             self.context.load_cert_chain(self.cert_file, self.key_file)
@@ -110,6 +90,7 @@ class ServingCert:
 
     def use(self, cert_pem: bytes, key_pem: bytes, path: Path) -> None:
         """Save cert + key in one file (0600) and serve them from now on."""
+        from nodeagent.api.certificates import validity, write_private
         write_private(path, cert_pem + key_pem)
         try:
             self.context.load_cert_chain(path)
@@ -118,18 +99,27 @@ class ServingCert:
         self.not_after = validity(cert_pem)[1]
 
     def load_self_signed(self) -> None:
+        """Serve the self-signed certificate under the pki folder, made anew by a child
+        process when there is none valid past tomorrow (nodeagent.server.selfsigned)."""
         path = self.pki_dir / "kubelet-server-self-signed.pem"
-        if path.exists():
-            try:
-                pem = path.read_bytes()
-                if validity(pem)[1] > self.clock.now() + dt.timedelta(days=1):
-                    self.context.load_cert_chain(path)
-                    self.not_after = validity(pem)[1]
-                    return
-            except (OSError, ssl.SSLError, ValueError):
-                log.warning("%s is unusable; making a new self-signed certificate", path)
-        cert, key = self_signed(self.node, self.names, self.clock.now())
-        self.use(cert, key, path)
+        argv = [sys.executable, "-c", _CHILD, str(Path(nodeagent.__file__).parents[1]),
+                str(path), self.node, self.clock.now().isoformat(), *self.names]
+        try:
+            done = subprocess.run(argv, capture_output=True, text=True,
+                                  timeout=SELF_SIGNED_TIMEOUT, check=False)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise CertError(f"{path}: making the self-signed certificate: {e}") from None
+        said = done.stderr.strip().splitlines()
+        if done.returncode != 0:
+            why = said[-1] if said else f"exit {done.returncode}"
+            raise CertError(f"{path}: making the self-signed certificate failed: {why}")
+        for line in said:
+            log.warning("kubelet API: %s", line)
+        try:
+            self.context.load_cert_chain(path)
+            self.not_after = dt.datetime.fromisoformat(done.stdout.strip())
+        except (OSError, ssl.SSLError, ValueError) as e:
+            raise CertError(f"{path}: {e}") from None
         log.info("kubelet API: serving a self-signed certificate (%s)", path)
 
     # -- rotation through the CSR API --
@@ -139,6 +129,7 @@ class ServingCert:
 
     def load_current(self) -> tuple[dt.datetime, dt.datetime] | None:
         """The certificate an earlier run got, if it is still valid."""
+        from nodeagent.api.certificates import validity
         try:
             pem = self.current_path.read_bytes()
             before, after = validity(pem)
@@ -156,6 +147,7 @@ class ServingCert:
     async def rotate(self, kube: Kube, stop: asyncio.Event) -> None:
         """Keep a CSR-signed certificate in place until `stop` (the interim one is
         self-signed)."""
+        from nodeagent.api.certificates import renew_at, validity
         current = self.load_current()
         if current is None:
             self.load_self_signed()
@@ -193,13 +185,15 @@ class ServingCert:
     async def _request(self, kube: Kube) -> tuple[bytes, bytes]:
         """A new key and its certificate, signed by kubernetes.io/kubelet-serving for the
         node's names."""
-        key = new_key()
-        key_usages = usages(key, "server auth")
-        body = csr_object(csr_name("csr-", key, self.node, SERVING_SIGNER, key_usages),
-                          csr_pem(key, self.node, self.names), SERVING_SIGNER, key_usages)
-        cert = await request_certificate(kube, body, self.clock,
-                                         what="kubelet API serving certificate")
-        return cert, key_pem(key)
+        from nodeagent.api import certificates as c
+        key = c.new_key()
+        key_usages = c.usages(key, "server auth")
+        body = c.csr_object(c.csr_name("csr-", key, self.node, c.SERVING_SIGNER, key_usages),
+                            c.csr_pem(key, self.node, self.names), c.SERVING_SIGNER,
+                            key_usages)
+        cert = await c.request_certificate(kube, body, self.clock,
+                                           what="kubelet API serving certificate")
+        return cert, c.key_pem(key)
 
 
 async def _wait(stop: asyncio.Event, clock: Clock, seconds: float) -> bool:
