@@ -67,8 +67,8 @@ VIRTUAL_TAINT = "nodepulse.dev/virtual=true:NoSchedule"  # what virtual nodes ca
 # nodes without real workloads: the in-memory runtime, as virtual nodes use
 AGENT_RUNTIME = ["--runtime", "fake"]
 # KWOK serves no node API here (its --node-port and --server-address are unset), so
-# nodepulse runs without its kubelet API too (like for like: that API alone costs the
-# agent about 9 MB of memory); dropped for an agent that predates the flag
+# nodepulse runs without its kubelet API too (like for like: that API's code costs the
+# agent memory, docs/benchmarks/issue40-cost.md); dropped for an agent that predates the flag
 AGENT_SERVER = ["--enable-server=false"]
 
 
