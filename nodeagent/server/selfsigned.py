@@ -2,13 +2,12 @@
 
     python -m nodeagent.server.selfsigned PATH NODE NOW NAME...
 
-(the agent runs main() through `python -c`, see nodeagent.server.tls)
-
 keeps PATH holding a certificate and key (one file, 0600) for NAMEs that stays valid at
 least a day past NOW (ISO 8601), making a new one when it does not, and prints its
-notAfter. The agent runs this instead of making the certificate itself so that its own,
-long-lived process never loads the crypto library: a host of virtual nodes serving
-self-signed would carry it for nothing after the first second (nodeagent.server.tls).
+notAfter. The agent runs main() so (through `python -c`, nodeagent.server.tls) instead of
+making the certificate itself, so that its own, long-lived process never loads the crypto
+library: a host of virtual nodes serving self-signed would carry it for nothing after the
+first second.
 """
 
 from __future__ import annotations

@@ -149,7 +149,7 @@ class ServingCert:
         self-signed)."""
         from nodeagent.api.certificates import renew_at, validity
         current = self.load_current()
-        if current is None:
+        if current is None and self.not_after is None:  # none loaded yet: the interim one
             self.load_self_signed()
         while not stop.is_set():
             if current is not None:
