@@ -188,8 +188,10 @@ def kubectl(cluster: Cluster, *args: str, stdin: str | None = None
 
 
 def manifest(name: str, spec: dict[str, Any]) -> str:
-    return yaml.safe_dump({"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND,
-                           "metadata": {"name": name}, "spec": spec})
+    """The policy for `kubectl apply -f -`, as JSON: PyYAML writes a string such as
+    "79e03" (a RUN) unquoted, and kubectl's YAML reads that as a number."""
+    return json.dumps({"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND,
+                       "metadata": {"name": name}, "spec": spec})
 
 
 def stored(api: client.ApiClient, name: str) -> dict[str, Any] | None:
