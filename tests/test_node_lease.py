@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 
 import pytest
@@ -254,6 +255,39 @@ def test_the_kept_lease_drops_the_servers_managed_fields():
         assert "managedFields" not in rig.renewer.lease["metadata"]
         await rig.finish(task)
     run(main())
+
+
+def test_the_kept_leases_of_two_nodes_share_their_keys_and_short_strings():
+    """Each node keeps its Lease between renewals; a thousand nodes' would each hold a
+    copy of every key and of the namespace, kinds and versions as decoded. The kept
+    ones share them; what the server answered is kept unchanged in value."""
+    uid = "5f1c2a9e-1111-4000-8000-000000000001"
+
+    async def kept(node: str) -> dict:
+        rig = Rig()
+        rig.renewer.node, rig.renewer.owner_uid = node, uid
+        answer = json.dumps({
+            "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+            "metadata": {"name": node, "namespace": NODE_LEASE_NAMESPACE, "uid": uid,
+                         "ownerReferences": [{"apiVersion": "v1", "kind": "Node",
+                                              "name": node, "uid": uid}]},
+            "spec": {"holderIdentity": node, "leaseDurationSeconds": 40}})
+        rig.kube.put(LEASES, json.loads(answer))  # as decoded from the server's JSON
+        task = await rig.start()
+        assert rig.kube.count("get leases") == 1 and rig.kube.count("update leases") == 1
+        lease = rig.renewer.lease
+        assert lease is not None and lease["metadata"]["uid"] == uid
+        assert lease["metadata"]["ownerReferences"] == [
+            {"apiVersion": "v1", "kind": "Node", "name": node, "uid": uid}]
+        await rig.finish(task)
+        return lease
+
+    a, b = run(kept("vn-1")), run(kept("vn-2"))
+    for x, y in ((a, b), (a["metadata"], b["metadata"]), (a["spec"], b["spec"]),
+                 (a["metadata"]["ownerReferences"][0], b["metadata"]["ownerReferences"][0])):
+        assert [id(k) for k in x] == [id(k) for k in y]
+    assert a["metadata"]["namespace"] is b["metadata"]["namespace"]
+    assert a["apiVersion"] is b["apiVersion"] and a["kind"] is b["kind"]
 
 
 def test_nodes_started_together_spread_their_first_renewal_over_the_interval():

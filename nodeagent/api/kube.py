@@ -18,6 +18,7 @@ are followed by nodeagent.api.reflector, not read directly.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 from urllib.parse import quote
@@ -97,6 +98,25 @@ def namespace_of(obj: Obj) -> str | None:
 
 def name_of(obj: Obj) -> str:
     return str((obj.get("metadata") or {}).get("name") or "")
+
+
+# strings up to this length are shared by interning: names, kinds, API versions,
+# namespaces, resourceVersions and second-precision times; longer ones (uids, fine times,
+# messages) are mostly one object's own
+SHARED_STRING_MAX = 24
+
+
+def with_shared_strings(value: Any) -> Any:
+    """`value` rebuilt with its keys and short strings interned. An object kept per node
+    (thousands in a process) then shares them with every other one, where a decoded
+    object holds its own copy of each: a kept Lease is half the size."""
+    if isinstance(value, dict):
+        return {sys.intern(k): with_shared_strings(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [with_shared_strings(v) for v in value]
+    if isinstance(value, str) and len(value) <= SHARED_STRING_MAX:
+        return sys.intern(value)
+    return value
 
 
 def describe(obj: Obj) -> str:

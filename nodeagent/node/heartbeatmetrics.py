@@ -13,6 +13,9 @@ class NodeMetrics:
         self.lease_renewals = Counter(
             "nodepulse_lease_renewals", "Lease renewal attempts by result "
             "(success, created, conflict, retried, failed)", ["result"], registry=registry)
+        # each result's child, looked up once for every node of the process
+        self.renewals_by_result = {r: self.lease_renewals.labels(r) for r in
+                                   ("success", "created", "conflict", "retried", "failed")}
         self.lease_latency = Histogram(
             "nodepulse_lease_renewal_duration_seconds",
             "Time from a renewal's due time to its success, retries included",

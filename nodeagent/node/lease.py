@@ -21,7 +21,7 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception
 from nodeagent.api.answered import ApiAnswered
 from nodeagent.api.client import ApiError, brief, is_retriable, status_of
 from nodeagent.api.clock import Clock
-from nodeagent.api.kube import LEASES, NODE_LEASE_NAMESPACE, Kube, Obj
+from nodeagent.api.kube import LEASES, NODE_LEASE_NAMESPACE, Kube, Obj, with_shared_strings
 from nodeagent.api.policy import Heartbeat
 from nodeagent.node.heartbeatmetrics import NodeMetrics
 from nodeagent.node.status import api_microtime
@@ -44,7 +44,7 @@ def spread_before(now: float, due: float, rng: random.Random) -> float:
 
 class LeaseRenewer:
     # thousands in a process: no __dict__ each
-    __slots__ = ("_counted", "_due", "_spread", "_stamped", "_u", "answered", "clock",
+    __slots__ = ("_due", "_spread", "_stamped", "_u", "answered", "clock",
                  "failing", "heartbeat", "jitter", "kube", "last_renewed", "lease", "metrics",
                  "node", "owner_uid", "rng", "started")
     REQUEST_TIMEOUT = 10.0  # one attempt never waits longer than this
@@ -77,8 +77,6 @@ class LeaseRenewer:
         # an attempt could not reach the API server since the last renewal (when one
         # goes through again, the ApiAnswered signal fires)
         self.failing = False
-        self._counted = {r: metrics.lease_renewals.labels(r)
-                         for r in ("success", "created", "conflict", "retried", "failed")}
 
     # -- timing --
     def next_due(self) -> float:
@@ -129,7 +127,7 @@ class LeaseRenewer:
                     raise
                 result = await self._retry(e, deadline, min_attempt)
         except Exception as e:
-            self._counted["failed"].inc()
+            self.metrics.renewals_by_result["failed"].inc()
             log.warning("lease %s: renewal failed, retrying soon: %s", self.node, brief(e))
             self._due = self.clock.monotonic() + min(2.0, self.heartbeat.renewIntervalSeconds)
             return self._due
@@ -137,7 +135,7 @@ class LeaseRenewer:
             self.failing = False
             self.answered.fire()
         now = self.clock.monotonic()
-        self._counted[result].inc()
+        self.metrics.renewals_by_result[result].inc()
         self.metrics.lease_latency.observe(max(0.0, now - due))
         self.last_renewed = self._stamped
         self._u = self.rng.uniform(-1, 1)
@@ -159,11 +157,11 @@ class LeaseRenewer:
 
         def retriable(exc: BaseException) -> bool:
             if status_of(exc) in (404, 409):
-                self._counted["conflict"].inc()
+                self.metrics.renewals_by_result["conflict"].inc()
                 return True
             if is_retriable(exc):
                 self.failing = True
-                self._counted["retried"].inc()
+                self.metrics.renewals_by_result["retried"].inc()
                 return True
             return False
 
@@ -225,7 +223,9 @@ class LeaseRenewer:
 
 
 def _kept(lease: Obj) -> Obj:
-    """The server's answer as kept until the next renewal, without its managedFields
-    (most of its bytes; a PUT without them leaves the server's as they are)."""
+    """The server's answer as kept until the next renewal: without its managedFields
+    (most of its bytes; a PUT without them leaves the server's as they are), its keys
+    and short strings shared with the other nodes' Leases."""
     (lease.get("metadata") or {}).pop("managedFields", None)
-    return lease
+    kept: Obj = with_shared_strings(lease)
+    return kept
