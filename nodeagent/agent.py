@@ -48,7 +48,6 @@ from nodeagent.node.scheduler import Blocking, DueScheduler, inline
 from nodeagent.node.status import StatusSettings
 from nodeagent.pods.admission import AdmissionSettings, NodeAdmission
 from nodeagent.pods.backoff import CrashBackoff
-from nodeagent.pods.cgroupfs import CgroupFs
 from nodeagent.pods.cgroups import (
     CgroupBackend,
     CgroupError,
@@ -82,13 +81,9 @@ from nodeagent.pods.runtimecalls import RuntimeCalls
 from nodeagent.pods.sandboxes import Sandboxes
 from nodeagent.pods.settings import NodePodSettings, PodTiming
 from nodeagent.pods.sources.api import APISource
-from nodeagent.pods.sources.file import FileSource
-from nodeagent.pods.sources.http import HTTPSource
 from nodeagent.pods.sources.merge import Merge
-from nodeagent.pods.sources.mirror import MirrorManager
 from nodeagent.pods.sources.problems import Problems
 from nodeagent.pods.syncer import PodSyncer
-from nodeagent.pods.systemdcgroups import SystemdCgroups
 from nodeagent.pods.thresholds import (
     IMAGEFS,
     IMAGEFS_INODES,
@@ -102,12 +97,15 @@ from nodeagent.pods.workers import DueTimes, PodWorkers
 from nodeagent.runtime import ContainerRuntimeError, Runtime, make_runtime, socket_path
 from nodeagent.runtime.logrotation import LogRotation
 from nodeagent.runtime.usage import parse_usage
-from nodeagent.shutdown import Logind, ShutdownManager, budgets
 
+# What only some settings use is imported where they are read, so that an agent of
+# virtual nodes holds none of its code: the host's cgroups, static pods' sources and
+# mirrors, graceful shutdown.
 if TYPE_CHECKING:
     from nodeagent.server.bundle import ServerBundle
     from nodeagent.server.kubeletserver import HealthCheck
     from nodeagent.server.podhost import PodHost
+    from nodeagent.shutdown import Logind, ShutdownManager
 
 log = logging.getLogger(__name__)
 
@@ -301,6 +299,7 @@ def build_pod_cgroups(cfg: AgentConfig, runtime: Runtime, read: Callable[[], Hos
 def host_cgroups(cfg: AgentConfig) -> CgroupBackend:
     """The host's cgroups for the configured driver: the cgroup files (cgroupfs), or
     systemd's slices beside them (systemd). Raises ConfigError."""
+    from nodeagent.pods.cgroupfs import CgroupFs
     try:
         files = CgroupFs.detect()
     except CgroupError as e:
@@ -311,6 +310,7 @@ def host_cgroups(cfg: AgentConfig) -> CgroupBackend:
         raise ConfigError(f"--cgroup-driver=systemd: systemd is not running on this host "
                           f"(no {SYSTEMD_RUNNING}); use --cgroup-driver=cgroupfs, with the "
                           "container runtime set to cgroupfs too")
+    from nodeagent.pods.systemdcgroups import SystemdCgroups
     from nodeagent.systembus import SystemdUnits  # D-Bus: only with this driver
     try:
         return SystemdCgroups(files, SystemdUnits.connect())
@@ -549,15 +549,18 @@ class Agent:
         sources: list[Runnable] = [APISource(kube, cfg.node_names, merge, clock,
                                            answered=self.answered)]
         if cfg.pod_manifest_path:
+            from nodeagent.pods.sources.file import FileSource
             sources.append(FileSource(cfg.pod_manifest_path, cfg.node_name, merge, clock,
                                     check_frequency=cfg.file_check_frequency,
                                     allow_privileged=cfg.allow_privileged))
         if cfg.manifest_url:
+            from nodeagent.pods.sources.http import HTTPSource
             sources.append(HTTPSource(cfg.manifest_url, cfg.node_name, merge, clock,
                                     headers=dict(cfg.manifest_url_headers),
                                     check_frequency=cfg.http_check_frequency,
                                     allow_privileged=cfg.allow_privileged))
         if cfg.pod_manifest_path or cfg.manifest_url:
+            from nodeagent.pods.sources.mirror import MirrorManager
             sources.append(MirrorManager(kube, cfg.node_name, merge, clock, node_uid=node_uid,
                                        answered=self.answered))
         cache = PodCache()
@@ -654,6 +657,7 @@ class Agent:
     def _node_shutdown(self, cfg: AgentConfig, ext: Externals) -> ShutdownManager:
         """Graceful node shutdown: logind's lock and signal, the pods stopped by
         priority (the host node's; virtual nodes have none, config.load refuses it)."""
+        from nodeagent.shutdown import ShutdownManager, budgets
         connect = ext.logind
         if connect is None:
             from nodeagent.systembus import LogindBus  # D-Bus: only with the setting
@@ -681,10 +685,11 @@ class Agent:
     # -- nodes --
     def add_node(self, spec: NodeSpec,
                  probe: Callable[[], HostReadings] | None = None) -> NodeController:
-        config = dataclasses.replace(self.node_config, status=self.settings)
-        if probe is not None:
-            config = dataclasses.replace(config, probe=probe)
+        # one config for all nodes (thousands of virtual nodes), settings of their own
+        config = self.node_config if probe is None else \
+            dataclasses.replace(self.node_config, probe=probe)
         node = build_node_controller(spec, config, self.rng)
+        node.settings = self.settings
         self.nodes[spec.name] = node
         self.metrics.nodes.set(len(self.nodes))
         return node
@@ -864,8 +869,9 @@ class Agent:
             self.pools.files.shutdown, wait=True, cancel_futures=True))
         if self.health:
             self.health.stop()
-        if isinstance(self.cgroups.backend, SystemdCgroups):
-            self.cgroups.backend.close()
+        close = getattr(self.cgroups.backend, "close", None)  # systemd's: its bus
+        if close is not None:
+            close()
         log.info("stopped")
 
 

@@ -14,6 +14,11 @@ from typing import Protocol, TypeVar
 T = TypeVar("T")
 
 
+def rfc3339_micro(t: dt.datetime) -> str:
+    """`t` as the API's MicroTime (UTC, microseconds)."""
+    return t.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
 class Clock(Protocol):
     def monotonic(self) -> float:
         """Seconds on a clock that never goes back; for intervals and deadlines."""

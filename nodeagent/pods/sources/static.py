@@ -22,6 +22,7 @@ from typing import Any
 
 import yaml
 
+from nodeagent.api.clock import rfc3339_micro
 from nodeagent.pods.podupdate import (
     ANN_CONFIG_HASH,
     ANN_CONFIG_MIRROR,
@@ -356,10 +357,6 @@ def static_uid(doc: dict[str, Any], source: Source, node_name: str) -> str:
     return h.hexdigest()[:32]
 
 
-def rfc3339(t: dt.datetime) -> str:
-    return t.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-
 def make_static_pod(doc: dict[str, Any], source: Source, node_name: str,
                     seen: dt.datetime) -> Pod:
     """The pod the sync loop runs for a checked manifest (see the module docstring)."""
@@ -374,7 +371,7 @@ def make_static_pod(doc: dict[str, Any], source: Source, node_name: str,
     ann = dict(meta.get("annotations") or {})
     ann[ANN_CONFIG_HASH] = uid
     ann[ANN_CONFIG_SOURCE] = source.value
-    ann[ANN_CONFIG_SEEN] = rfc3339(seen)
+    ann[ANN_CONFIG_SEEN] = rfc3339_micro(seen)
     meta["annotations"] = ann
     pod["spec"]["nodeName"] = node_name
     return pod

@@ -7,11 +7,9 @@ CAP_SYS_ADMIN: it runs containers, so as root it does); tests use a fake.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import os
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 MNT_DETACH = 2
 
@@ -44,19 +42,27 @@ def _unescape(field: str) -> str:
 class HostMounter:
     def __init__(self, mountinfo: str = "/proc/self/mountinfo") -> None:
         self.mountinfo = mountinfo
-        self._libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        self._libc: Any = None
 
     def mount_tmpfs(self, path: str, size: int | None) -> None:
         options = f"mode=0777,size={size}" if size else "mode=0777"
-        if self._libc.mount(b"tmpfs", os.fsencode(path), b"tmpfs", 0,
-                            options.encode()) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"mount tmpfs on {path}: {os.strerror(err)}")
+        self._call("mount", f"mount tmpfs on {path}", b"tmpfs", os.fsencode(path), b"tmpfs",
+                   0, options.encode())
 
     def unmount(self, path: str) -> None:
-        if self._libc.umount2(os.fsencode(path), MNT_DETACH) != 0:
+        self._call("umount2", f"unmount {path}", os.fsencode(path), MNT_DETACH)
+
+    def _call(self, function: str, what: str, *args: Any) -> None:
+        """libc's `function`; OSError naming `what` when it fails. ctypes and libc are
+        loaded at the first call: an agent of virtual nodes mounts nothing."""
+        import ctypes
+        import ctypes.util
+        if self._libc is None:
+            self._libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6",
+                                     use_errno=True)
+        if getattr(self._libc, function)(*args) != 0:
             err = ctypes.get_errno()
-            raise OSError(err, f"unmount {path}: {os.strerror(err)}")
+            raise OSError(err, f"{what}: {os.strerror(err)}")
 
     def mounts_under(self, path: str) -> list[str]:
         root = os.path.realpath(path)
