@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,6 +29,7 @@ from nodeagent.api.kube import (
     TOKEN_REVIEWS,
     RestKube,
     describe,
+    with_shared_strings,
 )
 from nodeagent.api.rest import METADATA_ONLY, client_timeout, json_lines, transport_error
 from tests.conftest import aio
@@ -331,3 +333,16 @@ async def test_fake_watch_replays_follows_and_expires() -> None:
     kube.compact()
     old = await kube.watch(NODES, resource_version=rv)
     assert [e["object"]["code"] async for batch in old for e in batch] == [410]
+
+
+def test_shared_strings_leave_out_the_resource_version() -> None:
+    """Keys and short values are interned, shared by every node's kept Lease; the
+    resourceVersion, new with each write, is not: interned, each would go into the
+    interpreter's table and out again, and that churn grows the table."""
+    rv = str(918273645)  # made at run time: no constant of this module is the same object
+    kept = with_shared_strings(json.loads(json.dumps(
+        {"metadata": {"namespace": NODE_LEASE_NAMESPACE, "resourceVersion": rv}})))
+    meta = kept["metadata"]
+    assert meta == {"namespace": NODE_LEASE_NAMESPACE, "resourceVersion": rv}
+    assert sys.intern(str(918273645)) is not meta["resourceVersion"]
+    assert sys.intern("".join(NODE_LEASE_NAMESPACE)) is meta["namespace"]

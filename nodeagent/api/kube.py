@@ -104,17 +104,22 @@ def name_of(obj: Obj) -> str:
 # namespaces, resourceVersions and second-precision times; longer ones (uids, fine times,
 # messages) are mostly one object's own
 SHARED_STRING_MAX = 24
+# Values new with every write, so never shared: interned, each would go into the
+# interpreter's table of interned strings and out again, and that churn makes the table
+# grow (a one-time step of RSS, issue 40) for nothing.
+UNSHARED_VALUES = frozenset({"resourceVersion"})
 
 
-def with_shared_strings(value: Any) -> Any:
-    """`value` rebuilt with its keys and short strings interned. An object kept per node
-    (thousands in a process) then shares them with every other one, where a decoded
-    object holds its own copy of each: a kept Lease is half the size."""
+def with_shared_strings(value: Any, key: str = "") -> Any:
+    """`value` (found under `key`) rebuilt with its keys and short strings interned. An
+    object kept per node (thousands in a process) then shares them with every other one,
+    where a decoded object holds its own copy of each: a kept Lease is half the size."""
     if isinstance(value, dict):
-        return {sys.intern(k): with_shared_strings(v) for k, v in value.items()}
+        return {sys.intern(k): with_shared_strings(v, k) for k, v in value.items()}
     if isinstance(value, list):
-        return [with_shared_strings(v) for v in value]
-    if isinstance(value, str) and len(value) <= SHARED_STRING_MAX:
+        return [with_shared_strings(v, key) for v in value]
+    if isinstance(value, str) and len(value) <= SHARED_STRING_MAX \
+            and key not in UNSHARED_VALUES:
         return sys.intern(value)
     return value
 
