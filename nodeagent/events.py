@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from nodeagent.api.client import brief
-from nodeagent.api.clock import Clock, rfc3339_micro
+from nodeagent.api.clock import Clock, api_microtime
 from nodeagent.api.kube import EVENTS, Kube
 
 log = logging.getLogger(__name__)
@@ -89,7 +89,7 @@ class Events:
                 ref = {"apiVersion": "v1", "kind": "Node", "name": self.node_name,
                        "uid": await self._registered(asked)}
             namespace = ref.get("namespace", "default")
-            ts = rfc3339_micro(self.clock.now())
+            ts = api_microtime(self.clock.now())
             body = {
                 "apiVersion": "v1", "kind": "Event",
                 "metadata": {"name": f"{ref['name']}.{secrets.token_hex(8)}",

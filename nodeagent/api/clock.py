@@ -14,8 +14,8 @@ from typing import Protocol, TypeVar
 T = TypeVar("T")
 
 
-def rfc3339_micro(t: dt.datetime) -> str:
-    """`t` as the API's MicroTime (UTC, microseconds)."""
+def api_microtime(t: dt.datetime) -> str:
+    """metav1.MicroTime: RFC 3339 with microseconds, UTC."""
     return t.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 

@@ -101,8 +101,8 @@ def name_of(obj: Obj) -> str:
 
 
 # strings up to this length are shared by interning: names, kinds, API versions,
-# namespaces, resourceVersions and second-precision times; longer ones (uids, fine times,
-# messages) are mostly one object's own
+# namespaces and second-precision times; longer ones (uids, fine times, messages) are
+# mostly one object's own
 SHARED_STRING_MAX = 24
 # Values new with every write, so never shared: interned, each would go into the
 # interpreter's table of interned strings and out again, and that churn makes the table

@@ -20,11 +20,10 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception
 
 from nodeagent.api.answered import ApiAnswered
 from nodeagent.api.client import ApiError, brief, is_retriable, status_of
-from nodeagent.api.clock import Clock
+from nodeagent.api.clock import Clock, api_microtime
 from nodeagent.api.kube import LEASES, NODE_LEASE_NAMESPACE, Kube, Obj, with_shared_strings
 from nodeagent.api.policy import Heartbeat
 from nodeagent.node.heartbeatmetrics import NodeMetrics
-from nodeagent.node.status import api_microtime
 
 log = logging.getLogger(__name__)
 

@@ -24,11 +24,6 @@ def api_time(t: dt.datetime) -> str:
     return t.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def api_microtime(t: dt.datetime) -> str:
-    """metav1.MicroTime: RFC 3339 with microseconds, UTC."""
-    return t.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-
 @dataclasses.dataclass(frozen=True)
 class StatusSettings:
     max_pods: int = 110

@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from nodeagent.api.clock import rfc3339_micro
+from nodeagent.api.clock import api_microtime
 from nodeagent.pods.podupdate import (
     ANN_CONFIG_HASH,
     ANN_CONFIG_MIRROR,
@@ -371,7 +371,7 @@ def make_static_pod(doc: dict[str, Any], source: Source, node_name: str,
     ann = dict(meta.get("annotations") or {})
     ann[ANN_CONFIG_HASH] = uid
     ann[ANN_CONFIG_SOURCE] = source.value
-    ann[ANN_CONFIG_SEEN] = rfc3339_micro(seen)
+    ann[ANN_CONFIG_SEEN] = api_microtime(seen)
     meta["annotations"] = ann
     pod["spec"]["nodeName"] = node_name
     return pod
