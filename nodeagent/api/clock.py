@@ -14,6 +14,11 @@ from typing import Protocol, TypeVar
 T = TypeVar("T")
 
 
+def api_time(t: dt.datetime) -> str:
+    """metav1.Time: RFC 3339, whole seconds, UTC."""
+    return t.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
 def api_microtime(t: dt.datetime) -> str:
     """metav1.MicroTime: RFC 3339 with microseconds, UTC."""
     return t.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")

@@ -11,17 +11,13 @@ import datetime as dt
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from nodeagent.api.clock import api_time
 from nodeagent.api.quantity import format_bytes, format_cpu
 from nodeagent.node.host import HostReadError, HostReadings
 
 CONDITION_TYPES = ("MemoryPressure", "DiskPressure", "PIDPressure", "Ready")
 
 Status = dict[str, Any]
-
-
-def api_time(t: dt.datetime) -> str:
-    """metav1.Time: RFC 3339, whole seconds, UTC."""
-    return t.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 @dataclasses.dataclass(frozen=True)

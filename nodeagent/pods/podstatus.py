@@ -25,7 +25,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter
 
 from nodeagent.api.answered import ApiAnswered
 from nodeagent.api.client import brief, invalid_fields, is_retriable, status_of
-from nodeagent.api.clock import Clock
+from nodeagent.api.clock import Clock, api_time
 from nodeagent.api.kube import PODS, Kube, describe
 from nodeagent.api.quantity import QuantityError, format_bytes, format_cpu, parse_quantity
 from nodeagent.metrics import per_registry
@@ -109,7 +109,7 @@ def is_sidecar(container: Mapping[str, Any]) -> bool:
 def rfc3339(t: dt.datetime | None) -> str | None:
     if t is None:
         return None
-    return t.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return api_time(t)
 
 
 def _terminated(c: Container, scheme: str, messages: Mapping[str, str]) -> dict[str, Any]:

@@ -24,7 +24,7 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from nodeagent.api.clock import Clock
+from nodeagent.api.clock import Clock, api_time
 from nodeagent.runtime.base import ContainerRuntimeError, ContainerStats, Runtime
 from nodeagent.runtime.usage import NONE, Usage
 from nodeagent.server.podhost import PodHost
@@ -32,10 +32,6 @@ from nodeagent.server.podhost import PodHost
 log = logging.getLogger(__name__)
 # a pod and its running containers, each with what the runtime measured (or None)
 PodUsage = tuple[dict[str, Any], list[tuple[Any, ContainerStats | None]]]
-
-
-def _rfc3339(t: dt.datetime) -> str:
-    return t.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def read_node(proc: str = "/proc") -> dict[str, float]:
@@ -164,7 +160,7 @@ class StatsProvider:
         every pod here: the node is named when `node_names` has only one."""
         now = self.clock.now()
         t = now.timestamp()
-        stamp = _rfc3339(now)
+        stamp = api_time(now)
         one = node_name or (node_names[0] if len(node_names) == 1 else None)
         pods, _ = await self._containers(node_name)
         node = self._node(one or "", pods)
@@ -179,11 +175,11 @@ class StatsProvider:
             for c, st in containers:
                 entry: dict[str, Any] = {"name": c.name}
                 if c.started_at:
-                    entry["startTime"] = _rfc3339(c.started_at)
+                    entry["startTime"] = api_time(c.started_at)
                 if st is not None:
                     measured = True
                     seen.add(c.id)
-                    ts = _rfc3339(st.timestamp)
+                    ts = api_time(st.timestamp)
                     rate = self._rate(c.id, st.timestamp.timestamp(), st.cpu_usage_core_seconds)
                     cpu: dict[str, Any] = {"time": ts}
                     if st.cpu_usage_core_seconds is not None:
@@ -229,8 +225,8 @@ class StatsProvider:
                        "usageBytes": int(node["memory_usage"]),
                        "workingSetBytes": int(node["memory_working_set"])}}
         if "boot_time" in node:
-            summary_node["startTime"] = _rfc3339(dt.datetime.fromtimestamp(node["boot_time"],
-                                                                           dt.UTC))
+            booted = dt.datetime.fromtimestamp(node["boot_time"], dt.UTC)
+            summary_node["startTime"] = api_time(booted)
         return {"node": summary_node, "pods": out_pods}
 
     async def resource_metrics(self, node_name: str | None = None) -> str:
