@@ -265,6 +265,10 @@ class ChurnResult:
     # per pod seen Running, in seconds: first seen -> Running, bound -> Running
     startup_s: list[float] = field(default_factory=list)
     node_startup_s: list[float] = field(default_factory=list)
+    # the API server's write requests over the Deployment's churn, every client's,
+    # keyed as write_counts keys them
+    writes: dict[str, float] = field(default_factory=dict)
+    body: dict[str, float] = field(default_factory=dict)  # request bytes, as body_bytes keys
 
 
 def _s(x: float, fmt: str = "{:.2f}") -> str:
@@ -310,6 +314,27 @@ def render_churn(results: Iterable[ChurnResult], markdown: bool = False) -> str:
              f"{r.subject_cpu_s:.1f}", f"{r.apiserver_cpu_s:.1f}", f"{r.subject_rss_mb:.0f}",
              str(r.job_pods), str(r.job_succeeded), _s(r.job_s, "{:.1f}")]
             for r in results]
+    return "\n".join(table(head, rows, markdown))
+
+
+def render_churn_writes(results: Iterable[ChurnResult], markdown: bool = False,
+                        field: str = "writes", fmt: str = "{:.2f}") -> str:
+    """A ChurnResult's counts `field` ("writes": requests, "body": request bytes) per pod
+    asked for, by resource and verb, the median of each subject's rounds: what the
+    subject's part of the API server's CPU is made of."""
+    groups = by_subject(results)
+    counts = {key: [getattr(r, field) for r in rs] for key, rs in groups.items()}
+    keys = sorted({k for cs in counts.values() for c in cs for k in c})
+    head = ["subject", "nodes", "rounds", *keys, "all"]
+    rows = []
+    for (subject, nodes), rs in groups.items():
+        per_pod = [{k: v / r.pods for k, v in c.items()}
+                   for c, r in zip(counts[subject, nodes], rs, strict=True)]
+        for p in per_pod:
+            p["all"] = sum(p.values())
+        rows.append([subject, str(nodes), str(len(rs)),
+                     *(fmt.format(statistics.median(p.get(k, 0.0) for p in per_pod))
+                       for k in [*keys, "all"])])
     return "\n".join(table(head, rows, markdown))
 
 

@@ -575,7 +575,9 @@ def run_churn(subject: Subject, args: argparse.Namespace, round_no: int
         apiserver_cpu_s=s1.cpu["kube-apiserver"] - s0.cpu["kube-apiserver"],
         subject_rss_mb=rss, job_pods=args.job_pods if with_job else 0,
         job_succeeded=job_done, job_s=job_s, round=round_no,
-        startup_s=latencies, node_startup_s=on_node)
+        startup_s=latencies, node_startup_s=on_node,
+        writes={k: v for k, v in measure.delta(s0.writes, s1.writes).items() if v},
+        body={k: v for k, v in measure.delta(s0.body, s1.body).items() if v})
 
 
 # ---- output
@@ -753,6 +755,8 @@ default `pod-complete` stage, at once. ("before", an older build, has no Job pha
         f"hold leases: {', '.join(f'`{Path(p).stem}`' for p in KWOK_STAGES)}\n")
     rounds = "".join(f"\n- {line}" for line in measure.render_rounds(results))
     failed = "".join(f"\nFailed round: {f}\n" for f in failures)
+    body_table = measure.render_churn_writes(results, markdown=True, field="body",
+                                             fmt="{:.0f}")
     (out / "churn.md").write_text(f"""# Pod churn: a Deployment across the nodes
 
 Written by `bench/scale.py --churn`; do not edit by hand.
@@ -793,6 +797,19 @@ a subject with one round has no interval. Costs: each round's, min/median/max.
 
 {measure.render_churn(results, markdown=True)}
 {rounds}
+
+## API writes per pod
+
+Write requests the API server took over the Deployment's churn (every client's: the
+controllers' and the scheduler's too), per pod asked for, by resource and verb; the
+median of each subject's rounds.
+
+{measure.render_churn_writes(results, markdown=True)}
+
+Their request bytes per pod, by resource and verb (the API server counts them without
+the subresource):
+
+{body_table}
 {failed}""")
     return pools, found
 
@@ -937,6 +954,11 @@ def main(argv: list[str] | None = None) -> int:
                   f"{measure.BOOTSTRAP_RESAMPLES} resamples of whole rounds "
                   f"(seed {measure.BOOTSTRAP_SEED}); costs per round min/median/max")
             print(measure.render_pooled(*tables))
+            print("\nAPI writes per pod over the Deployment's churn, every client's "
+                  "(median of the rounds)")
+            print(measure.render_churn_writes(churns))
+            print("their request bytes per pod")
+            print(measure.render_churn_writes(churns, field="body", fmt="{:.0f}"))
         for f in failures:
             print(f"FAILED: {f}")
         print(f"wrote {args.out}/churn.md, churn.json, churn.png; logs in {workdir}")

@@ -171,6 +171,30 @@ def test_rounds_show_each_p99_and_each_rounds_ratio() -> None:
         "kwok N=100: p99 s by round 0.050 0.030; median 0.040"]
 
 
+def test_churn_writes_are_per_pod_and_the_median_of_the_rounds() -> None:
+    def churn(subject: str, writes: dict[str, float]) -> measure.ChurnResult:
+        return measure.ChurnResult(subject=subject, nodes=100, pods=1000, running=1000,
+                                   all_running_s=150.0, p50_s=0.01, p99_s=0.1,
+                                   subject_cpu_s=12.0, apiserver_cpu_s=30.0,
+                                   subject_rss_mb=200.0, writes=writes)
+
+    rs = [churn("nodepulse", {"pods/status PATCH": 2000.0, "pods POST": 1000.0}),
+          churn("kwok", {"pods/status PATCH": 1000.0, "pods POST": 1000.0}),
+          churn("nodepulse", {"pods/status PATCH": 1000.0, "pods POST": 1000.0}),
+          churn("nodepulse", {"pods/status PATCH": 1500.0, "pods POST": 1000.0,
+                              "events POST": 300.0})]
+    lines = measure.render_churn_writes(rs).splitlines()
+    assert lines[0].split() == ["subject", "nodes", "rounds", "events", "POST", "pods",
+                                "POST", "pods/status", "PATCH", "all"]
+    assert lines[2].split() == ["nodepulse", "100", "3", "0.00", "1.00", "1.50", "2.80"]
+    assert lines[3].split() == ["kwok", "100", "1", "0.00", "1.00", "1.00", "2.00"]
+    sized = [dataclasses.replace(r, body={"pods patch": 2_000_000.0 * i}) for i, r in
+             enumerate(rs, start=1)]
+    lines = measure.render_churn_writes(sized, field="body", fmt="{:.0f}").splitlines()
+    assert [x.split() for x in lines[2:]] == [["nodepulse", "100", "3", "6000", "6000"],
+                                              ["kwok", "100", "1", "4000", "4000"]]
+
+
 def churn_round(subject: str, startup: list[float], pods: int = 0, nodes: int = 100,
                 cpu: float = 12.0, rss: float = 200.0) -> measure.ChurnResult:
     """A round whose pods started in `startup` seconds (the node's part half of it);
