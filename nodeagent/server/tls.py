@@ -8,7 +8,9 @@
   70 % and 90 % of its lifetime (the kubelet's rule); someone (an approver, an admin)
   must approve each CSR, as for the kubelet (the request and the wait:
   nodeagent.api.certificates);
-- else self-signed, made at start and saved under <root-dir>/pki.
+- else self-signed, saved under <root-dir>/pki and made at start, when none there is
+  valid past tomorrow, by a child process (nodeagent.server.selfsigned), so that the
+  crypto library it needs is never loaded into the agent.
 
 One ssl.SSLContext serves every connection; a renewed certificate is loaded into it,
 so connections made afterwards get the new one. With --client-ca-file the context asks
