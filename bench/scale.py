@@ -755,6 +755,7 @@ default `pod-complete` stage, at once. ("before", an older build, has no Job pha
         f"hold leases: {', '.join(f'`{Path(p).stem}`' for p in KWOK_STAGES)}\n")
     rounds = "".join(f"\n- {line}" for line in measure.render_rounds(results))
     failed = "".join(f"\nFailed round: {f}\n" for f in failures)
+    writes_table = measure.render_churn_writes(results, markdown=True)
     body_table = measure.render_churn_writes(results, markdown=True, field="body",
                                              fmt="{:.0f}")
     (out / "churn.md").write_text(f"""# Pod churn: a Deployment across the nodes
@@ -804,7 +805,7 @@ Write requests the API server took over the Deployment's churn (every client's: 
 controllers' and the scheduler's too), per pod asked for, by resource and verb; the
 median of each subject's rounds.
 
-{measure.render_churn_writes(results, markdown=True)}
+{writes_table}
 
 Their request bytes per pod, by resource and verb (the API server counts them without
 the subresource):
