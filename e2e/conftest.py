@@ -34,7 +34,14 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
     if external:
         c = Cluster(Path(external), Path(tempfile.mkdtemp(prefix="nodepulse-e2e-")))
         _clusters.append(c)
-        yield c
+        try:
+            yield c
+        finally:
+            # the agents' logs and kubeconfigs the tests wrote: kept only to look into
+            if request.session.testsfailed:
+                print(f"\nagent logs kept in {c.workdir}")
+            else:
+                shutil.rmtree(c.workdir, ignore_errors=True)
         return
     # `nodepulse-dev up --control-plane-only`: the tests start their own agents
     dev = DevCluster(Options(control_plane_only=True), log=print)

@@ -35,6 +35,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -53,11 +54,16 @@ SCENARIOS = [
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
-def test_scenario_on_kind(kind_cluster: KindCluster, scenario: str) -> None:
-    env = {**os.environ, "NODEPULSE_E2E_KUBECONFIG": str(kind_cluster.kubeconfig)}
+def test_scenario_on_kind(kind_cluster: KindCluster, scenario: str, tmp_path: Path) -> None:
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    env = {**os.environ, "NODEPULSE_E2E_KUBECONFIG": str(kind_cluster.kubeconfig),
+           "TMPDIR": str(temp)}
     proc = subprocess.run([sys.executable, "-m", "pytest", scenario, "-q", "-p",
                            "no:cacheprovider", "-o", "console_output_style=classic"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
     print(proc.stdout[-6000:], proc.stderr[-2000:])
     assert proc.returncode == 0, f"{scenario} failed on kind:\n{proc.stdout[-6000:]}"
     assert re.fullmatch(r"1 passed in [0-9.]+s( \(.*\))?", proc.stdout.splitlines()[-1])
+    # a scenario that passed leaves no folder of its own behind
+    assert [p.name for p in temp.glob("nodepulse-*")] == []
